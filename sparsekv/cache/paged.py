@@ -1,0 +1,228 @@
+"""Paged KV storage with per-page key bounds.
+
+Every (layer, sequence, KV head) owns a row of page *slots*. A slot holds one logical page: page ``j`` of a
+sequence covers its token positions ``[j * page_size, (j + 1) * page_size)``, counted from the sequence's first
+real token (left padding is never stored). ``slot_page`` is the page table read backwards: it says which logical
+page each slot holds, or -1 when the slot is free. Without eviction slot ``j`` simply holds page ``j``; a method
+that evicts frees slots (``PagedLayer.free``) and the next new page takes the lowest free one, so memory stops
+growing once the method caps the slot count (``PagedKVCache.max_pages``).
+
+Keys are stored after RoPE, exactly as the model attends to them, and every slot keeps the channel-wise min and
+max of its keys, updated on every append (prefill and decode alike, the last partial page included).
+
+One extra *scratch* slot at the end of each row receives the padding tokens of a batch, so that appends are a
+single scatter with a fixed shape; it never holds a page and is never attended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_page_size(page_size: int) -> None:
+    if not isinstance(page_size, int) or page_size < 1 or page_size > 256 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two from 1 to 256, got {page_size!r}")
+
+
+@dataclass
+class AppendPlan:
+    """Where the tokens of one forward pass go; shared by all layers of that pass.
+
+    valid: (B, S) bool, True for real tokens (False for padding).
+    position: (B, S) int64, position of each new token in its sequence (-1 for padding).
+    prev_len, new_len: per-sequence token counts before and after the pass, on the host.
+    """
+
+    valid: torch.Tensor
+    position: torch.Tensor
+    prev_len: list[int]
+    new_len: list[int]
+
+    @property
+    def is_first(self) -> bool:
+        return max(self.prev_len) == 0
+
+
+class PagedLayer:
+    """The pages of one layer.
+
+    k, v: (B, Hkv, C + 1, P, D) with C page slots plus the scratch slot.
+    kmin, kmax: (B, Hkv, C + 1, D), channel-wise bounds of the keys in each slot.
+    slot_page: (B, Hkv, C + 1) int64, logical page held by each slot, -1 if free.
+    cur_slot: (B, Hkv) int64, slot of each row's last (current) page.
+    """
+
+    def __init__(self, batch: int, kv_heads: int, head_dim: int, page_size: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.page_size = page_size
+        self.capacity = capacity
+        shape = (batch, kv_heads, capacity + 1)
+        self.k = torch.zeros(*shape, page_size, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.kmin = torch.full((*shape, head_dim), float("inf"), dtype=dtype, device=device)
+        self.kmax = torch.full((*shape, head_dim), float("-inf"), dtype=dtype, device=device)
+        self.slot_page = torch.full(shape, -1, dtype=torch.long, device=device)
+        self.cur_slot = torch.full(shape[:2], -1, dtype=torch.long, device=device)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(batch, kv_heads, slots including scratch, head_dim)."""
+        b, h, c, _, d = self.k.shape
+        return b, h, c, d
+
+    def grow(self, capacity: int) -> None:
+        """Reallocates to ``capacity`` slots; amortised by the caller asking for geometric growth."""
+        old = self.capacity
+        for name in ("k", "v", "kmin", "kmax", "slot_page"):
+            t = getattr(self, name)
+            fill = {"kmin": float("inf"), "kmax": float("-inf"), "slot_page": -1}.get(name, 0)
+            new = torch.full((*t.shape[:2], capacity + 1, *t.shape[3:]), fill, dtype=t.dtype, device=t.device)
+            new[:, :, :old] = t[:, :, :old]
+            setattr(self, name, new)
+        self.capacity = capacity
+
+    def free(self, slots: torch.Tensor, mask: torch.Tensor) -> None:
+        """Frees ``slots`` (B, Hkv, N) where ``mask`` (B, Hkv, N) is True; their memory is reused by later pages."""
+        target = torch.where(mask, slots, torch.full_like(slots, self.capacity))
+        self.slot_page.scatter_(2, target, torch.full_like(target, -1))
+
+    def token_position(self) -> torch.Tensor:
+        """(B, Hkv, C + 1, P) position of every stored token, -1 where the slot is free."""
+        offs = torch.arange(self.page_size, device=self.k.device)
+        pos = self.slot_page.unsqueeze(-1) * self.page_size + offs
+        return torch.where(self.slot_page.unsqueeze(-1) >= 0, pos, -1)
+
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor, plan: AppendPlan) -> None:
+        """Writes the new tokens (B, Hkv, S, D) into their pages and updates the page bounds."""
+        p, cap = self.page_size, self.capacity
+        b, h, s, d = k_new.shape
+        page = torch.where(plan.valid, plan.position // p, -1)  # (B, S)
+        offset = torch.where(plan.valid, plan.position % p, 0)
+        prev = torch.tensor(plan.prev_len, device=k_new.device)
+        # Pages that already hold tokens keep their slot; the pass's new pages take free slots in ascending order.
+        first_new = (prev + p - 1) // p  # (B,) first logical page that starts in this pass
+        free_order = torch.argsort((self.slot_page[:, :, :cap] >= 0).to(torch.int8), dim=2, stable=True)
+        rank = (page - first_new[:, None]).clamp(min=0).unsqueeze(1).expand(b, h, s)
+        new_slot = free_order.gather(2, rank.clamp(max=max(cap - 1, 0)))
+        in_current = (page < first_new[:, None]).unsqueeze(1)
+        slot = torch.where(in_current, self.cur_slot.unsqueeze(-1), new_slot)
+        slot = torch.where(plan.valid.unsqueeze(1), slot, cap)  # (B, Hkv, S); padding goes to scratch
+
+        fresh = torch.where((plan.valid & ~in_current.squeeze(1)).unsqueeze(1), slot, cap)
+        self.kmin.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), float("inf"))
+        self.kmax.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), float("-inf"))
+        self.slot_page.scatter_(2, slot, page.unsqueeze(1).expand(b, h, s))
+        self.slot_page[:, :, cap] = -1
+
+        flat = (slot * p + offset.unsqueeze(1)).unsqueeze(-1).expand(b, h, s, d)
+        self.k.view(b, h, -1, d).scatter_(2, flat, k_new.to(self.k.dtype))
+        self.v.view(b, h, -1, d).scatter_(2, flat, v_new.to(self.v.dtype))
+        idx = slot.unsqueeze(-1).expand(b, h, s, d)
+        self.kmin.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amin")
+        self.kmax.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amax")
+
+        last_col = torch.where(plan.valid, plan.position, -1).argmax(dim=1)  # (B,)
+        last_slot = slot.gather(2, last_col.view(b, 1, 1).expand(b, h, 1)).squeeze(-1)
+        grew = torch.tensor([n > q for n, q in zip(plan.new_len, plan.prev_len)], device=k_new.device)
+        self.cur_slot = torch.where(grew.unsqueeze(1), last_slot, self.cur_slot)
+
+
+class PagedKVCache:
+    """Pages of every layer of a model, plus the per-sequence lengths they share.
+
+    seq_len: (B,) int64 tokens per sequence on the device; ``lengths`` the same on the host, so that page
+    allocation never waits for the device.
+    """
+
+    def __init__(self, num_layers: int, page_size: int = 16, max_pages: int | None = None):
+        check_page_size(page_size)
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.layers: list[PagedLayer | None] = [None] * num_layers
+        self.lengths: list[int] = []
+        self.seq_len: torch.Tensor | None = None
+        self.plan: AppendPlan | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def begin(self, num_new: int, valid: torch.Tensor | None, batch: int, device: torch.device) -> AppendPlan:
+        """Plans a forward pass of ``num_new`` columns; ``valid`` (B, S) marks real tokens (None: all real).
+
+        Padding is allowed only in the first pass (left or right padded prompts): afterwards every row grows by the
+        same number of real tokens.
+        """
+        if valid is None:
+            valid = torch.ones(batch, num_new, dtype=torch.bool, device=device)
+        valid = valid.to(device=device, dtype=torch.bool)
+        if valid.shape != (batch, num_new):
+            raise ValueError(f"attention_mask: expected the last {num_new} columns for batch {batch}, "
+                             f"got shape {tuple(valid.shape)}")
+        if not self.lengths:
+            self.lengths = [0] * batch
+            self.seq_len = torch.zeros(batch, dtype=torch.long, device=device)
+        elif batch != self.batch_size:
+            raise ValueError(f"batch size changed from {self.batch_size} to {batch} within one cache")
+        prev = list(self.lengths)
+        if max(prev) == 0 or num_new > 1:
+            counts = valid.sum(dim=1).tolist()  # one host sync per prompt or chunk, never per decode token
+            if max(prev) > 0 and any(c != num_new for c in counts):
+                raise ValueError("attention_mask: padding is only supported in the first forward pass (the prompt); "
+                                 "later tokens must all be real")
+        else:
+            counts = [num_new] * batch
+        new = [p + c for p, c in zip(prev, counts)]
+        position = self.seq_len.unsqueeze(1) + valid.long().cumsum(dim=1) - 1
+        position = torch.where(valid, position, -1)
+        self.lengths = new
+        self.seq_len = self.seq_len + valid.sum(dim=1)
+        self.plan = AppendPlan(valid=valid, position=position, prev_len=prev, new_len=new)
+        return self.plan
+
+    def needed_pages(self) -> int:
+        pages = -(-max(self.lengths) // self.page_size) if self.lengths else 0
+        return pages if self.max_pages is None else min(pages, self.max_pages)
+
+    def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> PagedLayer:
+        """Stores the pass's keys and values (B, Hkv, S, D) of one layer and returns the layer's pages."""
+        if self.plan is None:
+            raise RuntimeError("PagedKVCache.append called before begin()")
+        if k.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {k.dtype} is not supported; allowed: {', '.join(map(str, SUPPORTED_DTYPES))}")
+        need = max(self.needed_pages(), 1)
+        layer = self.layers[layer_idx]
+        if layer is None:
+            b, h, _, d = k.shape
+            layer = PagedLayer(b, h, d, self.page_size, need, k.dtype, k.device)
+            self.layers[layer_idx] = layer
+        elif layer.capacity < need:
+            grown = max(need, 2 * layer.capacity)
+            layer.grow(grown if self.max_pages is None else min(grown, self.max_pages))
+        layer.append(k, v, self.plan)
+        return layer
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keeps the sequences ``index`` (beam search, batch selection)."""
+        idx = index.tolist()
+        self.lengths = [self.lengths[i] for i in idx]
+        self.seq_len = self.seq_len.index_select(0, index.to(self.seq_len.device))
+        for layer in self.layers:
+            if layer is None:
+                continue
+            for name in ("k", "v", "kmin", "kmax", "slot_page", "cur_slot"):
+                t = getattr(layer, name)
+                setattr(layer, name, t.index_select(0, index.to(t.device)))
+
+    def resident_bytes(self) -> int:
+        """Bytes held by the pages and their metadata on all layers."""
+        total = 0
+        for layer in self.layers:
+            if layer is not None:
+                total += sum(t.numel() * t.element_size()
+                             for t in (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page))
+        return total

@@ -1,0 +1,101 @@
+"""Plain PyTorch versions of every op on the decode path: the definition the fast kernels are tested against.
+
+Shapes use B batch, H query heads, Hkv KV heads (G = H / Hkv query heads per KV head), C page slots, P page size,
+D head dim, K selected slots. ``Hs`` is the number of selection rows: Hkv when pages are chosen per KV head (each
+page read once for its whole group) or H when chosen per query head (as the official Quest evaluation does).
+Accumulation is in float32, or float64 for float64 inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
+                per_query_head: bool = False) -> torch.Tensor:
+    """Quest's upper bound of ``q . k`` over each page: ``sum_i max(q_i * max_i, q_i * min_i)``.
+
+    q: (B, H, D); kmin, kmax: (B, Hkv, C, D); slot_page: (B, Hkv, C), -1 for free slots.
+    Returns (B, Hkv, C), the max over each group's query heads, or (B, H, C) with ``per_query_head``;
+    free slots score -inf.
+    """
+    b, h, d = q.shape
+    hkv = kmin.shape[1]
+    acc = acc_dtype(q.dtype)
+    qg = q.to(acc).view(b, hkv, h // hkv, 1, d)
+    bound = torch.maximum(qg * kmax.to(acc).unsqueeze(2), qg * kmin.to(acc).unsqueeze(2)).sum(-1)  # (B,Hkv,G,C)
+    bound = bound.flatten(1, 2) if per_query_head else bound.amax(dim=2)
+    rows = bound.shape[1] // hkv
+    free = (slot_page < 0).repeat_interleave(rows, dim=1)
+    return bound.masked_fill(free, float("-inf"))
+
+
+def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """Top ``num_pages`` slots by score, the current page always among them.
+
+    scores: (B, Hs, C); cur_slot: (B, Hkv). Returns (B, Hs, min(num_pages, C)) int64 slots, -1 where a row has
+    fewer valid slots than that.
+    """
+    if num_pages < 1:
+        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    rows = scores.shape[1] // cur_slot.shape[1]
+    cur = cur_slot.clamp(min=0).repeat_interleave(rows, dim=1).unsqueeze(-1)
+    forced = scores.scatter(2, cur, float("inf"))
+    top, idx = forced.topk(min(num_pages, scores.shape[2]), dim=2)
+    return torch.where(top > float("-inf"), idx, -1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
+           q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of queries over the tokens of the given slots.
+
+    q: (B, H, S, D); k, v: (B, Hkv, C, P, D); slot_page: (B, Hkv, C); slots: (B, Hs, K), -1 = none;
+    q_pos: (B, S) position of each query, -1 for padding. A query attends to the tokens of its row's slots whose
+    position is <= its own. Returns (B, H, S, D) in q's dtype; queries with nothing to attend give zeros.
+    """
+    b, h, s, d = q.shape
+    hkv, p = k.shape[1], k.shape[3]
+    hs, kk = slots.shape[1], slots.shape[2]
+    acc = acc_dtype(q.dtype)
+    bi = torch.arange(b, device=q.device).view(b, 1, 1)
+    hi = (torch.arange(hs, device=q.device) // (hs // hkv)).view(1, hs, 1)
+    si = slots.clamp(min=0)
+    keys = k[bi, hi, si].reshape(b, hs, kk * p, d).to(acc)  # (B, Hs, K*P, D)
+    vals = v[bi, hi, si].reshape(b, hs, kk * p, d).to(acc)
+    page = torch.where(slots >= 0, slot_page[bi, hi, si], -1)  # (B, Hs, K)
+    kpos = (page.unsqueeze(-1) * p + torch.arange(p, device=q.device)).masked_fill(page.unsqueeze(-1) < 0, -1)
+    kpos = kpos.reshape(b, hs, 1, 1, kk * p)
+    qpos = q_pos.view(b, 1, 1, s, 1)
+    ok = (kpos >= 0) & (kpos <= qpos)  # (B, Hs, 1, S, K*P)
+    qg = q.to(acc).view(b, hs, h // hs, s, d)
+    logits = torch.einsum("bngsd,bnkd->bngsk", qg, keys) * scale
+    logits = logits.masked_fill(~ok, float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bngsk,bnkd->bngsd", weights, vals)
+    return out.reshape(b, h, s, d).to(q.dtype)
+
+
+def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
+                  seq_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode step over the selected slots.
+
+    q: (B, H, D); k, v: (B, Hkv, C, P, D); slot_page: (B, Hkv, C); slots: (B, Hs, K); seq_len: (B,) tokens per
+    sequence including the current one. Returns (B, H, D).
+    """
+    return attend(q.unsqueeze(2), k, v, slot_page, slots, (seq_len - 1).unsqueeze(1), scale).squeeze(2)
+
+
+def count_attended(slot_page: torch.Tensor, slots: torch.Tensor, seq_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Tokens each selection row attends in a decode step. slots: (B, Hs, K). Returns (B, Hs) int64."""
+    b, hs, _ = slots.shape
+    hkv = slot_page.shape[1]
+    bi = torch.arange(b, device=slots.device).view(b, 1, 1)
+    hi = (torch.arange(hs, device=slots.device) // (hs // hkv)).view(1, hs, 1)
+    page = torch.where(slots >= 0, slot_page[bi, hi, slots.clamp(min=0)], -1)
+    start = page * page_size
+    n = (seq_len.view(b, 1, 1) - start).clamp(min=0, max=page_size)
+    return torch.where(page >= 0, n, 0).sum(-1)

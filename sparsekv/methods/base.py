@@ -1,0 +1,73 @@
+"""What every method shares: a validated config that builds a policy, and the policy's interface.
+
+A policy never touches the model. At each decode step the integration asks it, per layer, which page slots of the
+paged cache to attend (``select``); methods that evict free slots there as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+from ..cache import AppendPlan, PagedLayer, check_page_size
+
+
+def require(ok: bool, field: str, allowed: str, value) -> None:
+    """Raises the library's standard config error: the field, what is allowed, and what was given."""
+    if not ok:
+        raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodConfig:
+    """Fields every method has. ``page_size``: tokens per KV page, a power of two from 1 to 256."""
+
+    page_size: int = 16
+
+    def __post_init__(self):
+        check_page_size(self.page_size)
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__.removesuffix("Config").lower()
+
+    def build(self, num_layers: int) -> "Method":
+        raise NotImplementedError(f"{type(self).__name__} does not define build()")
+
+
+class Method:
+    """A sparse-attention policy over a paged cache.
+
+    ``max_pages``: cap on page slots per (sequence, KV head) the cache may hold (None: grows with the context).
+    """
+
+    max_pages: int | None = None
+
+    def __init__(self, config: MethodConfig, num_layers: int):
+        self.config = config
+        self.num_layers = num_layers
+
+    def prefill(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan) -> None:
+        """Called after a layer's prompt attention, with the prompt's queries q: (B, H, S, D) (post-RoPE) and
+        the plan that placed its tokens. Methods that score or compress the prompt do it here."""
+
+    def select(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, seq_len: torch.Tensor) -> torch.Tensor:
+        """Slots to attend in one decode step. q: (B, H, D); seq_len: (B,). Returns (B, Hs, K) int64, -1 = none,
+        with Hs = Hkv (per KV head) or H (per query head)."""
+        raise NotImplementedError
+
+    def decode(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, seq_len: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of one layer. q: (B, H, D). Returns the attention output (B, H, D) and the tokens
+        attended per selection row (B, Hs). The default attends to the slots ``select`` picks."""
+        slots = self.select(layer_idx, q, layer, seq_len)
+        out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale)
+        return out, kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
+
+
+def all_slots(layer: PagedLayer) -> torch.Tensor:
+    """Every slot of every row, (B, Hkv, C + 1): dense attention over whatever the cache holds."""
+    b, h, c, _ = layer.shape
+    return torch.arange(c, device=layer.k.device).expand(b, h, c)

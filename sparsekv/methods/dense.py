@@ -1,0 +1,21 @@
+"""Dense attention through the same paged cache and integration as every sparse method: the baseline that all
+comparisons run against, so differences come from selection alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Method, MethodConfig, all_slots
+
+
+@dataclass(frozen=True, kw_only=True)
+class DenseConfig(MethodConfig):
+    """Attend to every cached token at every step."""
+
+    def build(self, num_layers: int) -> "Dense":
+        return Dense(self, num_layers)
+
+
+class Dense(Method):
+    def select(self, layer_idx, q, layer, seq_len):
+        return all_slots(layer)

@@ -1,23 +1,41 @@
 """Ops of the decode path. Each name dispatches on the device of its first tensor: a fused Triton kernel for CUDA
-tensors where one is registered, the PyTorch reference otherwise. Both share one signature (see ``reference``)."""
+tensors where one is registered, the PyTorch reference otherwise. Both share one signature (see ``reference``).
+
+The Triton kernels (``triton_ops``) are imported the first time an op sees a CUDA tensor, so CPU-only use never
+imports triton; without triton, CUDA tensors run the reference ops (with a warning)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 from . import reference
 
 # Filled by the Triton module when it imports (CUDA and triton present); name -> op with the reference's signature.
 FAST: dict[str, Callable] = {}
+_tried_fast = False
+
+
+def _load_fast() -> None:
+    global _tried_fast
+    _tried_fast = True
+    try:
+        from . import triton_ops  # noqa: F401  (registers its ops in FAST)
+    except ImportError as err:
+        warnings.warn(f"sparsekv: triton is not importable ({err}); CUDA tensors use the PyTorch reference ops",
+                      stacklevel=3)
 
 
 def _dispatch(name: str) -> Callable:
     ref = getattr(reference, name)
 
     def op(first, *args, **kwargs):
-        fast = FAST.get(name)
-        if fast is not None and first.is_cuda:
-            return fast(first, *args, **kwargs)
+        if first.is_cuda:
+            if not _tried_fast:
+                _load_fast()
+            fast = FAST.get(name)
+            if fast is not None:
+                return fast(first, *args, **kwargs)
         return ref(first, *args, **kwargs)
 
     op.__name__ = name
@@ -28,7 +46,10 @@ def _dispatch(name: str) -> Callable:
 page_scores = _dispatch("page_scores")
 select_pages = _dispatch("select_pages")
 sparse_decode = _dispatch("sparse_decode")
+sparse_decode_tokens = _dispatch("sparse_decode_tokens")
 attend = _dispatch("attend")
+append_token = _dispatch("append_token")
 count_attended = reference.count_attended
 
-__all__ = ["page_scores", "select_pages", "sparse_decode", "attend", "count_attended", "reference", "FAST"]
+__all__ = ["page_scores", "select_pages", "sparse_decode", "sparse_decode_tokens", "attend", "append_token",
+           "count_attended", "reference", "FAST"]

@@ -15,6 +15,13 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def row_index(batch: int, rows: int, kv_heads: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Broadcastable (B, 1, 1) batch and (1, Hs, 1) KV-head indices of the ``rows`` selection rows."""
+    bi = torch.arange(batch, device=device).view(batch, 1, 1)
+    hi = (torch.arange(rows, device=device) // (rows // kv_heads)).view(1, rows, 1)
+    return bi, hi
+
+
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
                 per_query_head: bool = False) -> torch.Tensor:
     """Quest's upper bound of ``q . k`` over each page: ``sum_i max(q_i * max_i, q_i * min_i)``.
@@ -61,8 +68,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.T
     hkv, p = k.shape[1], k.shape[3]
     hs, kk = slots.shape[1], slots.shape[2]
     acc = acc_dtype(q.dtype)
-    bi = torch.arange(b, device=q.device).view(b, 1, 1)
-    hi = (torch.arange(hs, device=q.device) // (hs // hkv)).view(1, hs, 1)
+    bi, hi = row_index(b, hs, hkv, q.device)
     si = slots.clamp(min=0)
     keys = k[bi, hi, si].reshape(b, hs, kk * p, d).to(acc)  # (B, Hs, K*P, D)
     vals = v[bi, hi, si].reshape(b, hs, kk * p, d).to(acc)
@@ -92,10 +98,74 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: 
 def count_attended(slot_page: torch.Tensor, slots: torch.Tensor, seq_len: torch.Tensor, page_size: int) -> torch.Tensor:
     """Tokens each selection row attends in a decode step. slots: (B, Hs, K). Returns (B, Hs) int64."""
     b, hs, _ = slots.shape
-    hkv = slot_page.shape[1]
-    bi = torch.arange(b, device=slots.device).view(b, 1, 1)
-    hi = (torch.arange(hs, device=slots.device) // (hs // hkv)).view(1, hs, 1)
+    bi, hi = row_index(b, hs, slot_page.shape[1], slots.device)
     page = torch.where(slots >= 0, slot_page[bi, hi, slots.clamp(min=0)], -1)
     start = page * page_size
     n = (seq_len.view(b, 1, 1) - start).clamp(min=0, max=page_size)
     return torch.where(page >= 0, n, 0).sum(-1)
+
+
+def token_positions(slot_page: torch.Tensor, tokens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Position of each selected token. slot_page: (B, Hkv, C); tokens: (B, Hs, K) flat indices into a row's
+    C * page_size token rows (slot * page_size + offset), -1 = none. Returns (B, Hs, K) int64, -1 where the
+    index is -1 or its slot is free."""
+    b, hs, _ = tokens.shape
+    bi, hi = row_index(b, hs, slot_page.shape[1], tokens.device)
+    t = tokens.clamp(min=0)
+    page = slot_page[bi, hi, t // page_size]
+    ok = (tokens >= 0) & (page >= 0)
+    return torch.where(ok, page * page_size + t % page_size, -1)
+
+
+def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor,
+                         tokens: torch.Tensor, seq_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode step over individually selected tokens (OmniKV's sparse layers).
+
+    q: (B, H, D); k, v: (B, Hkv, C, P, D); slot_page: (B, Hkv, C); tokens: (B, Hs, K) flat token indices into the
+    C * P token rows of each (sequence, KV head), -1 = none (an index listed twice counts twice); seq_len: (B,)
+    tokens per sequence including the current one. Tokens of free slots or past the current position are skipped.
+    Returns (B, H, D) in q's dtype; rows with nothing to attend give zeros.
+    """
+    b, h, d = q.shape
+    hkv, p = k.shape[1], k.shape[3]
+    hs, kk = tokens.shape[1], tokens.shape[2]
+    acc = acc_dtype(q.dtype)
+    bi, hi = row_index(b, hs, hkv, q.device)
+    t = tokens.clamp(min=0)
+    keys = k.flatten(2, 3)[bi, hi, t].to(acc)  # (B, Hs, K, D)
+    vals = v.flatten(2, 3)[bi, hi, t].to(acc)
+    pos = token_positions(slot_page, tokens, p)
+    ok = (pos >= 0) & (pos <= (seq_len - 1).view(b, 1, 1))  # (B, Hs, K)
+    qg = q.to(acc).view(b, hs, h // hs, d)
+    logits = torch.einsum("bngd,bnkd->bngk", qg, keys) * scale
+    logits = logits.masked_fill(~ok.unsqueeze(2), float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bngk,bnkd->bngd", weights, vals)
+    return out.reshape(b, h, d).to(q.dtype)
+
+
+def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
+                 slot: torch.Tensor, position: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    """Stores one decode token per sequence in place and updates its page's key bounds.
+
+    k, v: (B, Hkv, C, P, D); kmin, kmax: (B, Hkv, C, D); slot_page: (B, Hkv, C); slot: (B, Hkv) int64 slot that
+    receives the token; position: (B,) int64 its position in the sequence (-1: no token for that sequence);
+    k_new, v_new: (B, Hkv, D). The token goes to offset ``position % P`` of ``slot``, which then holds page
+    ``position // P``; at offset 0 the slot starts a fresh page and its bounds restart from this key.
+    """
+    b, h, _, p, _ = k.shape
+    ok = (position >= 0).view(b, 1, 1)
+    bi = torch.arange(b, device=k.device).view(b, 1)
+    hd = torch.arange(h, device=k.device).view(1, h)
+    si = slot.clamp(min=0)
+    pos = position.clamp(min=0).view(b, 1).expand(b, h)
+    off = pos % p
+    # Rows without a token write back what they read, so the op has fixed shapes and no host sync.
+    kn = torch.where(ok, k_new.to(k.dtype), k[bi, hd, si, off])
+    k[bi, hd, si, off] = kn
+    v[bi, hd, si, off] = torch.where(ok, v_new.to(v.dtype), v[bi, hd, si, off])
+    fresh = (off == 0).unsqueeze(-1)
+    lo, up = kmin[bi, hd, si], kmax[bi, hd, si]
+    kmin[bi, hd, si] = torch.where(ok, torch.where(fresh, kn, torch.minimum(lo, kn)), lo)
+    kmax[bi, hd, si] = torch.where(ok, torch.where(fresh, kn, torch.maximum(up, kn)), up)
+    slot_page[bi, hd, si] = torch.where(ok.view(b, 1), pos // p, slot_page[bi, hd, si])

@@ -1,0 +1,312 @@
+"""Fused Triton kernels of the decode path, with the signatures of the ops in ``reference``.
+
+Importing this module registers the ops in ``sparsekv.kernels.FAST``; the package imports it the first time an op
+sees a CUDA tensor (so CPU-only use never imports triton). Tensors are fp16, bf16 or fp32 (fp64 runs the reference,
+which is exact); q must have the cache's dtype. Every op takes fixed shapes and never reads a device value on the
+host, so a whole decode step can be captured in a CUDA graph.
+
+Kernels:
+- ``page_scores``: Quest's bound ``sum_i max(q_i max_i, q_i min_i)`` written as two matrix products,
+  ``relu(q) . kmax + min(q, 0) . kmin``, one program per (sequence, KV head, block of slots), all query heads of
+  the group at once, so the min/max metadata is read once.
+- ``sparse_decode`` / ``sparse_decode_tokens``: split-K flash decoding. Program (selection row, split) gathers the
+  key/value rows of its share of the selected pages (or tokens), runs an online softmax in fp32 for the row's query
+  heads, and writes an unnormalised partial output with its running max and sum; a second kernel merges the splits
+  (log-sum-exp). Invalid entries (-1, free slots, positions after the current token) are masked, never branched on.
+- ``append_token``: writes one decode token's key and value into its page and updates the page's key bounds.
+Top-k selection stays ``torch.topk`` (the reference ``select_pages``): measured, it is a small share of a step
+(see benchmarks/results/KERNEL_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+from . import FAST, reference
+
+LOG2E = 1.4426950408889634
+# Programs per multiprocessor that keep enough loads in flight; below that the attention kernel splits K further.
+_PROGRAMS_PER_SM = 4
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, n_slots,
+                        sq_b, sq_h, sm_b, sm_h, sm_c, ss_b, ss_h, so_b, so_h,
+                        HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PER_HEAD: tl.constexpr,
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    row = tl.program_id(0)
+    b = (row // HKV).to(tl.int64)
+    kvh = row % HKV
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, BLOCK_D)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_c = c < n_slots
+    page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
+    valid = page >= 0
+    head = kvh * G + g
+    q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=(g[:, None] < G) & (d[None, :] < D),
+                other=0.0)
+    # Free slots are not read: their bounds are +-inf and would only turn into NaN.
+    m_off = b * sm_b + kvh * sm_h + c[:, None].to(tl.int64) * sm_c + d[None, :]
+    m_mask = valid[:, None] & (d[None, :] < D)
+    kmax = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0)
+    kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
+    if UPCAST:
+        q, kmax, kmin = q.to(tl.float32), kmax.to(tl.float32), kmin.to(tl.float32)
+    zero = tl.zeros_like(q)
+    s = tl.dot(tl.maximum(q, zero), tl.trans(kmax), input_precision=PRECISION)
+    s += tl.dot(tl.minimum(q, zero), tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
+    s = tl.where(valid[None, :], s, float("-inf"))
+    if PER_HEAD:
+        tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], s, mask=(g[:, None] < G) & in_c[None, :])
+    else:
+        s = tl.where(g[:, None] < G, s, float("-inf"))
+        tl.store(out_ptr + b * so_b + kvh * so_h + c, tl.max(s, axis=0), mask=in_c)
+
+
+@triton.jit
+def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_ptr, stat_ptr,
+                            n_sel, blocks_per_split, n_splits, scale_log2,
+                            sq_b, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, ss_b, ss_h, sl_b, sl_h,
+                            HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                            TOKENS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (row // HS).to(tl.int64)
+    r = row % HS
+    kvh = r // ROWS_PER_KV
+    n_tok = n_sel if TOKENS else n_sel * P
+    q_pos = tl.load(seq_ptr + b) - 1
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d[None, :] < D
+    head = r * G + g
+    q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=(g[:, None] < G) & d_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = k_ptr + b * sk_b + kvh * sk_h
+    v_base = v_ptr + b * sv_b + kvh * sv_h
+    sel_base = sel_ptr + b * sl_b + r * sl_h
+    sp_base = sp_ptr + b * ss_b + kvh * ss_h
+
+    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(n_tok, BLOCK_N))
+    for blk in range(first, last):
+        j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_j = j < n_tok
+        if TOKENS:
+            t = tl.load(sel_base + j, mask=in_j, other=-1)
+            slot = tl.where(t >= 0, t // P, -1)
+            off = tl.where(t >= 0, t % P, 0)
+        else:
+            slot = tl.load(sel_base + j // P, mask=in_j, other=-1)
+            off = j % P
+        ok = slot >= 0
+        page = tl.load(sp_base + slot, mask=ok, other=-1)
+        ok = ok & (page >= 0) & (page * P + off <= q_pos)
+        trow = slot * P + off
+        kt = tl.load(k_base + trow[:, None] * sk_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # (G_PAD, BLOCK_N)
+        qk = tl.where(ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: keep exp2 finite
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_base + trow[:, None] * sv_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
+        if UPCAST:
+            vt = vt.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+        m_i = m_new
+
+    out_row = (b * HS * G + head) * n_splits + split  # partials laid out (B, H, splits, ...)
+    g_ok = g < G
+    tl.store(part_ptr + out_row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok)
+    tl.store(stat_ptr + out_row * 2, m_i, mask=g_ok)
+    tl.store(stat_ptr + out_row * 2 + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, stat_ptr, out_ptr, n_splits, so_b, so_h,
+                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < n_splits
+    m = tl.load(stat_ptr + (bh * n_splits + s) * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(stat_ptr + (bh * n_splits + s) * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    total = tl.sum(w * l, axis=0)
+    part = tl.load(part_ptr + (bh * n_splits + s)[:, None] * D + d[None, :], mask=s_ok[:, None] & (d[None, :] < D),
+                   other=0.0)
+    o = tl.sum(w[:, None] * part, axis=0) / tl.where(total > 0, total, 1.0)  # nothing attended: zeros
+    tl.store(out_ptr + (bh // H) * so_b + (bh % H) * so_h + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _append_token_kernel(k_ptr, v_ptr, kmin_ptr, kmax_ptr, sp_ptr, slot_ptr, pos_ptr, kn_ptr, vn_ptr,
+                         sk_b, sk_h, sk_c, sk_p, sv_b, sv_h, sv_c, sv_p, sm_b, sm_h, sm_c, ss_b, ss_h, st_b, st_h,
+                         skn_b, skn_h, svn_b, svn_h,
+                         HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr):
+    row = tl.program_id(0)
+    b = (row // HKV).to(tl.int64)
+    h = row % HKV
+    pos = tl.load(pos_ptr + b)
+    if pos >= 0:
+        slot = tl.load(slot_ptr + b * st_b + h * st_h)
+        off = pos % P
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        kn = tl.load(kn_ptr + b * skn_b + h * skn_h + d, mask=d_ok).to(k_ptr.dtype.element_ty)
+        vn = tl.load(vn_ptr + b * svn_b + h * svn_h + d, mask=d_ok).to(v_ptr.dtype.element_ty)
+        tl.store(k_ptr + b * sk_b + h * sk_h + slot * sk_c + off * sk_p + d, kn, mask=d_ok)
+        tl.store(v_ptr + b * sv_b + h * sv_h + slot * sv_c + off * sv_p + d, vn, mask=d_ok)
+        m_off = b * sm_b + h * sm_h + slot * sm_c + d
+        if off == 0:  # a fresh page: its bounds restart from this key
+            tl.store(kmin_ptr + m_off, kn, mask=d_ok)
+            tl.store(kmax_ptr + m_off, kn, mask=d_ok)
+        else:
+            # Compared in fp32 (exact for every cache dtype; the CPU interpreter cannot compare bf16).
+            k32 = kn.to(tl.float32)
+            lo = tl.minimum(tl.load(kmin_ptr + m_off, mask=d_ok).to(tl.float32), k32)
+            up = tl.maximum(tl.load(kmax_ptr + m_off, mask=d_ok).to(tl.float32), k32)
+            tl.store(kmin_ptr + m_off, lo.to(kmin_ptr.dtype.element_ty), mask=d_ok)
+            tl.store(kmax_ptr + m_off, up.to(kmax_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(sp_ptr + b * ss_b + h * ss_h + slot, pos // P)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, name: str) -> None:
+    if q.dtype != k.dtype:
+        raise ValueError(f"{name}: q ({q.dtype}) must have the cache's dtype ({k.dtype}) on the Triton path")
+    if k.stride(-1) != 1:
+        raise ValueError(f"{name}: the cache's last (head_dim) dimension must be contiguous")
+
+
+def _interpreted_bf16(dtype: torch.dtype) -> bool:
+    """Triton's CPU interpreter computes bf16 products and comparisons on the raw bits and rounds bf16 stores
+    toward zero; there (tests only) bf16 tiles are upcast to fp32 and outputs rounded by torch."""
+    return dtype == torch.bfloat16 and knobs.runtime.interpret
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 tiles keep full fp32 products (a tf32 dot would lose 13 bits); fp16/bf16 products are exact anyway.
+    return "ieee" if dtype == torch.float32 or _interpreted_bf16(dtype) else "tf32"
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _group_pad(g: int) -> int:
+    return max(16, triton.next_power_of_2(g))  # tl.dot wants at least 16 rows
+
+
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
+                per_query_head: bool = False) -> torch.Tensor:
+    if q.dtype == torch.float64:
+        return reference.page_scores(q, kmin, kmax, slot_page, per_query_head)
+    _check(q, kmin, "page_scores")
+    b, h, d = q.shape
+    hkv, c = kmin.shape[1], kmin.shape[2]
+    if kmax.stride() != kmin.stride():
+        raise ValueError("page_scores: kmin and kmax must have the same layout")
+    g = h // hkv
+    out = torch.empty(b, h if per_query_head else hkv, c, dtype=torch.float32, device=q.device)
+    block_c = 64
+    _page_scores_kernel[(b * hkv, triton.cdiv(c, block_c))](
+        q, kmin, kmax, slot_page, out, c,
+        q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
+        slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1),
+        HKV=hkv, G=g, G_PAD=_group_pad(g), D=d, BLOCK_D=_block_d(d), BLOCK_C=block_c, PER_HEAD=per_query_head,
+        PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype), num_warps=4)
+    return out
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the CPU interpreter: few programs, so small test shapes still split
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_attention(q, k, v, slot_page, sel, seq_len, scale, tokens: bool) -> torch.Tensor:
+    name = "sparse_decode_tokens" if tokens else "sparse_decode"
+    _check(q, k, name)
+    if v.stride() != k.stride() or k.stride(2) != k.shape[3] * k.stride(3):
+        raise ValueError(f"{name}: k and v must share one layout with each slot's pages stored contiguously")
+    b, h, d = q.shape
+    hkv, p = k.shape[1], k.shape[3]
+    hs, n_sel = sel.shape[1], sel.shape[2]
+    if hs % hkv or h % hs:
+        raise ValueError(f"{name}: selection rows ({hs}) must be the KV heads ({hkv}) or the query heads ({h})")
+    if sel.stride(2) != 1:
+        sel = sel.contiguous()
+    g = h // hs
+    block_n = 64 if d <= 128 else 32
+    n_tok = n_sel if tokens else n_sel * p
+    n_blocks = max(triton.cdiv(n_tok, block_n), 1)
+    rows = b * hs
+    want = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(q.device), rows)
+    splits = max(1, min(want, n_blocks, _MAX_SPLITS))
+    per_split = triton.cdiv(n_blocks, splits)
+    splits = triton.cdiv(n_blocks, per_split)
+    part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
+    stats = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
+    _split_attention_kernel[(rows, splits)](
+        q, k, v, slot_page, sel, seq_len, part, stats, n_sel, per_split, splits, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1), v.stride(3),
+        slot_page.stride(0), slot_page.stride(1), sel.stride(0), sel.stride(1),
+        HS=hs, ROWS_PER_KV=hs // hkv, G=g, G_PAD=_group_pad(g), D=d, BLOCK_D=_block_d(d), BLOCK_N=block_n, P=p,
+        TOKENS=tokens, PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype), num_warps=4, num_stages=2)
+    out = torch.empty_like(q, dtype=torch.float32 if _interpreted_bf16(q.dtype) else q.dtype)
+    _merge_kernel[(b * h,)](part, stats, out, splits, out.stride(0), out.stride(1),
+                            H=h, D=d, BLOCK_D=_block_d(d), BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                            num_warps=4)
+    return out.to(q.dtype)
+
+
+def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
+                  seq_len: torch.Tensor, scale: float) -> torch.Tensor:
+    if q.dtype == torch.float64:
+        return reference.sparse_decode(q, k, v, slot_page, slots, seq_len, scale)
+    return _split_attention(q, k, v, slot_page, slots, seq_len, scale, tokens=False)
+
+
+def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor,
+                         tokens: torch.Tensor, seq_len: torch.Tensor, scale: float) -> torch.Tensor:
+    if q.dtype == torch.float64:
+        return reference.sparse_decode_tokens(q, k, v, slot_page, tokens, seq_len, scale)
+    return _split_attention(q, k, v, slot_page, tokens, seq_len, scale, tokens=True)
+
+
+def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
+                 slot: torch.Tensor, position: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    if k.dtype == torch.float64:
+        return reference.append_token(k, v, kmin, kmax, slot_page, slot, position, k_new, v_new)
+    b, hkv, _, p, d = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or kmin.stride() != kmax.stride() or kmin.stride(-1) != 1:
+        raise ValueError("append_token: k, v, kmin and kmax must be contiguous in head_dim, kmin/kmax alike")
+    if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    _append_token_kernel[(b * hkv,)](
+        k, v, kmin, kmax, slot_page, slot, position, k_new, v_new,
+        k.stride(0), k.stride(1), k.stride(2), k.stride(3), v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+        kmin.stride(0), kmin.stride(1), kmin.stride(2), slot_page.stride(0), slot_page.stride(1),
+        slot.stride(0), slot.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), P=p, num_warps=1)
+
+
+OPS = {"page_scores": page_scores, "sparse_decode": sparse_decode, "sparse_decode_tokens": sparse_decode_tokens,
+       "append_token": append_token}
+FAST.update(OPS)

@@ -1,0 +1,197 @@
+"""The Triton kernels against the float64 reference ops.
+
+Without a GPU the kernels run in Triton's CPU interpreter on small shapes; with one, on CUDA with the larger shapes
+too. Error budget: at most about twice the error of PyTorch's own path in the same dtype (the reference ops on
+bf16/fp16 inputs, fp32 accumulation), both measured against float64 on the same rounded inputs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is decorated, so before triton_ops is imported
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+
+from sparsekv import kernels  # noqa: E402
+from sparsekv.cache import AppendPlan, PagedLayer  # noqa: E402
+from sparsekv.kernels import reference as ref  # noqa: E402
+
+if "sparsekv.kernels.triton_ops" in sys.modules and not ON_GPU:
+    importlib.reload(sys.modules["sparsekv.kernels.triton_ops"])  # imported earlier without the interpreter
+from sparsekv.kernels import triton_ops as tops  # noqa: E402
+
+DEV = torch.device("cuda" if ON_GPU else "cpu")
+F64 = torch.float64
+
+
+def rel_err(out: torch.Tensor, exact: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN in the output"
+    return ((out.to(F64) - exact).norm() / exact.norm().clamp(min=1e-30)).item()
+
+
+def make_cache(batch, kv_heads, head_dim, page_size, lengths, dtype, spare=2, seed=0):
+    """A filled paged cache with pages scattered over the slots (as after evictions), free slots, garbage in the
+    unwritten rows, and exact key bounds. Returns k, v, kmin, kmax, slot_page, cur_slot, seq_len."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page_size) for n in lengths]
+    cap = max(pages) + spare
+    k = torch.randn(batch, kv_heads, cap + 1, page_size, head_dim, generator=g)
+    v = torch.randn(batch, kv_heads, cap + 1, page_size, head_dim, generator=g)
+    slot_page = torch.full((batch, kv_heads, cap + 1), -1, dtype=torch.long)
+    cur_slot = torch.zeros(batch, kv_heads, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        for h in range(kv_heads):
+            slots = torch.randperm(cap, generator=g)[:pages[b]]
+            slot_page[b, h, slots] = torch.arange(pages[b])
+            cur_slot[b, h] = slots[-1]
+    pos = slot_page.unsqueeze(-1) * page_size + torch.arange(page_size)
+    written = (slot_page.unsqueeze(-1) >= 0) & (pos < torch.tensor(lengths).view(-1, 1, 1, 1))
+    k = torch.where(written.unsqueeze(-1), k, 1e3).to(dtype)  # unwritten rows must never be attended
+    kmin = torch.where(written.unsqueeze(-1), k.to(F64), float("inf")).amin(3).to(dtype)
+    kmax = torch.where(written.unsqueeze(-1), k.to(F64), float("-inf")).amax(3).to(dtype)
+    to = dict(device=DEV)
+    return (k.to(**to), v.to(dtype).to(**to), kmin.to(**to), kmax.to(**to), slot_page.to(**to),
+            cur_slot.to(**to), torch.tensor(lengths, **to))
+
+
+def up(*ts):
+    return [t.to(F64) if t.is_floating_point() else t for t in ts]
+
+
+# (batch, heads, kv_heads, head_dim, page_size, lengths, pages selected, per_query_head)
+SHAPES = [
+    pytest.param(1, 4, 1, 64, 16, [5], 1, False, id="one-page-gqa4"),
+    pytest.param(3, 8, 2, 64, 4, [1, 13, 37], 4, False, id="ragged-batch-gqa4"),
+    pytest.param(2, 6, 6, 128, 8, [9, 20], 10, False, id="budget-over-context-mha"),
+    pytest.param(2, 8, 1, 128, 16, [100, 33], 3, False, id="gqa8"),
+    pytest.param(2, 6, 2, 64, 8, [30, 17], 3, False, id="gqa3"),
+    pytest.param(2, 8, 4, 64, 4, [21, 6], 3, True, id="per-query-head-gqa2"),
+    pytest.param(1, 2, 1, 32, 1, [7], 5, False, id="page-size-1"),
+]
+if ON_GPU:
+    SHAPES += [
+        pytest.param(64, 32, 8, 128, 16, [4096 - 37 * i for i in range(64)], 128, False, id="gpu-b64-llama3"),
+        pytest.param(16, 32, 32, 128, 16, [8192 - 5 * i for i in range(16)], 64, False, id="gpu-b16-llama2"),
+        pytest.param(8, 32, 8, 64, 32, [3000 + 99 * i for i in range(8)], 64, True, id="gpu-b8-d64-per-head"),
+        pytest.param(4, 16, 2, 128, 64, [20000, 17, 1000, 5555], 300, False, id="gpu-gqa8-long"),
+    ]
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", SHAPES)
+def test_page_scores_and_decode(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, dtype):
+    k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths, dtype)
+    q = torch.randn(batch, heads, head_dim, device=DEV).to(dtype)
+    scale = head_dim ** -0.5
+
+    scores = tops.page_scores(q, kmin, kmax, slot_page, per_head)
+    exact = ref.page_scores(*up(q, kmin, kmax), slot_page, per_head)
+    assert torch.equal(scores.isinf(), exact.isinf()), "free slots must score -inf, and only they"
+    fin = exact.isfinite()
+    torch_err = rel_err(ref.page_scores(q, kmin, kmax, slot_page, per_head)[fin], exact[fin])
+    assert rel_err(scores[fin], exact[fin]) <= 2 * torch_err + 1e-6
+
+    slots = ref.select_pages(exact, cur_slot, n_pages)
+    slots[..., -1:] = torch.where(torch.rand(slots.shape[:2], device=DEV) < 0.3, -1, slots[..., -1]).unsqueeze(-1)
+    out = tops.sparse_decode(q, k, v, slot_page, slots, seq_len, scale)
+    exact = ref.sparse_decode(*up(q, k, v), slot_page, slots, seq_len, scale)
+    torch_err = rel_err(ref.sparse_decode(q, k, v, slot_page, slots, seq_len, scale), exact)
+    assert rel_err(out, exact) <= 2 * torch_err
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_tokens,per_head", [
+    pytest.param(1, 4, 2, 64, 16, [5], 8, False, id="short"),
+    pytest.param(3, 8, 2, 128, 4, [2, 30, 17], 24, True, id="ragged-per-head"),
+    pytest.param(2, 8, 1, 64, 8, [40, 9], 100, False, id="gqa8-more-than-context"),
+    *([pytest.param(32, 32, 8, 128, 16, [9000 - 77 * i for i in range(32)], 2048, False, id="gpu-b32")]
+      if ON_GPU else []),
+])
+def test_decode_tokens(batch, heads, kv_heads, head_dim, page_size, lengths, n_tokens, per_head, dtype):
+    k, v, _, _, slot_page, _, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths, dtype, seed=1)
+    q = torch.randn(batch, heads, head_dim, device=DEV).to(dtype)
+    rows = heads if per_head else kv_heads
+    # Any row of the cache, -1, free slots' rows and rows past the current token alike: the kernel must mask them.
+    tokens = torch.randint(-1, k.shape[2] * page_size, (batch, rows, n_tokens), device=DEV)
+    out = tops.sparse_decode_tokens(q, k, v, slot_page, tokens, seq_len, 0.1)
+    exact = ref.sparse_decode_tokens(*up(q, k, v), slot_page, tokens, seq_len, 0.1)
+    torch_err = rel_err(ref.sparse_decode_tokens(q, k, v, slot_page, tokens, seq_len, 0.1), exact)
+    assert rel_err(out, exact) <= 2 * torch_err
+
+
+def test_nothing_to_attend_gives_zeros():
+    k, v, _, _, slot_page, _, seq_len = make_cache(2, 2, 64, 4, [6, 3], torch.bfloat16)
+    q = torch.randn(2, 4, 64, device=DEV).to(torch.bfloat16)
+    slots = torch.full((2, 2, 3), -1, device=DEV)
+    assert torch.equal(tops.sparse_decode(q, k, v, slot_page, slots, seq_len, 0.1), torch.zeros_like(q))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_append_token_matches_reference(dtype):
+    k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(3, 2, 64, 4, [8, 6, 3], dtype)
+    position = torch.tensor([8, 6, -1], device=DEV)  # fresh page, same page, no token
+    slot = torch.where((position % 4 == 0).view(3, 1), k.shape[2] - 2, cur_slot)
+    k_new = torch.randn(3, 2, 64, device=DEV).to(dtype)
+    v_new = torch.randn(3, 2, 64, device=DEV).to(dtype)
+    state = [t.clone() for t in (k, v, kmin, kmax, slot_page)]
+    ref.append_token(*state, slot, position, k_new, v_new)
+    tops.append_token(k, v, kmin, kmax, slot_page, slot, position, k_new, v_new)
+    for got, want in zip((k, v, kmin, kmax, slot_page), state):
+        assert torch.equal(got, want)
+
+
+def test_reference_append_token_matches_paged_layer():
+    """The decode append of the cache itself and ``append_token`` leave the same pages and bounds."""
+    torch.manual_seed(0)
+    layer = PagedLayer(2, 2, 16, 4, 4, torch.float32, torch.device("cpu"))
+    prompt = torch.randn(2, 2, 7, 16)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    layer.append(prompt, prompt, AppendPlan(valid, torch.arange(7).expand(2, 7), [0, 0], [7, 7]))
+    for pos in (7, 8):  # last row of a page, then first row of a new one
+        k_new, v_new = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+        before = [t.clone() for t in (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page)]
+        layer.append(k_new.unsqueeze(2), v_new.unsqueeze(2),
+                     AppendPlan(valid[:, :1], torch.full((2, 1), pos), [pos, pos], [pos + 1, pos + 1]))
+        ref.append_token(*before, layer.cur_slot, torch.full((2,), pos), k_new, v_new)
+        for got, want in zip(before, (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page)):
+            assert torch.equal(got, want)
+
+
+def test_refuses_mismatched_dtypes():
+    k, v, kmin, kmax, slot_page, _, seq_len = make_cache(1, 1, 64, 4, [5], torch.bfloat16)
+    with pytest.raises(ValueError, match="q .* must have the cache's dtype"):
+        tops.page_scores(torch.randn(1, 2, 64, device=DEV), kmin, kmax, slot_page)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="dispatch and CUDA graphs need a GPU")
+def test_dispatch_picks_triton_and_step_replays_in_cuda_graph():
+    from sparsekv.bench.attention import QuestStep
+
+    k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(4, 8, 128, 16, [3000, 2000, 1000, 17],
+                                                                torch.bfloat16, spare=1)
+    for name in ("page_scores", "sparse_decode", "sparse_decode_tokens", "append_token"):
+        assert kernels.FAST.get(name) is getattr(tops, name)
+    step = QuestStep(k, v, kmin, kmax, slot_page, cur_slot, seq_len, heads=32, num_pages=16, per_query_head=False)
+    q = torch.randn(4, 32, 128, device=DEV).to(torch.bfloat16)
+    k_new, v_new = torch.randn(2, 4, 8, 128, device=DEV).to(torch.bfloat16)
+    state = [t.clone() for t in (k, v, kmin, kmax, slot_page, cur_slot, seq_len)]
+    eager = step.run(q, k_new, v_new)
+    for t, s in zip((k, v, kmin, kmax, slot_page, cur_slot, seq_len), state):
+        t.copy_(s)
+    graph = step.capture(q, k_new, v_new)
+    for t, s in zip((k, v, kmin, kmax, slot_page, cur_slot, seq_len), state):
+        t.copy_(s)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(step.out, eager)
+    exact = ref.sparse_decode(*up(q, k, v), slot_page, step.slots, seq_len, 128 ** -0.5)
+    assert rel_err(step.out, exact) < 1e-2

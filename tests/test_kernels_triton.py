@@ -40,26 +40,24 @@ def rel_err(out: torch.Tensor, exact: torch.Tensor) -> float:
 def make_cache(batch, kv_heads, head_dim, page_size, lengths, dtype, spare=2, seed=0):
     """A filled paged cache with pages scattered over the slots (as after evictions), free slots, garbage in the
     unwritten rows, and exact key bounds. Returns k, v, kmin, kmax, slot_page, cur_slot, seq_len."""
-    g = torch.Generator().manual_seed(seed)
-    pages = [-(-n // page_size) for n in lengths]
-    cap = max(pages) + spare
-    k = torch.randn(batch, kv_heads, cap + 1, page_size, head_dim, generator=g)
-    v = torch.randn(batch, kv_heads, cap + 1, page_size, head_dim, generator=g)
-    slot_page = torch.full((batch, kv_heads, cap + 1), -1, dtype=torch.long)
-    cur_slot = torch.zeros(batch, kv_heads, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        for h in range(kv_heads):
-            slots = torch.randperm(cap, generator=g)[:pages[b]]
-            slot_page[b, h, slots] = torch.arange(pages[b])
-            cur_slot[b, h] = slots[-1]
-    pos = slot_page.unsqueeze(-1) * page_size + torch.arange(page_size)
-    written = (slot_page.unsqueeze(-1) >= 0) & (pos < torch.tensor(lengths).view(-1, 1, 1, 1))
-    k = torch.where(written.unsqueeze(-1), k, 1e3).to(dtype)  # unwritten rows must never be attended
-    kmin = torch.where(written.unsqueeze(-1), k.to(F64), float("inf")).amin(3).to(dtype)
-    kmax = torch.where(written.unsqueeze(-1), k.to(F64), float("-inf")).amax(3).to(dtype)
-    to = dict(device=DEV)
-    return (k.to(**to), v.to(dtype).to(**to), kmin.to(**to), kmax.to(**to), slot_page.to(**to),
-            cur_slot.to(**to), torch.tensor(lengths, **to))
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    seq_len = torch.tensor(lengths, device=DEV)
+    pages = (seq_len + page_size - 1) // page_size  # (B,)
+    cap = max(-(-n // page_size) for n in lengths) + spare
+    shape = (batch, kv_heads, cap + 1, page_size, head_dim)
+    k = torch.randn(shape, generator=g, device=DEV)
+    v = torch.randn(shape, generator=g, device=DEV).to(dtype)
+    perm = torch.rand(batch, kv_heads, cap, generator=g, device=DEV).argsort(-1)  # slot of page i = perm[..., i]
+    rank = torch.arange(cap, device=DEV).expand(batch, kv_heads, cap)
+    slot_page = torch.full((batch, kv_heads, cap + 1), -1, dtype=torch.long, device=DEV)
+    slot_page.scatter_(2, perm, torch.where(rank < pages.view(-1, 1, 1), rank, -1))
+    cur_slot = perm.gather(2, (pages - 1).view(-1, 1, 1).expand(batch, kv_heads, 1)).squeeze(-1)
+    pos = slot_page.unsqueeze(-1) * page_size + torch.arange(page_size, device=DEV)
+    written = ((slot_page.unsqueeze(-1) >= 0) & (pos < seq_len.view(-1, 1, 1, 1))).unsqueeze(-1)
+    k = torch.where(written, k, 1e3).to(dtype)  # unwritten rows must never be attended
+    kmin = torch.where(written, k.float(), float("inf")).amin(3).to(dtype)
+    kmax = torch.where(written, k.float(), float("-inf")).amax(3).to(dtype)
+    return k, v, kmin, kmax, slot_page, cur_slot, seq_len
 
 
 def up(*ts):

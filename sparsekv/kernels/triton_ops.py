@@ -20,6 +20,8 @@ Top-k selection stays ``torch.topk`` (the reference ``select_pages``): measured,
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -28,9 +30,12 @@ from triton import knobs
 from . import FAST, reference
 
 LOG2E = 1.4426950408889634
-# Programs per multiprocessor that keep enough loads in flight; below that the attention kernel splits K further.
-_PROGRAMS_PER_SM = 4
 _MAX_SPLITS = 64
+# Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
+# programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
+# multiprocessor, so that enough loads are in flight even for batch 1.
+TUNING = {"page_block": 64, "page_warps": 4, "attn_block_n": 64, "attn_warps": 4, "attn_stages": 2,
+          "programs_per_sm": 4}
 
 
 @triton.jit
@@ -224,16 +229,17 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
         raise ValueError("page_scores: kmin and kmax must have the same layout")
     g = h // hkv
     out = torch.empty(b, h if per_query_head else hkv, c, dtype=torch.float32, device=q.device)
-    block_c = 64
+    block_c = TUNING["page_block"]
     _page_scores_kernel[(b * hkv, triton.cdiv(c, block_c))](
         q, kmin, kmax, slot_page, out, c,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
         slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1),
         HKV=hkv, G=g, G_PAD=_group_pad(g), D=d, BLOCK_D=_block_d(d), BLOCK_C=block_c, PER_HEAD=per_query_head,
-        PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype), num_warps=4)
+        PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype), num_warps=TUNING["page_warps"])
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 2  # the CPU interpreter: few programs, so small test shapes still split
@@ -253,11 +259,11 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, tokens: bool) -> t
     if sel.stride(2) != 1:
         sel = sel.contiguous()
     g = h // hs
-    block_n = 64 if d <= 128 else 32
+    block_n = TUNING["attn_block_n"] if d <= 128 else TUNING["attn_block_n"] // 2
     n_tok = n_sel if tokens else n_sel * p
     n_blocks = max(triton.cdiv(n_tok, block_n), 1)
     rows = b * hs
-    want = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(q.device), rows)
+    want = triton.cdiv(TUNING["programs_per_sm"] * _num_sms(q.device), rows)
     splits = max(1, min(want, n_blocks, _MAX_SPLITS))
     per_split = triton.cdiv(n_blocks, splits)
     splits = triton.cdiv(n_blocks, per_split)
@@ -268,7 +274,8 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, tokens: bool) -> t
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1), v.stride(3),
         slot_page.stride(0), slot_page.stride(1), sel.stride(0), sel.stride(1),
         HS=hs, ROWS_PER_KV=hs // hkv, G=g, G_PAD=_group_pad(g), D=d, BLOCK_D=_block_d(d), BLOCK_N=block_n, P=p,
-        TOKENS=tokens, PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype), num_warps=4, num_stages=2)
+        TOKENS=tokens, PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype),
+        num_warps=TUNING["attn_warps"], num_stages=TUNING["attn_stages"])
     out = torch.empty_like(q, dtype=torch.float32 if _interpreted_bf16(q.dtype) else q.dtype)
     _merge_kernel[(b * h,)](part, stats, out, splits, out.stride(0), out.stride(1),
                             H=h, D=d, BLOCK_D=_block_d(d), BLOCK_S=max(2, triton.next_power_of_2(splits)),

@@ -1,0 +1,438 @@
+"""Attention micro-benchmark of one decode step of one layer: dense PyTorch SDPA vs the fused Quest kernels vs naive
+torch Quest (the reference ops), on paged caches of random bf16 keys and values.
+
+    python -m sparsekv.bench.attention                  # the full grid of the issue (H200: about 5 minutes)
+    python -m sparsekv.bench.attention --quick          # Llama-3-8B shape, batch 1, budget 2048, 32K and 128K
+    python -m sparsekv.bench.attention --shapes llama2-7b --contexts 32768 --budgets 2048 --batches 1
+    python -m sparsekv.bench.attention --tune           # launch-parameter sweep of the two main kernels
+
+Per row: median microseconds per layer (CUDA events, after warm-up) in eager mode and as CUDA-graph replay, the
+breakdown estimate / top-k / attention (graph replay of each op alone), the whole step including the token append
+(graph), achieved TB/s and the ratio to the bandwidth floor (bytes that must be read / 4.2 TB/s). Inputs rotate over
+enough copies of the cache ("layers") that one sweep reads several times the L2 cache. Writes
+``attention.json``, ``attention.md`` and ``attention.png`` under ``--out`` (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .. import kernels
+from ..kernels import reference
+
+# name -> (query heads, KV heads, head dim)
+SHAPES = {"llama3-8b": (32, 8, 128), "llama2-7b": (32, 32, 128), "tiny": (4, 2, 64)}
+CEILING = 4.2e12  # bytes/s: the issue's floor uses this; the measured copy bandwidth is reported beside it
+L2_BYTES = 60 * 2**20
+TARGETS = [  # (shape, context, minimum speedup over dense) at budget 2048, batch 1
+    ("llama3-8b", 32768, 1.5), ("llama3-8b", 131072, 4.0), ("llama3-8b", 524288, 8.0), ("llama2-7b", 32768, 5.0)]
+FLOOR_TARGET = 2.0  # within this factor of the bandwidth floor from 128K up
+
+
+class QuestStep:
+    """A Quest decode step of one layer over fixed buffers, so that it can be captured in a CUDA graph.
+
+    k, v: (B, Hkv, C, P, D) with the scratch slot last and at least one free slot whenever a new page starts;
+    kmin, kmax: (B, Hkv, C, D); slot_page: (B, Hkv, C); cur_slot: (B, Hkv); seq_len: (B,). ``run`` appends the
+    token (updating these in place) and attends; ``attention`` only scores, selects and attends. The last results
+    stay in ``slots`` (B, Hs, K) and ``out`` (B, H, D).
+    """
+
+    def __init__(self, k, v, kmin, kmax, slot_page, cur_slot, seq_len, *, heads: int, num_pages: int,
+                 per_query_head: bool):
+        self.k, self.v, self.kmin, self.kmax = k, v, kmin, kmax
+        self.slot_page, self.cur_slot, self.seq_len = slot_page, cur_slot, seq_len
+        self.heads, self.num_pages, self.per_query_head = heads, num_pages, per_query_head
+        self.scale = k.shape[-1] ** -0.5
+        self.slots: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
+
+    def attention(self, q: torch.Tensor) -> torch.Tensor:
+        """q: (B, H, D) -> (B, H, D)."""
+        scores = kernels.page_scores(q, self.kmin, self.kmax, self.slot_page, self.per_query_head)
+        self.slots = kernels.select_pages(scores, self.cur_slot, self.num_pages)
+        self.out = kernels.sparse_decode(q, self.k, self.v, self.slot_page, self.slots, self.seq_len, self.scale)
+        return self.out
+
+    def run(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        """q: (B, H, D); k_new, v_new: (B, Hkv, D). A new page takes the lowest free slot, as PagedLayer does."""
+        page_size, capacity = self.k.shape[3], self.k.shape[2] - 1
+        first_free = (self.slot_page[:, :, :capacity] < 0).to(torch.int8).argmax(dim=2)  # (B, Hkv)
+        new_page = (self.seq_len % page_size == 0).view(-1, 1)
+        slot = torch.where(new_page, first_free, self.cur_slot)
+        kernels.append_token(self.k, self.v, self.kmin, self.kmax, self.slot_page, slot, self.seq_len, k_new, v_new)
+        self.cur_slot.copy_(slot)
+        self.seq_len.add_(1)
+        return self.attention(q)
+
+    def capture(self, q, k_new=None, v_new=None) -> torch.cuda.CUDAGraph:
+        """Records ``run`` (or ``attention`` without k_new) on these buffers; call ``replay()`` to run it."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            if k_new is None:
+                self.attention(q)
+            else:
+                self.run(q, k_new, v_new)
+        return graph
+
+
+def make_copy(batch, kv_heads, head_dim, context, page_size, spare, dtype, device):
+    """A full cache of ``context`` tokens (all pages full) plus ``spare`` free slots and the scratch slot.
+    Returns k, v, kmin, kmax, slot_page, cur_slot, seq_len."""
+    pages = context // page_size
+    slots = pages + spare + 1
+    k = torch.randn(batch, kv_heads, slots, page_size, head_dim, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    slot_page = torch.full((batch, kv_heads, slots), -1, dtype=torch.long, device=device)
+    slot_page[:, :, :pages] = torch.arange(pages, device=device)
+    kmin, kmax = k.amin(dim=3), k.amax(dim=3)
+    kmin[:, :, pages:], kmax[:, :, pages:] = float("inf"), float("-inf")
+    cur_slot = torch.full((batch, kv_heads), pages - 1, dtype=torch.long, device=device)
+    seq_len = torch.full((batch,), context, dtype=torch.long, device=device)
+    return k, v, kmin, kmax, slot_page, cur_slot, seq_len
+
+
+class Timer:
+    """Median milliseconds of a callable: CUDA events on the GPU (eager or graph replay), a host clock on the CPU."""
+
+    def __init__(self, device: torch.device, reps: int, warmup: int = 3):
+        self.cuda = device.type == "cuda"
+        self.reps, self.warmup = reps, warmup
+
+    def eager(self, fn: Callable[[], object], reps: int | None = None) -> float:
+        for _ in range(self.warmup):
+            fn()
+        return self._median(fn, reps or self.reps)
+
+    def graph(self, fn: Callable[[], object], reps: int | None = None) -> float:
+        if not self.cuda:
+            return float("nan")
+        for _ in range(2):  # compiles and autotunes outside the capture
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        ms = self._median(graph.replay, reps or self.reps)
+        del graph
+        return ms
+
+    def _median(self, fn, reps: int) -> float:
+        if not self.cuda:
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
+            return statistics.median(times)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        torch.cuda.synchronize()
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def copy_bandwidth(device: torch.device, timer: Timer) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    n = 2**30 if device.type == "cuda" else 2**22
+    src = torch.randn(n // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = timer.eager(lambda: dst.copy_(src), reps=30)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def quest_bytes(batch, kv_heads, rows, head_dim, context, page_size, budget, itemsize) -> int:
+    """Bytes a Quest step must read: key bounds and page table of every page, the selected pages' keys and values
+    (per selection row), the query and the output."""
+    pages = context // page_size
+    meta = batch * kv_heads * pages * (2 * head_dim * itemsize + 8)
+    kv = batch * rows * min(budget, context) * head_dim * 2 * itemsize
+    return meta + kv + 2 * batch * rows * head_dim * itemsize
+
+
+def dense_bytes(batch, kv_heads, head_dim, context, itemsize) -> int:
+    return batch * kv_heads * context * head_dim * 2 * itemsize
+
+
+def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> list[dict]:
+    heads, kv_heads, head_dim = SHAPES[shape]
+    p, dtype, itemsize = args.page_size, torch.bfloat16, 2
+    rows = heads if args.per_query_head else kv_heads
+    spare = -(-(args.reps + 8) // p) + 1
+    slots_total = context // p + spare + 1
+    copy_bytes = (dense_bytes(batch, kv_heads, head_dim, slots_total * p, itemsize)
+                  + batch * kv_heads * slots_total * (2 * head_dim * itemsize + 8))
+    need_once = copy_bytes + (batch * heads * (context // p) * head_dim * 4 * 3 if args.naive else 0)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 8 * 2**30
+    if need_once > 0.85 * free:
+        notes.append(f"skipped {shape} batch {batch} context {context}: needs {need_once / 2**30:.1f} GiB, "
+                     f"{free / 2**30:.1f} GiB free")
+        print(notes[-1], flush=True)
+        return []
+    touched = quest_bytes(batch, kv_heads, rows, head_dim, context, p, min(budgets), itemsize)
+    copies = max(1, min(args.max_copies, math.ceil(4 * L2_BYTES / touched),
+                        int((0.85 * free - (need_once - copy_bytes)) // copy_bytes)))
+    caches = [make_copy(batch, kv_heads, head_dim, context, p, spare, dtype, device) for _ in range(copies)]
+    qs = [torch.randn(batch, heads, head_dim, dtype=dtype, device=device) for _ in range(copies)]
+    scale = head_dim ** -0.5
+
+    def dense_sweep():
+        for (k, v, *_), q in zip(caches, qs):
+            kk = k.flatten(2, 3)[:, :, :context]
+            vv = v.flatten(2, 3)[:, :, :context]
+            F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, scale=scale, enable_gqa=heads != kv_heads)
+
+    dense = {"dense_eager_us": 1e3 * timer.eager(dense_sweep) / copies,
+             "dense_graph_us": 1e3 * timer.graph(dense_sweep) / copies}
+    out = []
+    for budget in budgets:
+        n_pages = budget // p
+        steps = [QuestStep(*c, heads=heads, num_pages=n_pages, per_query_head=args.per_query_head) for c in caches]
+        row = {"shape": shape, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "batch": batch,
+               "context": context, "budget": budget, "page_size": p, "copies": copies, **dense}
+
+        def sweep(fn):
+            return lambda: [fn(s, q) for s, q in zip(steps, qs)]
+
+        row["quest_eager_us"] = 1e3 * timer.eager(sweep(QuestStep.attention)) / copies
+        row["quest_graph_us"] = 1e3 * timer.graph(sweep(QuestStep.attention)) / copies
+        scores = [kernels.page_scores(q, s.kmin, s.kmax, s.slot_page, args.per_query_head) for s, q in zip(steps, qs)]
+        slots = [kernels.select_pages(sc, s.cur_slot, n_pages) for sc, s in zip(scores, steps)]
+        tokens = [(sl.unsqueeze(-1) * p + torch.arange(p, device=device)).flatten(2) for sl in slots]
+        row["estimate_us"] = 1e3 * timer.graph(sweep(lambda s, q: kernels.page_scores(
+            q, s.kmin, s.kmax, s.slot_page, args.per_query_head))) / copies
+        row["topk_us"] = 1e3 * timer.graph(
+            lambda: [kernels.select_pages(sc, s.cur_slot, n_pages) for sc, s in zip(scores, steps)]) / copies
+        row["attention_us"] = 1e3 * timer.graph(lambda: [kernels.sparse_decode(
+            q, s.k, s.v, s.slot_page, sl, s.seq_len, scale) for s, q, sl in zip(steps, qs, slots)]) / copies
+        row["token_attention_us"] = 1e3 * timer.graph(lambda: [kernels.sparse_decode_tokens(
+            q, s.k, s.v, s.slot_page, t, s.seq_len, scale) for s, q, t in zip(steps, qs, tokens)]) / copies
+        if args.naive:
+            def naive(s, q):
+                sc = reference.page_scores(q, s.kmin, s.kmax, s.slot_page, args.per_query_head)
+                sel = reference.select_pages(sc, s.cur_slot, n_pages)
+                return reference.sparse_decode(q, s.k, s.v, s.slot_page, sel, s.seq_len, scale)
+            row["naive_eager_us"] = 1e3 * timer.eager(sweep(naive), reps=max(3, args.reps // 6)) / copies
+        if device.type == "cuda":
+            saved = [(s.slot_page.clone(), s.cur_slot.clone(), s.seq_len.clone()) for s in steps]
+            k_new = torch.randn(batch, kv_heads, head_dim, dtype=dtype, device=device)
+            row["step_graph_us"] = 1e3 * timer.graph(lambda: [s.run(q, k_new, k_new) for s, q in zip(steps, qs)]) / copies
+            for s, (sp, cs, sl) in zip(steps, saved):
+                s.slot_page.copy_(sp), s.cur_slot.copy_(cs), s.seq_len.copy_(sl)
+        floor = quest_bytes(batch, kv_heads, rows, head_dim, context, p, budget, itemsize)
+        best = row["quest_graph_us"] if device.type == "cuda" else row["quest_eager_us"]
+        row.update(quest_floor_bytes=floor, quest_floor_us=floor / CEILING * 1e6,
+                   quest_tbps=floor / (best * 1e-6) / 1e12, quest_floor_ratio=best / (floor / CEILING * 1e6),
+                   dense_tbps=dense_bytes(batch, kv_heads, head_dim, context, itemsize)
+                   / (row["dense_graph_us" if device.type == "cuda" else "dense_eager_us"] * 1e-6) / 1e12,
+                   speedup_eager=row["dense_eager_us"] / row["quest_eager_us"],
+                   speedup_graph=row["dense_graph_us"] / row["quest_graph_us"])
+        print(format_row(row), flush=True)
+        out.append(row)
+        del steps, scores, slots, tokens
+    del caches, qs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def format_row(r: dict) -> str:
+    f = lambda x: f"{x:8.1f}" if x == x else "     n/a"  # noqa: E731
+    return (f"{r['shape']:10s} B={r['batch']:<3d} ctx={r['context']:<7d} budget={r['budget']:<5d} "
+            f"dense {f(r['dense_graph_us'])} | quest eager {f(r['quest_eager_us'])} graph {f(r['quest_graph_us'])} "
+            f"(est {f(r['estimate_us'])} topk {f(r['topk_us'])} attn {f(r['attention_us'])}) "
+            f"naive {f(r.get('naive_eager_us', float('nan')))} | x{r['speedup_graph']:.2f} "
+            f"{r['quest_tbps']:.2f} TB/s floor x{r['quest_floor_ratio']:.2f}")
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    found = []
+    for shape, context, want in TARGETS:
+        match = [r for r in rows if (r["shape"], r["context"], r["budget"], r["batch"]) == (shape, context, 2048, 1)]
+        if match:
+            r = match[0]
+            found.append({"target": f"{shape} {context // 1024}K: >= {want}x dense", "measured":
+                          f"{r['speedup_graph']:.2f}x (graph), {r['speedup_eager']:.2f}x (eager)",
+                          "met": r["speedup_graph"] >= want})
+    for r in rows:
+        if r["budget"] == 2048 and r["batch"] == 1 and r["context"] >= 131072:
+            found.append({"target": f"{r['shape']} {r['context'] // 1024}K: within {FLOOR_TARGET}x of the floor",
+                          "measured": f"{r['quest_floor_ratio']:.2f}x", "met": r["quest_floor_ratio"] <= FLOOR_TARGET})
+    return found
+
+
+def write_markdown(path: Path, meta: dict, rows: list[dict], targets: list[dict], notes: list[str]) -> None:
+    lines = ["# Attention benchmark: one decode step of one layer", "",
+             f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, bf16, page size "
+             f"{meta['page_size']}, {'per query head' if meta['per_query_head'] else 'per KV head'} selection. "
+             f"Measured copy bandwidth {meta['copy_tbps']:.2f} TB/s; floor = bytes that must be read / "
+             f"{CEILING / 1e12:.1f} TB/s. Times are medians per layer in microseconds; speedup and TB/s use "
+             "CUDA-graph replay of dense and Quest alike.", "", "## Targets (budget 2048, batch 1)", "",
+             "| target | measured | met |", "| --- | --- | --- |"]
+    lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'NO'} |" for t in targets]
+    cols = [("shape", "shape", "{}"), ("B", "batch", "{}"), ("context", "context", "{}"), ("budget", "budget", "{}"),
+            ("dense eager", "dense_eager_us", "{:.1f}"), ("dense graph", "dense_graph_us", "{:.1f}"),
+            ("naive torch Quest", "naive_eager_us", "{:.1f}"), ("Quest eager", "quest_eager_us", "{:.1f}"),
+            ("Quest graph", "quest_graph_us", "{:.1f}"), ("estimate", "estimate_us", "{:.1f}"),
+            ("top-k", "topk_us", "{:.1f}"), ("attention", "attention_us", "{:.1f}"),
+            ("token-index attention", "token_attention_us", "{:.1f}"), ("step incl. append", "step_graph_us", "{:.1f}"),
+            ("speedup", "speedup_graph", "{:.2f}x"), ("Quest TB/s", "quest_tbps", "{:.2f}"),
+            ("floor us", "quest_floor_us", "{:.1f}"), ("x floor", "quest_floor_ratio", "{:.2f}")]
+    lines += ["", "## All rows", "", "| " + " | ".join(c[0] for c in cols) + " |",
+              "|" + " --- |" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(c[2].format(r[c[1]]) if c[1] in r else "-" for c in cols) + " |")
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({r["shape"] for r in rows})
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(len(batches), len(shapes), figsize=(6 * len(shapes), 4.5 * len(batches)), squeeze=False)
+    for i, b in enumerate(batches):
+        for j, s in enumerate(shapes):
+            ax = axes[i][j]
+            sel = [r for r in rows if r["shape"] == s and r["batch"] == b]
+            budget = 2048 if any(r["budget"] == 2048 for r in sel) else max((r["budget"] for r in sel), default=0)
+            sel = sorted((r for r in sel if r["budget"] == budget), key=lambda r: r["context"])
+            if not sel:
+                ax.set_visible(False)
+                continue
+            x = [r["context"] for r in sel]
+            for key, label in [("dense_graph_us", "dense SDPA"), ("naive_eager_us", "naive torch Quest"),
+                               ("quest_eager_us", "Quest kernels, eager"), ("quest_graph_us", "Quest kernels, graph"),
+                               ("quest_floor_us", "Quest bandwidth floor")]:
+                if all(key in r for r in sel):
+                    ax.plot(x, [r[key] for r in sel], marker="o", label=label,
+                            linestyle="--" if "floor" in key else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{s}, batch {b}, budget {budget}")
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel("us per layer")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def tune(args, timer, device) -> list[dict]:
+    """Times launch-parameter variants of the page-score and attention kernels on a few shapes."""
+    from ..kernels import triton_ops
+
+    base = dict(triton_ops.TUNING)
+    page_variants = [dict(page_block=b, page_warps=w) for b, w in [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8),
+                                                                    (256, 8)]]
+    attn_variants = [dict(attn_block_n=n, attn_warps=w, attn_stages=st, programs_per_sm=pp)
+                     for n, w, st, pp in [(64, 4, 2, 4), (32, 4, 2, 4), (128, 4, 2, 4), (128, 8, 2, 4), (64, 4, 3, 4),
+                                          (64, 4, 4, 4), (64, 4, 2, 2), (64, 4, 2, 8), (64, 4, 3, 8), (32, 4, 3, 8),
+                                          (128, 8, 3, 4), (64, 8, 3, 4)]]
+    cases = [("llama3-8b", 1, 131072), ("llama3-8b", 1, 524288), ("llama2-7b", 1, 32768), ("llama3-8b", 16, 32768)]
+    out = []
+    for shape, batch, context in cases:
+        heads, kv_heads, head_dim = SHAPES[shape]
+        p = args.page_size
+        touched = quest_bytes(batch, kv_heads, kv_heads, head_dim, context, p, 2048, 2)
+        copies = max(1, min(args.max_copies, math.ceil(4 * L2_BYTES / touched)))
+        caches = [make_copy(batch, kv_heads, head_dim, context, p, 1, torch.bfloat16, device) for _ in range(copies)]
+        qs = [torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device) for _ in range(copies)]
+        scores = [kernels.page_scores(q, c[2], c[3], c[4]) for c, q in zip(caches, qs)]
+        slots = [kernels.select_pages(s, c[5], 2048 // p) for s, c in zip(scores, caches)]
+        for kind, variants in (("estimate", page_variants), ("attention", attn_variants)):
+            for var in variants:
+                triton_ops.TUNING.update(base, **var)
+                if kind == "estimate":
+                    fn = lambda: [kernels.page_scores(q, c[2], c[3], c[4]) for c, q in zip(caches, qs)]  # noqa: E731
+                    floor = batch * kv_heads * (context // p) * (2 * head_dim * 2 + 8)
+                else:
+                    fn = lambda: [kernels.sparse_decode(q, c[0], c[1], c[4], s, c[6], 0.1)  # noqa: E731
+                                  for c, q, s in zip(caches, qs, slots)]
+                    floor = batch * kv_heads * 2048 * head_dim * 4
+                us = 1e3 * timer.graph(fn) / copies
+                out.append({"shape": shape, "batch": batch, "context": context, "kernel": kind, **var, "us": us,
+                            "tbps": floor / (us * 1e-6) / 1e12})
+                print(f"tune {shape} B={batch} ctx={context} {kind} {var}: {us:.1f} us, {out[-1]['tbps']:.2f} TB/s",
+                      flush=True)
+        del caches, qs, scores, slots
+        torch.cuda.empty_cache()
+    triton_ops.TUNING.update(base)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m sparsekv.bench.attention", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["llama3-8b", "llama2-7b"], choices=sorted(SHAPES))
+    ap.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 131072, 524288])
+    ap.add_argument("--budgets", nargs="+", type=int, default=[512, 1024, 2048, 4096])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--per-query-head", action="store_true", help="select pages per query head (Hs = H)")
+    ap.add_argument("--reps", type=int, default=30, help="timed repetitions per measurement (median)")
+    ap.add_argument("--max-copies", type=int, default=48, help="cap on cache copies rotated through per sweep")
+    ap.add_argument("--no-naive", dest="naive", action="store_false", help="skip naive torch Quest")
+    ap.add_argument("--quick", action="store_true", help="llama3-8b, batch 1, budget 2048, contexts 32K and 128K")
+    ap.add_argument("--tune", action="store_true", help="sweep kernel launch parameters instead")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--tag", default="attention", help="output file stem")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.shapes, args.batches, args.budgets, args.contexts = ["llama3-8b"], [1], [2048], [32768, 131072]
+    for ctx in args.contexts:
+        if ctx % args.page_size:
+            ap.error(f"--contexts: {ctx} is not a multiple of --page-size {args.page_size}")
+    for b in args.budgets:
+        if b % args.page_size or b < args.page_size:
+            ap.error(f"--budgets: {b} is not a positive multiple of --page-size {args.page_size}")
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    timer = Timer(device, args.reps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "page_size": args.page_size,
+            "per_query_head": args.per_query_head, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    meta["copy_tbps"] = copy_bandwidth(device, timer) / 1e12
+    print(f"{meta['device']}: copy {meta['copy_tbps']:.2f} TB/s", flush=True)
+    if args.tune:
+        rows = tune(args, timer, device)
+        (args.out / f"{args.tag}_tune.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        return
+    rows, notes = [], []
+    for shape in args.shapes:
+        for batch in args.batches:
+            for context in args.contexts:
+                rows += bench_config(shape, batch, context, sorted(args.budgets), args, timer, device, notes)
+    targets = check_targets(rows)
+    (args.out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": targets,
+                                                           "notes": notes}, indent=1))
+    write_markdown(args.out / f"{args.tag}.md", meta, rows, targets, notes)
+    if rows:
+        plot(args.out / f"{args.tag}.png", rows)
+    for t in targets:
+        print(f"{'met ' if t['met'] else 'MISS'} {t['target']}: {t['measured']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -64,8 +64,10 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, n_slots,
     if UPCAST:
         q, kmax, kmin = q.to(tl.float32), kmax.to(tl.float32), kmin.to(tl.float32)
     zero = tl.zeros_like(q)
-    s = tl.dot(tl.maximum(q, zero), tl.trans(kmax), input_precision=PRECISION)
-    s += tl.dot(tl.minimum(q, zero), tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
+    q_pos = tl.maximum(q, zero).to(kmax.dtype)  # triton may compute bf16 max in fp32
+    q_neg = tl.minimum(q, zero).to(kmin.dtype)
+    s = tl.dot(q_pos, tl.trans(kmax), input_precision=PRECISION)
+    s += tl.dot(q_neg, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
     s = tl.where(valid[None, :], s, float("-inf"))
     if PER_HEAD:
         tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], s, mask=(g[:, None] < G) & in_c[None, :])

@@ -341,12 +341,13 @@ def tune(args, timer, device) -> list[dict]:
     from ..kernels import triton_ops
 
     base = dict(triton_ops.TUNING)
-    page_variants = [dict(page_block=b, page_warps=w) for b, w in [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8),
-                                                                    (256, 8)]]
+    page_variants = [dict(page_block=b, page_chunks=ch, page_warps=w, page_stages=st)
+                     for b, ch, w, st in [(64, 1, 4, 2), (64, 2, 4, 2), (64, 4, 4, 2), (64, 4, 4, 3), (64, 8, 4, 3),
+                                          (32, 4, 4, 3), (128, 2, 8, 3), (128, 4, 8, 3)]]
+    select_variants = [dict(select_block=b, select_warps=w) for b, w in [(1024, 4), (2048, 8), (4096, 8), (4096, 16),
+                                                                          (8192, 16)]]
     attn_variants = [dict(attn_block_n=n, attn_warps=w, attn_stages=st, programs_per_sm=pp)
-                     for n, w, st, pp in [(64, 4, 2, 4), (32, 4, 2, 4), (128, 4, 2, 4), (128, 8, 2, 4), (64, 4, 3, 4),
-                                          (64, 4, 4, 4), (64, 4, 2, 2), (64, 4, 2, 8), (64, 4, 3, 8), (32, 4, 3, 8),
-                                          (128, 8, 3, 4), (64, 8, 3, 4)]]
+                     for n, w, st, pp in [(64, 4, 2, 4), (128, 4, 2, 4), (64, 4, 2, 8), (32, 4, 2, 8), (64, 4, 2, 2)]]
     cases = [("llama3-8b", 1, 131072), ("llama3-8b", 1, 524288), ("llama2-7b", 1, 32768), ("llama3-8b", 16, 32768)]
     out = []
     for shape, batch, context in cases:
@@ -358,12 +359,16 @@ def tune(args, timer, device) -> list[dict]:
         qs = [torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device) for _ in range(copies)]
         scores = [kernels.page_scores(q, c[2], c[3], c[4]) for c, q in zip(caches, qs)]
         slots = [kernels.select_pages(s, c[5], 2048 // p) for s, c in zip(scores, caches)]
-        for kind, variants in (("estimate", page_variants), ("attention", attn_variants)):
+        for kind, variants in (("estimate", page_variants), ("top-k", select_variants), ("attention", attn_variants)):
             for var in variants:
                 triton_ops.TUNING.update(base, **var)
                 if kind == "estimate":
                     fn = lambda: [kernels.page_scores(q, c[2], c[3], c[4]) for c, q in zip(caches, qs)]  # noqa: E731
                     floor = batch * kv_heads * (context // p) * (2 * head_dim * 2 + 8)
+                elif kind == "top-k":
+                    fn = lambda: [kernels.select_pages(s, c[5], 2048 // p)  # noqa: E731
+                                  for s, c in zip(scores, caches)]
+                    floor = sum(s.numel() * 4 for s in scores[:1])
                 else:
                     fn = lambda: [kernels.sparse_decode(q, c[0], c[1], c[4], s, c[6], 0.1)  # noqa: E731
                                   for c, q, s in zip(caches, qs, slots)]

@@ -13,9 +13,11 @@ Kernels:
   key/value rows of its share of the selected pages (or tokens), runs an online softmax in fp32 for the row's query
   heads, and writes an unnormalised partial output with its running max and sum; a second kernel merges the splits
   (log-sum-exp). Invalid entries (-1, free slots, positions after the current token) are masked, never branched on.
+- ``select_pages``: one program per selection row finds the exact k-th largest score by a three-digit radix select
+  (histograms of 11, 11 and 10 bits of an order-preserving integer key) and writes the winners in slot order.
+  It replaces ``torch.topk``, which took 35 of the 47 us of a Llama-3-8B step at 32K on the H200
+  (benchmarks/results/KERNEL_NOTES.md).
 - ``append_token``: writes one decode token's key and value into its page and updates the page's key bounds.
-Top-k selection stays ``torch.topk`` (the reference ``select_pages``): measured, it is a small share of a step
-(see benchmarks/results/KERNEL_NOTES.md).
 """
 
 from __future__ import annotations
@@ -34,46 +36,109 @@ _MAX_SPLITS = 64
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor, so that enough loads are in flight even for batch 1.
-TUNING = {"page_block": 64, "page_warps": 4, "attn_block_n": 64, "attn_warps": 4, "attn_stages": 2,
-          "programs_per_sm": 4}
+TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2, "select_block": 2048,
+          "select_warps": 8, "attn_block_n": 64, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
 
 
 @triton.jit
 def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, n_slots,
                         sq_b, sq_h, sm_b, sm_h, sm_c, ss_b, ss_h, so_b, so_h,
                         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PER_HEAD: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr, PER_HEAD: tl.constexpr,
                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     kvh = row % HKV
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, BLOCK_D)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    in_c = c < n_slots
-    page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
-    valid = page >= 0
     head = kvh * G + g
     q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=(g[:, None] < G) & (d[None, :] < D),
                 other=0.0)
-    # Free slots are not read: their bounds are +-inf and would only turn into NaN.
-    m_off = b * sm_b + kvh * sm_h + c[:, None].to(tl.int64) * sm_c + d[None, :]
-    m_mask = valid[:, None] & (d[None, :] < D)
-    kmax = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0)
-    kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
     if UPCAST:
-        q, kmax, kmin = q.to(tl.float32), kmax.to(tl.float32), kmin.to(tl.float32)
+        q = q.to(tl.float32)
     zero = tl.zeros_like(q)
-    q_pos = tl.maximum(q, zero).to(kmax.dtype)  # triton may compute bf16 max in fp32
-    q_neg = tl.minimum(q, zero).to(kmin.dtype)
-    s = tl.dot(q_pos, tl.trans(kmax), input_precision=PRECISION)
-    s += tl.dot(q_neg, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
-    s = tl.where(valid[None, :], s, float("-inf"))
-    if PER_HEAD:
-        tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], s, mask=(g[:, None] < G) & in_c[None, :])
-    else:
-        s = tl.where(g[:, None] < G, s, float("-inf"))
-        tl.store(out_ptr + b * so_b + kvh * so_h + c, tl.max(s, axis=0), mask=in_c)
+    q_pos = tl.maximum(q, zero).to(q.dtype)  # triton may compute bf16 max in fp32
+    q_neg = tl.minimum(q, zero).to(q.dtype)
+    for i in range(CHUNKS):  # a loop, so that the loads of the next chunk overlap this one's products
+        c = (tl.program_id(1) * CHUNKS + i) * BLOCK_C + tl.arange(0, BLOCK_C)
+        in_c = c < n_slots
+        page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
+        # Bounds are loaded without waiting for the page table; free slots' +-inf bounds give NaN/inf in their own
+        # columns only, which the mask below replaces.
+        m_off = b * sm_b + kvh * sm_h + c[:, None].to(tl.int64) * sm_c + d[None, :]
+        m_mask = in_c[:, None] & (d[None, :] < D)
+        kmax = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0)
+        kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
+        if UPCAST:
+            kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
+        s = tl.dot(q_pos, tl.trans(kmax), input_precision=PRECISION)
+        s += tl.dot(q_neg, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
+        s = tl.where((page >= 0)[None, :], s, float("-inf"))
+        if PER_HEAD:
+            tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], s,
+                     mask=(g[:, None] < G) & in_c[None, :])
+        else:
+            s = tl.where(g[:, None] < G, s, float("-inf"))
+            tl.store(out_ptr + b * so_b + kvh * so_h + c, tl.max(s, axis=0), mask=in_c)
+
+
+@triton.jit
+def _order_key(x):
+    """fp32 -> int64 in [0, 2^32) with the same order (the float's bits, sign-flipped)."""
+    bits = x.to(tl.int32, bitcast=True)
+    u = bits.to(tl.int64) & 0xFFFFFFFF
+    return tl.where(bits < 0, 0xFFFFFFFF - u, u + 0x80000000)
+
+
+@triton.jit
+def _row_keys(row_ptr, c, n, cur):
+    x = tl.load(row_ptr + c, mask=c < n, other=float("-inf"))
+    return _order_key(tl.where(c == cur, float("inf"), x))  # the current page is always selected
+
+
+@triton.jit
+def _radix_pass(row_ptr, n, cur, prefix, k_left, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """One digit of a most-significant-first radix select: among the keys that share ``prefix`` above bit
+    SHIFT + WIDTH, finds the digit of the k_left-th largest; returns the longer prefix and what is left of k."""
+    NB: tl.constexpr = 1 << WIDTH
+    hist = tl.zeros((NB,), tl.int32)
+    for start in range(0, n, BLOCK):
+        c = start + tl.arange(0, BLOCK)
+        key = _row_keys(row_ptr, c, n, cur)
+        match = (c < n) & ((key >> (SHIFT + WIDTH)) == (prefix >> (SHIFT + WIDTH)))
+        hist += tl.histogram(((key >> SHIFT) & (NB - 1)).to(tl.int32), NB, mask=match)
+    bins = tl.arange(0, NB)
+    at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # matching keys with digit >= bin
+    digit = tl.max(tl.where(at_least >= k_left, bins, -1), axis=0)
+    above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+    return prefix | (digit.to(tl.int64) << SHIFT), k_left - above
+
+
+@triton.jit
+def _select_pages_kernel(scores_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
+                         HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    b = (row // HS).to(tl.int64)
+    r = row % HS
+    row_ptr = scores_ptr + b * sc_b + r * sc_h
+    cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
+    # The k-th largest key, in three digits of 11, 11 and 10 bits (the scores stay in L2 between passes).
+    prefix, k_left = _radix_pass(row_ptr, n, cur, tl.zeros((), tl.int64), k, 21, 11, BLOCK)
+    prefix, k_left = _radix_pass(row_ptr, n, cur, prefix, k_left, 10, 11, BLOCK)
+    prefix, k_left = _radix_pass(row_ptr, n, cur, prefix, k_left, 0, 10, BLOCK)
+    # Keys above the threshold, then the first k_left equal to it, written in slot order.
+    neg_inf_key = 0x007FFFFF
+    written = 0
+    ties = 0
+    for start in range(0, n, BLOCK):
+        c = start + tl.arange(0, BLOCK)
+        key = _row_keys(row_ptr, c, n, cur)
+        eq = (c < n) & (key == prefix)
+        take = ((c < n) & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), axis=0) <= k_left))
+        pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(out_ptr + b * so_b + r * so_h + pos, tl.where(key == neg_inf_key, -1, c.to(tl.int64)), mask=take)
+        written += tl.sum(take.to(tl.int32), axis=0)
+        ties += tl.sum(eq.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -122,8 +187,9 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
         ok = ok & (page >= 0) & (page * P + off <= q_pos)
         trow = slot * P + off
         kt = tl.load(k_base + trow[:, None] * sk_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
+        vt = tl.load(v_base + trow[:, None] * sv_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
         if UPCAST:
-            kt = kt.to(tl.float32)
+            kt, vt = kt.to(tl.float32), vt.to(tl.float32)
         qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # (G_PAD, BLOCK_N)
         qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -131,9 +197,6 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
         p = tl.math.exp2(qk - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_base + trow[:, None] * sv_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
-        if UPCAST:
-            vt = vt.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
         m_i = m_new
 
@@ -231,13 +294,33 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
         raise ValueError("page_scores: kmin and kmax must have the same layout")
     g = h // hkv
     out = torch.empty(b, h if per_query_head else hkv, c, dtype=torch.float32, device=q.device)
-    block_c = TUNING["page_block"]
-    _page_scores_kernel[(b * hkv, triton.cdiv(c, block_c))](
+    block_c, chunks = TUNING["page_block"], TUNING["page_chunks"]
+    _page_scores_kernel[(b * hkv, triton.cdiv(c, block_c * chunks))](
         q, kmin, kmax, slot_page, out, c,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
         slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1),
-        HKV=hkv, G=g, G_PAD=_group_pad(g), D=d, BLOCK_D=_block_d(d), BLOCK_C=block_c, PER_HEAD=per_query_head,
-        PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype), num_warps=TUNING["page_warps"])
+        HKV=hkv, G=g, G_PAD=_group_pad(g), D=d, BLOCK_D=_block_d(d), BLOCK_C=block_c, CHUNKS=chunks,
+        PER_HEAD=per_query_head, PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype),
+        num_warps=TUNING["page_warps"], num_stages=TUNING["page_stages"])
+    return out
+
+
+def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """The reference's selection (same set of slots; ties broken by slot order) listed in slot order rather than
+    by score, from an exact radix select instead of a sort."""
+    if num_pages < 1:
+        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    if scores.dtype != torch.float32:
+        return reference.select_pages(scores, cur_slot, num_pages)
+    b, hs, c = scores.shape
+    if scores.stride(2) != 1:
+        scores = scores.contiguous()
+    k = min(num_pages, c)
+    out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
+    _select_pages_kernel[(b * hs,)](
+        scores, cur_slot, out, c, k, scores.stride(0), scores.stride(1), cur_slot.stride(0), cur_slot.stride(1),
+        out.stride(0), out.stride(1), HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1],
+        BLOCK=min(TUNING["select_block"], max(16, triton.next_power_of_2(c))), num_warps=TUNING["select_warps"])
     return out
 
 
@@ -316,6 +399,6 @@ def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
         HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), P=p, num_warps=1)
 
 
-OPS = {"page_scores": page_scores, "sparse_decode": sparse_decode, "sparse_decode_tokens": sparse_decode_tokens,
+OPS = {"page_scores": page_scores, "select_pages": select_pages, "sparse_decode": sparse_decode, "sparse_decode_tokens": sparse_decode_tokens,
        "append_token": append_token}
 FAST.update(OPS)

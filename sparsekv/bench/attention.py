@@ -384,6 +384,20 @@ def tune(args, timer, device) -> list[dict]:
     return out
 
 
+def best_tuning(rows: list[dict]) -> dict:
+    """Per kernel, the launch parameters with the least total time over the tuned shapes."""
+    best = {}
+    for kind in sorted({r["kernel"] for r in rows}):
+        totals: dict[tuple, float] = {}
+        for r in rows:
+            if r["kernel"] == kind:
+                key = tuple((k, v) for k, v in r.items() if k not in ("shape", "batch", "context", "kernel", "us",
+                                                                      "tbps"))
+                totals[key] = totals.get(key, 0.0) + r["us"]
+        best.update(dict(min(totals, key=totals.get)))
+    return best
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m sparsekv.bench.attention", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b", "llama2-7b"], choices=sorted(SHAPES))
@@ -396,7 +410,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-copies", type=int, default=48, help="cap on cache copies rotated through per sweep")
     ap.add_argument("--no-naive", dest="naive", action="store_false", help="skip naive torch Quest")
     ap.add_argument("--quick", action="store_true", help="llama3-8b, batch 1, budget 2048, contexts 32K and 128K")
-    ap.add_argument("--tune", action="store_true", help="sweep kernel launch parameters instead")
+    ap.add_argument("--tune", action="store_true", help="sweep kernel launch parameters instead (writes the best)")
+    ap.add_argument("--tuning", type=Path, help="launch parameters from a --tune run's JSON ('best')")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--tag", default="attention", help="output file stem")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -422,17 +437,28 @@ def main(argv=None) -> None:
     print(f"{meta['device']}: copy {meta['copy_tbps']:.2f} TB/s", flush=True)
     if args.tune:
         rows = tune(args, timer, device)
-        (args.out / f"{args.tag}_tune.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        best = best_tuning(rows)
+        print(f"best: {best}")
+        (args.out / f"{args.tag}_tune.json").write_text(json.dumps({"meta": meta, "best": best, "rows": rows},
+                                                                   indent=1))
         return
-    rows, notes = [], []
-    for shape in args.shapes:
-        for batch in args.batches:
+    if args.tuning:
+        from ..kernels import triton_ops
+
+        triton_ops.TUNING.update(json.loads(args.tuning.read_text())["best"])
+    if device.type == "cuda":
+        from ..kernels import triton_ops
+
+        meta["tuning"] = dict(triton_ops.TUNING)
+    rows, notes, targets = [], [], []
+    for batch in args.batches:  # batch 1 of every shape first: the targets' rows
+        for shape in args.shapes:
             for context in args.contexts:
                 rows += bench_config(shape, batch, context, sorted(args.budgets), args, timer, device, notes)
-    targets = check_targets(rows)
-    (args.out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": targets,
-                                                           "notes": notes}, indent=1))
-    write_markdown(args.out / f"{args.tag}.md", meta, rows, targets, notes)
+                targets = check_targets(rows)  # written after every configuration, so a cut-short run keeps its rows
+                (args.out / f"{args.tag}.json").write_text(json.dumps(
+                    {"meta": meta, "rows": rows, "targets": targets, "notes": notes}, indent=1))
+                write_markdown(args.out / f"{args.tag}.md", meta, rows, targets, notes)
     if rows:
         plot(args.out / f"{args.tag}.png", rows)
     for t in targets:

@@ -13,10 +13,9 @@ Kernels:
   key/value rows of its share of the selected pages (or tokens), runs an online softmax in fp32 for the row's query
   heads, and writes an unnormalised partial output with its running max and sum; a second kernel merges the splits
   (log-sum-exp). Invalid entries (-1, free slots, positions after the current token) are masked, never branched on.
-- ``select_pages``: one program per selection row finds the exact k-th largest score by a three-digit radix select
-  (histograms of 11, 11 and 10 bits of an order-preserving integer key) and writes the winners in slot order.
-  It replaces ``torch.topk``, which took 35 of the 47 us of a Llama-3-8B step at 32K on the H200
-  (benchmarks/results/KERNEL_NOTES.md).
+- ``select_pages``: exact top-k by bitonic ``tl.topk`` on int64 keys that pack the score (order-preserving bits)
+  with the slot: per segment of slots in parallel, then over the segments' winners. It replaces ``torch.topk``,
+  which took 35 of the 47 us of a Llama-3-8B step at 32K on the H200 (benchmarks/results/KERNEL_NOTES.md).
 - ``append_token``: writes one decode token's key and value into its page and updates the page's key bounds.
 """
 
@@ -37,7 +36,7 @@ _MAX_SPLITS = 64
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor, so that enough loads are in flight even for batch 1.
 TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2, "select_block": 2048,
-          "select_warps": 8, "attn_block_n": 64, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
+          "select_warps": 8, "select_max_k": 1024, "select_final_max": 8192, "attn_block_n": 64, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
 
 
 @triton.jit
@@ -82,63 +81,52 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, n_slots,
             tl.store(out_ptr + b * so_b + kvh * so_h + c, tl.max(s, axis=0), mask=in_c)
 
 
+_NEG_INF_KEY = tl.constexpr(-2139095041)  # _packed's high half for a score of -inf (a free slot)
+_LOWEST = tl.constexpr(-9223372036854775808)
+
+
 @triton.jit
-def _order_key(x):
-    """fp32 -> int64 in [0, 2^32) with the same order (the float's bits, sign-flipped)."""
+def _packed(row_ptr, c, n, cur):
+    """Scores as int64 whose order is (score, then lower slot first): the float's bits made order-preserving as a
+    signed int in the high half, ``~slot`` in the low half, so that one integer top-k also carries the slot."""
+    x = tl.load(row_ptr + c, mask=c < n, other=0.0)
+    x = tl.where(c == cur, float("inf"), x)  # the current page is always selected
     bits = x.to(tl.int32, bitcast=True)
-    u = bits.to(tl.int64) & 0xFFFFFFFF
-    return tl.where(bits < 0, 0xFFFFFFFF - u, u + 0x80000000)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = tl.where(c < n, key, -2147483648)  # padding sorts below every score
+    return (key.to(tl.int64) << 32) | (0xFFFFFFFF - c.to(tl.int64))
 
 
 @triton.jit
-def _row_keys(row_ptr, c, n, cur):
-    x = tl.load(row_ptr + c, mask=c < n, other=float("-inf"))
-    return _order_key(tl.where(c == cur, float("inf"), x))  # the current page is always selected
+def _topk_segment_kernel(scores_ptr, cur_ptr, cand_ptr, n, n_seg, sc_b, sc_h, cu_b, cu_h,
+                         HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, SEG: tl.constexpr, KP: tl.constexpr):
+    row = tl.program_id(0)
+    seg = tl.program_id(1)
+    b = (row // HS).to(tl.int64)
+    r = row % HS
+    cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
+    c = seg * SEG + tl.arange(0, SEG)
+    top = tl.topk(_packed(scores_ptr + b * sc_b + r * sc_h, c, n, cur), KP)
+    tl.store(cand_ptr + (row.to(tl.int64) * n_seg + seg) * KP + tl.arange(0, KP), top)
 
 
 @triton.jit
-def _radix_pass(row_ptr, n, cur, prefix, k_left, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    """One digit of a most-significant-first radix select: among the keys that share ``prefix`` above bit
-    SHIFT + WIDTH, finds the digit of the k_left-th largest; returns the longer prefix and what is left of k."""
-    NB: tl.constexpr = 1 << WIDTH
-    hist = tl.zeros((NB,), tl.int32)
-    for start in range(0, n, BLOCK):
-        c = start + tl.arange(0, BLOCK)
-        key = _row_keys(row_ptr, c, n, cur)
-        match = (c < n) & ((key >> (SHIFT + WIDTH)) == (prefix >> (SHIFT + WIDTH)))
-        hist += tl.histogram(((key >> SHIFT) & (NB - 1)).to(tl.int32), NB, mask=match)
-    bins = tl.arange(0, NB)
-    at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # matching keys with digit >= bin
-    digit = tl.max(tl.where(at_least >= k_left, bins, -1), axis=0)
-    above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-    return prefix | (digit.to(tl.int64) << SHIFT), k_left - above
-
-
-@triton.jit
-def _select_pages_kernel(scores_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
-                         HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_final_kernel(src_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
+                       HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, N_PAD: tl.constexpr, KP: tl.constexpr,
+                       FROM_SCORES: tl.constexpr):
     row = tl.program_id(0)
     b = (row // HS).to(tl.int64)
     r = row % HS
-    row_ptr = scores_ptr + b * sc_b + r * sc_h
-    cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
-    # The k-th largest key, in three digits of 11, 11 and 10 bits (the scores stay in L2 between passes).
-    prefix, k_left = _radix_pass(row_ptr, n, cur, tl.zeros((), tl.int64), k, 21, 11, BLOCK)
-    prefix, k_left = _radix_pass(row_ptr, n, cur, prefix, k_left, 10, 11, BLOCK)
-    prefix, k_left = _radix_pass(row_ptr, n, cur, prefix, k_left, 0, 10, BLOCK)
-    # Keys above the threshold, then the first k_left equal to it, written in slot order.
-    neg_inf_key = 0x007FFFFF
-    written = 0
-    ties = 0
-    for start in range(0, n, BLOCK):
-        c = start + tl.arange(0, BLOCK)
-        key = _row_keys(row_ptr, c, n, cur)
-        eq = (c < n) & (key == prefix)
-        take = ((c < n) & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), axis=0) <= k_left))
-        pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(out_ptr + b * so_b + r * so_h + pos, tl.where(key == neg_inf_key, -1, c.to(tl.int64)), mask=take)
-        written += tl.sum(take.to(tl.int32), axis=0)
-        ties += tl.sum(eq.to(tl.int32), axis=0)
+    i = tl.arange(0, N_PAD)
+    if FROM_SCORES:
+        cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
+        packed = _packed(src_ptr + b * sc_b + r * sc_h, i, n, cur)
+    else:  # the segments' candidates, n per row
+        packed = tl.load(src_ptr + row.to(tl.int64) * n + i, mask=i < n, other=_LOWEST)
+    top = tl.topk(packed, KP)
+    j = tl.arange(0, KP)
+    slot = 0xFFFFFFFF - (top & 0xFFFFFFFF)
+    tl.store(out_ptr + b * so_b + r * so_h + j, tl.where((top >> 32) == _NEG_INF_KEY, -1, slot), mask=j < k)
 
 
 @triton.jit
@@ -306,21 +294,34 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
 
 
 def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -> torch.Tensor:
-    """The reference's selection (same set of slots; ties broken by slot order) listed in slot order rather than
-    by score, from an exact radix select instead of a sort."""
+    """The reference's selection, in the same order (by score; ties to the lower slot), from a two-level bitonic
+    top-k: the top of each segment of slots, then the top of those."""
     if num_pages < 1:
         raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-    if scores.dtype != torch.float32:
-        return reference.select_pages(scores, cur_slot, num_pages)
     b, hs, c = scores.shape
+    k = min(num_pages, c)
+    kp = triton.next_power_of_2(k)
+    seg = max(TUNING["select_block"], 2 * kp)
+    n_seg = triton.cdiv(c, seg)
+    if (scores.dtype != torch.float32 or kp > TUNING["select_max_k"]
+            or triton.next_power_of_2(n_seg * kp) > TUNING["select_final_max"]):
+        return reference.select_pages(scores, cur_slot, num_pages)  # torch.topk: selections this large are rare
     if scores.stride(2) != 1:
         scores = scores.contiguous()
-    k = min(num_pages, c)
     out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
-    _select_pages_kernel[(b * hs,)](
-        scores, cur_slot, out, c, k, scores.stride(0), scores.stride(1), cur_slot.stride(0), cur_slot.stride(1),
-        out.stride(0), out.stride(1), HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1],
-        BLOCK=min(TUNING["select_block"], max(16, triton.next_power_of_2(c))), num_warps=TUNING["select_warps"])
+    rows = (scores.stride(0), scores.stride(1), cur_slot.stride(0), cur_slot.stride(1))
+    meta = dict(HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1], KP=kp)
+    if n_seg == 1:
+        _topk_final_kernel[(b * hs,)](scores, cur_slot, out, c, k, *rows, out.stride(0), out.stride(1),
+                                      N_PAD=max(kp, triton.next_power_of_2(c)), FROM_SCORES=True, **meta,
+                                      num_warps=TUNING["select_warps"])
+        return out
+    cand = torch.empty(b * hs, n_seg * kp, dtype=torch.long, device=scores.device)
+    _topk_segment_kernel[(b * hs, n_seg)](scores, cur_slot, cand, c, n_seg, *rows, SEG=seg, **meta,
+                                          num_warps=TUNING["select_warps"])
+    _topk_final_kernel[(b * hs,)](cand, cur_slot, out, n_seg * kp, k, *rows, out.stride(0), out.stride(1),
+                                  N_PAD=triton.next_power_of_2(n_seg * kp), FROM_SCORES=False, **meta,
+                                  num_warps=TUNING["select_warps"])
     return out
 
 

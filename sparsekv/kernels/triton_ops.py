@@ -35,8 +35,10 @@ _MAX_SPLITS = 64
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor, so that enough loads are in flight even for batch 1.
-TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2, "select_block": 2048,
-          "select_warps": 8, "select_max_k": 1024, "select_final_max": 8192, "attn_block_n": 64, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
+TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
+          "select_impl": "radix", "select_radix_bits": 4, "select_block": 2048, "select_warps": 8,
+          "select_max_k": 1024, "select_final_max": 8192,
+          "attn_block_n": 64, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
 
 
 @triton.jit
@@ -81,20 +83,71 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, n_slots,
             tl.store(out_ptr + b * so_b + kvh * so_h + c, tl.max(s, axis=0), mask=in_c)
 
 
-_NEG_INF_KEY = tl.constexpr(-2139095041)  # _packed's high half for a score of -inf (a free slot)
+_NEG_INF_KEY = tl.constexpr(8388607)  # _score_key of -inf (a free slot)
 _LOWEST = tl.constexpr(-9223372036854775808)
 
 
 @triton.jit
-def _packed(row_ptr, c, n, cur):
-    """Scores as int64 whose order is (score, then lower slot first): the float's bits made order-preserving as a
-    signed int in the high half, ``~slot`` in the low half, so that one integer top-k also carries the slot."""
+def _score_key(row_ptr, c, n, cur):
+    """Scores as int64 keys in [0, 2^32) in the same order (the float's bits, sign-flipped); the current page gets
+    the key of +inf, so that it is always selected, and padding (c >= n) the key 0, below every score."""
     x = tl.load(row_ptr + c, mask=c < n, other=0.0)
-    x = tl.where(c == cur, float("inf"), x)  # the current page is always selected
+    x = tl.where(c == cur, float("inf"), x)
     bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = tl.where(c < n, key, -2147483648)  # padding sorts below every score
-    return (key.to(tl.int64) << 32) | (0xFFFFFFFF - c.to(tl.int64))
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+    return tl.where(c < n, key, 0)
+
+
+@triton.jit
+def _packed(row_ptr, c, n, cur):
+    """(score key, lower slot first) in one signed int64: key - 2^31 in the high half, ~slot in the low half, so
+    that one integer top-k also carries the slot."""
+    return ((_score_key(row_ptr, c, n, cur) - 2147483648) << 32) | (0xFFFFFFFF - c.to(tl.int64))
+
+
+@triton.jit
+def _radix_pass(row_ptr, n, cur, prefix, k_left, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """One digit of a most-significant-first radix select: among the keys that share ``prefix`` above bit
+    SHIFT + WIDTH, finds the digit of the k_left-th largest; returns the longer prefix and what is left of k.
+    tl.histogram costs about bins / 32 operations per element, hence narrow digits."""
+    NB: tl.constexpr = 1 << WIDTH
+    hist = tl.zeros((NB,), tl.int32)
+    for start in range(0, n, BLOCK):
+        c = start + tl.arange(0, BLOCK)
+        key = _score_key(row_ptr, c, n, cur)
+        match = (c < n) & ((key >> (SHIFT + WIDTH)) == (prefix >> (SHIFT + WIDTH)))
+        hist += tl.histogram(((key >> SHIFT) & (NB - 1)).to(tl.int32), NB, mask=match)
+    bins = tl.arange(0, NB)
+    at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # matching keys with digit >= bin
+    digit = tl.max(tl.where(at_least >= k_left, bins, -1), axis=0)
+    above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+    return prefix | (digit.to(tl.int64) << SHIFT), k_left - above
+
+
+@triton.jit
+def _radix_select_kernel(scores_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
+                         HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    row = tl.program_id(0)
+    b = (row // HS).to(tl.int64)
+    r = row % HS
+    row_ptr = scores_ptr + b * sc_b + r * sc_h
+    cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
+    prefix = tl.zeros((), tl.int64)  # the k-th largest key, WIDTH bits at a time (the row stays in L2)
+    k_left = k
+    for p in tl.static_range(32 // WIDTH):
+        prefix, k_left = _radix_pass(row_ptr, n, cur, prefix, k_left, 32 - (p + 1) * WIDTH, WIDTH, BLOCK)
+    # Keys above the threshold, then the first k_left equal to it, written in slot order.
+    written = 0
+    ties = 0
+    for start in range(0, n, BLOCK):
+        c = start + tl.arange(0, BLOCK)
+        key = _score_key(row_ptr, c, n, cur)
+        eq = (c < n) & (key == prefix)
+        take = ((c < n) & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), axis=0) <= k_left))
+        pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(out_ptr + b * so_b + r * so_h + pos, tl.where(key == _NEG_INF_KEY, -1, c.to(tl.int64)), mask=take)
+        written += tl.sum(take.to(tl.int32), axis=0)
+        ties += tl.sum(eq.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -126,7 +179,8 @@ def _topk_final_kernel(src_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, 
     top = tl.topk(packed, KP)
     j = tl.arange(0, KP)
     slot = 0xFFFFFFFF - (top & 0xFFFFFFFF)
-    tl.store(out_ptr + b * so_b + r * so_h + j, tl.where((top >> 32) == _NEG_INF_KEY, -1, slot), mask=j < k)
+    tl.store(out_ptr + b * so_b + r * so_h + j, tl.where((top >> 32) + 2147483648 == _NEG_INF_KEY, -1, slot),
+             mask=j < k)
 
 
 @triton.jit
@@ -303,13 +357,20 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
     kp = triton.next_power_of_2(k)
     seg = max(TUNING["select_block"], 2 * kp)
     n_seg = triton.cdiv(c, seg)
+    bitonic = TUNING["select_impl"] == "bitonic"
     if (scores.dtype != torch.float32 or kp > TUNING["select_max_k"]
-            or triton.next_power_of_2(n_seg * kp) > TUNING["select_final_max"]):
+            or (bitonic and triton.next_power_of_2(n_seg * kp) > TUNING["select_final_max"])):
         return reference.select_pages(scores, cur_slot, num_pages)  # torch.topk: selections this large are rare
     if scores.stride(2) != 1:
         scores = scores.contiguous()
     out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
     rows = (scores.stride(0), scores.stride(1), cur_slot.stride(0), cur_slot.stride(1))
+    if not bitonic:
+        _radix_select_kernel[(b * hs,)](scores, cur_slot, out, c, k, *rows, out.stride(0), out.stride(1),
+                                        HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1],
+                                        BLOCK=min(TUNING["select_block"], max(16, triton.next_power_of_2(c))),
+                                        WIDTH=TUNING["select_radix_bits"], num_warps=TUNING["select_warps"])
+        return out
     meta = dict(HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1], KP=kp)
     if n_seg == 1:
         _topk_final_kernel[(b * hs,)](scores, cur_slot, out, c, k, *rows, out.stride(0), out.stride(1),

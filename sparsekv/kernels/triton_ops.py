@@ -14,8 +14,9 @@ Kernels:
   heads, and writes an unnormalised partial output with its running max and sum; a second kernel merges the splits
   (log-sum-exp). Invalid entries (-1, free slots, positions after the current token) are masked, never branched on.
 - ``select_pages``: exact top-k by bitonic ``tl.topk`` on int64 keys that pack the score (order-preserving bits)
-  with the slot: per segment of slots in parallel, then over the segments' winners. It replaces ``torch.topk``,
-  which took 35 of the 47 us of a Llama-3-8B step at 32K on the H200 (benchmarks/results/KERNEL_NOTES.md).
+  with the slot: the top of each segment of slots in parallel, then the top of those. It replaces ``torch.topk``
+  (35 of the 47 us of a Llama-3-8B step at 32K on the H200); selections larger than ``TUNING`` allows still use
+  ``torch.topk`` (benchmarks/results/KERNEL_NOTES.md has the numbers).
 - ``append_token``: writes one decode token's key and value into its page and updates the page's key bounds.
 """
 
@@ -35,10 +36,11 @@ _MAX_SPLITS = 64
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor, so that enough loads are in flight even for batch 1.
+# select_block: slots per segment of the first top-k level; select_max_k / select_final_max: selections of more pages,
+# or with more candidates left for the second level, go to torch.topk.
 TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
-          "select_impl": "radix", "select_radix_bits": 4, "select_block": 2048, "select_warps": 8,
-          "select_max_k": 1024, "select_final_max": 8192,
-          "attn_block_n": 64, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
+          "select_block": 1024, "select_warps": 4, "select_max_k": 1024, "select_final_max": 8192,
+          "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
 
 
 @triton.jit
@@ -103,51 +105,6 @@ def _packed(row_ptr, c, n, cur):
     """(score key, lower slot first) in one signed int64: key - 2^31 in the high half, ~slot in the low half, so
     that one integer top-k also carries the slot."""
     return ((_score_key(row_ptr, c, n, cur) - 2147483648) << 32) | (0xFFFFFFFF - c.to(tl.int64))
-
-
-@triton.jit
-def _radix_pass(row_ptr, n, cur, prefix, k_left, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    """One digit of a most-significant-first radix select: among the keys that share ``prefix`` above bit
-    SHIFT + WIDTH, finds the digit of the k_left-th largest; returns the longer prefix and what is left of k.
-    tl.histogram costs about bins / 32 operations per element, hence narrow digits."""
-    NB: tl.constexpr = 1 << WIDTH
-    hist = tl.zeros((NB,), tl.int32)
-    for start in range(0, n, BLOCK):
-        c = start + tl.arange(0, BLOCK)
-        key = _score_key(row_ptr, c, n, cur)
-        match = (c < n) & ((key >> (SHIFT + WIDTH)) == (prefix >> (SHIFT + WIDTH)))
-        hist += tl.histogram(((key >> SHIFT) & (NB - 1)).to(tl.int32), NB, mask=match)
-    bins = tl.arange(0, NB)
-    at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # matching keys with digit >= bin
-    digit = tl.max(tl.where(at_least >= k_left, bins, -1), axis=0)
-    above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-    return prefix | (digit.to(tl.int64) << SHIFT), k_left - above
-
-
-@triton.jit
-def _radix_select_kernel(scores_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
-                         HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
-    row = tl.program_id(0)
-    b = (row // HS).to(tl.int64)
-    r = row % HS
-    row_ptr = scores_ptr + b * sc_b + r * sc_h
-    cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
-    prefix = tl.zeros((), tl.int64)  # the k-th largest key, WIDTH bits at a time (the row stays in L2)
-    k_left = k
-    for p in tl.static_range(32 // WIDTH):
-        prefix, k_left = _radix_pass(row_ptr, n, cur, prefix, k_left, 32 - (p + 1) * WIDTH, WIDTH, BLOCK)
-    # Keys above the threshold, then the first k_left equal to it, written in slot order.
-    written = 0
-    ties = 0
-    for start in range(0, n, BLOCK):
-        c = start + tl.arange(0, BLOCK)
-        key = _score_key(row_ptr, c, n, cur)
-        eq = (c < n) & (key == prefix)
-        take = ((c < n) & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), axis=0) <= k_left))
-        pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(out_ptr + b * so_b + r * so_h + pos, tl.where(key == _NEG_INF_KEY, -1, c.to(tl.int64)), mask=take)
-        written += tl.sum(take.to(tl.int32), axis=0)
-        ties += tl.sum(eq.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -357,20 +314,13 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
     kp = triton.next_power_of_2(k)
     seg = max(TUNING["select_block"], 2 * kp)
     n_seg = triton.cdiv(c, seg)
-    bitonic = TUNING["select_impl"] == "bitonic"
     if (scores.dtype != torch.float32 or kp > TUNING["select_max_k"]
-            or (bitonic and triton.next_power_of_2(n_seg * kp) > TUNING["select_final_max"])):
+            or triton.next_power_of_2(n_seg * kp) > TUNING["select_final_max"]):
         return reference.select_pages(scores, cur_slot, num_pages)  # torch.topk: selections this large are rare
     if scores.stride(2) != 1:
         scores = scores.contiguous()
     out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
     rows = (scores.stride(0), scores.stride(1), cur_slot.stride(0), cur_slot.stride(1))
-    if not bitonic:
-        _radix_select_kernel[(b * hs,)](scores, cur_slot, out, c, k, *rows, out.stride(0), out.stride(1),
-                                        HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1],
-                                        BLOCK=min(TUNING["select_block"], max(16, triton.next_power_of_2(c))),
-                                        WIDTH=TUNING["select_radix_bits"], num_warps=TUNING["select_warps"])
-        return out
     meta = dict(HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1], KP=kp)
     if n_seg == 1:
         _topk_final_kernel[(b * hs,)](scores, cur_slot, out, c, k, *rows, out.stride(0), out.stride(1),

@@ -110,13 +110,15 @@ class TokenFiller:
         self.tokenizer = tokenizer
         self.unit = source()
         self.ids: list[int] = []
-        self.copies = 0
+        self.chars = 4096
 
     def take(self, n: int) -> str:
         """The text of the first ``n`` tokens of the (repeated) filler."""
-        while len(self.ids) < n:
-            self.copies = max(1, 2 * self.copies)
-            self.ids = self.tokenizer(self.unit * self.copies, add_special_tokens=False)["input_ids"]
+        # Only a prefix long enough for n tokens is tokenized (the one token cut at its end is never used).
+        while len(self.ids) <= n:
+            self.chars *= 2
+            text = self.unit * -(-self.chars // len(self.unit))
+            self.ids = self.tokenizer(text[:self.chars], add_special_tokens=False)["input_ids"]
         return self.tokenizer.decode(self.ids[:n]) if n > 0 else ""
 
 

@@ -137,10 +137,10 @@ def _plot_heatmaps(plt, records, out: Path, task: str) -> Path | None:
     cells = _groups(records, "method", "budget", "depth", "length")
     cols = min(4, len(keys))
     rows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 1, 3.2 * rows), squeeze=False, layout="constrained")
     for ax, (m, b) in zip(axes.flat, keys):
-        grid = np.array([[_mean(r["score"] for r in cells.get((m, b, d, n), [])) or np.nan for n in lengths]
-                         for d in depths], dtype=float)
+        grid = np.array([[_mean(r["score"] for r in cells.get((m, b, d, n), [])) for n in lengths]
+                         for d in depths], dtype=float)  # None (no runs) becomes nan: a blank cell
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45)
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
@@ -167,6 +167,7 @@ def _plot_recall(plt, records, out: Path, task: str) -> Path | None:
     for name, ys in lines:
         ax.plot(range(len(ys)), [np.nan if y is None else y for y in ys], marker="o", label=name)
     ax.set_xlabel("layer")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("attention recall")
     ax.set_ylim(0, 1.05)
     ax.set_title(f"{task}: dense attention mass covered")

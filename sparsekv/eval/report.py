@@ -113,7 +113,7 @@ def _plot_budget(plt, records, out: Path, task: str) -> Path:
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=m)
             if (m, None, n) in cells:
-                ax.axhline(_mean(r["score"] for r in cells[(m, None, n)]), linestyle="--", color="gray", label=m)
+                ax.axhline(_mean(r["score"] for r in cells[(m, None, n)]), linestyle="--", label=m)
         if budgets:
             ax.set_xscale("log", base=2)
         ax.set_xlabel("token budget")
@@ -121,10 +121,7 @@ def _plot_budget(plt, records, out: Path, task: str) -> Path:
         ax.set_title(f"{task}" + (f", length {n}" if n is not None else ""))
         ax.legend(fontsize="small")
     fig.tight_layout()
-    path = out / f"{task}_vs_budget.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / f"{task}_vs_budget.png")
 
 
 def _plot_heatmaps(plt, records, out: Path, task: str) -> Path | None:
@@ -150,10 +147,7 @@ def _plot_heatmaps(plt, records, out: Path, task: str) -> Path | None:
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
-    path = out / f"{task}_depth_length.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / f"{task}_depth_length.png")
 
 
 def _plot_recall(plt, records, out: Path, task: str) -> Path | None:
@@ -173,7 +167,10 @@ def _plot_recall(plt, records, out: Path, task: str) -> Path | None:
     ax.set_title(f"{task}: dense attention mass covered")
     ax.legend(fontsize="small")
     fig.tight_layout()
-    path = out / f"{task}_recall.png"
+    return _save(plt, fig, out / f"{task}_recall.png")
+
+
+def _save(plt, fig, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -66,11 +66,14 @@ def run(args: argparse.Namespace) -> int:
                     device=args.device, out=args.out or f"eval_results/{args.task}", question_mode=args.question_mode,
                     chat=args.chat, recall=args.recall, plots=not args.no_plots, options=options)
     try:
-        run_eval(spec, progress=not args.no_progress)
+        out = run_eval(spec, progress=not args.no_progress)
     except (EvalError, ValueError) as e:
         print(f"sparsekv eval: error: {e}", file=sys.stderr)
         print(f"(finished runs, if any, are kept in {spec.out}/results.jsonl; rerun to resume)", file=sys.stderr)
         return 1
+    table = out / f"{args.task}.md"
+    if table.exists():
+        print(table.read_text())
     return 0
 
 

@@ -154,6 +154,7 @@ class LongBench(Task):
 
     def samples(self, tokenizer, length, depth, seed, count):
         out = []
+        specials = len(tokenizer("", add_special_tokens=True)["input_ids"])  # e.g. BOS, added to the context
         for name in self.datasets:
             template = self.prompts[name]
             head, tail = template.split("{context}", 1)
@@ -161,7 +162,8 @@ class LongBench(Task):
                 fields = {"context": row["context"], "input": row.get("input", "")}
                 question = tail.format(**fields)
                 q_tokens = len(tokenizer(question, add_special_tokens=False)["input_ids"])
-                context = _truncate_middle(tokenizer, head.format(**fields) + row["context"], length - q_tokens)
+                context = _truncate_middle(tokenizer, head.format(**fields) + row["context"],
+                                           length - q_tokens - specials)
                 answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
                 out.append(Sample(context, question, {"answers": answers, "classes": row.get("all_classes")},
                                   self.options.max_new_tokens or self.maxlens[name],

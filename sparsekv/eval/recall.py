@@ -80,11 +80,15 @@ class RecallProbe(Method):
             self._picked = (slots, layer.slot_page.clone())
             return slots
 
+        own = self.inner.__dict__.get("select")  # an instance-level select (rare) is put back afterwards
         self.inner.select = recording  # the inner decode's own select call is the one recorded
         try:
             out, attended = self.inner.decode(layer_idx, q, layer, seq_len, scale)
         finally:
-            del self.inner.select
+            if own is None:
+                del self.inner.select
+            else:
+                self.inner.select = own
         if self._picked is None:
             raise ValueError(f"attention recall: method {self.inner.config.name!r} decodes without select(); "
                              f"its attended tokens cannot be observed")
@@ -102,8 +106,8 @@ class RecallProbe(Method):
         """Copies every key the layer holds now into the shadow history."""
         b, h, _, d = layer.shape
         keys, seen = self.keys.get(layer_idx), self.seen.get(layer_idx)
-        if keys is None or keys.shape[2] < length:
-            grown = max(length, 2 * (0 if keys is None else keys.shape[2]))
+        if keys is None or keys.shape[2] - 1 < length:
+            grown = max(length, 2 * (0 if keys is None else keys.shape[2] - 1))
             new_keys = layer.k.new_zeros(b, h, grown + 1, d)  # the extra column absorbs free slots
             new_seen = torch.zeros(b, h, grown + 1, dtype=torch.bool, device=layer.k.device)
             if keys is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -55,8 +56,6 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", log=
         model = tiny_model(arch, dtype=dtypes[dtype] or torch.float32)
         tokenizer = byte_tokenizer()
     else:
-        from pathlib import Path
-
         if not Path(spec).is_dir():
             raise EvalError(f"--model {spec}: not a folder (give a local model directory or tiny:<arch>)")
         kwargs = {"local_files_only": True}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import PagedLayer
-from ..methods.base import Method, MethodConfig
+from ..methods.base import MethodConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,11 +43,13 @@ class RecallConfig(MethodConfig):
         return RecallProbe(self, num_layers)
 
 
-class RecallProbe(Method):
-    """The inner method plus the recall bookkeeping; everything else is delegated to the inner method."""
+class RecallProbe:
+    """The inner method plus the recall bookkeeping. Not a ``Method`` subclass on purpose: every hook other than
+    ``prefill`` and ``decode`` (including ones added to ``Method`` later) reaches the inner method unchanged."""
 
     def __init__(self, config: RecallConfig, num_layers: int):
-        super().__init__(config, num_layers)
+        self.config = config
+        self.num_layers = num_layers
         self.inner = config.inner.build(num_layers)
         self.keys: dict[int, torch.Tensor] = {}  # layer -> (B, Hkv, T, D) every key seen, by position
         self.seen: dict[int, torch.Tensor] = {}  # layer -> (B, Hkv, T) bool
@@ -55,12 +57,7 @@ class RecallProbe(Method):
         self.steps = torch.zeros(num_layers, dtype=torch.long)
         self._picked: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    @property
-    def max_pages(self):
-        return self.inner.max_pages
-
     def __getattr__(self, name):
-        # Hooks a future method adds (after_step, ...) reach the inner method unchanged.
         inner = self.__dict__.get("inner")
         if inner is None:
             raise AttributeError(name)

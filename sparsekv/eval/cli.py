@@ -71,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"sparsekv eval: error: {e}", file=sys.stderr)
         print(f"(finished runs, if any, are kept in {spec.out}/results.jsonl; rerun to resume)", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"\nsparsekv eval: interrupted; finished runs are kept in {spec.out}/results.jsonl, rerun the same "
+              f"command to resume", file=sys.stderr)
+        return 130
     table = out / f"{args.task}.md"
     if table.exists():
         print(table.read_text())

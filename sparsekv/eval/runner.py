@@ -189,7 +189,8 @@ def run_eval(spec: EvalSpec, log=print, progress: bool = True, loaded: LoadedMod
             f.write(json.dumps(record, default=str) + "\n")
             f.flush()
             bar.update(1)
-            bar.set_postfix_str(f"{run.label}@{run.budget} {task.metric}={result['score']:.3g}")
+            where = run.label if run.budget is None else f"{run.label} @{run.budget}"
+            bar.set_postfix_str(f"{where}: {task.metric} {result['score']:.3g}")
     bar.close()
     write_report(read_results(path), out, task.name, plots=spec.plots, log=log)
     return out

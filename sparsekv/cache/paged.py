@@ -54,6 +54,11 @@ class PagedLayer:
     kmin, kmax: (B, Hkv, C + 1, D), channel-wise bounds of the keys in each slot.
     slot_page: (B, Hkv, C + 1) int64, logical page held by each slot, -1 if free.
     cur_slot: (B, Hkv) int64, slot of each row's last (current) page.
+
+    Methods that evict also use: ``max_pages``, a cap on this layer's slots per row; ``dropped``, pages each row
+    has dropped for good (host ints), so that the cache allocates for what is held rather than for the sequence
+    length; ``slot_state``, per-slot tensors (B, Hkv, C + 1) of the method (e.g. H2O's accumulated attention) that
+    move with the slots when the layer grows, is compacted or reordered.
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, page_size: int, capacity: int,
@@ -67,6 +72,9 @@ class PagedLayer:
         self.kmax = torch.full((*shape, head_dim), float("-inf"), dtype=dtype, device=device)
         self.slot_page = torch.full(shape, -1, dtype=torch.long, device=device)
         self.cur_slot = torch.full(shape[:2], -1, dtype=torch.long, device=device)
+        self.max_pages: int | None = None
+        self.dropped = [0] * batch
+        self.slot_state: dict[str, torch.Tensor] = {}
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -77,13 +85,42 @@ class PagedLayer:
     def grow(self, capacity: int) -> None:
         """Reallocates to ``capacity`` slots; amortised by the caller asking for geometric growth."""
         old = self.capacity
-        for name in ("k", "v", "kmin", "kmax", "slot_page"):
-            t = getattr(self, name)
-            fill = {"kmin": float("inf"), "kmax": float("-inf"), "slot_page": -1}.get(name, 0)
+
+        def grown(t: torch.Tensor, fill) -> torch.Tensor:
             new = torch.full((*t.shape[:2], capacity + 1, *t.shape[3:]), fill, dtype=t.dtype, device=t.device)
             new[:, :, :old] = t[:, :, :old]
-            setattr(self, name, new)
+            return new
+
+        for name in ("k", "v", "kmin", "kmax", "slot_page"):
+            fill = {"kmin": float("inf"), "kmax": float("-inf"), "slot_page": -1}.get(name, 0)
+            setattr(self, name, grown(getattr(self, name), fill))
+        self.slot_state = {name: grown(t, 0) for name, t in self.slot_state.items()}
         self.capacity = capacity
+
+    def compact(self, capacity: int) -> torch.Tensor:
+        """Moves each row's held pages to its lowest slots, in slot order, and reallocates to ``capacity`` slots,
+        which must be at least the most pages a row holds: releases the memory of pages dropped for good.
+        Returns (B, Hkv, capacity) the old slot of each new slot."""
+        if not 1 <= capacity <= self.capacity:
+            raise ValueError(f"capacity must be from 1 to the current {self.capacity} slots, got {capacity}")
+        cap = self.capacity
+        order = torch.argsort((self.slot_page[:, :, :cap] < 0).to(torch.int8), dim=2, stable=True)[:, :, :capacity]
+        with_scratch = torch.cat([order, torch.full_like(order[:, :, :1], cap)], dim=2)
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            idx = with_scratch.view(*with_scratch.shape, *[1] * (t.dim() - 3)).expand(*with_scratch.shape,
+                                                                                      *t.shape[3:])
+            return t.gather(2, idx)
+
+        for name in ("k", "v", "kmin", "kmax", "slot_page"):
+            setattr(self, name, take(getattr(self, name)))
+        self.slot_state = {name: take(t) for name, t in self.slot_state.items()}
+        new_slot = torch.full((*order.shape[:2], cap + 1), -1, dtype=torch.long, device=order.device)
+        new_slot.scatter_(2, order, torch.arange(capacity, device=order.device).expand_as(order))
+        moved = new_slot.gather(2, self.cur_slot.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        self.cur_slot = torch.where(self.cur_slot >= 0, moved, -1)
+        self.capacity = capacity
+        return order
 
     def free(self, slots: torch.Tensor, mask: torch.Tensor) -> None:
         """Frees ``slots`` (B, Hkv, N) where ``mask`` (B, Hkv, N) is True; their memory is reused by later pages."""
@@ -184,9 +221,17 @@ class PagedKVCache:
         self.plan = AppendPlan(valid=valid, position=position, prev_len=prev, new_len=new)
         return self.plan
 
-    def needed_pages(self) -> int:
-        pages = -(-max(self.lengths) // self.page_size) if self.lengths else 0
-        return pages if self.max_pages is None else min(pages, self.max_pages)
+    def needed_pages(self, layer: PagedLayer | None = None) -> int:
+        """Slots per row the next append needs in ``layer``: each row's pages less those it dropped for good,
+        capped by ``max_pages`` and the layer's own ``max_pages``."""
+        if not self.lengths:
+            return 0
+        dropped = layer.dropped if layer is not None else [0] * self.batch_size
+        pages = max(-(-n // self.page_size) - d for n, d in zip(self.lengths, dropped))
+        return min([pages] + self._caps(layer))
+
+    def _caps(self, layer: PagedLayer | None) -> list[int]:
+        return [c for c in (self.max_pages, None if layer is None else layer.max_pages) if c is not None]
 
     def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> PagedLayer:
         """Stores the pass's keys and values (B, Hkv, S, D) of one layer and returns the layer's pages."""
@@ -194,15 +239,17 @@ class PagedKVCache:
             raise RuntimeError("PagedKVCache.append called before begin()")
         if k.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {k.dtype} is not supported; allowed: {', '.join(map(str, SUPPORTED_DTYPES))}")
-        need = max(self.needed_pages(), 1)
         layer = self.layers[layer_idx]
+        if layer is not None and layer.max_pages is not None and not self.plan.is_first and k.shape[2] > 1:
+            raise ValueError(f"this method evicts tokens and takes one token per forward pass after the prompt; "
+                             f"got {k.shape[2]} tokens at once (feed them one by one)")
+        need = max(self.needed_pages(layer), 1)
         if layer is None:
             b, h, _, d = k.shape
             layer = PagedLayer(b, h, d, self.page_size, need, k.dtype, k.device)
             self.layers[layer_idx] = layer
         elif layer.capacity < need:
-            grown = max(need, 2 * layer.capacity)
-            layer.grow(grown if self.max_pages is None else min(grown, self.max_pages))
+            layer.grow(min([max(need, 2 * layer.capacity)] + self._caps(layer)))
         layer.append(k, v, self.plan)
         return layer
 
@@ -217,6 +264,8 @@ class PagedKVCache:
             for name in ("k", "v", "kmin", "kmax", "slot_page", "cur_slot"):
                 t = getattr(layer, name)
                 setattr(layer, name, t.index_select(0, index.to(t.device)))
+            layer.slot_state = {name: t.index_select(0, index.to(t.device)) for name, t in layer.slot_state.items()}
+            layer.dropped = [layer.dropped[i] for i in idx]
 
     def resident_bytes(self) -> int:
         """Bytes held by the pages and their metadata on all layers."""
@@ -224,5 +273,6 @@ class PagedKVCache:
         for layer in self.layers:
             if layer is not None:
                 total += sum(t.numel() * t.element_size()
-                             for t in (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page))
+                             for t in (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page,
+                                       *layer.slot_state.values()))
         return total

@@ -115,11 +115,14 @@ class EvictionMethod(Method):
 
 def keep_top(layer: PagedLayer, score: torch.Tensor, keep: int) -> None:
     """Frees every held slot of each (sequence, KV head) row except the ``keep`` with the highest ``score``
-    (B, Hkv, C + 1). Rows holding ``keep`` or fewer tokens are left as they are."""
+    (B, Hkv, C + 1). Rows holding ``keep`` or fewer tokens are left as they are. Ties (SnapKV's max pooling makes
+    many) go to the lower slot, after a prompt the earlier position, so a sequence keeps the same tokens alone or
+    in a batch."""
     held = layer.slot_page >= 0
     if keep >= held.shape[2]:
         return
-    top = score.masked_fill(~held, float("-inf")).topk(keep, dim=2).indices
+    order = score.masked_fill(~held, float("-inf")).sort(dim=2, descending=True, stable=True).indices
+    top = order[:, :, :keep]
     layer.free(all_slots(layer), held.scatter(2, top, False))
 
 

@@ -265,6 +265,31 @@ def test_chunk_after_the_prompt_is_refused_by_an_evicting_method():
         cache.append(0, x[:, :, :3], x[:, :, :3])
 
 
+def test_compact_keeps_held_tokens_in_order_and_moves_state():
+    cache = PagedKVCache(1, 2)
+    k = torch.arange(2 * 1 * 9 * 1, dtype=torch.float32).view(2, 1, 9, 1)
+    plan = cache.begin(9, torch.tensor([[True] * 9, [False] * 4 + [True] * 5]), 2, torch.device("cpu"))
+    layer = cache.append(0, k, -k)
+    layer.free(torch.tensor([[[0, 2]], [[1, 0]]]), torch.tensor([[[True, True]], [[True, False]]]))
+    layer.slot_state["s"] = layer.slot_page.double()
+    keys = {b: layer.k[b, 0][layer.slot_page[b, 0] >= 0].flatten().tolist() for b in range(2)}
+    order = layer.compact(3)
+    assert layer.capacity == 3 and layer.k.shape[2] == 4 and order.tolist() == [[[1, 3, 4]], [[0, 2, 1]]]
+    assert layer.slot_page.tolist() == [[[1, 3, 4, -1]], [[0, 2, -1, -1]]]
+    assert torch.equal(layer.slot_state["s"], layer.slot_page.double())
+    assert {b: layer.k[b, 0][layer.slot_page[b, 0] >= 0].flatten().tolist() for b in range(2)} == keys
+    assert layer.cur_slot.tolist() == [[2], [1]]  # the slots of each row's last page
+    assert torch.equal(layer.kmax[0, 0, :3], torch.tensor([[3.0], [7.0], [8.0]]))
+
+
+def test_one_token_pages_store_no_key_bounds():
+    cache = PagedKVCache(1, 1)
+    cache.begin(5, None, 1, torch.device("cpu"))
+    layer = cache.append(0, torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))
+    assert torch.equal(layer.kmin, layer.k[:, :, :, 0]) and torch.equal(layer.kmax, layer.k[:, :, :, 0])
+    assert cache.resident_bytes() == 2 * layer.k.numel() * 4 + layer.slot_page.numel() * 8
+
+
 # ------------------------------------------------------------------------------------------------- end to end
 
 def _generate(model, cfg, ids, mask=None, new=12):

@@ -51,7 +51,8 @@ class PagedLayer:
     """The pages of one layer.
 
     k, v: (B, Hkv, C + 1, P, D) with C page slots plus the scratch slot.
-    kmin, kmax: (B, Hkv, C + 1, D), channel-wise bounds of the keys in each slot.
+    kmin, kmax: (B, Hkv, C + 1, D), channel-wise bounds of the keys in each slot; with one token per page they are
+    views of ``k`` (a token is its own bound), so token-granular methods store nothing extra.
     slot_page: (B, Hkv, C + 1) int64, logical page held by each slot, -1 if free.
     cur_slot: (B, Hkv) int64, slot of each row's last (current) page.
 
@@ -68,13 +69,27 @@ class PagedLayer:
         shape = (batch, kv_heads, capacity + 1)
         self.k = torch.zeros(*shape, page_size, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.kmin = torch.full((*shape, head_dim), float("inf"), dtype=dtype, device=device)
-        self.kmax = torch.full((*shape, head_dim), float("-inf"), dtype=dtype, device=device)
+        if page_size > 1:
+            self._kmin = torch.full((*shape, head_dim), float("inf"), dtype=dtype, device=device)
+            self._kmax = torch.full((*shape, head_dim), float("-inf"), dtype=dtype, device=device)
         self.slot_page = torch.full(shape, -1, dtype=torch.long, device=device)
         self.cur_slot = torch.full(shape[:2], -1, dtype=torch.long, device=device)
         self.max_pages: int | None = None
         self.dropped = [0] * batch
         self.slot_state: dict[str, torch.Tensor] = {}
+
+    @property
+    def kmin(self) -> torch.Tensor:
+        return self._kmin if self.page_size > 1 else self.k[:, :, :, 0]
+
+    @property
+    def kmax(self) -> torch.Tensor:
+        return self._kmax if self.page_size > 1 else self.k[:, :, :, 0]
+
+    @property
+    def stored(self) -> tuple[str, ...]:
+        """Attributes holding per-slot tensors (B, Hkv, C + 1, ...)."""
+        return ("k", "v", "slot_page") + (("_kmin", "_kmax") if self.page_size > 1 else ())
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -91,8 +106,8 @@ class PagedLayer:
             new[:, :, :old] = t[:, :, :old]
             return new
 
-        for name in ("k", "v", "kmin", "kmax", "slot_page"):
-            fill = {"kmin": float("inf"), "kmax": float("-inf"), "slot_page": -1}.get(name, 0)
+        for name in self.stored:
+            fill = {"_kmin": float("inf"), "_kmax": float("-inf"), "slot_page": -1}.get(name, 0)
             setattr(self, name, grown(getattr(self, name), fill))
         self.slot_state = {name: grown(t, 0) for name, t in self.slot_state.items()}
         self.capacity = capacity
@@ -112,7 +127,7 @@ class PagedLayer:
                                                                                       *t.shape[3:])
             return t.gather(2, idx)
 
-        for name in ("k", "v", "kmin", "kmax", "slot_page"):
+        for name in self.stored:
             setattr(self, name, take(getattr(self, name)))
         self.slot_state = {name: take(t) for name, t in self.slot_state.items()}
         new_slot = torch.full((*order.shape[:2], cap + 1), -1, dtype=torch.long, device=order.device)
@@ -149,18 +164,19 @@ class PagedLayer:
         slot = torch.where(in_current, self.cur_slot.unsqueeze(-1), new_slot)
         slot = torch.where(plan.valid.unsqueeze(1), slot, cap)  # (B, Hkv, S); padding goes to scratch
 
-        fresh = torch.where((plan.valid & ~in_current.squeeze(1)).unsqueeze(1), slot, cap)
-        self.kmin.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), float("inf"))
-        self.kmax.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), float("-inf"))
         self.slot_page.scatter_(2, slot, page.unsqueeze(1).expand(b, h, s))
         self.slot_page[:, :, cap] = -1
 
         flat = (slot * p + offset.unsqueeze(1)).unsqueeze(-1).expand(b, h, s, d)
         self.k.view(b, h, -1, d).scatter_(2, flat, k_new.to(self.k.dtype))
         self.v.view(b, h, -1, d).scatter_(2, flat, v_new.to(self.v.dtype))
-        idx = slot.unsqueeze(-1).expand(b, h, s, d)
-        self.kmin.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amin")
-        self.kmax.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amax")
+        if p > 1:
+            fresh = torch.where((plan.valid & ~in_current.squeeze(1)).unsqueeze(1), slot, cap)
+            self._kmin.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), float("inf"))
+            self._kmax.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), float("-inf"))
+            idx = slot.unsqueeze(-1).expand(b, h, s, d)
+            self._kmin.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amin")
+            self._kmax.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amax")
 
         last_col = torch.where(plan.valid, plan.position, -1).argmax(dim=1)  # (B,)
         last_slot = slot.gather(2, last_col.view(b, 1, 1).expand(b, h, 1)).squeeze(-1)
@@ -261,7 +277,7 @@ class PagedKVCache:
         for layer in self.layers:
             if layer is None:
                 continue
-            for name in ("k", "v", "kmin", "kmax", "slot_page", "cur_slot"):
+            for name in (*layer.stored, "cur_slot"):
                 t = getattr(layer, name)
                 setattr(layer, name, t.index_select(0, index.to(t.device)))
             layer.slot_state = {name: t.index_select(0, index.to(t.device)) for name, t in layer.slot_state.items()}
@@ -273,6 +289,5 @@ class PagedKVCache:
         for layer in self.layers:
             if layer is not None:
                 total += sum(t.numel() * t.element_size()
-                             for t in (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page,
-                                       *layer.slot_state.values()))
+                             for t in (*(getattr(layer, n) for n in layer.stored), *layer.slot_state.values()))
         return total

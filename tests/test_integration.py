@@ -200,3 +200,14 @@ def test_bfloat16_model_decodes_close_to_dense():
     assert agree >= 4
     for a, b in zip(out.logits[:agree], dense.logits[:agree]):
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.1)
+
+
+def test_beam_search_reorders_the_paged_cache():
+    model = tiny_model("llama", seed=1).to(DEVICE)
+    model.generation_config.eos_token_id = None
+    ids = prompt(40, batch=2)
+    kwargs = dict(max_new_tokens=10, num_beams=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        dense = model.generate(ids, **kwargs)
+        with sparsekv.apply(model, QuestConfig(token_budget=1024)):
+            assert torch.equal(model.generate(ids, **kwargs), dense)

@@ -29,6 +29,7 @@ page_scores = _dispatch("page_scores")
 select_pages = _dispatch("select_pages")
 sparse_decode = _dispatch("sparse_decode")
 attend = _dispatch("attend")
+attend_with_weights = _dispatch("attend_with_weights")
 count_attended = reference.count_attended
 
-__all__ = ["page_scores", "select_pages", "sparse_decode", "attend", "count_attended", "reference", "FAST"]
+__all__ = ["page_scores", "select_pages", "sparse_decode", "attend", "attend_with_weights", "count_attended", "reference", "FAST"]

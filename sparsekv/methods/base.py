@@ -49,9 +49,10 @@ class Method:
         self.config = config
         self.num_layers = num_layers
 
-    def prefill(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan) -> None:
-        """Called after a layer's prompt attention, with the prompt's queries q: (B, H, S, D) (post-RoPE) and
-        the plan that placed its tokens. Methods that score or compress the prompt do it here."""
+    def prefill(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale: float) -> None:
+        """Called after a layer's prompt attention, with the prompt's queries q: (B, H, S, D) (post-RoPE), the
+        plan that placed its tokens and the model's attention scale. Methods that score or compress the prompt do
+        it here."""
 
     def select(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, seq_len: torch.Tensor) -> torch.Tensor:
         """Slots to attend in one decode step. q: (B, H, D); seq_len: (B,). Returns (B, Hs, K) int64, -1 = none,

@@ -1,10 +1,11 @@
 """The attention-recall probe against a brute-force computation, including a method that evicts."""
 
+import pytest
 import torch
 
 from sparsekv.cache import PagedKVCache
 from sparsekv.eval.recall import RecallConfig
-from sparsekv.methods import QuestConfig
+from sparsekv.methods import METHODS, QuestConfig
 from sparsekv.methods.base import Method, all_slots
 
 B, H, HKV, D, P = 2, 4, 2, 8, 4
@@ -44,7 +45,7 @@ def _run(config, prompt=21, steps=3, seed=0):
     keys = torch.randn(B, HKV, prompt + steps, D)
     pages.begin(prompt, None, B, torch.device("cpu"))
     layer = pages.append(0, keys[:, :, :prompt], torch.randn(B, HKV, prompt, D))
-    probe.prefill(0, torch.randn(B, H, prompt, D), layer, pages.plan)
+    probe.prefill(0, torch.randn(B, H, prompt, D), layer, pages.plan, D ** -0.5)
     expected = []
     for t in range(steps):
         pages.begin(1, None, B, torch.device("cpu"))
@@ -91,3 +92,25 @@ def test_evicted_tokens_count_as_missed_mass():
     recall = probe.recall()[0]
     assert abs(recall - sum(expected) / len(expected)) < 1e-9
     assert recall < 1.0  # the method attends all it keeps, but page 0 is gone
+
+
+EVICTING = [n for n in ("streamingllm", "h2o", "tova", "snapkv") if n in METHODS]
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_recall_of_eviction_baselines(name):
+    """Recall through the integration on a tiny model: 1 where the budget holds the context, below 1 where the
+    method has evicted (dropped tokens count as missed), and the probe changes nothing the method does."""
+    from sparsekv.eval.base import Sample
+    from sparsekv.eval.engine import Engine, LoadedModel
+    from sparsekv.tiny import byte_tokenizer, tiny_model
+
+    loaded = LoadedModel(tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16), byte_tokenizer(), "t")
+    sample = Sample("The grass is green. The sky is blue. " * 4, " The pass key is", None, 4)
+    full = Engine(loaded, METHODS[name](token_budget=512), recall=True).generate(sample)
+    assert full["recall"] == pytest.approx([1.0, 1.0])
+    config = METHODS[name](token_budget=32)
+    plain = Engine(loaded, config).generate(sample)
+    probed = Engine(loaded, config, recall=True).generate(sample)
+    assert probed["prediction"] == plain["prediction"] and probed["kv"] == plain["kv"]
+    assert all(0.0 < r < 1.0 for r in probed["recall"])

@@ -1,24 +1,30 @@
 """Attention recall: how much of the dense attention mass the tokens a method attends cover, per layer.
 
-``RecallConfig(inner=config)`` builds the inner method wrapped in a probe. At every decode step of every layer the
-probe records the slots the inner method's ``select`` returns (with the page each slot held at that moment), lets
-the inner method decode as usual, and then computes, with the same query, the dense softmax attention over the
-layer's whole key history and the share of it that falls on the selected tokens, averaged over query heads.
+``RecallConfig(inner=config)`` builds the inner method wrapped in a probe. In every decode step of every layer the
+probe lets the inner method decode unchanged while it watches the attention ops the method calls
+(``kernels.sparse_decode``, ``kernels.attend_with_weights``): the slots each call attends, read with the page
+table as it is at that call, are the tokens the method attends. It then computes, with the same query, the dense
+softmax attention over the layer's whole key history and the share of it that falls on those tokens, averaged
+over query heads.
 
 "Dense" is the attention this layer's query would give to every token of the sequence so far, including tokens
-an evicting method (H2O, TOVA, StreamingLLM, SnapKV) has already dropped: the probe keeps a shadow copy of every
-key it has seen in the layer, so evicted tokens count as missed mass. The query is the method's own, so the
+an evicting method (H2O, TOVA, StreamingLLM, SnapKV, RaaS) has already dropped: the probe keeps a shadow copy of
+every key it has seen in the layer, so evicted tokens count as missed mass. The query is the method's own, so the
 number isolates the selection of this step from the drift of hidden states across earlier sparse steps. Tokens
 no longer in the cache when the probe first sees the layer (evicted during the prompt's own pass) cannot be
-recovered and are left out. Methods whose ``decode`` does not go through ``select`` are refused.
+recovered and are left out. A decode step that attends through any other ``kernels`` op is refused, not
+approximated. The probe syncs with the host and runs a float64 attention per layer and step: a diagnostic only.
 """
 
 from __future__ import annotations
 
+import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..cache import PagedLayer
 from ..methods.base import MethodConfig
 
@@ -55,7 +61,6 @@ class RecallProbe:
         self.seen: dict[int, torch.Tensor] = {}  # layer -> (B, Hkv, T) bool
         self.total = torch.zeros(num_layers, dtype=torch.float64)
         self.steps = torch.zeros(num_layers, dtype=torch.long)
-        self._picked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __getattr__(self, name):
         inner = self.__dict__.get("inner")
@@ -63,35 +68,19 @@ class RecallProbe:
             raise AttributeError(name)
         return getattr(inner, name)
 
-    def prefill(self, layer_idx, q, layer, plan):
-        self._remember(layer_idx, layer, int(max(plan.new_len)))
-        self.inner.prefill(layer_idx, q, layer, plan)
+    def prefill(self, layer_idx, q, layer, plan, scale):
+        self._remember(layer_idx, layer, int(max(plan.new_len)))  # before a compressing method drops any
+        self.inner.prefill(layer_idx, q, layer, plan, scale)
 
     def decode(self, layer_idx, q, layer, seq_len, scale):
         self._remember(layer_idx, layer, int(seq_len.max()))
-        self._picked = None
-        select = self.inner.select
-
-        def recording(*args):
-            slots = select(*args)
-            self._picked = (slots, layer.slot_page.clone())
-            return slots
-
-        own = self.inner.__dict__.get("select")  # an instance-level select (rare) is put back afterwards
-        self.inner.select = recording  # the inner decode's own select call is the one recorded
-        try:
+        calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        with _observing_attention(calls):
             out, attended = self.inner.decode(layer_idx, q, layer, seq_len, scale)
-        finally:
-            if own is None:
-                del self.inner.select
-            else:
-                self.inner.select = own
-        if self._picked is None:
-            raise ValueError(f"attention recall: method {self.inner.config.name!r} decodes without select(); "
-                             f"its attended tokens cannot be observed")
-        slots, slot_page = self._picked
-        self.total[layer_idx] += float(self._coverage(layer_idx, q, slots, slot_page, layer.page_size, seq_len,
-                                                      scale))
+        if not calls:
+            raise ValueError(f"attention recall: method {self.inner.config.name!r} decoded layer {layer_idx} without "
+                             f"kernels.{' or kernels.'.join(SLOT_OPS)}; its attended tokens cannot be observed")
+        self.total[layer_idx] += float(self._coverage(layer_idx, q, calls, layer.page_size, scale))
         self.steps[layer_idx] += 1
         return out, attended
 
@@ -119,23 +108,67 @@ class RecallProbe:
         seen[:, :, dump] = False
         self.keys[layer_idx], self.seen[layer_idx] = keys, seen
 
-    def _coverage(self, layer_idx, q, slots, slot_page, page_size, seq_len, scale) -> torch.Tensor:
-        """Mean over sequences and query heads of the dense attention mass on the selected tokens.
-        q: (B, H, D); slots: (B, Hs, K); slot_page: (B, Hkv, C + 1) at selection time."""
+    def _coverage(self, layer_idx, q, calls, page_size, scale) -> torch.Tensor:
+        """Mean over sequences and query heads of the dense attention mass on the attended tokens.
+        q: (B, H, D); calls: (slot_page (B, Hkv, C + 1), slots (B, Hs, K), limit (B,)) of each attention op call,
+        a token counting where its position is below the limit."""
         keys, seen = self.keys[layer_idx], self.seen[layer_idx]
         b, hkv, t, d = keys.shape
-        h, hs = q.shape[1], slots.shape[1]
+        h = q.shape[1]
         pos = torch.arange(t, device=q.device)
-        valid = seen & (pos < seq_len.view(b, 1, 1))  # (B, Hkv, T)
+        limit = calls[0][2]
+        valid = seen & (pos < limit.view(b, 1, 1))  # (B, Hkv, T)
         logits = torch.einsum("bngd,bntd->bngt", q.double().view(b, hkv, h // hkv, d), keys.double()) * scale
         weights = torch.softmax(logits.masked_fill(~valid.unsqueeze(2), float("-inf")), -1).nan_to_num(0.0)
-        # Positions each selection row attends -> a (B, Hs, T) mask; the last column absorbs padding.
-        kv_of_row = (torch.arange(hs, device=q.device) // (hs // hkv)).view(1, hs, 1)
-        page = slot_page[torch.arange(b, device=q.device).view(b, 1, 1), kv_of_row, slots.clamp(min=0)]
-        page = torch.where(slots >= 0, page, -1)
-        tok = page.unsqueeze(-1) * page_size + torch.arange(page_size, device=q.device)  # (B, Hs, K, P)
-        ok = (page.unsqueeze(-1) >= 0) & (tok < seq_len.view(b, 1, 1, 1)) & (tok < t)
-        idx = torch.where(ok, tok, t).flatten(2)
-        chosen = torch.zeros(b, hs, t + 1, dtype=torch.double, device=q.device).scatter_(2, idx, 1.0)[..., :t]
-        chosen = chosen.view(b, hkv, h // hkv if hs == h else 1, t)
-        return (weights * chosen).sum(-1).mean()
+        chosen = torch.zeros(b, h, t + 1, dtype=torch.bool, device=q.device)  # the last column absorbs padding
+        bi = torch.arange(b, device=q.device).view(b, 1, 1)
+        for slot_page, slots, lim in calls:
+            hs = slots.shape[1]
+            page = slot_page[bi, (torch.arange(hs, device=q.device) // (hs // hkv)).view(1, hs, 1), slots.clamp(min=0)]
+            page = torch.where(slots >= 0, page, -1)
+            tok = page.unsqueeze(-1) * page_size + torch.arange(page_size, device=q.device)  # (B, Hs, K, P)
+            ok = (page.unsqueeze(-1) >= 0) & (tok < lim.view(b, 1, 1, 1)) & (tok < t)
+            rows = torch.zeros(b, hs, t + 1, dtype=torch.bool, device=q.device)
+            rows.scatter_(2, torch.where(ok, tok, t).flatten(2), True)
+            chosen |= rows.repeat_interleave(h // hs, dim=1)
+        return (weights * chosen[..., :t].view(b, hkv, h // hkv, t)).sum(-1).mean()
+
+
+# Attention ops a decode step may use, with how to read (slot_page, slots, limit) from their arguments.
+SLOT_OPS = {
+    "sparse_decode": lambda a: (a["slot_page"], a["slots"], a["seq_len"]),
+    "attend_with_weights": lambda a: (a["slot_page"], a["slots"], a["q_pos"][:, -1] + 1),
+}
+# Ops of ``kernels`` that attend nothing (scores, selection, bookkeeping); any other op met in a decode step is an
+# attention the probe cannot read, and is refused rather than left out of the recall.
+NOT_ATTENTION = {"page_scores", "select_pages", "count_attended", "window_token_scores", "merge_attention"}
+
+
+@contextmanager
+def _observing_attention(calls: list):
+    """Within the block, every call of a ``kernels`` attention op appends what it attends to ``calls``."""
+    originals = {name: getattr(kernels, name) for name in kernels.__all__
+                 if name not in NOT_ATTENTION and callable(getattr(kernels, name)) and name != "reference"}
+
+    def wrap(name, op):
+        read = SLOT_OPS.get(name)
+        signature = inspect.signature(getattr(kernels.reference, name))
+
+        def observed(*args, **kwargs):
+            if read is None:
+                raise ValueError(f"attention recall cannot observe kernels.{name}; it reads "
+                                 f"{', '.join(SLOT_OPS)} only")
+            bound = signature.bind(*args, **kwargs).arguments
+            slot_page, slots, limit = read(bound)
+            calls.append((slot_page.clone(), slots.clone(), limit.clone()))
+            return op(*args, **kwargs)
+
+        return observed
+
+    try:
+        for name, op in originals.items():
+            setattr(kernels, name, wrap(name, op))
+        yield
+    finally:
+        for name, op in originals.items():
+            setattr(kernels, name, op)

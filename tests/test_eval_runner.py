@@ -153,10 +153,10 @@ def test_cli_reports_errors(tmp_path, capsys):
 
 
 def test_cli_runs_default_model(tmp_path, capsys):
-    status = main(["--task", "vartrack", "--methods", "dense", "--lengths", "700", "--limit", "1",
+    status = main(["--task", "passkey", "--methods", "dense", "--lengths", "300", "--depths", "0.5", "--limit", "1",
                    "--max-new-tokens", "2", "--out", str(tmp_path), "--no-progress", "--no-plots"])
     assert status == 0
     out = capsys.readouterr().out
     assert "tiny random-weight model" in out
     rec, = [json.loads(line) for line in (tmp_path / RESULTS).read_text().splitlines()]
-    assert rec["model"] == "tiny:llama" and rec["task"] == "vartrack"
+    assert rec["model"] == "tiny:llama" and rec["task"] == "passkey"

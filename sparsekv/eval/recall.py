@@ -5,7 +5,8 @@ probe lets the inner method decode unchanged while it watches the attention ops 
 (``kernels.sparse_decode``, ``kernels.attend_with_weights``): the slots each call attends, read with the page
 table as it is at that call, are the tokens the method attends. It then computes, with the same query, the dense
 softmax attention over the layer's whole key history and the share of it that falls on those tokens, averaged
-over query heads.
+over query heads. Ops over a packed token store that return their log-sum-exp (``kernels.sparse_decode_tokens``,
+OmniKV's) contribute ``exp(lse - dense lse)``, their exact share of the dense mass.
 
 "Dense" is the attention this layer's query would give to every token of the sequence so far, including tokens
 an evicting method (H2O, TOVA, StreamingLLM, SnapKV, RaaS) has already dropped: the probe keeps a shadow copy of
@@ -79,8 +80,8 @@ class RecallProbe:
             out, attended = self.inner.decode(layer_idx, q, layer, seq_len, scale)
         if not calls:
             raise ValueError(f"attention recall: method {self.inner.config.name!r} decoded layer {layer_idx} without "
-                             f"kernels.{' or kernels.'.join(SLOT_OPS)}; its attended tokens cannot be observed")
-        self.total[layer_idx] += float(self._coverage(layer_idx, q, calls, layer.page_size, scale))
+                             f"any of kernels.{', kernels.'.join(OBSERVED)}; its attended tokens cannot be observed")
+        self.total[layer_idx] += float(self._coverage(layer_idx, q, calls, layer.page_size, seq_len, scale))
         self.steps[layer_idx] += 1
         return out, attended
 
@@ -108,37 +109,47 @@ class RecallProbe:
         seen[:, :, dump] = False
         self.keys[layer_idx], self.seen[layer_idx] = keys, seen
 
-    def _coverage(self, layer_idx, q, calls, page_size, scale) -> torch.Tensor:
+    def _coverage(self, layer_idx, q, calls, page_size, seq_len, scale) -> torch.Tensor:
         """Mean over sequences and query heads of the dense attention mass on the attended tokens.
-        q: (B, H, D); calls: (slot_page (B, Hkv, C + 1), slots (B, Hs, K), limit (B,)) of each attention op call,
-        a token counting where its position is below the limit."""
+        q: (B, H, D); calls: what each observed op attended (see ``_observing_attention``)."""
         keys, seen = self.keys[layer_idx], self.seen[layer_idx]
         b, hkv, t, d = keys.shape
         h = q.shape[1]
-        pos = torch.arange(t, device=q.device)
-        limit = calls[0][2]
-        valid = seen & (pos < limit.view(b, 1, 1))  # (B, Hkv, T)
+        valid = seen & (torch.arange(t, device=q.device) < seq_len.view(b, 1, 1))  # (B, Hkv, T)
         logits = torch.einsum("bngd,bntd->bngt", q.double().view(b, hkv, h // hkv, d), keys.double()) * scale
-        weights = torch.softmax(logits.masked_fill(~valid.unsqueeze(2), float("-inf")), -1).nan_to_num(0.0)
+        logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
         chosen = torch.zeros(b, h, t + 1, dtype=torch.bool, device=q.device)  # the last column absorbs padding
+        mass = torch.zeros(b, h, dtype=torch.double, device=q.device)
+        dense_lse = logits.logsumexp(-1).view(b, h)
         bi = torch.arange(b, device=q.device).view(b, 1, 1)
-        for slot_page, slots, lim in calls:
+        for kind, *args in calls:
+            if kind == "lse":  # a token op's own log-sum-exp: its share is exp(lse - dense lse)
+                mass += (args[0].double() - dense_lse).exp().nan_to_num(0.0)
+                continue
+            slot_page, slots, limit = args
             hs = slots.shape[1]
             page = slot_page[bi, (torch.arange(hs, device=q.device) // (hs // hkv)).view(1, hs, 1), slots.clamp(min=0)]
             page = torch.where(slots >= 0, page, -1)
             tok = page.unsqueeze(-1) * page_size + torch.arange(page_size, device=q.device)  # (B, Hs, K, P)
-            ok = (page.unsqueeze(-1) >= 0) & (tok < lim.view(b, 1, 1, 1)) & (tok < t)
+            ok = (page.unsqueeze(-1) >= 0) & (tok < limit.view(b, 1, 1, 1)) & (tok < t)
             rows = torch.zeros(b, hs, t + 1, dtype=torch.bool, device=q.device)
             rows.scatter_(2, torch.where(ok, tok, t).flatten(2), True)
             chosen |= rows.repeat_interleave(h // hs, dim=1)
-        return (weights * chosen[..., :t].view(b, hkv, h // hkv, t)).sum(-1).mean()
+        weights = torch.softmax(logits, -1).nan_to_num(0.0)
+        mass += (weights * chosen[..., :t].view(b, hkv, h // hkv, t)).sum(-1).view(b, h)
+        return mass.mean()
 
 
-# Attention ops a decode step may use, with how to read (slot_page, slots, limit) from their arguments.
+# Attention ops a decode step may use. Slot ops: how to read (slot_page, slots, limit) from their arguments, a
+# token counting where its position is below the limit; their tokens are united. Token ops attend a packed token
+# store and return (out, lse): their mass is read from the log-sum-exp, as parts disjoint from everything else
+# attended in the step (what ``merge_attention`` assumes of them).
 SLOT_OPS = {
     "sparse_decode": lambda a: (a["slot_page"], a["slots"], a["seq_len"]),
     "attend_with_weights": lambda a: (a["slot_page"], a["slots"], a["q_pos"][:, -1] + 1),
 }
+TOKEN_OPS = ("sparse_decode_tokens",)
+OBSERVED = (*SLOT_OPS, *TOKEN_OPS)
 # Ops of ``kernels`` that attend nothing (scores, selection, bookkeeping); any other op met in a decode step is an
 # attention the probe cannot read, and is refused rather than left out of the recall.
 NOT_ATTENTION = {"page_scores", "select_pages", "count_attended", "window_token_scores", "merge_attention"}
@@ -146,21 +157,25 @@ NOT_ATTENTION = {"page_scores", "select_pages", "count_attended", "window_token_
 
 @contextmanager
 def _observing_attention(calls: list):
-    """Within the block, every call of a ``kernels`` attention op appends what it attends to ``calls``."""
+    """Within the block, every call of a ``kernels`` attention op appends what it attends to ``calls``:
+    ("slots", slot_page, slots, limit) for slot ops, ("lse", lse (B, H)) for token ops."""
     originals = {name: getattr(kernels, name) for name in kernels.__all__
                  if name not in NOT_ATTENTION and callable(getattr(kernels, name)) and name != "reference"}
 
     def wrap(name, op):
         read = SLOT_OPS.get(name)
-        signature = inspect.signature(getattr(kernels.reference, name))
+        signature = inspect.signature(getattr(kernels.reference, name)) if read else None
 
         def observed(*args, **kwargs):
+            if name in TOKEN_OPS:
+                out, lse = op(*args, **kwargs)
+                calls.append(("lse", lse.clone()))
+                return out, lse
             if read is None:
                 raise ValueError(f"attention recall cannot observe kernels.{name}; it reads "
-                                 f"{', '.join(SLOT_OPS)} only")
-            bound = signature.bind(*args, **kwargs).arguments
-            slot_page, slots, limit = read(bound)
-            calls.append((slot_page.clone(), slots.clone(), limit.clone()))
+                                 f"{', '.join(OBSERVED)} only")
+            slot_page, slots, limit = read(signature.bind(*args, **kwargs).arguments)
+            calls.append(("slots", slot_page.clone(), slots.clone(), limit.clone()))
             return op(*args, **kwargs)
 
         return observed

@@ -11,9 +11,9 @@ OmniKV's) contribute ``exp(lse - dense lse)``, their exact share of the dense ma
 "Dense" is the attention this layer's query would give to every token of the sequence so far, including tokens
 an evicting method (H2O, TOVA, StreamingLLM, SnapKV, RaaS) has already dropped: the probe keeps a shadow copy of
 every key it has seen in the layer, so evicted tokens count as missed mass. The query is the method's own, so the
-number isolates the selection of this step from the drift of hidden states across earlier sparse steps. Tokens
-no longer in the cache when the probe first sees the layer (evicted during the prompt's own pass) cannot be
-recovered and are left out. A decode step that attends through any other ``kernels`` op is refused, not
+number isolates the selection of this step from the drift of hidden states across earlier sparse steps. Keys are
+copied before the method's prefill hook, so a prompt compressed after its attention is seen whole; only tokens a
+cache cap drops while they are stored would be missing. A decode step that attends through any other ``kernels`` op is refused, not
 approximated. The probe syncs with the host and runs a float64 attention per layer and step: a diagnostic only.
 """
 

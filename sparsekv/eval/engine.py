@@ -118,6 +118,7 @@ class Engine:
             logits, cache = self._step(ctx, None)
             self._sync()
             t1 = time.perf_counter()
+            after_prompt = session.cache.resident_bytes()
             for tok in question:
                 logits, cache = self._step([tok], cache)
             new: list[int] = []
@@ -132,7 +133,7 @@ class Engine:
         text = self.tokenizer.decode([t for t in new if t != eos], skip_special_tokens=True)
         steps = len(question) + len(new) - 1
         return {"prediction": text, "prompt_tokens": len(ctx) + len(question),
-                "new_tokens": len(new), **self._measures(session, t1 - t0, t2 - t1, steps)}
+                "new_tokens": len(new), **self._measures(session, t1 - t0, t2 - t1, steps, after_prompt)}
 
     @torch.inference_mode()
     def perplexity(self, ids: list[int], prefill: int) -> dict:
@@ -146,6 +147,7 @@ class Engine:
             logits, cache = self._step(ids[:prefill], None)
             self._sync()
             t1 = time.perf_counter()
+            after_prompt = session.cache.resident_bytes()
             for i in range(prefill, len(ids)):
                 nll -= float(torch.log_softmax(logits, -1)[ids[i]])
                 if i + 1 < len(ids):
@@ -153,12 +155,16 @@ class Engine:
             t2 = time.perf_counter()
         ppl = math.exp(nll / (len(ids) - prefill))
         return {"score": ppl, "prompt_tokens": len(ids),
-                **self._measures(session, t1 - t0, t2 - t1, len(ids) - prefill - 1)}
+                **self._measures(session, t1 - t0, t2 - t1, len(ids) - prefill - 1, after_prompt)}
 
-    def _measures(self, session, prefill_s: float, decode_s: float, steps: int) -> dict:
+    def _measures(self, session, prefill_s: float, decode_s: float, steps: int, after_prompt: int) -> dict:
+        """Timings, decode statistics and memory. ``kv_resident_bytes``: the paged cache's resident bytes after the
+        prompt pass or at the end, whichever is larger (a prompt compressed within its own pass counts
+        compressed; ``cuda_peak_bytes`` sees that transient too)."""
         out = {"prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
                "decode_tokens_per_s": round(steps / decode_s, 2) if steps > 0 and decode_s > 0 else None,
-               "kv": session.stats.summary(), "kv_resident_bytes": session.cache.resident_bytes()}
+               "kv": session.stats.summary(),
+               "kv_resident_bytes": max(after_prompt, session.cache.resident_bytes())}
         if self.device.type == "cuda":
             out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if isinstance(self.config, RecallConfig):

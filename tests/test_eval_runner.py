@@ -160,3 +160,17 @@ def test_cli_runs_default_model(tmp_path, capsys):
     assert "tiny random-weight model" in out
     rec, = [json.loads(line) for line in (tmp_path / RESULTS).read_text().splitlines()]
     assert rec["model"] == "tiny:llama" and rec["task"] == "passkey"
+
+
+def test_chat_template_keeps_the_question_for_the_decode_path():
+    from sparsekv.eval.base import Sample
+
+    tok = byte_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<|user|>{{ m['content'] | trim }}<|end|>{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    engine = Engine(LoadedModel(tiny_model(layers=2), tok, "t"), METHODS["dense"](), chat=True)
+    ctx, q = engine._ids(Sample("Hello there. ", "\nWhat is it? It is", None, 2))
+    assert tok.decode(ctx) == "<|user|>Hello there. \n" and tok.decode(q) == "What is it? It is<|end|><|assistant|>"
+    tok.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    with pytest.raises(EvalError, match="chat template changed the question"):
+        engine._ids(Sample("Hello. ", "\nWhat is it?", None, 2))

@@ -85,7 +85,10 @@ class Engine:
         if self.chat:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": context + question}],
                                                       tokenize=False, add_generation_prompt=True)
-            cut = text.rfind(question) if question else len(text)
+            cut = text.rfind(question.strip()) if question else len(text)
+            if cut < 0:
+                raise EvalError("the chat template changed the question's text, so it cannot be fed through the "
+                                "decode path; use --question-mode prefill or --chat off")
             context, question = text[:cut], text[cut:]
             ctx, q = (self.tokenizer(context, add_special_tokens=False)["input_ids"],
                       self.tokenizer(question, add_special_tokens=False)["input_ids"] if question else [])

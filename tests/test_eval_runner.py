@@ -65,6 +65,8 @@ def test_passkey_grid_resumes_after_interruption(tmp_path, loaded, monkeypatch):
         run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)
     first = read_results(tmp_path / RESULTS)
     assert len(first) == 3
+    with open(tmp_path / RESULTS, "a") as f:
+        f.write('{"key": "half a rec')  # the crash cut a record short
 
     monkeypatch.setattr(Engine, "generate", real)
     messages = []

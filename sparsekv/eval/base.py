@@ -79,6 +79,10 @@ class Task:
     def score(self, sample: Sample, prediction: str) -> float:
         raise NotImplementedError
 
+    def target(self, sample: Sample):
+        """What the results file records as the expected answer."""
+        return sample.answer
+
     def run(self, engine, sample: Sample) -> dict:
         """Runs one sample with ``engine`` (see ``engine.Engine``); returns the fields recorded for it."""
         gen = engine.generate(sample)

@@ -178,13 +178,15 @@ def run_eval(spec: EvalSpec, log=print, progress: bool = True, loaded: LoadedMod
         log(f"resuming: {skipped} runs already in {path}, {len(todo)} to go")
     bar = _progress(len(todo), task.name, progress)
     with open(path, "a", encoding="utf-8") as f:
+        if f.tell() and not path.read_bytes().endswith(b"\n"):
+            f.write("\n")  # end a line cut by a crash, so the next record starts on its own line
         for key, length, depth, i, sample, run, engine in todo:
             result = task.run(engine, sample)
             record = {"key": key, "task": task.name, "model": loaded.name, "method": run.label,
                       "method_name": run.config.name, "budget": run.budget, "length": length, "depth": depth,
                       "sample": i, "seed": spec.seed, "settings": settings, "metric": task.metric,
                       "config": _config_dict(run.config), "meta": sample.meta,
-                      "target": None if task.name == "perplexity" else sample.answer,
+                      "target": task.target(sample),
                       "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}
             f.write(json.dumps(record, default=str) + "\n")
             f.flush()

@@ -95,9 +95,10 @@ def sample_rng(seed: int, *parts) -> random.Random:
     return random.Random(":".join(str(p) for p in (seed, *parts)))
 
 
-def encode(tokenizer, context: str, question: str) -> tuple[list[int], list[int]]:
-    """Token ids of the context (with the tokenizer's special tokens) and of the question (without)."""
-    ctx = tokenizer(context, add_special_tokens=True)["input_ids"]
+def encode(tokenizer, context: str, question: str, special: bool = True) -> tuple[list[int], list[int]]:
+    """Token ids of the context (with the tokenizer's special tokens unless ``special`` is False, e.g. for text
+    a chat template already wrapped) and of the question (without)."""
+    ctx = tokenizer(context, add_special_tokens=special)["input_ids"]
     q = tokenizer(question, add_special_tokens=False)["input_ids"] if question else []
     return ctx, q
 

@@ -81,22 +81,20 @@ class Engine:
         self.device = next(self.model.parameters()).device
 
     def _ids(self, sample: Sample) -> tuple[list[int], list[int]]:
+        """Token ids of what is prefilled and of what goes through the decode path one token per step."""
         context, question = sample.context, sample.question
-        if self.chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": context + question}],
-                                                      tokenize=False, add_generation_prompt=True)
-            cut = text.rfind(question.strip()) if question else len(text)
-            if cut < 0:
-                raise EvalError("the chat template changed the question's text, so it cannot be fed through the "
-                                "decode path; use --question-mode prefill or --chat off")
-            context, question = text[:cut], text[cut:]
-            ctx, q = (self.tokenizer(context, add_special_tokens=False)["input_ids"],
-                      self.tokenizer(question, add_special_tokens=False)["input_ids"] if question else [])
-        else:
-            ctx, q = encode(self.tokenizer, context, question)
         if self.question_mode == "prefill":
-            ctx, q = ctx + q, []
-        return ctx, q
+            context, question = context + question, ""
+        if not self.chat:
+            return encode(self.tokenizer, context, question)
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": context + question}],
+                                                  tokenize=False, add_generation_prompt=True)
+        cut = text.rfind(question.strip()) if question else len(text)
+        if cut < 0:
+            raise EvalError("the chat template changed the question's text, so it cannot be fed through the decode "
+                            "path; use --question-mode prefill or --chat off")
+        # The template's text after the question (end of turn, assistant header) is decoded with it.
+        return encode(self.tokenizer, text[:cut], text[cut:], special=False)
 
     def check_length(self, tokens: int) -> None:
         limit = self.loaded.max_positions
@@ -106,7 +104,7 @@ class Engine:
 
     def _step(self, ids: list[int], cache):
         x = torch.tensor([ids], device=self.device)
-        out = self.model(input_ids=x, past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float(), out.past_key_values
 
     @torch.inference_mode()

@@ -9,6 +9,7 @@ from .base import EvalError, TaskOptions
 from .runner import EvalSpec, run_eval
 from .tasks import TASKS
 
+DEFAULT_BUDGETS = (128, 256, 512)
 HELP = "evaluate methods on a task over a grid of budgets, lengths and depths"
 
 
@@ -25,7 +26,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", nargs="+", default=["dense", "quest"], metavar="SPEC",
                    help="methods to compare: NAME or NAME:field=value,... (e.g. quest:per_query_head=true); "
                         "default: dense quest")
-    p.add_argument("--budgets", nargs="+", type=int, help="token budgets for methods that take one")
+    p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS),
+                   help="token budgets for methods that take one (default: %(default)s)")
     p.add_argument("--lengths", nargs="+", type=int, help="prompt lengths in tokens (generated tasks), window "
                    "length (perplexity) or truncation length (longbench); default: the task's")
     p.add_argument("--depths", nargs="+", type=float, help="needle depths in [0, 1] (passkey, niah)")

@@ -14,10 +14,11 @@ HELP = "evaluate methods on a task over a grid of budgets, lengths and depths"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Adds the ``eval`` subcommand to an ``argparse`` subparsers object."""
+    """Adds the ``eval`` subcommand to an ``argparse`` subparsers object; its ``func`` default is ``run``."""
     p = subparsers.add_parser("eval", help=HELP, description=HELP + ". Results are appended to OUT/results.jsonl "
                               "(a rerun resumes), with OUT/<task>.md and PNG plots.")
     _add_arguments(p)
+    p.set_defaults(func=run)
     return p
 
 

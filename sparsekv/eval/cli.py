@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .base import EvalError, TaskOptions
-from .runner import EvalSpec, run_eval
+from .runner import RESULTS, EvalSpec, run_eval
 from .tasks import TASKS
 
 DEFAULT_BUDGETS = (128, 256, 512)
@@ -72,10 +73,11 @@ def run(args: argparse.Namespace) -> int:
         out = run_eval(spec, progress=not args.no_progress)
     except (EvalError, ValueError) as e:
         print(f"sparsekv eval: error: {e}", file=sys.stderr)
-        print(f"(finished runs, if any, are kept in {spec.out}/results.jsonl; rerun to resume)", file=sys.stderr)
+        if (Path(spec.out) / RESULTS).exists():
+            print(f"(finished runs are kept in {spec.out}/{RESULTS}; rerun to resume)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"\nsparsekv eval: interrupted; finished runs are kept in {spec.out}/results.jsonl, rerun the same "
+        print(f"\nsparsekv eval: interrupted; finished runs are kept in {spec.out}/{RESULTS}, rerun the same "
               f"command to resume", file=sys.stderr)
         return 130
     table = out / f"{args.task}.md"

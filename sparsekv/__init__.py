@@ -1,9 +1,9 @@
 """sparsekv: query-aware KV-cache sparsity for long-context decoding."""
 
 from .integrations import DecodeStats, Session, SparseKVCache, apply
-from .methods import METHODS, DenseConfig, MethodConfig, QuestConfig
+from .methods import METHODS, DenseConfig, MethodConfig, OmniKVConfig, QuestConfig, RaaSConfig
 
 __version__ = "0.1.0"
 
 __all__ = ["apply", "DecodeStats", "Session", "SparseKVCache", "METHODS", "MethodConfig", "DenseConfig",
-           "QuestConfig", "__version__"]
+           "QuestConfig", "OmniKVConfig", "RaaSConfig", "__version__"]

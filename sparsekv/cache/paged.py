@@ -54,6 +54,8 @@ class PagedLayer:
     kmin, kmax: (B, Hkv, C + 1, D), channel-wise bounds of the keys in each slot.
     slot_page: (B, Hkv, C + 1) int64, logical page held by each slot, -1 if free.
     cur_slot: (B, Hkv) int64, slot of each row's last (current) page.
+    dropped: per sequence, the leading pages handed elsewhere by ``drop_leading`` (host ints); capacity counts only
+    the pages after them.
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, page_size: int, capacity: int,
@@ -67,6 +69,7 @@ class PagedLayer:
         self.kmax = torch.full((*shape, head_dim), float("-inf"), dtype=dtype, device=device)
         self.slot_page = torch.full(shape, -1, dtype=torch.long, device=device)
         self.cur_slot = torch.full(shape[:2], -1, dtype=torch.long, device=device)
+        self.dropped = [0] * batch
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -89,6 +92,31 @@ class PagedLayer:
         """Frees ``slots`` (B, Hkv, N) where ``mask`` (B, Hkv, N) is True; their memory is reused by later pages."""
         target = torch.where(mask, slots, torch.full_like(slots, self.capacity))
         self.slot_page.scatter_(2, target, torch.full_like(target, -1))
+
+    def drop_leading(self, pages: list[int]) -> None:
+        """Drops each sequence's logical pages below ``pages[b]`` and shrinks the layer to the slots still held, for
+        a method that keeps those tokens elsewhere (OmniKV's CPU store). The pages kept move to the lowest slots in
+        their slot order. A one-off host sync: call it after the prompt, never in a decode step."""
+        cap = self.capacity
+        first = torch.tensor(pages, device=self.k.device).view(-1, 1, 1)
+        keep = self.slot_page[:, :, :cap] >= first  # (B, Hkv, C)
+        order = torch.argsort((~keep).to(torch.int8), dim=2, stable=True)
+        new_cap = max(int(keep.sum(dim=2).max()), 1)
+        moved = order[:, :, :new_cap]
+        held = keep.gather(2, moved)
+        b, h = keep.shape[:2]
+        for name, fill in (("k", 0), ("v", 0), ("kmin", float("inf")), ("kmax", float("-inf")), ("slot_page", -1)):
+            t = getattr(self, name)
+            idx = moved.view(b, h, new_cap, *[1] * (t.dim() - 3)).expand(b, h, new_cap, *t.shape[3:])
+            mask = held.view(b, h, new_cap, *[1] * (t.dim() - 3))
+            new = torch.full((b, h, new_cap + 1, *t.shape[3:]), fill, dtype=t.dtype, device=t.device)
+            new[:, :, :new_cap] = torch.where(mask, t.gather(2, idx), fill)
+            setattr(self, name, new)
+        cur = self.cur_slot.clamp(min=0).unsqueeze(-1)
+        moved_cur = torch.argsort(order, dim=2).gather(2, cur).squeeze(-1)
+        self.cur_slot = torch.where(keep.gather(2, cur).squeeze(-1), moved_cur, -1)
+        self.capacity = new_cap
+        self.dropped = [d + n for d, n in zip(self.dropped, pages)]
 
     def token_position(self) -> torch.Tensor:
         """(B, Hkv, C + 1, P) position of every stored token, -1 where the slot is free."""
@@ -184,8 +212,10 @@ class PagedKVCache:
         self.plan = AppendPlan(valid=valid, position=position, prev_len=prev, new_len=new)
         return self.plan
 
-    def needed_pages(self) -> int:
-        pages = -(-max(self.lengths) // self.page_size) if self.lengths else 0
+    def needed_pages(self, dropped: list[int] | None = None) -> int:
+        """Slots a layer needs for the current lengths, less the pages it ``dropped``, within ``max_pages``."""
+        dropped = dropped or [0] * len(self.lengths)
+        pages = max((-(-n // self.page_size) - d for n, d in zip(self.lengths, dropped)), default=0)
         return pages if self.max_pages is None else min(pages, self.max_pages)
 
     def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> PagedLayer:
@@ -194,8 +224,8 @@ class PagedKVCache:
             raise RuntimeError("PagedKVCache.append called before begin()")
         if k.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {k.dtype} is not supported; allowed: {', '.join(map(str, SUPPORTED_DTYPES))}")
-        need = max(self.needed_pages(), 1)
         layer = self.layers[layer_idx]
+        need = max(self.needed_pages(layer.dropped if layer is not None else None), 1)
         if layer is None:
             b, h, _, d = k.shape
             layer = PagedLayer(b, h, d, self.page_size, need, k.dtype, k.device)
@@ -217,6 +247,7 @@ class PagedKVCache:
             for name in ("k", "v", "kmin", "kmax", "slot_page", "cur_slot"):
                 t = getattr(layer, name)
                 setattr(layer, name, t.index_select(0, index.to(t.device)))
+            layer.dropped = [layer.dropped[i] for i in idx]
 
     def resident_bytes(self) -> int:
         """Bytes held by the pages and their metadata on all layers."""

@@ -2,8 +2,11 @@
 
 from .base import Method, MethodConfig
 from .dense import DenseConfig
+from .omnikv import OmniKVConfig
 from .quest import QuestConfig
+from .raas import RaaSConfig
 
-METHODS: dict[str, type[MethodConfig]] = {"dense": DenseConfig, "quest": QuestConfig}
+METHODS: dict[str, type[MethodConfig]] = {"dense": DenseConfig, "quest": QuestConfig, "omnikv": OmniKVConfig,
+                                          "raas": RaaSConfig}
 
-__all__ = ["METHODS", "Method", "MethodConfig", "DenseConfig", "QuestConfig"]
+__all__ = ["METHODS", "Method", "MethodConfig", "DenseConfig", "QuestConfig", "OmniKVConfig", "RaaSConfig"]

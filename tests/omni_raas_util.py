@@ -1,0 +1,38 @@
+"""Helpers shared by the OmniKV and RaaS tests: greedy generation inside ``sparsekv.apply``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparsekv
+
+
+def generate(model, config, ids: torch.Tensor, new_tokens: int, mask: torch.Tensor | None = None):
+    """Greedy ``new_tokens`` tokens under ``config``. Returns (generated ids (B, new_tokens), scores (steps, B, V),
+    session)."""
+    with sparsekv.apply(model, config) as session:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.scores), session
+
+
+def padded_prompts(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random byte-token prompts of the given lengths, left padded. Returns (ids, attention_mask), (B, max length)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(3, 259, (n,), generator=g)
+        mask[row, width - n:] = 1
+    return ids, mask
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and far faster than with the default when the cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -17,6 +17,13 @@ def generate(model, config, ids: torch.Tensor, new_tokens: int, mask: torch.Tens
     return out.sequences[:, ids.shape[1]:], torch.stack(out.scores), session
 
 
+def beam_search(model, config, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, beams: int = 3):
+    """Beam search under ``config``: the cache and the method's state are reordered between steps."""
+    with sparsekv.apply(model, config):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              num_beams=beams, do_sample=False, pad_token_id=0)
+
+
 def padded_prompts(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random byte-token prompts of the given lengths, left padded. Returns (ids, attention_mask), (B, max length)."""
     g = torch.Generator().manual_seed(seed)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from omni_raas_util import generate, one_thread, padded_prompts  # noqa: F401 (one_thread: autouse fixture)
+from omni_raas_util import beam_search, generate, one_thread, padded_prompts  # noqa: F401 (one_thread: autouse fixture)
 
 from sparsekv import DenseConfig, OmniKVConfig, kernels
 from sparsekv.cache import PagedKVCache
@@ -27,6 +27,15 @@ def test_budget_covering_prompt_is_dense(arch):
         assert torch.equal(out, dense), (selector, offload)
         torch.testing.assert_close(scores, dense_scores, rtol=1e-4, atol=1e-4)
         assert session.stats.summary()["fraction"] == 1.0
+
+
+def test_beam_search_covering_prompt_is_dense():
+    model = tiny_model("qwen2", layers=3, seed=1)
+    ids, mask = padded_prompts([30, 21], seed=2)
+    dense = beam_search(model, DenseConfig(page_size=4), ids, mask, 10)
+    config = OmniKVConfig(page_size=4, token_budget=1.0, filter_layers=(1,), wait_layers=0, selector="uniform",
+                          window=4, offload=True)
+    assert torch.equal(beam_search(model, config, ids, mask, 10), dense)
 
 
 def test_small_budget_attends_chosen_tokens_and_every_decode_token():

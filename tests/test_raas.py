@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from omni_raas_util import generate, one_thread, padded_prompts  # noqa: F401 (one_thread: autouse fixture)
+from omni_raas_util import beam_search, generate, one_thread, padded_prompts  # noqa: F401 (one_thread: autouse fixture)
 
 import sparsekv
 from sparsekv import DenseConfig, RaaSConfig
@@ -25,6 +25,13 @@ def test_budget_covering_context_is_dense(arch, prefill):
     assert torch.equal(out, dense)
     torch.testing.assert_close(scores, dense_scores, rtol=1e-4, atol=1e-4)
     assert session.stats.summary()["fraction"] == 1.0
+
+
+def test_beam_search_covering_context_is_dense():
+    model = tiny_model("llama", layers=3, seed=1)
+    ids, mask = padded_prompts([30, 21], seed=2)
+    dense = beam_search(model, DenseConfig(page_size=4), ids, mask, 10)
+    assert torch.equal(beam_search(model, RaaSConfig(page_size=4, token_budget=128), ids, mask, 10), dense)
 
 
 @pytest.mark.parametrize("prefill", ["keep", "quest"])

@@ -130,6 +130,7 @@ class OmniKV(Method):
         self.steps = [0] * num_layers
         self.prompt_len: torch.Tensor | None = None
         self.per_row: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
         self.k_max = 0
 
     def source_filter(self, layer_idx: int) -> int | None:
@@ -146,6 +147,7 @@ class OmniKV(Method):
             self.prompt_len = torch.tensor(lengths, device=device)
             self.per_row = torch.tensor(rows, device=device)
             self.k_max = max(max(rows), 1)
+            self.weight = selector_weights(self.config.selector, self.width, device)
             self.stores.clear()
             self.tokens.clear()
         role = self.role[layer_idx]
@@ -214,8 +216,8 @@ class OmniKV(Method):
         self.window_q[f], self.window_pos[f] = wq, wpos
         # The layer never evicts, so its flat token index is the position and every KV head holds the same tokens.
         key_pos = layer.token_position()[:, 0].flatten(1)
-        weight = selector_weights(self.config.selector, self.width, q.device)
-        scores = kernels.window_token_scores(wq, layer.k.flatten(2, 3), key_pos, wpos, self.prompt_len, weight, scale)
+        scores = kernels.window_token_scores(wq, layer.k.flatten(2, 3), key_pos, wpos, self.prompt_len, self.weight,
+                                             scale)
         self.tokens[f] = top_tokens(scores, self.per_row, self.k_max)
         if self.config.offload and self.group[f]:
             self.stores[f].fetch(self.tokens[f])

@@ -35,12 +35,14 @@ class AppendPlan:
     valid: (B, S) bool, True for real tokens (False for padding).
     position: (B, S) int64, position of each new token in its sequence (-1 for padding).
     prev_len, new_len: per-sequence token counts before and after the pass, on the host.
+    prev_seq_len: (B,) int64, ``prev_len`` on the device.
     """
 
     valid: torch.Tensor
     position: torch.Tensor
     prev_len: list[int]
     new_len: list[int]
+    prev_seq_len: torch.Tensor
 
     @property
     def is_first(self) -> bool:
@@ -70,6 +72,8 @@ class PagedLayer:
         self.slot_page = torch.full(shape, -1, dtype=torch.long, device=device)
         self.cur_slot = torch.full(shape[:2], -1, dtype=torch.long, device=device)
         self.dropped = [0] * batch
+        # Until a slot is freed, slot j holds page j and allocation needs no search.
+        self.has_holes = False
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -92,6 +96,7 @@ class PagedLayer:
         """Frees ``slots`` (B, Hkv, N) where ``mask`` (B, Hkv, N) is True; their memory is reused by later pages."""
         target = torch.where(mask, slots, torch.full_like(slots, self.capacity))
         self.slot_page.scatter_(2, target, torch.full_like(target, -1))
+        self.has_holes = True
 
     def drop_leading(self, pages: list[int]) -> None:
         """Drops each sequence's logical pages below ``pages[b]`` and shrinks the layer to the slots still held, for
@@ -117,6 +122,7 @@ class PagedLayer:
         self.cur_slot = torch.where(keep.gather(2, cur).squeeze(-1), moved_cur, -1)
         self.capacity = new_cap
         self.dropped = [d + n for d, n in zip(self.dropped, pages)]
+        self.has_holes = True  # slots no longer follow pages
 
     def token_position(self) -> torch.Tensor:
         """(B, Hkv, C + 1, P) position of every stored token, -1 where the slot is free."""
@@ -130,12 +136,14 @@ class PagedLayer:
         b, h, s, d = k_new.shape
         page = torch.where(plan.valid, plan.position // p, -1)  # (B, S)
         offset = torch.where(plan.valid, plan.position % p, 0)
-        prev = torch.tensor(plan.prev_len, device=k_new.device)
-        # Pages that already hold tokens keep their slot; the pass's new pages take free slots in ascending order.
-        first_new = (prev + p - 1) // p  # (B,) first logical page that starts in this pass
-        free_order = torch.argsort((self.slot_page[:, :, :cap] >= 0).to(torch.int8), dim=2, stable=True)
-        rank = (page - first_new[:, None]).clamp(min=0).unsqueeze(1).expand(b, h, s)
-        new_slot = free_order.gather(2, rank.clamp(max=max(cap - 1, 0)))
+        first_new = (plan.prev_seq_len + p - 1) // p  # (B,) first logical page that starts in this pass
+        if self.has_holes:
+            # New pages take free slots in ascending order; pages that already hold tokens keep theirs.
+            free_order = torch.argsort((self.slot_page[:, :, :cap] >= 0).to(torch.int8), dim=2, stable=True)
+            rank = (page - first_new[:, None]).clamp(min=0).unsqueeze(1).expand(b, h, s)
+            new_slot = free_order.gather(2, rank.clamp(max=max(cap - 1, 0)))
+        else:
+            new_slot = page.clamp(min=0).unsqueeze(1).expand(b, h, s)
         in_current = (page < first_new[:, None]).unsqueeze(1)
         slot = torch.where(in_current, self.cur_slot.unsqueeze(-1), new_slot)
         slot = torch.where(plan.valid.unsqueeze(1), slot, cap)  # (B, Hkv, S); padding goes to scratch
@@ -155,8 +163,7 @@ class PagedLayer:
 
         last_col = torch.where(plan.valid, plan.position, -1).argmax(dim=1)  # (B,)
         last_slot = slot.gather(2, last_col.view(b, 1, 1).expand(b, h, 1)).squeeze(-1)
-        grew = torch.tensor([n > q for n, q in zip(plan.new_len, plan.prev_len)], device=k_new.device)
-        self.cur_slot = torch.where(grew.unsqueeze(1), last_slot, self.cur_slot)
+        self.cur_slot = torch.where(plan.valid.any(dim=1, keepdim=True), last_slot, self.cur_slot)
 
 
 class PagedKVCache:
@@ -207,9 +214,9 @@ class PagedKVCache:
         new = [p + c for p, c in zip(prev, counts)]
         position = self.seq_len.unsqueeze(1) + valid.long().cumsum(dim=1) - 1
         position = torch.where(valid, position, -1)
+        self.plan = AppendPlan(valid=valid, position=position, prev_len=prev, new_len=new, prev_seq_len=self.seq_len)
         self.lengths = new
         self.seq_len = self.seq_len + valid.sum(dim=1)
-        self.plan = AppendPlan(valid=valid, position=position, prev_len=prev, new_len=new)
         return self.plan
 
     def needed_pages(self, dropped: list[int] | None = None) -> int:

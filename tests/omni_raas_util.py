@@ -17,6 +17,15 @@ def generate(model, config, ids: torch.Tensor, new_tokens: int, mask: torch.Tens
     return out.sequences[:, ids.shape[1]:], torch.stack(out.scores), session
 
 
+def assert_dense(dense: tuple[torch.Tensor, torch.Tensor], model, config, ids: torch.Tensor,
+                 mask: torch.Tensor) -> None:
+    """``config`` generates the tokens of ``dense`` = (ids, scores) from ``generate``, attending every token."""
+    out, scores, session = generate(model, config, ids, dense[0].shape[1], mask)
+    assert torch.equal(out, dense[0]), config
+    torch.testing.assert_close(scores, dense[1], rtol=1e-4, atol=1e-4)
+    assert session.stats.summary()["fraction"] == 1.0
+
+
 def beam_search(model, config, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, beams: int = 3):
     """Beam search under ``config``: the cache and the method's state are reordered between steps."""
     with sparsekv.apply(model, config):

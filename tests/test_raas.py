@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from omni_raas_util import beam_search, generate, one_thread, padded_prompts  # noqa: F401 (one_thread: autouse fixture)
+from omni_raas_util import assert_dense, beam_search, generate, one_thread, padded_prompts  # noqa: F401 (one_thread: autouse fixture)
 
 import sparsekv
 from sparsekv import DenseConfig, RaaSConfig
@@ -19,12 +19,9 @@ from sparsekv.tiny import ARCHITECTURES, tiny_model
 def test_budget_covering_context_is_dense(arch, prefill):
     model = tiny_model(arch, layers=3, seed=1)
     ids, mask = padded_prompts([37, 20], seed=2)
-    dense, dense_scores, _ = generate(model, DenseConfig(page_size=4), ids, 24, mask)
+    dense = generate(model, DenseConfig(page_size=4), ids, 24, mask)[:2]
     config = RaaSConfig(page_size=4, token_budget=128, prefill=prefill)  # quest: 64 prompt + 64 decode tokens
-    out, scores, session = generate(model, config, ids, 24, mask)
-    assert torch.equal(out, dense)
-    torch.testing.assert_close(scores, dense_scores, rtol=1e-4, atol=1e-4)
-    assert session.stats.summary()["fraction"] == 1.0
+    assert_dense(dense, model, config, ids, mask)
 
 
 def test_beam_search_covering_context_is_dense():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from omni_raas_util import assert_dense, beam_search, generate, one_thread, padded_prompts  # noqa: F401 (one_thread: autouse fixture)
 
+import sparsekv
 from sparsekv import DenseConfig, OmniKVConfig, kernels
 from sparsekv.cache import PagedKVCache
 from sparsekv.kernels import reference
@@ -119,8 +120,6 @@ def test_sparse_layers_use_the_nearest_filter_layer_below(monkeypatch):
         return spy_target(q, k, v, tokens, scale)
 
     monkeypatch.setattr(kernels, "sparse_decode_tokens", spy)
-    import sparsekv
-
     with sparsekv.apply(model, config) as session:
         run = session.method
         decode = run.decode

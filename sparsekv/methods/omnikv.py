@@ -176,9 +176,9 @@ class OmniKV(Method):
         f = self.source[layer_idx]
         group = self.group[f]
         b, h, _, d = layer.shape
-        if f not in self.stores:
-            self.stores[f] = CPUKVStore(len(group), b, h, max(lengths), d, layer.k.dtype, layer.k.device)
         t = max(lengths)
+        if f not in self.stores:
+            self.stores[f] = CPUKVStore(len(group), b, h, t, d, layer.k.dtype, layer.k.device)
         self.stores[f].put(group.index(layer_idx), layer.k.flatten(2, 3)[:, :, :t], layer.v.flatten(2, 3)[:, :, :t])
         full_pages = [n // layer.page_size for n in lengths]
         layer.drop_leading(full_pages)

@@ -218,3 +218,52 @@ def test_default_filter_layers_scale_the_papers():
     assert config.layers_for(32) == (2, 8, 18)
     assert config.layers_for(28) == (2, 7, 16)
     assert all(i < 4 for i in config.layers_for(4))
+
+
+def test_dropping_leading_pages_keeps_the_rest_and_later_appends():
+    g = torch.Generator().manual_seed(4)
+    cache = PagedKVCache(1, page_size=4)
+    valid = torch.ones(2, 14, dtype=torch.bool)
+    valid[1, :5] = False  # 14 and 9 tokens
+    keys = torch.randn(2, 2, 14, 3, generator=g)
+    plan = cache.begin(14, valid, 2, torch.device("cpu"))
+    layer = cache.append(0, keys, keys)
+    layer.drop_leading([3, 2])  # keeps positions 12-13 and 8
+    assert layer.capacity == 1
+    more = [torch.randn(2, 2, 1, 3, generator=g) for _ in range(7)]
+    for k in more:
+        cache.begin(1, None, 2, torch.device("cpu"))
+        layer = cache.append(0, k, k)
+    # Row 0 needs 3 slots (pages 3-5, positions 12-20), row 1 two (pages 2-3); growth from 1 slot doubles to 4.
+    assert layer.capacity == 4
+    position = layer.token_position()
+    for row, (kept, first) in enumerate([(keys[0, :, 12:], 12), (keys[1, :, 13:], 8)]):
+        want = torch.cat([kept] + [k[row] for k in more], dim=1)  # (Hkv, n, D) by position from ``first``
+        for head in range(2):
+            pos = position[row, head].flatten()
+            stored = layer.k[row, head].flatten(0, 1)
+            for i in range(want.shape[1]):
+                torch.testing.assert_close(stored[pos == first + i][0], want[head, i])
+            assert (pos[pos >= 0] >= first).all()  # the dropped pages are gone
+
+
+def test_cpu_store_fetch_gathers_the_listed_positions():
+    from sparsekv.cache.cpu_store import CPUKVStore
+
+    g = torch.Generator().manual_seed(5)
+    store = CPUKVStore(3, 2, 2, 10, 4, torch.float32, torch.device("cpu"))
+    kv = [(torch.randn(2, 2, 10, 4, generator=g), torch.randn(2, 2, 10, 4, generator=g)) for _ in range(3)]
+    for i, (k, v) in enumerate(kv):
+        store.put(i, k, v)
+    tokens = torch.tensor([[7, 1, 4], [-1, 9, 0]])
+    store.fetch(tokens)
+    buffer = store.wait()
+    for i, (k, v) in enumerate(kv):
+        for row in range(2):
+            idx = tokens[row].clamp(min=0)
+            assert torch.equal(buffer[i, 0, row], k[row][:, idx])
+            assert torch.equal(buffer[i, 1, row], v[row][:, idx])
+    store.reorder(torch.tensor([1, 1]))
+    store.fetch(tokens)
+    assert torch.equal(store.wait()[2, 1, 0], kv[2][1][1][:, tokens[0]])
+    assert store.host_bytes() == 3 * 2 * 2 * 2 * 10 * 4 * 4

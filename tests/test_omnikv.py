@@ -85,7 +85,7 @@ def test_selection_matches_brute_force(selector, budget):
     prompt_q = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
     plan = cache.begin(s, valid, b, torch.device("cpu"))
     layer = cache.append(0, keys, keys)
-    method.prefill(0, prompt_q, layer, plan)
+    method.prefill(0, prompt_q, layer, plan, scale)
     decode_keys, decode_q = [], []
     for _ in range(6):
         cache.begin(1, None, b, torch.device("cpu"))
@@ -218,33 +218,6 @@ def test_default_filter_layers_scale_the_papers():
     assert config.layers_for(32) == (2, 8, 18)
     assert config.layers_for(28) == (2, 7, 16)
     assert all(i < 4 for i in config.layers_for(4))
-
-
-def test_dropping_leading_pages_keeps_the_rest_and_later_appends():
-    g = torch.Generator().manual_seed(4)
-    cache = PagedKVCache(1, page_size=4)
-    valid = torch.ones(2, 14, dtype=torch.bool)
-    valid[1, :5] = False  # 14 and 9 tokens
-    keys = torch.randn(2, 2, 14, 3, generator=g)
-    plan = cache.begin(14, valid, 2, torch.device("cpu"))
-    layer = cache.append(0, keys, keys)
-    layer.drop_leading([3, 2])  # keeps positions 12-13 and 8
-    assert layer.capacity == 1
-    more = [torch.randn(2, 2, 1, 3, generator=g) for _ in range(7)]
-    for k in more:
-        cache.begin(1, None, 2, torch.device("cpu"))
-        layer = cache.append(0, k, k)
-    # Row 0 needs 3 slots (pages 3-5, positions 12-20), row 1 two (pages 2-3); growth from 1 slot doubles to 4.
-    assert layer.capacity == 4
-    position = layer.token_position()
-    for row, (kept, first) in enumerate([(keys[0, :, 12:], 12), (keys[1, :, 13:], 8)]):
-        want = torch.cat([kept] + [k[row] for k in more], dim=1)  # (Hkv, n, D) by position from ``first``
-        for head in range(2):
-            pos = position[row, head].flatten()
-            stored = layer.k[row, head].flatten(0, 1)
-            for i in range(want.shape[1]):
-                torch.testing.assert_close(stored[pos == first + i][0], want[head, i])
-            assert (pos[pos >= 0] >= first).all()  # the dropped pages are gone
 
 
 def test_cpu_store_fetch_gathers_the_listed_positions():

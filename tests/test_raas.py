@@ -71,9 +71,8 @@ def test_worked_example_cache_of_five_tokens():
     plan = cache.begin(2, None, 1, torch.device("cpu"))
     keys = torch.cat([_one_hot(0), _one_hot(1)], dim=2)
     layer = cache.append(0, keys, keys)
-    method.prefill(0, torch.zeros(1, 1, 2, 8), layer, plan)
-    cache.max_pages = method.page_cap(plan.new_len)
-    assert cache.max_pages == 5
+    method.prefill(0, torch.zeros(1, 1, 2, 8), layer, plan, 1.0)
+    assert layer.max_pages == 5
 
     refresh = {1: [0], 2: [2], 3: [3], 4: [3], 5: [5], 6: []}
     expected_cache = {1: [0, 1, 2], 2: [0, 1, 2, 3], 3: [0, 1, 3, 4], 4: [0, 1, 3, 5], 5: [0, 1, 5, 6],
@@ -102,7 +101,7 @@ def test_top_fraction_refreshes_the_top_pages():
     plan = cache.begin(10, None, 1, torch.device("cpu"))
     keys = torch.randn(1, 2, 10, 8, generator=g)
     layer = cache.append(0, keys, keys)
-    method.prefill(0, torch.zeros(1, 4, 10, 8), layer, plan)
+    method.prefill(0, torch.zeros(1, 4, 10, 8), layer, plan, 0.5)
     cache.begin(1, None, 1, torch.device("cpu"))
     new = torch.randn(1, 2, 1, 8, generator=g)
     layer = cache.append(0, new, new)
@@ -112,7 +111,7 @@ def test_top_fraction_refreshes_the_top_pages():
     for head in range(2):
         score = (q[0, 2 * head:2 * head + 2] @ all_keys[0, head].T).amax(dim=0)  # max over the group's heads
         top = set(score.topk(math.ceil(0.3 * 11)).indices.tolist()) | {10}  # the current page is always refreshed
-        stamped = set(torch.nonzero(method.stamp[0][0, head, :11] == 1).flatten().tolist())
+        stamped = set(torch.nonzero(layer.slot_state["raas_stamp"][0, head, :11] == 1).flatten().tolist())
         assert stamped == top
 
 

@@ -195,8 +195,7 @@ def sparsekv_attention(module, query, key, value, attention_mask, scaling=None, 
     if plan.is_first:
         all_valid = all(n == query.shape[2] for n in plan.new_len)
         out = _prefill_attention(query, key, value, plan.valid, all_valid, scale)
-        cache.method.prefill(module.layer_idx, query, layer, plan)
-        pages.max_pages = cache.method.page_cap(plan.new_len)
+        cache.method.prefill(module.layer_idx, query, layer, plan, scale)
     elif query.shape[2] > 1:
         # A chunk after the prompt (e.g. a question appended at once) is attended densely, like a prefill.
         out = kernels.attend(query, layer.k, layer.v, layer.slot_page, all_slots(layer), plan.position, scale)

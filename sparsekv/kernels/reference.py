@@ -49,13 +49,13 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
     return torch.where(top > float("-inf"), idx, -1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
-           q_pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of queries over the tokens of the given slots.
+def attend_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor,
+                        slots: torch.Tensor, q_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend`` that also returns its attention weights, for methods that score tokens by attention (H2O, TOVA,
+    SnapKV).
 
-    q: (B, H, S, D); k, v: (B, Hkv, C, P, D); slot_page: (B, Hkv, C); slots: (B, Hs, K), -1 = none;
-    q_pos: (B, S) position of each query, -1 for padding. A query attends to the tokens of its row's slots whose
-    position is <= its own. Returns (B, H, S, D) in q's dtype; queries with nothing to attend give zeros.
+    Returns the output (B, H, S, D) in q's dtype and the softmax weights (B, H, S, K * P) in the accumulation
+    dtype, where column ``i * P + j`` is token ``j`` of ``slots[..., i]`` (zero for tokens not attended).
     """
     b, h, s, d = q.shape
     hkv, p = k.shape[1], k.shape[3]
@@ -76,7 +76,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.T
     logits = logits.masked_fill(~ok, float("-inf"))
     weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bngsk,bnkd->bngsd", weights, vals)
-    return out.reshape(b, h, s, d).to(q.dtype)
+    return out.reshape(b, h, s, d).to(q.dtype), weights.reshape(b, h, s, kk * p)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
+           q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of queries over the tokens of the given slots.
+
+    q: (B, H, S, D); k, v: (B, Hkv, C, P, D); slot_page: (B, Hkv, C); slots: (B, Hs, K), -1 = none;
+    q_pos: (B, S) position of each query, -1 for padding. A query attends to the tokens of its row's slots whose
+    position is <= its own. Returns (B, H, S, D) in q's dtype; queries with nothing to attend give zeros.
+    """
+    return attend_with_weights(q, k, v, slot_page, slots, q_pos, scale)[0]
 
 
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,

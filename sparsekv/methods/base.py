@@ -40,9 +40,9 @@ class MethodConfig:
 class Method:
     """A sparse-attention policy over a paged cache.
 
-    ``max_pages``: cap on page slots per (sequence, KV head) the cache may hold (None: grows with the context);
-    ``page_cap`` may set it from the prompt. ``accepts_chunks``: False for methods whose state follows every token
-    after the prompt, so that a multi-token pass after it is refused rather than attended without them.
+    ``max_pages``: cap on page slots per (sequence, KV head) the cache may hold (None: grows with the context).
+    ``accepts_chunks``: False for methods whose state follows every token after the prompt, so that a multi-token
+    pass after it is refused rather than attended without them.
     """
 
     max_pages: int | None = None
@@ -52,13 +52,10 @@ class Method:
         self.config = config
         self.num_layers = num_layers
 
-    def prefill(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan) -> None:
-        """Called after a layer's prompt attention, with the prompt's queries q: (B, H, S, D) (post-RoPE) and
-        the plan that placed its tokens. Methods that score or compress the prompt do it here."""
-
-    def page_cap(self, lengths: list[int]) -> int | None:
-        """The slot cap for the decode steps after a prompt of ``lengths`` tokens per sequence."""
-        return self.max_pages
+    def prefill(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale: float) -> None:
+        """Called after a layer's prompt attention, with the prompt's queries q: (B, H, S, D) (post-RoPE), the
+        plan that placed its tokens and the model's attention scale. Methods that score or compress the prompt do
+        it here."""
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keeps the sequences ``index`` of any per-sequence state (beam search, batch selection)."""

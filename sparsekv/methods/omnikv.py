@@ -137,7 +137,7 @@ class OmniKV(Method):
         """The filter layer whose choice layer ``layer_idx`` attends to, or None for a fully attending layer."""
         return self.source[layer_idx]
 
-    def prefill(self, layer_idx, q, layer, plan):
+    def prefill(self, layer_idx, q, layer, plan, scale):
         device = layer.k.device
         self.steps[layer_idx] = 0
         if layer_idx == 0:
@@ -181,8 +181,13 @@ class OmniKV(Method):
             self.stores[f] = CPUKVStore(len(group), b, h, t, d, layer.k.dtype, layer.k.device)
         self.stores[f].put(group.index(layer_idx), layer.k.flatten(2, 3)[:, :, :t], layer.v.flatten(2, 3)[:, :, :t])
         full_pages = [n // layer.page_size for n in lengths]
-        layer.drop_leading(full_pages)
-        return torch.tensor(full_pages, device=layer.k.device) * layer.page_size
+        full = torch.tensor(full_pages, device=layer.k.device)
+        held = layer.slot_page[:, :, :layer.capacity]  # slot j holds page j: nothing was evicted
+        layer.free(all_slots(layer)[:, :, :layer.capacity], (held >= 0) & (held < full.view(-1, 1, 1)))
+        layer.dropped = full_pages
+        held_pages = max(-(-n // layer.page_size) - f for n, f in zip(lengths, full_pages))
+        layer.compact(min(held_pages + 1, layer.capacity))  # room for the next page without growing
+        return full * layer.page_size
 
     def decode(self, layer_idx, q, layer, seq_len, scale):
         self.steps[layer_idx] += 1

@@ -82,41 +82,41 @@ def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+STAMP = "raas_stamp"
+
+
 class RaaS(Method):
-    """Per layer: ``stamp`` (B, Hkv, C + 1) int64, the decode step each slot's page was last refreshed at.
-    Per prompt: ``prompt_pages`` and ``limit`` (B,), the prompt's pages and the pages a row may hold."""
+    """Per layer: ``layer.slot_state["raas_stamp"]`` (B, Hkv, C + 1) int64, the decode step each slot's page was
+    last refreshed at (it moves with the slots when the cache grows or reorders), and ``layer.max_pages``, the
+    largest row limit. Per prompt: ``prompt_pages`` and ``limit`` (B,), the prompt's pages and the pages a row may
+    hold."""
 
     config: RaaSConfig
     accepts_chunks = False
 
     def __init__(self, config: RaaSConfig, num_layers: int):
         super().__init__(config, num_layers)
-        self.stamp: list[torch.Tensor | None] = [None] * num_layers
         self.step = [0] * num_layers
         self.prompt_pages: torch.Tensor | None = None
         self.limit: torch.Tensor | None = None
-        self.limit_host: list[int] = []
 
-    def prefill(self, layer_idx, q, layer, plan):
+    def prefill(self, layer_idx, q, layer, plan, scale):
         cfg = self.config
         prompt = [-(-n // cfg.page_size) for n in plan.new_len]
         if cfg.prefill == "keep":
-            self.limit_host = [max(cfg.budget_pages, p + 1) for p in prompt]
+            limit = [max(cfg.budget_pages, p + 1) for p in prompt]
         else:
-            self.limit_host = [p + cfg.budget_pages - cfg.prefill_pages for p in prompt]
+            limit = [p + cfg.budget_pages - cfg.prefill_pages for p in prompt]
         device = layer.k.device
         self.prompt_pages = torch.tensor(prompt, device=device)
-        self.limit = torch.tensor(self.limit_host, device=device)
-        b, h, c, _ = layer.shape
-        self.stamp[layer_idx] = torch.zeros(b, h, c, dtype=torch.long, device=device)
+        self.limit = torch.tensor(limit, device=device)
+        layer.max_pages = max(limit)
+        layer.slot_state[STAMP] = torch.zeros(layer.shape[:3], dtype=torch.long, device=device)
         self.step[layer_idx] = 0
-
-    def page_cap(self, lengths):
-        return max(self.limit_host)
 
     def decode(self, layer_idx, q, layer, seq_len, scale):
         self.step[layer_idx] += 1
-        stamp = self._stamps(layer_idx, layer)
+        stamp = layer.slot_state[STAMP]
         scores = kernels.page_scores(q, layer.kmin, layer.kmax, layer.slot_page)  # (B, Hkv, C + 1)
         if self.config.prefill == "keep":
             slots = all_slots(layer)
@@ -130,20 +130,9 @@ class RaaS(Method):
         slot_ids = torch.arange(stamp.shape[2], device=stamp.device)
         fresh = self._refreshed(scores, layer.slot_page >= 0, scale) | (slot_ids == layer.cur_slot.unsqueeze(-1))
         stamp = torch.where(fresh, self.step[layer_idx], stamp)
-        self.stamp[layer_idx] = stamp
+        layer.slot_state[STAMP] = stamp
         self._evict(layer, stamp, seq_len)
         return out, attended
-
-    def _stamps(self, layer_idx: int, layer) -> torch.Tensor:
-        """The layer's stamps, resized when the cache grew the layer's slots."""
-        stamp = self.stamp[layer_idx]
-        slots = layer.capacity + 1
-        if stamp.shape[2] != slots:
-            grown = torch.zeros(*stamp.shape[:2], slots, dtype=stamp.dtype, device=stamp.device)
-            n = min(slots, stamp.shape[2])
-            grown[:, :, :n] = stamp[:, :, :n]
-            stamp = grown
-        return stamp
 
     def _refreshed(self, scores: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
         """Pages the step uses by the refresh rule. scores: (B, Hkv, C + 1), -inf for free slots. Returns bool."""
@@ -169,12 +158,6 @@ class RaaS(Method):
         layer.free(victim, evict.unsqueeze(-1))
 
     def reorder(self, index):
-        if self.prompt_pages is None:
-            return
-        self.prompt_pages = self.prompt_pages.index_select(0, index.to(self.prompt_pages.device))
-        self.limit = self.limit.index_select(0, index.to(self.limit.device))
-        self.limit_host = [self.limit_host[i] for i in index.tolist()]
-        self.stamp = [s if s is None else s.index_select(0, index.to(s.device)) for s in self.stamp]
-
-    def resident_bytes(self):
-        return sum(s.numel() * s.element_size() for s in self.stamp if s is not None)
+        if self.prompt_pages is not None:
+            self.prompt_pages = self.prompt_pages.index_select(0, index.to(self.prompt_pages.device))
+            self.limit = self.limit.index_select(0, index.to(self.limit.device))

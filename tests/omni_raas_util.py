@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import sparsekv
@@ -43,12 +42,3 @@ def padded_prompts(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, tor
         ids[row, width - n:] = torch.randint(3, 259, (n,), generator=g)
         mask[row, width - n:] = 1
     return ids, mask
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and far faster than with the default when the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

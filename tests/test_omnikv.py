@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from omni_raas_util import assert_dense, beam_search, generate, one_thread, padded_prompts  # noqa: F401 (one_thread: autouse fixture)
+from omni_raas_util import assert_dense, beam_search, generate, padded_prompts
 
 import sparsekv
 from sparsekv import DenseConfig, OmniKVConfig, kernels

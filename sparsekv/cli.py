@@ -18,10 +18,15 @@ from .models import load_model, make_config, parse_options, resolve_device, reso
 @dataclass
 class GenerationResult:
     text: str
-    new_tokens: int
+    tokens: list[int]
     seconds: float
     stats: dict
     kv_bytes: int
+    offloaded_bytes: int
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
 
     @property
     def tokens_per_second(self) -> float:
@@ -44,9 +49,9 @@ def generate(model, tokenizer, config: MethodConfig, prompt: str, max_new_tokens
         _sync(device)
         seconds = time.perf_counter() - start
     new = out[0, enc.input_ids.shape[1]:]
-    return GenerationResult(text=tokenizer.decode(new, skip_special_tokens=True), new_tokens=int(new.numel()),
+    return GenerationResult(text=tokenizer.decode(new, skip_special_tokens=True), tokens=new.tolist(),
                             seconds=seconds, stats=session.stats.summary(),
-                            kv_bytes=session.cache.resident_bytes() if session.cache else 0)
+                            kv_bytes=session.cache.resident_bytes(), offloaded_bytes=session.cache.offloaded_bytes())
 
 
 def _sync(device: torch.device) -> None:
@@ -59,13 +64,16 @@ def _describe(name: str, result: GenerationResult) -> str:
     return (f"[{name}] {result.new_tokens} tokens in {result.seconds:.2f} s ({result.tokens_per_second:.1f} tokens/s, "
             f"prefill included); KV tokens attended per layer-head per decode step: "
             f"{s['attended_per_head']:.1f} of {s['context_per_head']:.1f} ({100 * s['fraction']:.1f}%); "
-            f"KV cache resident: {result.kv_bytes / 2**20:.1f} MiB")
+            f"KV cache on the device: {result.kv_bytes / 2**20:.1f} MiB, offloaded to host memory: "
+            f"{result.offloaded_bytes / 2**20:.1f} MiB")
 
 
-def _method_args(parser: argparse.ArgumentParser, default_method: str, default_budget: int | None) -> None:
-    parser.add_argument("--method", default=default_method, choices=sorted(METHODS), help="sparsity method")
-    parser.add_argument("--budget", type=int, default=default_budget,
-                        help="token budget: KV tokens attended (or kept) per layer and KV head per decode step")
+def _method_args(parser: argparse.ArgumentParser, default_method: str, extra_choices: tuple[str, ...] = ()) -> None:
+    parser.add_argument("--method", default=default_method, choices=[*sorted(METHODS), *extra_choices],
+                        help="sparsity method")
+    parser.add_argument("--budget", type=_budget, default=None,
+                        help="token budget: KV tokens attended (or kept) per layer and KV head per decode step "
+                             "(OmniKV also takes a fraction of the prompt, e.g. 0.1); default: the method's own")
     parser.add_argument("--opt", action="append", default=[], metavar="FIELD=VALUE",
                         help="any other field of the method's config, e.g. --opt page_size=32 (repeatable)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -78,11 +86,24 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str, default_b
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _setup(args) -> tuple[torch.device, torch.dtype, MethodConfig]:
+def _budget(text: str) -> int | float:
+    """Budgets are token counts; a value with a decimal point is a fraction (OmniKV)."""
+    try:
+        return float(text) if "." in text or "e" in text.lower() else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget must be a number of tokens (or a fraction), got {text!r}")
+
+
+def _setup(args, default_budget: int | None = None) -> tuple[torch.device, torch.dtype, MethodConfig]:
+    """Device, dtype and method config from the options; ``default_budget`` applies to methods with a budget when
+    neither --budget nor --opt token_budget is given."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    budget = args.budget if args.method != "dense" else None
-    return device, dtype, make_config(args.method, budget, **parse_options(args.opt))
+    options = parse_options(args.opt)
+    budget = args.budget
+    if budget is None and "token_budget" not in options and args.method != "dense":
+        budget = default_budget
+    return device, dtype, make_config(args.method, budget, **options)
 
 
 def cmd_generate(args) -> int:
@@ -119,25 +140,36 @@ def demo_prompt(tokens: int, seed: int = 0) -> str:
 def cmd_demo(args) -> int:
     from .tiny import byte_tokenizer, tiny_model
 
-    device, dtype, config = _setup(args)
-    print("sparsekv demo: no trained model ships yet, so this runs a small RANDOM-WEIGHT Llama (GQA 8 query / 2 KV "
-          "heads) with a byte tokenizer. Its text is gibberish; the demo shows the machinery: the same prompt "
-          "decoded densely and with the chosen method, tokens/s, KV tokens attended per step, cache memory.\n")
+    names = [n for n in METHODS if n != "dense"] if args.method == "all" else [args.method]
+    configs = []
+    for name in names:
+        args.method = name
+        device, dtype, config = _setup(args, default_budget=256)
+        configs.append(config)
+    print("sparsekv demo: no trained model ships yet, so this runs a small RANDOM-WEIGHT Llama (6 layers, GQA 8 "
+          "query / 2 KV heads) with a byte tokenizer. Its text is gibberish; the demo shows the machinery: one long "
+          "prompt decoded densely and with each method, with tokens/s, KV tokens attended per step and cache "
+          "memory. Accuracy needs a trained model.\n")
     model = tiny_model("llama", layers=6, heads=8, kv_heads=2, head_dim=32, dtype=dtype).to(device)
     model.generation_config.eos_token_id = None
     tokenizer = byte_tokenizer()
     prompt = demo_prompt(args.prompt_tokens)
-    print(f"prompt: {len(tokenizer(prompt).input_ids)} tokens, passkey format, ending {prompt[-60:]!r}")
-    print(f"method: {config}\n")
+    print(f"prompt: {len(tokenizer(prompt).input_ids)} tokens (passkey format); {args.max_new_tokens} new tokens; "
+          f"{device}, {dtype}\n")
     generate(model, tokenizer, make_config("dense"), prompt[:200], 2)  # warm-up, so timings compare fairly
     dense = generate(model, tokenizer, make_config("dense"), prompt, args.max_new_tokens, seed=args.seed)
-    sparse = generate(model, tokenizer, config, prompt, args.max_new_tokens, args.sample, args.temperature,
-                      args.top_p, args.seed)
-    for name, result in (("dense", dense), (config.name, sparse)):
-        print(_describe(name, result))
-        print(f"    text: {result.text[:70]!r}")
-    agree = next((i for i, (a, b) in enumerate(zip(dense.text, sparse.text)) if a != b), len(dense.text))
-    print(f"\n{config.name} and dense outputs agree on their first {agree} of {len(dense.text)} characters")
+    print("| method | budget | tokens/s | KV tokens attended per layer-head per step | of dense | KV on device (MiB) "
+          "| same tokens as dense |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for config in [make_config("dense"), *configs]:
+        result = dense if config.name == "dense" else generate(
+            model, tokenizer, config, prompt, args.max_new_tokens, args.sample, args.temperature, args.top_p,
+            args.seed)
+        agree = next((i for i, (a, b) in enumerate(zip(dense.tokens, result.tokens)) if a != b), len(dense.tokens))
+        s = result.stats
+        print(f"| {config.name} | {getattr(config, 'token_budget', '-')} | {result.tokens_per_second:.1f} | {s['attended_per_head']:.0f} | "
+              f"{100 * s['fraction']:.0f}% | {result.kv_bytes / 2**20:.1f} | first {agree} of {len(dense.tokens)} |")
+    print("\nOther fields are each method's defaults (see README, Methods); --method X --opt FIELD=VALUE sets them.")
     return 0
 
 
@@ -150,11 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
-    _method_args(gen, "quest", 1024)
+    _method_args(gen, "quest")
     gen.set_defaults(func=cmd_generate)
 
-    demo = sub.add_parser("demo", help="the README's main job: dense vs a sparse method on the default model")
-    _method_args(demo, "quest", 256)
+    demo = sub.add_parser("demo", help="the README's main job: dense vs every method (or --method X) on the default "
+                                       "model, budget 256 unless --budget")
+    _method_args(demo, "all", ("all",))
     demo.add_argument("--prompt-tokens", type=int, default=2000)
     demo.set_defaults(func=cmd_demo, opt=[], max_new_tokens=48)
     return parser

@@ -19,15 +19,6 @@ from sparsekv.methods import METHODS, eviction
 from sparsekv.tiny import ARCHITECTURES, byte_tokenizer, tiny_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny ops are dominated by thread hand-off on a shared 2-core machine; one thread is ~100x faster here.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------------------------------------- configs and errors
 
 @pytest.mark.parametrize("cls, kwargs, field", [

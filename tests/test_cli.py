@@ -61,7 +61,11 @@ def test_make_config_errors():
         make_config("dense", 64)
 
 
-def test_demo_runs_and_says_the_model_is_random(capsys):
-    assert main(["demo", "--prompt-tokens", "300", "--max-new-tokens", "5", "--budget", "64"]) == 0
+def test_demo_runs_every_method_and_says_the_model_is_random(capsys):
+    from sparsekv.methods import METHODS
+
+    assert main(["demo", "--prompt-tokens", "300", "--max-new-tokens", "4", "--budget", "64"]) == 0
     out = capsys.readouterr().out
-    assert "RANDOM-WEIGHT" in out and "[dense]" in out and "[quest]" in out
+    assert "RANDOM-WEIGHT" in out and "| dense | - |" in out
+    for name in METHODS:
+        assert f"| {name} |" in out

@@ -30,6 +30,10 @@ select_pages = _dispatch("select_pages")
 sparse_decode = _dispatch("sparse_decode")
 attend = _dispatch("attend")
 attend_with_weights = _dispatch("attend_with_weights")
+window_token_scores = _dispatch("window_token_scores")
+sparse_decode_tokens = _dispatch("sparse_decode_tokens")
 count_attended = reference.count_attended
+merge_attention = reference.merge_attention
 
-__all__ = ["page_scores", "select_pages", "sparse_decode", "attend", "attend_with_weights", "count_attended", "reference", "FAST"]
+__all__ = ["page_scores", "select_pages", "sparse_decode", "attend", "attend_with_weights", "window_token_scores",
+           "sparse_decode_tokens", "count_attended", "merge_attention", "reference", "FAST"]

@@ -110,3 +110,66 @@ def count_attended(slot_page: torch.Tensor, slots: torch.Tensor, seq_len: torch.
     start = page * page_size
     n = (seq_len.view(b, 1, 1) - start).clamp(min=0, max=page_size)
     return torch.where(page >= 0, n, 0).sum(-1)
+
+
+def window_token_scores(q: torch.Tensor, k: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor,
+                        limit: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """OmniKV's token scores: for each stored token, the weighted sum over a window of queries of the max over
+    query heads of its softmax attention probability.
+
+    q: (B, H, W, D) window queries; k: (B, Hkv, N, D) a flat token store (a paged layer's ``k.flatten(2, 3)``);
+    key_pos: (B, N) position of each stored token, -1 where none (the same for every KV head: layers that never
+    evict); q_pos: (B, W) position of each window query, -1 for an empty entry; limit: (B,) the candidates are the
+    tokens at positions < limit (the prompt); weight: (W,) the weight of each window entry.
+    A query's softmax runs over the candidates at positions <= its own. Returns (B, N) float32 (float64 for float64
+    inputs), -inf for tokens that are not candidates.
+    """
+    b, h, w, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    acc = acc_dtype(q.dtype)
+    logits = torch.einsum("bngwd,bnkd->bngwk", q.to(acc).view(b, hkv, h // hkv, w, d), k.to(acc)) * scale
+    cand = (key_pos >= 0) & (key_pos < limit.view(b, 1))  # (B, N)
+    ok = cand.view(b, 1, 1, 1, n) & (key_pos.view(b, 1, 1, 1, n) <= q_pos.view(b, 1, 1, w, 1))
+    probs = torch.softmax(logits.masked_fill(~ok, float("-inf")), dim=-1).nan_to_num(0.0)
+    score = (probs.flatten(1, 2).amax(dim=1) * weight.to(acc).view(1, w, 1)).sum(dim=1)  # (B, N)
+    return score.masked_fill(~cand, float("-inf"))
+
+
+def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step over chosen tokens of a flat token store, with the log-sum-exp that lets partial results
+    over disjoint token sets be merged (``merge_attention``).
+
+    q: (B, H, D); k, v: (B, Hkv, N, D) (a paged layer's ``k.flatten(2, 3)``, or any packed buffer); tokens:
+    (B, Hs, K) int64 indices into N, -1 = none, with Hs = 1 (one set for all heads), Hkv or H. Every listed token is
+    attended (the caller lists only tokens the query may see). Returns out (B, H, D) and lse (B, H), both float32
+    (float64 for float64 inputs); a row with no token gives out 0 and lse -inf.
+    """
+    b, h, d = q.shape
+    hkv = k.shape[1]
+    hs, kk = tokens.shape[1], tokens.shape[2]
+    rows = max(hs, hkv)
+    acc = acc_dtype(q.dtype)
+    idx = tokens.expand(b, rows, kk) if hs == 1 else tokens
+    head = (torch.arange(rows, device=q.device) // (rows // hkv)).view(1, rows, 1)
+    bi = torch.arange(b, device=q.device).view(b, 1, 1)
+    keys = k[bi, head, idx.clamp(min=0)].to(acc)  # (B, rows, K, D)
+    vals = v[bi, head, idx.clamp(min=0)].to(acc)
+    logits = torch.einsum("bngd,bnkd->bngk", q.to(acc).view(b, rows, h // rows, d), keys) * scale
+    logits = logits.masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # (B, rows, G)
+    weights = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.einsum("bngk,bnkd->bngd", weights, vals)
+    return out.reshape(b, h, d), lse.reshape(b, h)
+
+
+def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """Combines attention results over disjoint token sets into the attention over their union.
+
+    parts: [(out (B, H, D), lse (B, H))] as ``sparse_decode_tokens`` returns them. Returns (B, H, D) in ``dtype``.
+    """
+    lse = torch.stack([p[1] for p in parts])  # (n, B, H)
+    total = torch.logsumexp(lse, dim=0)
+    share = torch.exp(lse - total).nan_to_num(0.0)
+    out = sum(s.unsqueeze(-1) * p[0] for s, p in zip(share, parts))
+    return out.to(dtype)

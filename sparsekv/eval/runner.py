@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..methods import METHODS
 from ..methods.base import MethodConfig
-from .base import EvalError, TaskOptions
+from .base import EvalError, Sample, TaskOptions
 from .engine import Engine, LoadedModel, load_model
 from .report import write_report
 from .tasks import get_task
@@ -176,6 +176,9 @@ def run_eval(spec: EvalSpec, log=print, progress: bool = True, loaded: LoadedMod
                     todo.append((key, length, depth, i, sample, run, engine))
     if skipped:
         log(f"resuming: {skipped} runs already in {path}, {len(todo)} to go")
+    # One short prompt per method first, so that tokens/s leaves out one-time costs (kernel compilation, caches).
+    for engine in dict.fromkeys(item[-1] for item in todo):
+        engine.generate(Sample("Warm up. " * 16, " Go", None, 2))
     bar = _progress(len(todo), task.name, progress)
     with open(path, "a", encoding="utf-8") as f:
         if f.tell() and not path.read_bytes().endswith(b"\n"):

@@ -1,4 +1,4 @@
-"""Command line: ``sparsekv generate``, ``sparsekv demo``."""
+"""Command line: ``sparsekv generate``, ``sparsekv demo``, ``sparsekv eval``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from . import apply
+from .eval import cli as eval_cli
 from .methods import METHODS, MethodConfig
 from .models import load_model, make_config, parse_options, resolve_device, resolve_dtype
 
@@ -190,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     _method_args(demo, "all", ("all",))
     demo.add_argument("--prompt-tokens", type=int, default=2000)
     demo.set_defaults(func=cmd_demo, opt=[], max_new_tokens=48)
+
+    eval_cli.add_parser(sub)
     return parser
 
 

@@ -13,9 +13,15 @@ from .methods import METHODS, MethodConfig
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+TINY_PREFIX = "tiny:"
+
+
+def resolve_dtype(name: str | None) -> torch.dtype | None:
+    """A dtype by name; None or "auto" keeps the model's own (float32 for tiny models)."""
+    if name in (None, "auto"):
+        return None
     if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
 
 
@@ -29,21 +35,27 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
-def load_model(path: str, device: torch.device, dtype: torch.dtype):
-    """A causal LM and its tokenizer from a local directory, or from the hub where the machine has network.
+def load_model(spec: str, device: torch.device, dtype: torch.dtype | None = None):
+    """A causal LM and its tokenizer: ``tiny:<arch>`` (a random-weight model from ``sparsekv.tiny`` with the byte
+    tokenizer), a local directory, or a hub id where the machine has network.
 
-    Returns (model in eval mode on ``device``, tokenizer)."""
+    Returns (model in eval mode on ``device``, tokenizer with left padding)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    local = Path(path).is_dir()
-    if not local and (path.startswith((".", "/", "~")) or path.count("/") > 1):
-        raise FileNotFoundError(f"model: no model directory at {path!r}")
+    if spec.startswith(TINY_PREFIX):
+        from .tiny import byte_tokenizer, tiny_model
+
+        model, tokenizer = tiny_model(spec[len(TINY_PREFIX):], dtype=dtype or torch.float32), byte_tokenizer()
+        return model.to(device), tokenizer
+    local = Path(spec).is_dir()
+    if not local and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
+        raise FileNotFoundError(f"model: no model directory at {spec!r}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=local)
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype or "auto", local_files_only=local)
     except OSError as err:
         where = "the local directory" if local else "the hub (no local directory of that name)"
-        raise FileNotFoundError(f"model: could not load {path!r} from {where}: {err}") from err
+        raise FileNotFoundError(f"model: could not load {spec!r} from {where}: {err}") from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

@@ -9,17 +9,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from .. import models
 from ..integrations import apply
 from ..methods.base import MethodConfig
 from .base import EvalError, Sample, encode
 from .recall import RecallConfig
 
-TINY_PREFIX = "tiny:"
-DEFAULT_MODEL = "tiny:llama"
+DEFAULT_MODEL = models.TINY_PREFIX + "llama"
 
 
 @dataclass
@@ -36,32 +35,15 @@ class LoadedModel:
 def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", log=print) -> LoadedModel:
     """``spec``: a local model folder (``from_pretrained``, no downloads) or ``tiny:<arch>`` (a random-weight model
     from ``sparsekv.tiny`` with the byte tokenizer). None: the project's default model, for now ``tiny:llama``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if spec is None:
         spec = DEFAULT_MODEL
         log(f"no --model given: using the default model {DEFAULT_MODEL}, a tiny random-weight model whose scores "
             f"are meaningless except for comparing code paths")
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       "cpu" if device == "auto" else device)
-    dtypes = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in dtypes:
-        raise EvalError(f"--dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
-    if spec.startswith(TINY_PREFIX):
-        from ..tiny import ARCHITECTURES, byte_tokenizer, tiny_model
-
-        arch = spec[len(TINY_PREFIX):]
-        if arch not in ARCHITECTURES:
-            raise EvalError(f"--model {spec}: tiny architectures are {', '.join(ARCHITECTURES)}")
-        model = tiny_model(arch, dtype=dtypes[dtype] or torch.float32)
-        tokenizer = byte_tokenizer()
-    else:
-        if not Path(spec).is_dir():
-            raise EvalError(f"--model {spec}: not a folder (give a local model directory or tiny:<arch>)")
-        kwargs = {"local_files_only": True}
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtypes[dtype] or "auto", **kwargs).eval()
-        tokenizer = AutoTokenizer.from_pretrained(spec, **kwargs)
-    return LoadedModel(model.to(dev), tokenizer, spec)
+    try:
+        model, tokenizer = models.load_model(spec, models.resolve_device(device), models.resolve_dtype(dtype))
+    except (ValueError, FileNotFoundError) as err:
+        raise EvalError(f"--model {spec}: {err}") from None
+    return LoadedModel(model, tokenizer, spec)
 
 
 class Engine:

@@ -129,3 +129,31 @@ def test_shared_reasoning_data_reads(tok):
         pytest.skip("shared data not present")
     samples = get_task("math500", TaskOptions()).samples(tok, None, None, seed=0, count=3)
     assert len(samples) == 3 and all(isinstance(s.answer, str) and s.answer for s in samples)
+
+
+def test_arith_chain_is_a_long_decode_task_with_a_correct_reference():
+    import re
+
+    task = get_task("arith", TaskOptions())
+    tok = byte_tokenizer()
+    first = task.samples(tok, 40, None, 3, 3)
+    assert [s.meta for s in first] == [s.meta for s in task.samples(tok, 40, None, 3, 3)]
+    for sample in first:
+        ops = re.findall(r"^(\d+): ([+*r]+)(\d+)$", sample.context, re.M)
+        x = int(re.search(r"x = (\d+)\.", sample.context).group(1))
+        results = []
+        for k, (step, op, arg) in enumerate(ops, 1):
+            assert int(step) == k
+            prev = results[-1] if results else x
+            if op == "+r":
+                assert k - 8 <= int(arg) < k  # refers back to a recent result
+                results.append((prev + results[int(arg) - 1]) % 100)
+            else:
+                results.append((prev + int(arg) if op == "+" else prev * int(arg)) % 100)
+        assert len(results) == 40 and sample.answer == results[-1]
+        solution = sample.meta["solution"]
+        assert len(tok(solution).input_ids) > len(tok(sample.context).input_ids)  # the chain outgrows the prompt
+        assert sample.max_new_tokens > len(tok(solution).input_ids)
+        assert task.score(sample, solution) == 1.0
+        assert task.score(sample, solution.replace(f"Answer: {sample.answer}", "Answer: 100")) == 0.0
+        assert task.score(sample, "no answer here") == 0.0

@@ -6,6 +6,9 @@
 * ``vartrack``: RULER's variable tracking: a chain of ``VAR X = VAR Y`` assignments spread through noise.
 * ``2stage``: after OmniKV's 2StageRetr: a dictionary from numbers to colours and two values spread through noise;
   the answer is the colour of the values' sum, so the model must retrieve twice.
+* ``arith``: a long-decode task (the RaaS setting): a short program of arithmetic steps whose written chain of
+  intermediate results is longer than the prompt; each step reads its operation from the prompt and earlier
+  results from the decode, so both old prompt tokens and recent decode tokens matter.
 """
 
 from __future__ import annotations
@@ -164,4 +167,50 @@ class TwoStage(_Synthetic):
         return Sample(context, question, [table[a + b]], self.new_tokens(), {"x": a, "y": b})
 
 
-SYNTHETIC = (Passkey, Niah, MultiKey, VarTrack, TwoStage)
+class ArithChain(Task):
+    """``lengths`` here are step counts. Step k applies the k-th operation of the prompt modulo 100: ``+a``,
+    ``*a``, or ``+rj`` (add the result of an earlier step j, at most ``reach`` steps back). The model writes
+    ``k: <previous> <op> <operand> = <result>`` per line and ends with ``Answer: <final>``; the score is 1 when
+    the final answer is right. ``meta["solution"]`` holds the reference working (training data for the project's
+    own model)."""
+
+    name = "arith"
+    lengths = (16, 32, 64)
+    reach = 8
+
+    def samples(self, tokenizer, length, depth, seed, count):
+        if length is None or length < 1:
+            raise EvalError(f"arith: --lengths are step counts >= 1, got {length!r}")
+        out = []
+        for i in range(count):
+            rng = sample_rng(seed, self.name, length, i)
+            x = rng.randint(0, 99)
+            results, ops, lines = [], [], []
+            for k in range(1, length + 1):
+                prev = results[-1] if results else x
+                kind = rng.choice("+*r") if k > 2 else rng.choice("+*")
+                if kind == "r":
+                    j = rng.randint(max(1, k - self.reach), k - 1)
+                    ops.append(f"{k}: +r{j}")
+                    value, shown = (prev + results[j - 1]) % 100, f"{prev} + r{j}={results[j - 1]}"
+                else:
+                    a = rng.randint(2, 99)
+                    ops.append(f"{k}: {kind}{a}")
+                    value = (prev + a if kind == "+" else prev * a) % 100
+                    shown = f"{prev} {kind} {a}"
+                results.append(value)
+                lines.append(f"{k}: {shown} = {value}")
+            solution = "\n".join(lines) + f"\nAnswer: {results[-1]}"
+            context = (f"Compute step by step, modulo 100. rj is the result of step j. x = {x}.\nSteps:\n"
+                       + "\n".join(ops))
+            budget = len(tokenizer(solution, add_special_tokens=False)["input_ids"])
+            out.append(Sample(context, "\nWork:\n", results[-1], self.options.max_new_tokens or budget + budget // 5,
+                              {"steps": length, "solution": solution}))
+        return out
+
+    def score(self, sample, prediction):
+        _, found, tail = prediction.partition("Answer:")
+        return float(bool(found) and parse_first_int(tail) == sample.answer)
+
+
+SYNTHETIC = (Passkey, Niah, MultiKey, VarTrack, TwoStage, ArithChain)

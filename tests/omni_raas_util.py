@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 import sparsekv
+
+# SPARSEKV_TEST_DEVICE=cuda runs the device-sensitive tests (offload) on a GPU.
+DEVICE = torch.device(os.environ.get("SPARSEKV_TEST_DEVICE", "cpu"))
 
 
 def generate(model, config, ids: torch.Tensor, new_tokens: int, mask: torch.Tensor | None = None):
     """Greedy ``new_tokens`` tokens under ``config``. Returns (generated ids (B, new_tokens), scores (steps, B, V),
     session)."""
+    ids, mask = ids.to(model.device), None if mask is None else mask.to(model.device)
     with sparsekv.apply(model, config) as session:
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from omni_raas_util import assert_dense, beam_search, generate, padded_prompts
+from omni_raas_util import DEVICE, assert_dense, beam_search, generate, padded_prompts
 
 import sparsekv
 from sparsekv import DenseConfig, OmniKVConfig, kernels
@@ -150,7 +150,7 @@ def test_sparse_layers_use_the_nearest_filter_layer_below(monkeypatch):
 
 
 def test_offload_matches_on_device_and_holds_less_on_the_device():
-    model = tiny_model("mistral", layers=8, seed=7)
+    model = tiny_model("mistral", layers=8, seed=7).to(DEVICE)
     ids, mask = padded_prompts([301, 250], seed=8)
     results = {}
     for offload in (False, True):

@@ -1,7 +1,7 @@
 """Attention micro-benchmark of one decode step of one layer: dense PyTorch SDPA vs the fused Quest kernels vs naive
 torch Quest (the reference ops), on paged caches of random bf16 keys and values.
 
-    python -m sparsekv.bench.attention                  # the full grid of the issue (H200: about 5 minutes)
+    python -m sparsekv.bench.attention                  # the full grid of the issue (H200: about 3 minutes)
     python -m sparsekv.bench.attention --quick          # Llama-3-8B shape, batch 1, budget 2048, 32K and 128K
     python -m sparsekv.bench.attention --shapes llama2-7b --contexts 32768 --budgets 2048 --batches 1
     python -m sparsekv.bench.attention --tune           # launch-parameter sweep of the two main kernels
@@ -212,7 +212,9 @@ def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> 
         row["quest_graph_us"] = 1e3 * timer.graph(sweep(QuestStep.attention)) / copies
         scores = [kernels.page_scores(q, s.kmin, s.kmax, s.slot_page, args.per_query_head) for s, q in zip(steps, qs)]
         slots = [kernels.select_pages(sc, s.cur_slot, n_pages) for sc, s in zip(scores, steps)]
-        tokens = [(sl.unsqueeze(-1) * p + torch.arange(p, device=device)).flatten(2) for sl in slots]
+        # The same tokens as rows of the flat store, for the token-index variant (OmniKV's sparse layers).
+        tokens = [torch.where(sl.unsqueeze(-1) >= 0, sl.unsqueeze(-1) * p + torch.arange(p, device=device), -1)
+                  .flatten(2) for sl in slots]
         row["estimate_us"] = 1e3 * timer.graph(sweep(lambda s, q: kernels.page_scores(
             q, s.kmin, s.kmax, s.slot_page, args.per_query_head))) / copies
         row["topk_us"] = 1e3 * timer.graph(
@@ -220,7 +222,7 @@ def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> 
         row["attention_us"] = 1e3 * timer.graph(lambda: [kernels.sparse_decode(
             q, s.k, s.v, s.slot_page, sl, s.seq_len, scale) for s, q, sl in zip(steps, qs, slots)]) / copies
         row["token_attention_us"] = 1e3 * timer.graph(lambda: [kernels.sparse_decode_tokens(
-            q, s.k, s.v, s.slot_page, t, s.seq_len, scale) for s, q, t in zip(steps, qs, tokens)]) / copies
+            q, s.k.flatten(2, 3), s.v.flatten(2, 3), t, scale) for s, q, t in zip(steps, qs, tokens)]) / copies
         if args.naive:
             def naive(s, q):
                 sc = reference.page_scores(q, s.kmin, s.kmax, s.slot_page, args.per_query_head)
@@ -230,9 +232,11 @@ def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> 
         if device.type == "cuda":
             saved = [(s.slot_page.clone(), s.cur_slot.clone(), s.seq_len.clone()) for s in steps]
             k_new = torch.randn(batch, kv_heads, head_dim, dtype=dtype, device=device)
-            row["step_graph_us"] = 1e3 * timer.graph(lambda: [s.run(q, k_new, k_new) for s, q in zip(steps, qs)]) / copies
-            for s, (sp, cs, sl) in zip(steps, saved):
-                s.slot_page.copy_(sp), s.cur_slot.copy_(cs), s.seq_len.copy_(sl)
+            row["step_graph_us"] = 1e3 * timer.graph(sweep(lambda s, q: s.run(q, k_new, k_new))) / copies
+            for s, (sp, cs, sl) in zip(steps, saved):  # the appended tokens are forgotten
+                s.slot_page.copy_(sp)
+                s.cur_slot.copy_(cs)
+                s.seq_len.copy_(sl)
         floor = quest_bytes(batch, kv_heads, rows, head_dim, context, p, budget, itemsize)
         best = row["quest_graph_us"] if device.type == "cuda" else row["quest_eager_us"]
         row.update(quest_floor_bytes=floor, quest_floor_us=floor / CEILING * 1e6,
@@ -430,10 +434,13 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     timer = Timer(device, args.reps)
     args.out.mkdir(parents=True, exist_ok=True)
-    import triton
-
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "triton": triton.__version__, "page_size": args.page_size,
+            "torch": torch.__version__, "triton": triton_version, "page_size": args.page_size,
             "per_query_head": args.per_query_head, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     meta["copy_tbps"] = copy_bandwidth(device, timer) / 1e12
     print(f"{meta['device']}: copy {meta['copy_tbps']:.2f} TB/s", flush=True)

@@ -35,12 +35,14 @@ class AppendPlan:
     valid: (B, S) bool, True for real tokens (False for padding).
     position: (B, S) int64, position of each new token in its sequence (-1 for padding).
     prev_len, new_len: per-sequence token counts before and after the pass, on the host.
+    prev_seq_len: (B,) int64, ``prev_len`` on the device.
     """
 
     valid: torch.Tensor
     position: torch.Tensor
     prev_len: list[int]
     new_len: list[int]
+    prev_seq_len: torch.Tensor
 
     @property
     def is_first(self) -> bool:
@@ -51,9 +53,15 @@ class PagedLayer:
     """The pages of one layer.
 
     k, v: (B, Hkv, C + 1, P, D) with C page slots plus the scratch slot.
-    kmin, kmax: (B, Hkv, C + 1, D), channel-wise bounds of the keys in each slot.
+    kmin, kmax: (B, Hkv, C + 1, D), channel-wise bounds of the keys in each slot; with one token per page they are
+    views of ``k`` (a token is its own bound), so token-granular methods store nothing extra.
     slot_page: (B, Hkv, C + 1) int64, logical page held by each slot, -1 if free.
     cur_slot: (B, Hkv) int64, slot of each row's last (current) page.
+
+    Methods that evict also use: ``max_pages``, a cap on this layer's slots per row; ``dropped``, pages each row
+    has dropped for good (host ints), so that the cache allocates for what is held rather than for the sequence
+    length; ``slot_state``, per-slot tensors (B, Hkv, C + 1) of the method (e.g. H2O's accumulated attention) that
+    move with the slots when the layer grows, is compacted or reordered.
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, page_size: int, capacity: int,
@@ -63,10 +71,29 @@ class PagedLayer:
         shape = (batch, kv_heads, capacity + 1)
         self.k = torch.zeros(*shape, page_size, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.kmin = torch.full((*shape, head_dim), float("inf"), dtype=dtype, device=device)
-        self.kmax = torch.full((*shape, head_dim), float("-inf"), dtype=dtype, device=device)
+        if page_size > 1:
+            self._kmin = torch.full((*shape, head_dim), float("inf"), dtype=dtype, device=device)
+            self._kmax = torch.full((*shape, head_dim), float("-inf"), dtype=dtype, device=device)
         self.slot_page = torch.full(shape, -1, dtype=torch.long, device=device)
         self.cur_slot = torch.full(shape[:2], -1, dtype=torch.long, device=device)
+        # Until a slot is freed, slot j holds page j and allocation needs no search.
+        self.has_holes = False
+        self.max_pages: int | None = None
+        self.dropped = [0] * batch
+        self.slot_state: dict[str, torch.Tensor] = {}
+
+    @property
+    def kmin(self) -> torch.Tensor:
+        return self._kmin if self.page_size > 1 else self.k[:, :, :, 0]
+
+    @property
+    def kmax(self) -> torch.Tensor:
+        return self._kmax if self.page_size > 1 else self.k[:, :, :, 0]
+
+    @property
+    def stored(self) -> tuple[str, ...]:
+        """Attributes holding per-slot tensors (B, Hkv, C + 1, ...)."""
+        return ("k", "v", "slot_page") + (("_kmin", "_kmax") if self.page_size > 1 else ())
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -77,18 +104,49 @@ class PagedLayer:
     def grow(self, capacity: int) -> None:
         """Reallocates to ``capacity`` slots; amortised by the caller asking for geometric growth."""
         old = self.capacity
-        for name in ("k", "v", "kmin", "kmax", "slot_page"):
-            t = getattr(self, name)
-            fill = {"kmin": float("inf"), "kmax": float("-inf"), "slot_page": -1}.get(name, 0)
+
+        def grown(t: torch.Tensor, fill) -> torch.Tensor:
             new = torch.full((*t.shape[:2], capacity + 1, *t.shape[3:]), fill, dtype=t.dtype, device=t.device)
             new[:, :, :old] = t[:, :, :old]
-            setattr(self, name, new)
+            return new
+
+        for name in self.stored:
+            fill = {"_kmin": float("inf"), "_kmax": float("-inf"), "slot_page": -1}.get(name, 0)
+            setattr(self, name, grown(getattr(self, name), fill))
+        self.slot_state = {name: grown(t, 0) for name, t in self.slot_state.items()}
         self.capacity = capacity
+
+    def compact(self, capacity: int) -> torch.Tensor:
+        """Moves each row's held pages to its lowest slots, in slot order, and reallocates to ``capacity`` slots,
+        which must be at least the most pages a row holds: releases the memory of pages dropped for good.
+        Returns (B, Hkv, capacity) the old slot of each new slot."""
+        if not 1 <= capacity <= self.capacity:
+            raise ValueError(f"capacity must be from 1 to the current {self.capacity} slots, got {capacity}")
+        cap = self.capacity
+        order = torch.argsort((self.slot_page[:, :, :cap] < 0).to(torch.int8), dim=2, stable=True)[:, :, :capacity]
+        with_scratch = torch.cat([order, torch.full_like(order[:, :, :1], cap)], dim=2)
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            idx = with_scratch.view(*with_scratch.shape, *[1] * (t.dim() - 3)).expand(*with_scratch.shape,
+                                                                                      *t.shape[3:])
+            return t.gather(2, idx)
+
+        for name in self.stored:
+            setattr(self, name, take(getattr(self, name)))
+        self.slot_state = {name: take(t) for name, t in self.slot_state.items()}
+        new_slot = torch.full((*order.shape[:2], cap + 1), -1, dtype=torch.long, device=order.device)
+        new_slot.scatter_(2, order, torch.arange(capacity, device=order.device).expand_as(order))
+        moved = new_slot.gather(2, self.cur_slot.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        self.cur_slot = torch.where(self.cur_slot >= 0, moved, -1)
+        self.capacity = capacity
+        self.has_holes = True  # slot j no longer holds page j
+        return order
 
     def free(self, slots: torch.Tensor, mask: torch.Tensor) -> None:
         """Frees ``slots`` (B, Hkv, N) where ``mask`` (B, Hkv, N) is True; their memory is reused by later pages."""
         target = torch.where(mask, slots, torch.full_like(slots, self.capacity))
         self.slot_page.scatter_(2, target, torch.full_like(target, -1))
+        self.has_holes = True
 
     def token_position(self) -> torch.Tensor:
         """(B, Hkv, C + 1, P) position of every stored token, -1 where the slot is free."""
@@ -102,33 +160,35 @@ class PagedLayer:
         b, h, s, d = k_new.shape
         page = torch.where(plan.valid, plan.position // p, -1)  # (B, S)
         offset = torch.where(plan.valid, plan.position % p, 0)
-        prev = torch.tensor(plan.prev_len, device=k_new.device)
-        # Pages that already hold tokens keep their slot; the pass's new pages take free slots in ascending order.
-        first_new = (prev + p - 1) // p  # (B,) first logical page that starts in this pass
-        free_order = torch.argsort((self.slot_page[:, :, :cap] >= 0).to(torch.int8), dim=2, stable=True)
-        rank = (page - first_new[:, None]).clamp(min=0).unsqueeze(1).expand(b, h, s)
-        new_slot = free_order.gather(2, rank.clamp(max=max(cap - 1, 0)))
+        first_new = (plan.prev_seq_len + p - 1) // p  # (B,) first logical page that starts in this pass
+        if self.has_holes:
+            # New pages take free slots in ascending order; pages that already hold tokens keep theirs.
+            free_order = torch.argsort((self.slot_page[:, :, :cap] >= 0).to(torch.int8), dim=2, stable=True)
+            rank = (page - first_new[:, None]).clamp(min=0).unsqueeze(1).expand(b, h, s)
+            new_slot = free_order.gather(2, rank.clamp(max=max(cap - 1, 0)))
+        else:
+            new_slot = page.clamp(min=0).unsqueeze(1).expand(b, h, s)
         in_current = (page < first_new[:, None]).unsqueeze(1)
         slot = torch.where(in_current, self.cur_slot.unsqueeze(-1), new_slot)
         slot = torch.where(plan.valid.unsqueeze(1), slot, cap)  # (B, Hkv, S); padding goes to scratch
 
-        fresh = torch.where((plan.valid & ~in_current.squeeze(1)).unsqueeze(1), slot, cap)
-        self.kmin.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), float("inf"))
-        self.kmax.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), float("-inf"))
         self.slot_page.scatter_(2, slot, page.unsqueeze(1).expand(b, h, s))
         self.slot_page[:, :, cap] = -1
 
         flat = (slot * p + offset.unsqueeze(1)).unsqueeze(-1).expand(b, h, s, d)
         self.k.view(b, h, -1, d).scatter_(2, flat, k_new.to(self.k.dtype))
         self.v.view(b, h, -1, d).scatter_(2, flat, v_new.to(self.v.dtype))
-        idx = slot.unsqueeze(-1).expand(b, h, s, d)
-        self.kmin.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amin")
-        self.kmax.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amax")
+        if p > 1:
+            fresh = torch.where((plan.valid & ~in_current.squeeze(1)).unsqueeze(1), slot, cap)
+            self._kmin.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), float("inf"))
+            self._kmax.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), float("-inf"))
+            idx = slot.unsqueeze(-1).expand(b, h, s, d)
+            self._kmin.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amin")
+            self._kmax.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amax")
 
         last_col = torch.where(plan.valid, plan.position, -1).argmax(dim=1)  # (B,)
         last_slot = slot.gather(2, last_col.view(b, 1, 1).expand(b, h, 1)).squeeze(-1)
-        grew = torch.tensor([n > q for n, q in zip(plan.new_len, plan.prev_len)], device=k_new.device)
-        self.cur_slot = torch.where(grew.unsqueeze(1), last_slot, self.cur_slot)
+        self.cur_slot = torch.where(plan.valid.any(dim=1, keepdim=True), last_slot, self.cur_slot)
 
 
 class PagedKVCache:
@@ -179,14 +239,22 @@ class PagedKVCache:
         new = [p + c for p, c in zip(prev, counts)]
         position = self.seq_len.unsqueeze(1) + valid.long().cumsum(dim=1) - 1
         position = torch.where(valid, position, -1)
+        self.plan = AppendPlan(valid=valid, position=position, prev_len=prev, new_len=new, prev_seq_len=self.seq_len)
         self.lengths = new
         self.seq_len = self.seq_len + valid.sum(dim=1)
-        self.plan = AppendPlan(valid=valid, position=position, prev_len=prev, new_len=new)
         return self.plan
 
-    def needed_pages(self) -> int:
-        pages = -(-max(self.lengths) // self.page_size) if self.lengths else 0
-        return pages if self.max_pages is None else min(pages, self.max_pages)
+    def needed_pages(self, layer: PagedLayer | None = None) -> int:
+        """Slots per row the next append needs in ``layer``: each row's pages less those it dropped for good,
+        capped by ``max_pages`` and the layer's own ``max_pages``."""
+        if not self.lengths:
+            return 0
+        dropped = layer.dropped if layer is not None else [0] * self.batch_size
+        pages = max(-(-n // self.page_size) - d for n, d in zip(self.lengths, dropped))
+        return min([pages] + self._caps(layer))
+
+    def _caps(self, layer: PagedLayer | None) -> list[int]:
+        return [c for c in (self.max_pages, None if layer is None else layer.max_pages) if c is not None]
 
     def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> PagedLayer:
         """Stores the pass's keys and values (B, Hkv, S, D) of one layer and returns the layer's pages."""
@@ -194,15 +262,17 @@ class PagedKVCache:
             raise RuntimeError("PagedKVCache.append called before begin()")
         if k.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {k.dtype} is not supported; allowed: {', '.join(map(str, SUPPORTED_DTYPES))}")
-        need = max(self.needed_pages(), 1)
         layer = self.layers[layer_idx]
+        if layer is not None and layer.max_pages is not None and not self.plan.is_first and k.shape[2] > 1:
+            raise ValueError(f"this method evicts tokens and takes one token per forward pass after the prompt; "
+                             f"got {k.shape[2]} tokens at once (feed them one by one)")
+        need = max(self.needed_pages(layer), 1)
         if layer is None:
             b, h, _, d = k.shape
             layer = PagedLayer(b, h, d, self.page_size, need, k.dtype, k.device)
             self.layers[layer_idx] = layer
         elif layer.capacity < need:
-            grown = max(need, 2 * layer.capacity)
-            layer.grow(grown if self.max_pages is None else min(grown, self.max_pages))
+            layer.grow(min([max(need, 2 * layer.capacity)] + self._caps(layer)))
         layer.append(k, v, self.plan)
         return layer
 
@@ -214,9 +284,11 @@ class PagedKVCache:
         for layer in self.layers:
             if layer is None:
                 continue
-            for name in ("k", "v", "kmin", "kmax", "slot_page", "cur_slot"):
+            for name in (*layer.stored, "cur_slot"):
                 t = getattr(layer, name)
                 setattr(layer, name, t.index_select(0, index.to(t.device)))
+            layer.slot_state = {name: t.index_select(0, index.to(t.device)) for name, t in layer.slot_state.items()}
+            layer.dropped = [layer.dropped[i] for i in idx]
 
     def resident_bytes(self) -> int:
         """Bytes held by the pages and their metadata on all layers."""
@@ -224,5 +296,5 @@ class PagedKVCache:
         for layer in self.layers:
             if layer is not None:
                 total += sum(t.numel() * t.element_size()
-                             for t in (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page))
+                             for t in (*(getattr(layer, n) for n in layer.stored), *layer.slot_state.values()))
         return total

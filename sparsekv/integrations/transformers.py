@@ -121,6 +121,8 @@ class SparseKVCache(Cache):
                                  f"{tuple(mask.shape)} for {s} new tokens")
             mask = mask[:, -s:]
         self.pending_mask = None
+        if self.pages.lengths and max(self.pages.lengths) > 0 and s > 1 and not self.method.accepts_chunks:
+            raise ValueError(f"{self.method.config.name} takes one token per forward pass after the prompt, got {s}")
         self.pages.begin(s, mask, b, key_states.device)
         self.columns += s
         if self.sliding_window is not None and max(self.pages.lengths) > self.sliding_window:
@@ -134,15 +136,19 @@ class SparseKVCache(Cache):
         return self.columns + query_length, 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
-        self.pages.reorder(beam_idx)
+        self._reorder(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor):
-        self.pages.reorder(indices)
+        self._reorder(indices)
 
     def batch_repeat_interleave(self, repeats: int):
         n = self.pages.batch_size
         if n:
-            self.pages.reorder(torch.arange(n).repeat_interleave(repeats))
+            self._reorder(torch.arange(n).repeat_interleave(repeats))
+
+    def _reorder(self, index: torch.Tensor) -> None:
+        self.pages.reorder(index)
+        self.method.reorder(index)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("SparseKVCache cannot be cropped (assisted or speculative decoding is not "
@@ -153,7 +159,12 @@ class SparseKVCache(Cache):
         self.columns = 0
 
     def resident_bytes(self) -> int:
-        return self.pages.resident_bytes()
+        """KV bytes on the cache's device: the pages plus the method's own state (e.g. OmniKV's subset buffers)."""
+        return self.pages.resident_bytes() + self.method.resident_bytes()
+
+    def offloaded_bytes(self) -> int:
+        """KV bytes the method keeps in host memory instead (OmniKV with ``offload=True``)."""
+        return self.method.offloaded_bytes()
 
 
 def _prefill_attention(q, k, v, valid: torch.Tensor, all_valid: bool, scale: float) -> torch.Tensor:
@@ -184,7 +195,7 @@ def sparsekv_attention(module, query, key, value, attention_mask, scaling=None, 
     if plan.is_first:
         all_valid = all(n == query.shape[2] for n in plan.new_len)
         out = _prefill_attention(query, key, value, plan.valid, all_valid, scale)
-        cache.method.prefill(module.layer_idx, query, layer, plan)
+        cache.method.prefill(module.layer_idx, query, layer, plan, scale)
     elif query.shape[2] > 1:
         # A chunk after the prompt (e.g. a question appended at once) is attended densely, like a prefill.
         out = kernels.attend(query, layer.k, layer.v, layer.slot_page, all_slots(layer), plan.position, scale)

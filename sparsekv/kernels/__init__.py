@@ -46,10 +46,13 @@ def _dispatch(name: str) -> Callable:
 page_scores = _dispatch("page_scores")
 select_pages = _dispatch("select_pages")
 sparse_decode = _dispatch("sparse_decode")
-sparse_decode_tokens = _dispatch("sparse_decode_tokens")
 attend = _dispatch("attend")
+attend_with_weights = _dispatch("attend_with_weights")
+window_token_scores = _dispatch("window_token_scores")
+sparse_decode_tokens = _dispatch("sparse_decode_tokens")
 append_token = _dispatch("append_token")
 count_attended = reference.count_attended
+merge_attention = reference.merge_attention
 
-__all__ = ["page_scores", "select_pages", "sparse_decode", "sparse_decode_tokens", "attend", "append_token",
-           "count_attended", "reference", "FAST"]
+__all__ = ["page_scores", "select_pages", "sparse_decode", "attend", "attend_with_weights", "window_token_scores",
+           "sparse_decode_tokens", "append_token", "count_attended", "merge_attention", "reference", "FAST"]

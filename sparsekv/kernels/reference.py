@@ -56,13 +56,13 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
     return torch.where(top > float("-inf"), idx, -1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
-           q_pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of queries over the tokens of the given slots.
+def attend_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor,
+                        slots: torch.Tensor, q_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend`` that also returns its attention weights, for methods that score tokens by attention (H2O, TOVA,
+    SnapKV).
 
-    q: (B, H, S, D); k, v: (B, Hkv, C, P, D); slot_page: (B, Hkv, C); slots: (B, Hs, K), -1 = none;
-    q_pos: (B, S) position of each query, -1 for padding. A query attends to the tokens of its row's slots whose
-    position is <= its own. Returns (B, H, S, D) in q's dtype; queries with nothing to attend give zeros.
+    Returns the output (B, H, S, D) in q's dtype and the softmax weights (B, H, S, K * P) in the accumulation
+    dtype, where column ``i * P + j`` is token ``j`` of ``slots[..., i]`` (zero for tokens not attended).
     """
     b, h, s, d = q.shape
     hkv, p = k.shape[1], k.shape[3]
@@ -82,7 +82,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.T
     logits = logits.masked_fill(~ok, float("-inf"))
     weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bngsk,bnkd->bngsd", weights, vals)
-    return out.reshape(b, h, s, d).to(q.dtype)
+    return out.reshape(b, h, s, d).to(q.dtype), weights.reshape(b, h, s, kk * p)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
+           q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of queries over the tokens of the given slots.
+
+    q: (B, H, S, D); k, v: (B, Hkv, C, P, D); slot_page: (B, Hkv, C); slots: (B, Hs, K), -1 = none;
+    q_pos: (B, S) position of each query, -1 for padding. A query attends to the tokens of its row's slots whose
+    position is <= its own. Returns (B, H, S, D) in q's dtype; queries with nothing to attend give zeros.
+    """
+    return attend_with_weights(q, k, v, slot_page, slots, q_pos, scale)[0]
 
 
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
@@ -105,43 +116,66 @@ def count_attended(slot_page: torch.Tensor, slots: torch.Tensor, seq_len: torch.
     return torch.where(page >= 0, n, 0).sum(-1)
 
 
-def token_positions(slot_page: torch.Tensor, tokens: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Position of each selected token. slot_page: (B, Hkv, C); tokens: (B, Hs, K) flat indices into a row's
-    C * page_size token rows (slot * page_size + offset), -1 = none. Returns (B, Hs, K) int64, -1 where the
-    index is -1 or its slot is free."""
-    b, hs, _ = tokens.shape
-    bi, hi = row_index(b, hs, slot_page.shape[1], tokens.device)
-    t = tokens.clamp(min=0)
-    page = slot_page[bi, hi, t // page_size]
-    ok = (tokens >= 0) & (page >= 0)
-    return torch.where(ok, page * page_size + t % page_size, -1)
+def window_token_scores(q: torch.Tensor, k: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor,
+                        limit: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """OmniKV's token scores: for each stored token, the weighted sum over a window of queries of the max over
+    query heads of its softmax attention probability.
+
+    q: (B, H, W, D) window queries; k: (B, Hkv, N, D) a flat token store (a paged layer's ``k.flatten(2, 3)``);
+    key_pos: (B, N) position of each stored token, -1 where none (the same for every KV head: layers that never
+    evict); q_pos: (B, W) position of each window query, -1 for an empty entry; limit: (B,) the candidates are the
+    tokens at positions < limit (the prompt); weight: (W,) the weight of each window entry.
+    A query's softmax runs over the candidates at positions <= its own. Returns (B, N) float32 (float64 for float64
+    inputs), -inf for tokens that are not candidates.
+    """
+    b, h, w, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    acc = acc_dtype(q.dtype)
+    logits = torch.einsum("bngwd,bnkd->bngwk", q.to(acc).view(b, hkv, h // hkv, w, d), k.to(acc)) * scale
+    cand = (key_pos >= 0) & (key_pos < limit.view(b, 1))  # (B, N)
+    ok = cand.view(b, 1, 1, 1, n) & (key_pos.view(b, 1, 1, 1, n) <= q_pos.view(b, 1, 1, w, 1))
+    probs = torch.softmax(logits.masked_fill(~ok, float("-inf")), dim=-1).nan_to_num(0.0)
+    score = (probs.flatten(1, 2).amax(dim=1) * weight.to(acc).view(1, w, 1)).sum(dim=1)  # (B, N)
+    return score.masked_fill(~cand, float("-inf"))
 
 
-def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor,
-                         tokens: torch.Tensor, seq_len: torch.Tensor, scale: float) -> torch.Tensor:
-    """One decode step over individually selected tokens (OmniKV's sparse layers).
+def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step over chosen tokens of a flat token store, with the log-sum-exp that lets partial results
+    over disjoint token sets be merged (``merge_attention``).
 
-    q: (B, H, D); k, v: (B, Hkv, C, P, D); slot_page: (B, Hkv, C); tokens: (B, Hs, K) flat token indices into the
-    C * P token rows of each (sequence, KV head), -1 = none (an index listed twice counts twice); seq_len: (B,)
-    tokens per sequence including the current one. Tokens of free slots or past the current position are skipped.
-    Returns (B, H, D) in q's dtype; rows with nothing to attend give zeros.
+    q: (B, H, D); k, v: (B, Hkv, N, D) (a paged layer's ``k.flatten(2, 3)``, or any packed buffer); tokens:
+    (B, Hs, K) int64 indices into N, -1 = none, with Hs = 1 (one set for all heads), Hkv or H. Every listed token is
+    attended (the caller lists only tokens the query may see). Returns out (B, H, D) and lse (B, H), both float32
+    (float64 for float64 inputs); a row with no token gives out 0 and lse -inf.
     """
     b, h, d = q.shape
-    hkv, p = k.shape[1], k.shape[3]
+    hkv = k.shape[1]
     hs, kk = tokens.shape[1], tokens.shape[2]
+    rows = max(hs, hkv)
     acc = acc_dtype(q.dtype)
-    bi, hi = row_index(b, hs, hkv, q.device)
-    t = tokens.clamp(min=0)
-    keys = k.flatten(2, 3)[bi, hi, t].to(acc)  # (B, Hs, K, D)
-    vals = v.flatten(2, 3)[bi, hi, t].to(acc)
-    pos = token_positions(slot_page, tokens, p)
-    ok = (pos >= 0) & (pos <= (seq_len - 1).view(b, 1, 1))  # (B, Hs, K)
-    qg = q.to(acc).view(b, hs, h // hs, d)
-    logits = torch.einsum("bngd,bnkd->bngk", qg, keys) * scale
-    logits = logits.masked_fill(~ok.unsqueeze(2), float("-inf"))
-    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    idx = tokens.expand(b, rows, kk) if hs == 1 else tokens
+    bi, head = row_index(b, rows, hkv, q.device)
+    keys = k[bi, head, idx.clamp(min=0)].to(acc)  # (B, rows, K, D)
+    vals = v[bi, head, idx.clamp(min=0)].to(acc)
+    logits = torch.einsum("bngd,bnkd->bngk", q.to(acc).view(b, rows, h // rows, d), keys) * scale
+    logits = logits.masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # (B, rows, G)
+    weights = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num(0.0)
     out = torch.einsum("bngk,bnkd->bngd", weights, vals)
-    return out.reshape(b, h, d).to(q.dtype)
+    return out.reshape(b, h, d), lse.reshape(b, h)
+
+
+def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """Combines attention results over disjoint token sets into the attention over their union.
+
+    parts: [(out (B, H, D), lse (B, H))] as ``sparse_decode_tokens`` returns them. Returns (B, H, D) in ``dtype``.
+    """
+    lse = torch.stack([p[1] for p in parts])  # (n, B, H)
+    total = torch.logsumexp(lse, dim=0)
+    share = torch.exp(lse - total).nan_to_num(0.0)
+    out = sum(s.unsqueeze(-1) * p[0] for s, p in zip(share, parts))
+    return out.to(dtype)
 
 
 def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,

@@ -10,9 +10,11 @@ Kernels:
   ``relu(q) . kmax + min(q, 0) . kmin``, one program per (sequence, KV head, block of slots), all query heads of
   the group at once, so the min/max metadata is read once.
 - ``sparse_decode`` / ``sparse_decode_tokens``: split-K flash decoding. Program (selection row, split) gathers the
-  key/value rows of its share of the selected pages (or tokens), runs an online softmax in fp32 for the row's query
-  heads, and writes an unnormalised partial output with its running max and sum; a second kernel merges the splits
-  (log-sum-exp). Invalid entries (-1, free slots, positions after the current token) are masked, never branched on.
+  key/value rows of its share of the selected pages (or of the listed rows of a flat token store), runs an online
+  softmax in fp32 for the row's query heads, and writes an unnormalised partial output with its running max and
+  sum; a second kernel merges the splits (log-sum-exp) and, for the token variant, writes the fp32 output with its
+  log-sum-exp (``merge_attention`` combines such parts). Invalid entries (-1, free slots, positions after the
+  current token) are masked, never branched on.
 - ``select_pages``: exact top-k by bitonic ``tl.topk`` on int64 keys that pack the score (order-preserving bits)
   with the slot: the top of each segment of slots in parallel, then the top of those. It replaces ``torch.topk``
   (35 of the 47 us of a Llama-3-8B step at 32K on the H200); selections larger than ``TUNING`` allows still use
@@ -60,8 +62,8 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, n_slots,
     if UPCAST:
         q = q.to(tl.float32)
     zero = tl.zeros_like(q)
-    q_pos = tl.maximum(q, zero).to(q.dtype)  # triton may compute bf16 max in fp32
-    q_neg = tl.minimum(q, zero).to(q.dtype)
+    q_plus = tl.maximum(q, zero).to(q.dtype)  # triton may compute bf16 max in fp32
+    q_minus = tl.minimum(q, zero).to(q.dtype)
     for i in range(CHUNKS):  # a loop, so that the loads of the next chunk overlap this one's products
         c = (tl.program_id(1) * CHUNKS + i) * BLOCK_C + tl.arange(0, BLOCK_C)
         in_c = c < n_slots
@@ -74,8 +76,8 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, n_slots,
         kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
         if UPCAST:
             kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
-        s = tl.dot(q_pos, tl.trans(kmax), input_precision=PRECISION)
-        s += tl.dot(q_neg, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
+        s = tl.dot(q_plus, tl.trans(kmax), input_precision=PRECISION)
+        s += tl.dot(q_minus, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
         s = tl.where((page >= 0)[None, :], s, float("-inf"))
         if PER_HEAD:
             tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], s,
@@ -153,7 +155,8 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
     r = row % HS
     kvh = r // ROWS_PER_KV
     n_tok = n_sel if TOKENS else n_sel * P
-    q_pos = tl.load(seq_ptr + b) - 1
+    if not TOKENS:
+        q_pos = tl.load(seq_ptr + b) - 1
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, BLOCK_D)
     d_ok = d[None, :] < D
@@ -174,17 +177,15 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
     for blk in range(first, last):
         j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         in_j = j < n_tok
-        if TOKENS:
-            t = tl.load(sel_base + j, mask=in_j, other=-1)
-            slot = tl.where(t >= 0, t // P, -1)
-            off = tl.where(t >= 0, t % P, 0)
+        if TOKENS:  # rows of a flat token store; every listed token is attended
+            trow = tl.load(sel_base + j, mask=in_j, other=-1)
+            ok = trow >= 0
         else:
             slot = tl.load(sel_base + j // P, mask=in_j, other=-1)
             off = j % P
-        ok = slot >= 0
-        page = tl.load(sp_base + slot, mask=ok, other=-1)
-        ok = ok & (page >= 0) & (page * P + off <= q_pos)
-        trow = slot * P + off
+            page = tl.load(sp_base + slot, mask=slot >= 0, other=-1)
+            ok = (slot >= 0) & (page >= 0) & (page * P + off <= q_pos)
+            trow = slot * P + off
         kt = tl.load(k_base + trow[:, None] * sk_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
         vt = tl.load(v_base + trow[:, None] * sv_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
         if UPCAST:
@@ -196,7 +197,13 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
         p = tl.math.exp2(qk - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+        if TOKENS:  # fp32 outputs that callers merge: the probabilities as two halves, near-fp32 error
+            p_hi = p.to(vt.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(vt.dtype)
+            pv = tl.dot(p_hi, vt, input_precision=PRECISION) + tl.dot(p_lo, vt, input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     out_row = (b * HS * G + head) * n_splits + split  # partials laid out (B, H, splits, ...)
@@ -207,8 +214,9 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
 
 
 @triton.jit
-def _merge_kernel(part_ptr, stat_ptr, out_ptr, n_splits, so_b, so_h,
-                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_kernel(part_ptr, stat_ptr, out_ptr, lse_ptr, n_splits, so_b, so_h,
+                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                  WRITE_LSE: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -222,6 +230,9 @@ def _merge_kernel(part_ptr, stat_ptr, out_ptr, n_splits, so_b, so_h,
                    other=0.0)
     o = tl.sum(w[:, None] * part, axis=0) / tl.where(total > 0, total, 1.0)  # nothing attended: zeros
     tl.store(out_ptr + (bh // H) * so_b + (bh % H) * so_h + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
+    if WRITE_LSE:  # natural log; the partial maxima are in log2 units
+        tl.store(lse_ptr + bh, tl.where(total > 0, (m_max + tl.math.log2(total)) * 0.6931471805599453,
+                                        float("-inf")))
 
 
 @triton.jit
@@ -343,55 +354,67 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _split_attention(q, k, v, slot_page, sel, seq_len, scale, tokens: bool) -> torch.Tensor:
+def _split_attention(q, k, v, slot_page, sel, seq_len, scale):
+    """Page mode (slot_page given): sparse_decode, output in q's dtype. Token mode (slot_page None): k, v are flat
+    (B, Hkv, N, D) stores, sel lists their rows; returns the fp32 output and its log-sum-exp."""
+    tokens = slot_page is None
     name = "sparse_decode_tokens" if tokens else "sparse_decode"
     _check(q, k, name)
-    if v.stride() != k.stride() or k.stride(2) != k.shape[3] * k.stride(3):
-        raise ValueError(f"{name}: k and v must share one layout with each slot's pages stored contiguously")
+    if v.stride(-1) != 1 or (not tokens and (v.stride() != k.stride() or k.stride(2) != k.shape[3] * k.stride(3))):
+        raise ValueError(f"{name}: k and v must be contiguous in head_dim (pages: one layout, each slot's pages "
+                         "stored contiguously)")
     b, h, d = q.shape
-    hkv, p = k.shape[1], k.shape[3]
+    hkv = k.shape[1]
+    p = 1 if tokens else k.shape[3]
     hs, n_sel = sel.shape[1], sel.shape[2]
-    if hs % hkv or h % hs:
-        raise ValueError(f"{name}: selection rows ({hs}) must be the KV heads ({hkv}) or the query heads ({h})")
+    allowed = (1, hkv, h) if tokens else (hkv, h)
+    if hs not in allowed or h % hkv:
+        raise ValueError(f"{name}: selection rows must be one of {allowed} (KV heads {hkv}, query heads {h}), got {hs}")
     if sel.stride(2) != 1:
         sel = sel.contiguous()
-    g = h // hs
+    rows_per_b = max(hs, hkv)  # a single token set (hs == 1) is read by every KV head: row stride 0
+    g = h // rows_per_b
     block_n = TUNING["attn_block_n"] if d <= 128 else TUNING["attn_block_n"] // 2
-    n_tok = n_sel if tokens else n_sel * p
-    n_blocks = max(triton.cdiv(n_tok, block_n), 1)
-    rows = b * hs
+    if q.dtype == torch.float32:
+        block_n = 16  # full-precision fp32 products need registers: larger tiles spill (ptxas, sm_90)
+    n_blocks = max(triton.cdiv(n_sel * p, block_n), 1)
+    rows = b * rows_per_b
     want = triton.cdiv(TUNING["programs_per_sm"] * _num_sms(q.device), rows)
     splits = max(1, min(want, n_blocks, _MAX_SPLITS))
     per_split = triton.cdiv(n_blocks, splits)
     splits = triton.cdiv(n_blocks, per_split)
     part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
+    page_args = (sel, sel, 0, 0) if tokens else (slot_page, seq_len, slot_page.stride(0), slot_page.stride(1))
     _split_attention_kernel[(rows, splits)](
-        q, k, v, slot_page, sel, seq_len, part, stats, n_sel, per_split, splits, scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1), v.stride(3),
-        slot_page.stride(0), slot_page.stride(1), sel.stride(0), sel.stride(1),
-        HS=hs, ROWS_PER_KV=hs // hkv, G=g, G_PAD=_group_pad(g), D=d, BLOCK_D=_block_d(d), BLOCK_N=block_n, P=p,
-        TOKENS=tokens, PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype),
+        q, k, v, page_args[0], sel, page_args[1], part, stats, n_sel, per_split, splits, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2 if tokens else 3),
+        v.stride(0), v.stride(1), v.stride(2 if tokens else 3), page_args[2], page_args[3],
+        sel.stride(0), 0 if hs == 1 else sel.stride(1),
+        HS=rows_per_b, ROWS_PER_KV=rows_per_b // hkv, G=g, G_PAD=_group_pad(g), D=d, BLOCK_D=_block_d(d),
+        BLOCK_N=block_n, P=p, TOKENS=tokens, PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype),
         num_warps=TUNING["attn_warps"], num_stages=TUNING["attn_stages"])
-    out = torch.empty_like(q, dtype=torch.float32 if _interpreted_bf16(q.dtype) else q.dtype)
-    _merge_kernel[(b * h,)](part, stats, out, splits, out.stride(0), out.stride(1),
+    fp32_out = tokens or _interpreted_bf16(q.dtype)
+    out = torch.empty(b, h, d, dtype=torch.float32 if fp32_out else q.dtype, device=q.device)
+    lse = torch.empty(b, h, dtype=torch.float32, device=q.device) if tokens else out
+    _merge_kernel[(b * h,)](part, stats, out, lse, splits, out.stride(0), out.stride(1),
                             H=h, D=d, BLOCK_D=_block_d(d), BLOCK_S=max(2, triton.next_power_of_2(splits)),
-                            num_warps=4)
-    return out.to(q.dtype)
+                            WRITE_LSE=tokens, num_warps=4)
+    return (out, lse) if tokens else out.to(q.dtype)
 
 
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
                   seq_len: torch.Tensor, scale: float) -> torch.Tensor:
     if q.dtype == torch.float64:
         return reference.sparse_decode(q, k, v, slot_page, slots, seq_len, scale)
-    return _split_attention(q, k, v, slot_page, slots, seq_len, scale, tokens=False)
+    return _split_attention(q, k, v, slot_page, slots, seq_len, scale)
 
 
-def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor,
-                         tokens: torch.Tensor, seq_len: torch.Tensor, scale: float) -> torch.Tensor:
+def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     if q.dtype == torch.float64:
-        return reference.sparse_decode_tokens(q, k, v, slot_page, tokens, seq_len, scale)
-    return _split_attention(q, k, v, slot_page, tokens, seq_len, scale, tokens=True)
+        return reference.sparse_decode_tokens(q, k, v, tokens, scale)
+    return _split_attention(q, k, v, None, tokens, None, scale)
 
 
 def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
@@ -411,6 +434,6 @@ def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
         HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), P=p, num_warps=1)
 
 
-OPS = {"page_scores": page_scores, "select_pages": select_pages, "sparse_decode": sparse_decode, "sparse_decode_tokens": sparse_decode_tokens,
-       "append_token": append_token}
+OPS = {"page_scores": page_scores, "select_pages": select_pages, "sparse_decode": sparse_decode,
+       "sparse_decode_tokens": sparse_decode_tokens, "append_token": append_token}
 FAST.update(OPS)

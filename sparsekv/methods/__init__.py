@@ -2,8 +2,17 @@
 
 from .base import Method, MethodConfig
 from .dense import DenseConfig
+from .h2o import H2OConfig
+from .omnikv import OmniKVConfig
 from .quest import QuestConfig
+from .raas import RaaSConfig
+from .snapkv import SnapKVConfig
+from .streaming import StreamingLLMConfig
+from .tova import TOVAConfig
 
 METHODS: dict[str, type[MethodConfig]] = {"dense": DenseConfig, "quest": QuestConfig}
+METHODS.update(streamingllm=StreamingLLMConfig, h2o=H2OConfig, tova=TOVAConfig, snapkv=SnapKVConfig)
+METHODS.update(omnikv=OmniKVConfig, raas=RaaSConfig)
 
-__all__ = ["METHODS", "Method", "MethodConfig", "DenseConfig", "QuestConfig"]
+__all__ = ["METHODS", "Method", "MethodConfig", "DenseConfig", "QuestConfig", "StreamingLLMConfig", "H2OConfig",
+           "TOVAConfig", "SnapKVConfig", "OmniKVConfig", "RaaSConfig"]

@@ -41,17 +41,32 @@ class Method:
     """A sparse-attention policy over a paged cache.
 
     ``max_pages``: cap on page slots per (sequence, KV head) the cache may hold (None: grows with the context).
+    ``accepts_chunks``: False for methods whose state follows every token after the prompt, so that a multi-token
+    pass after it is refused rather than attended without them.
     """
 
     max_pages: int | None = None
+    accepts_chunks: bool = True
 
     def __init__(self, config: MethodConfig, num_layers: int):
         self.config = config
         self.num_layers = num_layers
 
-    def prefill(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan) -> None:
-        """Called after a layer's prompt attention, with the prompt's queries q: (B, H, S, D) (post-RoPE) and
-        the plan that placed its tokens. Methods that score or compress the prompt do it here."""
+    def prefill(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale: float) -> None:
+        """Called after a layer's prompt attention, with the prompt's queries q: (B, H, S, D) (post-RoPE), the
+        plan that placed its tokens and the model's attention scale. Methods that score or compress the prompt do
+        it here."""
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keeps the sequences ``index`` of any per-sequence state (beam search, batch selection)."""
+
+    def resident_bytes(self) -> int:
+        """Bytes of per-sequence state the method holds on the cache's device, beyond the pages."""
+        return 0
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of KV the method keeps off the device (in host memory)."""
+        return 0
 
     def select(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, seq_len: torch.Tensor) -> torch.Tensor:
         """Slots to attend in one decode step. q: (B, H, D); seq_len: (B,). Returns (B, Hs, K) int64, -1 = none,

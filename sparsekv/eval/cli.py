@@ -1,0 +1,92 @@
+"""``sparsekv eval``: the command line of the evaluation harness (also ``python -m sparsekv.eval``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .base import EvalError, TaskOptions
+from .runner import RESULTS, EvalSpec, run_eval
+from .tasks import TASKS
+
+DEFAULT_BUDGETS = (128, 256, 512)
+HELP = "evaluate methods on a task over a grid of budgets, lengths and depths"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds the ``eval`` subcommand to an ``argparse`` subparsers object; its ``func`` default is ``run``."""
+    p = subparsers.add_parser("eval", help=HELP, description=HELP + ". Results are appended to OUT/results.jsonl "
+                              "(a rerun resumes), with OUT/<task>.md and PNG plots.")
+    _add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", required=True, help=f"one of: {', '.join(TASKS)}")
+    p.add_argument("--methods", nargs="+", default=["dense", "quest"], metavar="SPEC",
+                   help="methods to compare: NAME or NAME:field=value,... (e.g. quest:per_query_head=true); "
+                        "default: dense quest")
+    p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS),
+                   help="token budgets for methods that take one (default: %(default)s)")
+    p.add_argument("--lengths", nargs="+", type=int, help="prompt lengths in tokens (generated tasks), window "
+                   "length (perplexity) or truncation length (longbench); default: the task's")
+    p.add_argument("--depths", nargs="+", type=float, help="needle depths in [0, 1] (passkey, niah)")
+    p.add_argument("--model", help="local model folder, or tiny:<arch> (random weights); default: the project's "
+                   "default model (now tiny:llama, random weights)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--out", help="output folder (default: eval_results/<task>)")
+    p.add_argument("--haystack-dir", help="folder of .txt files for niah (default: $SPARSEKV_HAYSTACK_DIR or "
+                   "../shared/data/haystack/paul_graham_essays)")
+    p.add_argument("--data", help="jsonl (gsm8k, math500, aime), text file or folder (perplexity), folder of "
+                   "LongBench jsonl files (longbench)")
+    p.add_argument("--datasets", nargs="+", default=(), help="LongBench datasets (default: all files in --data)")
+    p.add_argument("--longbench-dir", help="folder with dataset2prompt.json and dataset2maxlen.json (default: "
+                   "../shared/data/longbench)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, help="samples per grid cell (generated tasks, default 5) or rows per "
+                   "file (datasets, default all)")
+    p.add_argument("--max-new-tokens", type=int, help="override the task's generation length")
+    p.add_argument("--prefill-tokens", type=int, default=1024, help="perplexity: tokens prefilled per window")
+    p.add_argument("--question-mode", choices=["decode", "prefill"], default="decode",
+                   help="decode: feed the question token by token through the method (default); prefill: with "
+                        "the context")
+    p.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
+                   help="wrap prompts in the tokenizer's chat template (auto: if it has one)")
+    p.add_argument("--recall", action="store_true", help="also measure attention recall per layer")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``sparsekv eval`` from parsed arguments; returns the exit status."""
+    options = TaskOptions(haystack_dir=args.haystack_dir, data=args.data, datasets=tuple(args.datasets),
+                          longbench_dir=args.longbench_dir, max_new_tokens=args.max_new_tokens,
+                          prefill_tokens=args.prefill_tokens)
+    spec = EvalSpec(task=args.task, methods=args.methods, budgets=args.budgets, lengths=args.lengths,
+                    depths=args.depths, seed=args.seed, limit=args.limit, model=args.model, dtype=args.dtype,
+                    device=args.device, out=args.out or f"eval_results/{args.task}", question_mode=args.question_mode,
+                    chat=args.chat, recall=args.recall, plots=not args.no_plots, options=options)
+    try:
+        out = run_eval(spec, progress=not args.no_progress)
+    except (EvalError, ValueError) as e:
+        print(f"sparsekv eval: error: {e}", file=sys.stderr)
+        if (Path(spec.out) / RESULTS).exists():
+            print(f"(finished runs are kept in {spec.out}/{RESULTS}; rerun to resume)", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nsparsekv eval: interrupted; finished runs are kept in {spec.out}/{RESULTS}, rerun the same "
+              f"command to resume", file=sys.stderr)
+        return 130
+    table = out / f"{args.task}.md"
+    if table.exists():
+        print(table.read_text())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sparsekv.eval", description=HELP)
+    _add_arguments(parser)
+    return run(parser.parse_args(argv))

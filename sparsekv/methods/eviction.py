@@ -1,0 +1,160 @@
+"""What the token-eviction baselines (StreamingLLM, H2O, TOVA, SnapKV) share.
+
+They run the paged cache with one token per page (``page_size`` 1): a slot is a token, and dropping a token frees
+its slot for the next one. Each method scores the tokens a row holds; the row keeps the highest scored and the
+rest are gone for good. A method file only says how it scores (``prompt_score`` after the prompt, ``step_score``
+after each decode step); the keeping, the memory bookkeeping and the attention are here.
+
+Budget: in a layer that evicts every decode step, a (layer, KV head) attends exactly ``token_budget`` tokens, the
+current one included (all of them while the context is shorter), and then drops to ``token_budget - 1`` so that
+the next token fits. That equals the papers' "cache of size k, the new token attends cache + itself, then evict"
+with k = ``token_budget - 1``. The layer's slots are capped at ``token_budget``, so memory stops growing there;
+a long prompt is stored whole, compressed right after its attention, and the layer is compacted to what it holds.
+
+The first ``dense_layers`` layers attend and keep everything. Attention at decode is ``kernels.sparse_decode`` over
+every held slot, or ``kernels.attend_with_weights`` (same op, plus its weights) for methods that score by attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+from ..cache import AppendPlan, PagedLayer
+from .base import Method, MethodConfig, all_slots, require
+
+# Attention weights materialised at once when scoring a prompt: queries are taken in chunks of this many weights.
+PROMPT_CHUNK_WEIGHTS = 1 << 24
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvictionConfig(MethodConfig):
+    """token_budget: KV tokens per (layer, KV head), see the subclass. dense_layers: leading layers that keep and
+    attend every token. page_size: must be 1 (tokens are evicted one by one)."""
+
+    token_budget: int = 1024
+    dense_layers: int = 0
+    page_size: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        require(self.page_size == 1, "page_size", f"1 ({self.name} keeps and evicts single tokens)", self.page_size)
+        low = self.min_budget()
+        require(isinstance(self.token_budget, int) and self.token_budget >= low,
+                "token_budget", f"an integer >= {low}", self.token_budget)
+        require(isinstance(self.dense_layers, int) and self.dense_layers >= 0,
+                "dense_layers", "an integer >= 0", self.dense_layers)
+
+    def min_budget(self) -> int:
+        return 1
+
+    def method_class(self) -> type["EvictionMethod"]:
+        raise NotImplementedError(f"{type(self).__name__} does not define method_class()")
+
+    def build(self, num_layers: int) -> "EvictionMethod":
+        require(self.dense_layers <= num_layers, "dense_layers",
+                f"at most the model's {num_layers} layers", self.dense_layers)
+        return self.method_class()(self, num_layers)
+
+
+class EvictionMethod(Method):
+    """Token eviction over the paged cache. Subclasses set ``evicts_in_decode`` and ``needs_weights`` and define
+    the scores; a higher score keeps a token (free slots are never kept, whatever their score)."""
+
+    config: EvictionConfig
+    evicts_in_decode = True  # False: the prompt is compressed once, then every decode token is kept (SnapKV)
+    needs_weights = True  # step_score reads the step's attention weights
+
+    def prompt_score(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan,
+                     scale: float) -> torch.Tensor:
+        """Keep-score (B, Hkv, C + 1) of the prompt's tokens; slot ``j`` holds position ``j`` here."""
+        raise NotImplementedError
+
+    def step_score(self, layer_idx: int, layer: PagedLayer, weights: torch.Tensor | None,
+                   seq_len: torch.Tensor) -> torch.Tensor:
+        """Keep-score (B, Hkv, C + 1) after a decode step; weights: (B, H, C + 1) of that step, or None."""
+        raise NotImplementedError
+
+    def dense(self, layer_idx: int) -> bool:
+        return layer_idx < self.config.dense_layers
+
+    def prefill(self, layer_idx, q, layer, plan, scale):
+        if self.dense(layer_idx):
+            return
+        budget = self.config.token_budget
+        keep = budget - 1 if self.evicts_in_decode else budget
+        keep_top(layer, self.prompt_score(layer_idx, q, layer, plan, scale), keep)
+        held = [min(n, keep) for n in plan.new_len]
+        layer.dropped = [n - h for n, h in zip(plan.new_len, held)]
+        if self.evicts_in_decode:
+            layer.max_pages = budget
+        if max(held) + 1 < layer.capacity:
+            layer.compact(max(held) + 1)  # room for the next token without growing again
+
+    def select(self, layer_idx, q, layer, seq_len):
+        return all_slots(layer)  # dense layers only: the others run decode below
+
+    def decode(self, layer_idx, q, layer, seq_len, scale):
+        if self.dense(layer_idx):
+            return super().decode(layer_idx, q, layer, seq_len, scale)
+        slots = all_slots(layer)
+        attended = kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
+        weights = None
+        if self.needs_weights:
+            out, weights = kernels.attend_with_weights(q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots,
+                                                       (seq_len - 1).unsqueeze(1), scale)
+            out, weights = out.squeeze(2), weights.squeeze(2)
+        else:
+            out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale)
+        if self.evicts_in_decode:
+            keep_top(layer, self.step_score(layer_idx, layer, weights, seq_len), self.config.token_budget - 1)
+        return out, attended
+
+
+def keep_top(layer: PagedLayer, score: torch.Tensor, keep: int) -> None:
+    """Frees every held slot of each (sequence, KV head) row except the ``keep`` with the highest ``score``
+    (B, Hkv, C + 1). Rows holding ``keep`` or fewer tokens are left as they are. Ties (SnapKV's max pooling makes
+    many) go to the lower slot, after a prompt the earlier position, so a sequence keeps the same tokens alone or
+    in a batch."""
+    held = layer.slot_page >= 0
+    if keep >= held.shape[2]:
+        return
+    order = score.masked_fill(~held, float("-inf")).sort(dim=2, descending=True, stable=True).indices
+    top = order[:, :, :keep]
+    layer.free(all_slots(layer), held.scatter(2, top, False))
+
+
+def per_kv_head(weights: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sums attention weights (B, H, N) over each KV head's group of query heads: (B, Hkv, N)."""
+    b, h, n = weights.shape
+    return weights.view(b, kv_heads, h // kv_heads, n).sum(2)
+
+
+def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale: float,
+                     last: int | None = None) -> torch.Tensor:
+    """Attention weights over the prompt's tokens, summed over each row's last ``last`` real queries (all of them
+    when None), causal as in the prompt's own attention.
+
+    q: (B, H, S, D) the prompt's queries (padding anywhere). Returns (B, H, C + 1) per query head, indexed by slot.
+    Queries are taken in chunks so that at most about ``PROMPT_CHUNK_WEIGHTS`` weights exist at once.
+    """
+    b, h, s, d = q.shape
+    n = s if last is None else min(last, s)
+    cols = torch.arange(s, device=q.device)
+    # Column of each row's p-th real token: real tokens sorted by position come first.
+    order = torch.where(plan.valid, plan.position, s + cols).argsort(dim=1)
+    lengths = plan.valid.sum(dim=1, keepdim=True)
+    want = lengths - n + torch.arange(n, device=q.device)  # (B, n) positions of the queries taken
+    col = order.gather(1, want.clamp(min=0))
+    q_taken = q.gather(2, col.view(b, 1, n, 1).expand(b, h, n, d))
+    q_pos = torch.where(want >= 0, want, -1)
+    slots = all_slots(layer)
+    chunk = max(1, PROMPT_CHUNK_WEIGHTS // (b * h * slots.shape[2]))
+    total = torch.zeros(b, h, slots.shape[2], dtype=kernels.reference.acc_dtype(q.dtype), device=q.device)
+    for start in range(0, n, chunk):
+        _, w = kernels.attend_with_weights(q_taken[:, :, start:start + chunk], layer.k, layer.v, layer.slot_page,
+                                           slots, q_pos[:, start:start + chunk], scale)
+        total += w.sum(dim=2)
+    return total

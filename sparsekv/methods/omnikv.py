@@ -1,0 +1,247 @@
+"""OmniKV: dynamic context selection without token dropping (Hao et al., ICLR 2025).
+
+The tokens that matter to a decode step are much the same across neighbouring layers. A few *filter layers* attend
+to the full context and pick the prompt tokens that matter; the layers above them reuse that choice. A filter layer
+scores each prompt token over an observation window of its most recent queries (the prompt's last ones, then each
+decode step's): the score is ``sum_j alpha_j * max_h softmax_h,j(token)``, the softmax of query j (head h) running
+over the prompt tokens it can see. ``selector`` sets alpha: "last" (only the newest query), "uniform" (1) or
+"exponential" (``2 ** (j - |w|)``: each older query counts half as much). The ``token_budget`` prompt tokens with
+the highest scores are chosen afresh at every step, one set per sequence shared by all heads; tokens generated
+during decoding are always attended. Layers below the first filter layer and the ``wait_layers`` after each filter
+layer attend fully; every other layer attends to the choice of the nearest filter layer below it plus all decode
+tokens. Nothing is evicted: a token passed over now can be chosen at the next step.
+
+``offload=True`` keeps the sparse layers' prompt KV in host memory after the prompt (``CPUKVStore``): at each
+filter layer the chosen tokens of every sparse layer of its group are gathered and copied to the device in one
+packed asynchronous copy while the wait layers run. The device then holds the fully attending layers' KV, the
+decode tokens and the subset buffers. Both modes run the same attention (chosen subset merged with the decode
+tokens), so they give the same outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+from ..cache.cpu_store import CPUKVStore
+from .base import Method, MethodConfig, all_slots, require
+
+SELECTORS = ("last", "uniform", "exponential")
+PAPER_LAYERS = 32
+PAPER_FILTER_LAYERS = (2, 8, 18)  # Llama-3-8B (32 layers) in the paper
+
+
+@dataclass(frozen=True, kw_only=True)
+class OmniKVConfig(MethodConfig):
+    """token_budget: prompt tokens the sparse layers attend per step (an int >= 1), or a fraction (0, 1] of each
+    prompt's length (a float); decode tokens come on top. filter_layers: strictly increasing layer indices (None:
+    the paper's {2, 8, 18} scaled from 32 layers to the model's). selector: "last", "uniform" or "exponential".
+    window: queries in the observation window ("last" uses only the newest). wait_layers: fully attending layers
+    after each filter layer. offload: keep the sparse layers' prompt KV in host memory."""
+
+    token_budget: int | float = 2048
+    filter_layers: tuple[int, ...] | None = None
+    selector: str = "last"
+    window: int = 16
+    wait_layers: int = 1
+    offload: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        budget = self.token_budget
+        if isinstance(budget, float):
+            require(0 < budget <= 1, "token_budget", "an int >= 1 (tokens) or a float in (0, 1] (fraction of the "
+                                                     "prompt)", budget)
+        else:
+            require(isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1, "token_budget",
+                    "an int >= 1 (tokens) or a float in (0, 1] (fraction of the prompt)", budget)
+        if self.filter_layers is not None:
+            layers = self.filter_layers
+            require(isinstance(layers, (tuple, list)) and len(layers) > 0
+                    and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
+                    and all(a < b for a, b in zip(layers, layers[1:])),
+                    "filter_layers", "a non-empty, strictly increasing sequence of layer indices >= 0", layers)
+            object.__setattr__(self, "filter_layers", tuple(layers))
+        require(self.selector in SELECTORS, "selector", f"one of {', '.join(SELECTORS)}", self.selector)
+        require(isinstance(self.window, int) and not isinstance(self.window, bool) and self.window >= 1,
+                "window", "an int >= 1", self.window)
+        require(isinstance(self.wait_layers, int) and not isinstance(self.wait_layers, bool)
+                and self.wait_layers >= 0, "wait_layers", "an int >= 0", self.wait_layers)
+        require(isinstance(self.offload, bool), "offload", "True or False", self.offload)
+
+    def layers_for(self, num_layers: int) -> tuple[int, ...]:
+        """The filter layers of a model of ``num_layers`` layers."""
+        if self.filter_layers is not None:
+            require(self.filter_layers[-1] < num_layers, "filter_layers",
+                    f"layer indices below the model's {num_layers} layers", self.filter_layers)
+            return self.filter_layers
+        return tuple(sorted({min(round(i * num_layers / PAPER_LAYERS), num_layers - 1) for i in PAPER_FILTER_LAYERS}))
+
+    def build(self, num_layers: int) -> "OmniKV":
+        return OmniKV(self, num_layers)
+
+
+def selector_weights(selector: str, window: int, device=None) -> torch.Tensor:
+    """alpha_j for the window entries, oldest first: (W,) with W = 1 for "last"."""
+    if selector == "last":
+        return torch.ones(1, device=device)
+    if selector == "uniform":
+        return torch.ones(window, device=device)
+    return 2.0 ** torch.arange(1 - window, 1, device=device, dtype=torch.float32)
+
+
+def top_tokens(scores: torch.Tensor, per_row: torch.Tensor, width: int) -> torch.Tensor:
+    """The ``per_row[b]`` highest-scoring tokens of each row, ascending. scores: (B, N), -inf for non-candidates;
+    per_row: (B,) int64 <= width. Returns (B, width) int64 indices, -1 in the unused places (which come first)."""
+    top, idx = scores.topk(width, dim=1)
+    rank = torch.arange(width, device=scores.device)
+    keep = (top > float("-inf")) & (rank < per_row.unsqueeze(1))
+    return torch.where(keep, idx, -1).sort(dim=1).values
+
+
+class OmniKV(Method):
+    """Layer roles: "dense" (below the first filter layer, or a wait layer), "filter", "sparse" (``source[i]``, the
+    nearest filter layer below). State per prompt, per filter layer f: ``window_q[f]`` (B, H, W, D) and
+    ``window_pos[f]`` (B, W) (-1 = empty), ``tokens[f]`` (B, K) the positions chosen at the latest step."""
+
+    config: OmniKVConfig
+    accepts_chunks = False
+
+    def __init__(self, config: OmniKVConfig, num_layers: int):
+        super().__init__(config, num_layers)
+        self.filters = config.layers_for(num_layers)
+        self.role: list[str] = []
+        self.source: list[int | None] = []
+        for i in range(num_layers):
+            f = max((x for x in self.filters if x <= i), default=None)
+            sparse = f is not None and i - f > config.wait_layers
+            self.role.append("filter" if i == f else "sparse" if sparse else "dense")
+            self.source.append(f if sparse else None)
+        self.group = {f: [i for i in range(num_layers) if self.source[i] == f] for f in self.filters}
+        self.width = 1 if config.selector == "last" else config.window
+        self.window_q: dict[int, torch.Tensor] = {}
+        self.window_pos: dict[int, torch.Tensor] = {}
+        self.tokens: dict[int, torch.Tensor] = {}
+        self.stores: dict[int, CPUKVStore] = {}
+        self.decode_start: dict[int, torch.Tensor] = {}  # sparse layer -> (B,) flat index of the first decode token
+        self.steps = [0] * num_layers
+        self.prompt_len: torch.Tensor | None = None
+        self.per_row: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
+        self.k_max = 0
+
+    def source_filter(self, layer_idx: int) -> int | None:
+        """The filter layer whose choice layer ``layer_idx`` attends to, or None for a fully attending layer."""
+        return self.source[layer_idx]
+
+    def prefill(self, layer_idx, q, layer, plan, scale):
+        device = layer.k.device
+        self.steps[layer_idx] = 0
+        if layer_idx == 0:
+            budget = self.config.token_budget
+            lengths = plan.new_len
+            rows = [min(n, math.ceil(budget * n) if isinstance(budget, float) else budget) for n in lengths]
+            self.prompt_len = torch.tensor(lengths, device=device)
+            self.per_row = torch.tensor(rows, device=device)
+            self.k_max = max(max(rows), 1)
+            self.weight = selector_weights(self.config.selector, self.width, device)
+            self.stores.clear()
+            self.tokens.clear()
+        role = self.role[layer_idx]
+        if role == "filter":
+            self._start_window(layer_idx, q, plan.position)
+        elif role == "sparse":
+            start = torch.zeros_like(self.prompt_len)
+            if self.config.offload:
+                start = self._offload(layer_idx, layer, plan.new_len)
+            self.decode_start[layer_idx] = self.prompt_len - start
+
+    def _start_window(self, f: int, q: torch.Tensor, position: torch.Tensor) -> None:
+        """The prompt's last ``width`` queries of each sequence, oldest first, empty entries in front."""
+        b, h, s, d = q.shape
+        w = min(self.width, s)
+        pos, col = position.topk(w, dim=1)
+        pos, col = pos.flip(1), col.flip(1)
+        wq = q.gather(2, col.view(b, 1, w, 1).expand(b, h, w, d))
+        pad = self.width - w
+        self.window_q[f] = torch.cat([wq.new_zeros(b, h, pad, d), wq], dim=2)
+        self.window_pos[f] = torch.cat([pos.new_full((b, pad), -1), pos], dim=1)
+
+    def _offload(self, layer_idx: int, layer, lengths: list[int]) -> torch.Tensor:
+        """Moves the layer's prompt KV to its group's host store and drops its full prompt pages from the device.
+        Returns (B,) the position of each sequence's first token still on the device."""
+        f = self.source[layer_idx]
+        group = self.group[f]
+        b, h, _, d = layer.shape
+        t = max(lengths)
+        if f not in self.stores:
+            self.stores[f] = CPUKVStore(len(group), b, h, t, d, layer.k.dtype, layer.k.device)
+        self.stores[f].put(group.index(layer_idx), layer.k.flatten(2, 3)[:, :, :t], layer.v.flatten(2, 3)[:, :, :t])
+        full_pages = [n // layer.page_size for n in lengths]
+        full = torch.tensor(full_pages, device=layer.k.device)
+        held = layer.slot_page[:, :, :layer.capacity]  # slot j holds page j: nothing was evicted
+        layer.free(all_slots(layer)[:, :, :layer.capacity], (held >= 0) & (held < full.view(-1, 1, 1)))
+        layer.dropped = full_pages
+        held_pages = max(-(-n // layer.page_size) - f for n, f in zip(lengths, full_pages))
+        layer.compact(min(held_pages + 1, layer.capacity))  # room for the next page without growing
+        return full * layer.page_size
+
+    def decode(self, layer_idx, q, layer, seq_len, scale):
+        self.steps[layer_idx] += 1
+        if self.role[layer_idx] != "sparse":
+            slots = all_slots(layer)
+            out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale)
+            if self.role[layer_idx] == "filter":
+                self._choose(layer_idx, q, layer, seq_len, scale)
+            return out, kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
+        f = self.source[layer_idx]
+        chosen = self.tokens[f]  # (B, K) positions
+        k_flat, v_flat = layer.k.flatten(2, 3), layer.v.flatten(2, 3)
+        if self.config.offload:
+            packed = self.stores[f].wait()[self.group[f].index(layer_idx)]  # (2, B, Hkv, K, D)
+            k_sub, v_sub = packed[0], packed[1]
+            listed = torch.arange(chosen.shape[1], device=chosen.device)
+            sub = torch.where(chosen >= 0, listed, -1)
+        else:
+            k_sub, v_sub, sub = k_flat, v_flat, chosen
+        n_dec = self.steps[layer_idx]
+        decoded = self.decode_start[layer_idx].unsqueeze(1) + torch.arange(n_dec, device=q.device)  # (B, n_dec)
+        parts = [kernels.sparse_decode_tokens(q, k_sub, v_sub, sub.unsqueeze(1), scale),
+                 kernels.sparse_decode_tokens(q, k_flat, v_flat, decoded.unsqueeze(1), scale)]
+        attended = (chosen >= 0).sum(dim=1, keepdim=True) + n_dec
+        return kernels.merge_attention(parts, q.dtype), attended
+
+    def _choose(self, f: int, q: torch.Tensor, layer, seq_len: torch.Tensor, scale: float) -> None:
+        """Slides the window over the step's query and chooses the step's prompt tokens for the group of ``f``."""
+        wq = torch.cat([self.window_q[f][:, :, 1:], q.unsqueeze(2).to(self.window_q[f].dtype)], dim=2)
+        wpos = torch.cat([self.window_pos[f][:, 1:], (seq_len - 1).unsqueeze(1)], dim=1)
+        self.window_q[f], self.window_pos[f] = wq, wpos
+        # The layer never evicts, so its flat token index is the position and every KV head holds the same tokens.
+        key_pos = layer.token_position()[:, 0].flatten(1)
+        scores = kernels.window_token_scores(wq, layer.k.flatten(2, 3), key_pos, wpos, self.prompt_len, self.weight,
+                                             scale)
+        self.tokens[f] = top_tokens(scores, self.per_row, self.k_max)
+        if self.config.offload and self.group[f]:
+            self.stores[f].fetch(self.tokens[f])
+
+    def reorder(self, index):
+        if self.prompt_len is None:
+            return
+        for state in (self.window_q, self.window_pos, self.tokens, self.decode_start):
+            for key, t in state.items():
+                state[key] = t.index_select(0, index.to(t.device))
+        self.prompt_len = self.prompt_len.index_select(0, index.to(self.prompt_len.device))
+        self.per_row = self.per_row.index_select(0, index.to(self.per_row.device))
+        for store in self.stores.values():
+            store.reorder(index)  # the next step's filter layers fetch again
+
+    def resident_bytes(self):
+        state = [*self.window_q.values(), *self.window_pos.values(), *self.tokens.values()]
+        return (sum(t.numel() * t.element_size() for t in state)
+                + sum(store.device_bytes() for store in self.stores.values()))
+
+    def offloaded_bytes(self):
+        return sum(store.host_bytes() for store in self.stores.values())

@@ -1,0 +1,163 @@
+"""RaaS: reasoning-aware attention sparsity (Hu et al., 2025, "Efficient Long-Decoding Inference with
+Reasoning-Aware Attention Sparsity").
+
+Long reasoning chains create *milestone* tokens: attended for a while, then never again. RaaS keeps a page only as
+long as it is used. Every cached page of a (layer, sequence, KV head) carries a timestamp, the decode step it was
+last refreshed at. At each step every page's attention is estimated with Quest's bound (the cache's per-page key
+min/max) and the pages that score high are refreshed: those in the ``top_fraction`` of the step's pages, or those
+whose estimated attention probability (softmax of the scaled bounds over the row's pages) reaches ``alpha``. The
+page being written is refreshed every step. When the next token needs a new page and the row already holds its
+budget, the decode page with the oldest timestamp is evicted (ties: the older page) and its slot takes the new
+page, so the memory of the cache stops growing once the budget is reached. Prompt (prefill) pages are never evicted:
+they hold the *phoenix* tokens that reasoning returns to late.
+
+``prefill="keep"`` attends to every cached page (the cache is the budget). ``prefill="quest"`` is the hybrid for
+long prompts: prompt pages are kept but only the best ones by Quest score are attended, within ``prefill_share`` of
+the budget (and whatever share the decode pages do not use yet); decode pages follow RaaS within the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+from .base import Method, MethodConfig, all_slots, require
+
+PREFILL_MODES = ("keep", "quest")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RaaSConfig(MethodConfig):
+    """token_budget: KV tokens kept per (layer, KV head), a positive multiple of page_size; prompt pages beyond it
+    are kept as well (``keep``: the cache holds the prompt plus one decode page at least).
+    top_fraction / alpha: the refresh rule, exactly one of them set: refresh the pages whose estimated score is in
+    the top ``top_fraction`` (0, 1] of the step's cached pages, or whose estimated attention probability is at least
+    ``alpha`` (0, 1) (set ``top_fraction=None`` to use ``alpha``).
+    prefill: "keep" (attend every cached page) or "quest" (attend the top prompt pages within ``prefill_share`` of
+    the budget; decode pages get the rest)."""
+
+    token_budget: int = 1024
+    top_fraction: float | None = 0.5
+    alpha: float | None = None
+    prefill: str = "keep"
+    prefill_share: float = 0.5
+
+    def __post_init__(self):
+        super().__post_init__()
+        require(isinstance(self.token_budget, int) and not isinstance(self.token_budget, bool)
+                and self.token_budget >= self.page_size and self.token_budget % self.page_size == 0,
+                "token_budget", f"a positive multiple of page_size ({self.page_size})", self.token_budget)
+        require((self.top_fraction is None) != (self.alpha is None), "top_fraction / alpha",
+                "exactly one of the two set (top_fraction=None to use alpha)", (self.top_fraction, self.alpha))
+        if self.top_fraction is not None:
+            require(_is_real(self.top_fraction) and 0 < self.top_fraction <= 1, "top_fraction", "in (0, 1]",
+                    self.top_fraction)
+        if self.alpha is not None:
+            require(_is_real(self.alpha) and 0 < self.alpha < 1, "alpha", "in (0, 1)", self.alpha)
+        require(self.prefill in PREFILL_MODES, "prefill", f"one of {', '.join(PREFILL_MODES)}", self.prefill)
+        require(_is_real(self.prefill_share) and 0 < self.prefill_share < 1, "prefill_share", "in (0, 1)",
+                self.prefill_share)
+        if self.prefill == "quest":
+            require(1 <= self.prefill_pages < self.budget_pages, "token_budget",
+                    f"large enough that prefill_share ({self.prefill_share}) of it leaves at least one page "
+                    f"({self.page_size} tokens) for the prompt and one for decoding", self.token_budget)
+
+    @property
+    def budget_pages(self) -> int:
+        return self.token_budget // self.page_size
+
+    @property
+    def prefill_pages(self) -> int:
+        """Pages of the budget reserved for prompt pages under ``prefill="quest"``."""
+        return int(self.prefill_share * self.budget_pages)
+
+    def build(self, num_layers: int) -> "RaaS":
+        return RaaS(self, num_layers)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+STAMP = "raas_stamp"
+
+
+class RaaS(Method):
+    """Per layer: ``layer.slot_state["raas_stamp"]`` (B, Hkv, C + 1) int64, the decode step each slot's page was
+    last refreshed at (it moves with the slots when the cache grows or reorders), and ``layer.max_pages``, the
+    largest row limit. Per prompt: ``prompt_pages`` and ``limit`` (B,), the prompt's pages and the pages a row may
+    hold."""
+
+    config: RaaSConfig
+    accepts_chunks = False
+
+    def __init__(self, config: RaaSConfig, num_layers: int):
+        super().__init__(config, num_layers)
+        self.step = [0] * num_layers
+        self.prompt_pages: torch.Tensor | None = None
+        self.limit: torch.Tensor | None = None
+
+    def prefill(self, layer_idx, q, layer, plan, scale):
+        cfg = self.config
+        prompt = [-(-n // cfg.page_size) for n in plan.new_len]
+        if cfg.prefill == "keep":
+            limit = [max(cfg.budget_pages, p + 1) for p in prompt]
+        else:
+            limit = [p + cfg.budget_pages - cfg.prefill_pages for p in prompt]
+        device = layer.k.device
+        self.prompt_pages = torch.tensor(prompt, device=device)
+        self.limit = torch.tensor(limit, device=device)
+        layer.max_pages = max(limit)
+        layer.slot_state[STAMP] = torch.zeros(layer.shape[:3], dtype=torch.long, device=device)
+        self.step[layer_idx] = 0
+
+    def decode(self, layer_idx, q, layer, seq_len, scale):
+        self.step[layer_idx] += 1
+        stamp = layer.slot_state[STAMP]
+        scores = kernels.page_scores(q, layer.kmin, layer.kmax, layer.slot_page)  # (B, Hkv, C + 1)
+        if self.config.prefill == "keep":
+            slots = all_slots(layer)
+        else:
+            prompt = layer.slot_page < self.prompt_pages.view(-1, 1, 1)
+            ranked = torch.where(prompt, scores, float("inf")).masked_fill(layer.slot_page < 0, float("-inf"))
+            slots = kernels.select_pages(ranked, layer.cur_slot, self.config.budget_pages)
+        out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale)
+        attended = kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
+
+        slot_ids = torch.arange(stamp.shape[2], device=stamp.device)
+        fresh = self._refreshed(scores, layer.slot_page >= 0, scale) | (slot_ids == layer.cur_slot.unsqueeze(-1))
+        stamp = torch.where(fresh, self.step[layer_idx], stamp)
+        layer.slot_state[STAMP] = stamp
+        self._evict(layer, stamp, seq_len)
+        return out, attended
+
+    def _refreshed(self, scores: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+        """Pages the step uses by the refresh rule. scores: (B, Hkv, C + 1), -inf for free slots. Returns bool."""
+        cfg = self.config
+        if cfg.alpha is not None:
+            return valid & (torch.softmax(scores.float() * scale, dim=-1) >= cfg.alpha)
+        count = valid.sum(dim=-1, keepdim=True)
+        take = (count * cfg.top_fraction).ceil().long().clamp(min=1)
+        kth = scores.sort(dim=-1, descending=True).values.gather(-1, take - 1)
+        return valid & (scores >= kth)
+
+    def _evict(self, layer, stamp: torch.Tensor, seq_len: torch.Tensor) -> None:
+        """Frees the oldest decode page of each row whose next token starts a page while the row holds its limit."""
+        cap = layer.capacity
+        page = layer.slot_page[:, :, :cap]  # (B, Hkv, C)
+        starts_page = (seq_len % layer.page_size == 0).view(-1, 1)
+        full = (page >= 0).sum(dim=-1) >= self.limit.view(-1, 1)
+        candidate = page >= self.prompt_pages.view(-1, 1, 1)
+        # Oldest stamp first; among equal stamps the older page (stamps and pages both fit in 31 bits).
+        key = torch.where(candidate, stamp[:, :, :cap] * (1 << 31) + page, torch.iinfo(torch.long).max)
+        victim = key.argmin(dim=-1, keepdim=True)
+        evict = starts_page & full & candidate.any(dim=-1)
+        layer.free(victim, evict.unsqueeze(-1))
+
+    def reorder(self, index):
+        if self.prompt_pages is not None:
+            self.prompt_pages = self.prompt_pages.index_select(0, index.to(self.prompt_pages.device))
+            self.limit = self.limit.index_select(0, index.to(self.limit.device))

@@ -1,0 +1,55 @@
+"""StreamingLLM: attention sinks plus a window of the most recent tokens (Xiao et al., 2024).
+
+Every (layer, KV head) keeps the first ``sink_tokens`` tokens of the sequence and the most recent ones: at a decode
+step it attends ``sink_tokens`` sinks and the ``token_budget - sink_tokens`` latest tokens, the current one
+included. A prompt longer than the budget is cut the same way right after its attention. The choice depends on
+positions only, so every head keeps the same tokens and no attention weights are needed.
+
+Difference from the paper: tokens keep their original positions (keys are cached after RoPE), where the paper
+re-numbers positions inside the cache so that a model can run past its trained length. Within the trained length
+(every benchmark here) the two differ only in the positions the kept keys were encoded at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import require
+from .eviction import EvictionConfig, EvictionMethod
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamingLLMConfig(EvictionConfig):
+    """token_budget: KV tokens attended per (layer, KV head) and step, current token and sinks included; more than
+    sink_tokens. sink_tokens: leading tokens always kept (>= 0). dense_layers: leading layers that keep all."""
+
+    sink_tokens: int = 4
+
+    def __post_init__(self):
+        require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
+                "sink_tokens", "an integer >= 0", self.sink_tokens)
+        super().__post_init__()
+
+    def min_budget(self) -> int:
+        return self.sink_tokens + 1
+
+    def method_class(self):
+        return StreamingLLM
+
+
+class StreamingLLM(EvictionMethod):
+    config: StreamingLLMConfig
+    needs_weights = False
+
+    def recency(self, layer) -> torch.Tensor:
+        """Keep-score: the position, sinks first. (B, Hkv, C + 1)."""
+        pos = layer.slot_page.to(torch.float64)
+        return pos.masked_fill(layer.slot_page < self.config.sink_tokens, float("inf"))
+
+    def prompt_score(self, layer_idx, q, layer, plan, scale):
+        return self.recency(layer)
+
+    def step_score(self, layer_idx, layer, weights, seq_len):
+        return self.recency(layer)

@@ -1,0 +1,21 @@
+"""Shared pytest setup."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The Triton kernels' tests run in Triton's CPU interpreter. Triton reads this when it is imported, which
+    # importing sparsekv already does (through torch._dynamo), so it is set before any test module loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tiny models run fastest on one thread: their ops are dominated by thread hand-off, and on a shared 2-core
+    machine the default thread count is up to ~100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,137 @@
+"""The paged cache against brute force: token placement, page bounds, padding, growth, eviction reuse."""
+
+import pytest
+import torch
+
+from sparsekv.cache import PagedKVCache
+
+
+def stored_tokens(layer, b, h, length):
+    """Keys of row (b, h) in position order, read back through slot_page."""
+    p = layer.page_size
+    out = torch.empty(length, layer.k.shape[-1], dtype=layer.k.dtype)
+    for slot, page in enumerate(layer.slot_page[b, h].tolist()):
+        if page >= 0:
+            lo, hi = page * p, min(page * p + p, length)
+            out[lo:hi] = layer.k[b, h, slot, : hi - lo]
+    return out
+
+
+def check_bounds(layer, keys_per_row):
+    """keys_per_row[b][h]: (L, D) keys in position order; every held page's min/max equals brute force."""
+    p = layer.page_size
+    for b, rows in enumerate(keys_per_row):
+        for h, keys in enumerate(rows):
+            held = 0
+            for slot, page in enumerate(layer.slot_page[b, h].tolist()):
+                if page < 0:
+                    continue
+                held += 1
+                chunk = keys[page * p : page * p + p]
+                torch.testing.assert_close(layer.kmin[b, h, slot], chunk.min(0).values, rtol=0, atol=0)
+                torch.testing.assert_close(layer.kmax[b, h, slot], chunk.max(0).values, rtol=0, atol=0)
+            assert held == -(-len(keys) // p)
+            cur_page = layer.slot_page[b, h, layer.cur_slot[b, h]].item()
+            assert cur_page == (len(keys) - 1) // p
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 1000])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_prefill_then_decode_bounds_match_brute_force(length, page_size):
+    torch.manual_seed(length + page_size)
+    b, h, d = 2, 3, 8
+    cache = PagedKVCache(num_layers=1, page_size=page_size)
+    keys = torch.randn(b, h, length + 20, d, dtype=torch.float64)
+    vals = torch.randn_like(keys)
+    cache.begin(length, None, b, keys.device)
+    layer = cache.append(0, keys[:, :, :length], vals[:, :, :length])
+    check_bounds(layer, [[keys[i, j, :length] for j in range(h)] for i in range(b)])
+    for t in range(length, length + 20):  # decode appends, crossing page boundaries
+        cache.begin(1, None, b, keys.device)
+        layer = cache.append(0, keys[:, :, t : t + 1], vals[:, :, t : t + 1])
+    n = length + 20
+    check_bounds(layer, [[keys[i, j, :n] for j in range(h)] for i in range(b)])
+    for i in range(b):
+        for j in range(h):
+            torch.testing.assert_close(stored_tokens(layer, i, j, n), keys[i, j, :n], rtol=0, atol=0)
+    assert cache.lengths == [n, n] and cache.seq_len.tolist() == [n, n]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_is_not_stored(side):
+    torch.manual_seed(0)
+    lengths, s, h, d, p = [5, 13, 1], 13, 2, 4, 4
+    keys = torch.randn(3, h, s, d)
+    valid = torch.zeros(3, s, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        if side == "left":
+            valid[i, s - n :] = True
+        else:
+            valid[i, :n] = True
+    cache = PagedKVCache(num_layers=1, page_size=p)
+    plan = cache.begin(s, valid, 3, keys.device)
+    layer = cache.append(0, keys, keys)
+    assert cache.lengths == lengths and plan.prev_len == [0, 0, 0]
+    rows = [[keys[i, j][valid[i]] for j in range(h)] for i in range(3)]
+    check_bounds(layer, rows)
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(stored_tokens(layer, i, 0, n), rows[i][0])
+    # Decode keeps every sequence's own positions.
+    step = torch.randn(3, h, 1, d)
+    cache.begin(1, None, 3, keys.device)
+    layer = cache.append(0, step, step)
+    assert cache.lengths == [n + 1 for n in lengths]
+    check_bounds(layer, [[torch.cat([rows[i][j], step[i, j]]) for j in range(h)] for i in range(3)])
+
+
+def test_padding_after_prompt_is_refused():
+    cache = PagedKVCache(num_layers=1, page_size=4)
+    cache.begin(3, None, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="padding is only supported in the first forward"):
+        cache.begin(2, torch.tensor([[True, True], [False, True]]), 2, torch.device("cpu"))
+
+
+def test_growth_keeps_contents_and_freed_slots_are_reused():
+    torch.manual_seed(1)
+    cache = PagedKVCache(num_layers=1, page_size=2)
+    keys = torch.randn(1, 2, 40, 4)
+    cache.begin(3, None, 1, keys.device)
+    layer = cache.append(0, keys[:, :, :3], keys[:, :, :3])
+    first_capacity = layer.capacity
+    for t in range(3, 30):
+        cache.begin(1, None, 1, keys.device)
+        layer = cache.append(0, keys[:, :, t : t + 1], keys[:, :, t : t + 1])
+    assert layer.capacity > first_capacity
+    torch.testing.assert_close(stored_tokens(layer, 0, 1, 30), keys[0, 1, :30])
+
+    # Free the slots of pages 3 and 5 in head 0 only; the next new page takes the lowest of them.
+    slots = torch.tensor([[[3, 5], [0, 0]]])
+    layer.free(slots, torch.tensor([[[True, True], [False, False]]]))
+    assert (layer.slot_page[0, 0] == 3).sum() == 0 and (layer.slot_page[0, 1] == 3).sum() == 1
+    for t in range(30, 32):  # position 30 starts page 15
+        cache.begin(1, None, 1, keys.device)
+        layer = cache.append(0, keys[:, :, t : t + 1], keys[:, :, t : t + 1])
+    assert layer.slot_page[0, 0, 3].item() == 15
+    assert layer.cur_slot[0, 0].item() == 3
+    torch.testing.assert_close(layer.k[0, 0, 3], keys[0, 0, 30:32])
+    torch.testing.assert_close(layer.kmax[0, 0, 3], keys[0, 0, 30:32].max(0).values)
+
+
+def test_max_pages_caps_allocation():
+    cache = PagedKVCache(num_layers=1, page_size=4, max_pages=3)
+    cache.begin(12, None, 1, torch.device("cpu"))
+    layer = cache.append(0, torch.randn(1, 1, 12, 2), torch.randn(1, 1, 12, 2))
+    assert layer.capacity == 3
+
+
+@pytest.mark.parametrize("page_size", [0, 3, 512, 2.0])
+def test_bad_page_size(page_size):
+    with pytest.raises(ValueError, match="page_size must be a power of two from 1 to 256"):
+        PagedKVCache(num_layers=1, page_size=page_size)
+
+
+def test_unsupported_dtype():
+    cache = PagedKVCache(num_layers=1, page_size=4)
+    cache.begin(2, None, 1, torch.device("cpu"))
+    with pytest.raises(ValueError, match="dtype torch.int32 is not supported"):
+        cache.append(0, torch.zeros(1, 1, 2, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 2, dtype=torch.int32))

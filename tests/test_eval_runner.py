@@ -1,0 +1,178 @@
+"""The evaluation runner end to end on tiny random models: grid, records, resume, report, recall, errors."""
+
+import importlib.util
+import json
+
+import pytest
+
+from sparsekv.eval import EvalError, EvalSpec, TaskOptions, run_eval
+from sparsekv.eval.cli import main
+from sparsekv.eval.engine import Engine, LoadedModel
+from sparsekv.eval.runner import RESULTS, method_runs, read_results
+from sparsekv.methods import METHODS
+from sparsekv.tiny import byte_tokenizer, tiny_model
+
+BUDGETS = [32, 64]
+
+
+def _accepts(cls, budget: int) -> bool:
+    try:
+        cls(token_budget=budget)
+    except ValueError:
+        return False
+    return True
+
+
+def _methods() -> list[str]:
+    """dense, quest, and a third method: the first other registered one that takes the test budgets, else quest
+    with per-query-head selection."""
+    others = [n for n, cls in METHODS.items() if n not in ("dense", "quest")
+              and "token_budget" in cls.__dataclass_fields__ and all(_accepts(cls, b) for b in BUDGETS)]
+    return ["dense", "quest:dense_layers=1", others[0] if others else "quest:per_query_head=true,dense_layers=1"]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return LoadedModel(tiny_model("llama", layers=3, heads=4, kv_heads=2, head_dim=16, max_positions=512),
+                       byte_tokenizer(), "tiny-test")
+
+
+def _spec(tmp_path, task, **kw):
+    base = dict(task=task, methods=_methods(), budgets=BUDGETS, limit=1, out=str(tmp_path),
+                options=TaskOptions(max_new_tokens=3, prefill_tokens=160))
+    base.update(kw)
+    return EvalSpec(**base)
+
+
+def _runs_per_sample() -> int:
+    return len(method_runs(_methods(), BUDGETS))
+
+
+def test_passkey_grid_resumes_after_interruption(tmp_path, loaded, monkeypatch):
+    spec = _spec(tmp_path, "passkey", lengths=[300], depths=[0.0, 1.0])
+    total = 2 * _runs_per_sample()
+    real = Engine.generate
+    calls = {"n": 0}
+
+    def crashing(self, sample):
+        calls["n"] += 1
+        if calls["n"] > _runs_per_sample() + 3:  # one warm-up per method, then three runs
+            raise KeyboardInterrupt  # the process dies mid-grid
+        return real(self, sample)
+
+    monkeypatch.setattr(Engine, "generate", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)
+    first = read_results(tmp_path / RESULTS)
+    assert len(first) == 3
+    with open(tmp_path / RESULTS, "a") as f:
+        f.write('{"key": "half a rec')  # the crash cut a record short
+
+    monkeypatch.setattr(Engine, "generate", real)
+    messages = []
+    run_eval(spec, log=messages.append, progress=False, loaded=loaded)
+    records = read_results(tmp_path / RESULTS)
+    assert len(records) == total and len({r["key"] for r in records}) == total
+    assert records[:3] == first  # finished runs kept, not redone
+    assert any("resuming: 3 runs" in m for m in messages)
+    for r in records:
+        assert r["seed"] == 0 and r["prompt_tokens"] == pytest.approx(300, rel=0.01)
+        assert r["new_tokens"] <= 3 and r["kv"]["decode_steps"] > 0 and r["kv_resident_bytes"] > 0
+        assert r["decode_tokens_per_s"] > 0 and r["score"] in (0.0, 1.0)
+    dense = [r for r in records if r["method"] == "dense"]
+    assert all(r["budget"] is None and r["kv"]["fraction"] == 1.0 for r in dense)
+    sparse = [r for r in records if r["budget"] == 32]
+    assert all(r["kv"]["fraction"] < 1.0 for r in sparse)
+    # A third run has nothing left to do.
+    run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)
+    assert len(read_results(tmp_path / RESULTS)) == total
+    table = (tmp_path / "passkey.md").read_text()
+    assert "| dense |" in table and "quest:dense_layers=1 @32" in table
+    plots = importlib.util.find_spec("matplotlib") is not None
+    for png in ("passkey_vs_budget.png", "passkey_depth_length.png"):
+        assert (tmp_path / png).exists() == plots
+
+
+def test_perplexity_grid_with_recall(tmp_path, loaded):
+    text = tmp_path / "text.txt"
+    text.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 20)
+    methods = ["dense", "quest:dense_layers=1"]  # methods that select (recall observes select)
+    spec = _spec(tmp_path / "out", "perplexity", methods=methods, lengths=[200], recall=True,
+                 options=TaskOptions(data=str(text), prefill_tokens=160))
+    run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)
+    records = read_results(tmp_path / "out" / RESULTS)
+    assert len(records) == 1 + len(BUDGETS)
+    by = {(r["method"], r["budget"]): r for r in records}
+    dense = by[("dense", None)]
+    assert dense["score"] > 1.0 and dense["kv"]["decode_steps"] == 200 - 160 - 1
+    assert dense["recall"] == [1.0, 1.0, 1.0]
+    quest = by[("quest:dense_layers=1", 32)]
+    assert quest["recall"][0] == 1.0 and all(0.0 < x < 1.0 for x in quest["recall"][1:])
+    assert quest["score"] != dense["score"]
+    assert "recall" in (tmp_path / "out" / "perplexity.md").read_text()
+
+
+def test_recall_probe_leaves_outputs_unchanged(loaded):
+    from sparsekv.eval.base import Sample
+
+    sample = Sample("The grass is green. " * 12, " The pass key is", None, 4)
+    config = METHODS["quest"](token_budget=32, dense_layers=1)
+    plain = Engine(loaded, config).generate(sample)
+    probed = Engine(loaded, config, recall=True).generate(sample)
+    assert probed["prediction"] == plain["prediction"] and probed["kv"] == plain["kv"]
+    # At a budget covering the whole context the method is dense, so is its recall.
+    full = Engine(loaded, METHODS["quest"](token_budget=512, dense_layers=1), recall=True).generate(sample)
+    assert full["recall"] == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_errors_are_clear_and_keep_results(tmp_path, loaded):
+    with pytest.raises(EvalError, match="unknown method 'nope'"):
+        run_eval(_spec(tmp_path, "passkey", methods=["nope"]), loaded=loaded)
+    with pytest.raises(EvalError, match="needs --budgets"):
+        run_eval(_spec(tmp_path, "passkey", budgets=None), loaded=loaded)
+    with pytest.raises(EvalError, match="token_budget must be a positive multiple"):
+        run_eval(_spec(tmp_path, "passkey", budgets=[20]), loaded=loaded)
+    with pytest.raises(EvalError, match="is not field=value"):
+        run_eval(_spec(tmp_path, "passkey", methods=["quest:bogus=1"]), loaded=loaded)
+    with pytest.raises(EvalError, match="exceeds the model's maximum of 512"):
+        run_eval(_spec(tmp_path, "passkey", lengths=[600]), loaded=loaded)
+    with pytest.raises(EvalError, match="has no depth axis"):
+        run_eval(_spec(tmp_path, "vartrack", depths=[0.5]), loaded=loaded)
+    # Settings differ from the finished runs in the same folder: refused, the file untouched.
+    spec = _spec(tmp_path, "passkey", methods=["dense"], lengths=[300], depths=[0.5])
+    run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)
+    before = (tmp_path / RESULTS).read_text()
+    spec.question_mode = "prefill"
+    with pytest.raises(EvalError, match="use another --out"):
+        run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)
+    assert (tmp_path / RESULTS).read_text() == before
+
+
+def test_cli_reports_errors(tmp_path, capsys):
+    assert main(["--task", "nope", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "unknown task 'nope'" in err and "finished runs" not in err  # nothing ran
+
+
+def test_cli_runs_default_model(tmp_path, capsys):
+    status = main(["--task", "passkey", "--methods", "dense", "--lengths", "300", "--depths", "0.5", "--limit", "1",
+                   "--max-new-tokens", "2", "--out", str(tmp_path), "--no-progress", "--no-plots"])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "tiny random-weight model" in out
+    rec, = [json.loads(line) for line in (tmp_path / RESULTS).read_text().splitlines()]
+    assert rec["model"] == "tiny:llama" and rec["task"] == "passkey"
+
+
+def test_chat_template_keeps_the_question_for_the_decode_path():
+    from sparsekv.eval.base import Sample
+
+    tok = byte_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<|user|>{{ m['content'] | trim }}<|end|>{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    engine = Engine(LoadedModel(tiny_model(layers=2), tok, "t"), METHODS["dense"](), chat=True)
+    ctx, q = engine._ids(Sample("Hello there. ", "\nWhat is it? It is", None, 2))
+    assert tok.decode(ctx) == "<|user|>Hello there. \n" and tok.decode(q) == "What is it? It is<|end|><|assistant|>"
+    tok.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    with pytest.raises(EvalError, match="chat template changed the question"):
+        engine._ids(Sample("Hello. ", "\nWhat is it?", None, 2))

@@ -1,0 +1,242 @@
+"""OmniKV: dense at a budget covering the prompt, selectors against brute force, layer roles, offload."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from omni_raas_util import DEVICE, assert_dense, beam_search, generate, padded_prompts
+
+import sparsekv
+from sparsekv import DenseConfig, OmniKVConfig, kernels
+from sparsekv.cache import PagedKVCache
+from sparsekv.kernels import reference
+from sparsekv.tiny import ARCHITECTURES, tiny_model
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_budget_covering_prompt_is_dense(arch):
+    model = tiny_model(arch, layers=4, seed=1)
+    ids, mask = padded_prompts([41, 26], seed=2)
+    dense = generate(model, DenseConfig(page_size=8), ids, 16, mask)[:2]
+    for selector, offload, budget in [("last", False, 1.0), ("uniform", True, 10**6), ("exponential", False, 10**6),
+                                      ("last", True, 1.0)]:
+        config = OmniKVConfig(page_size=8, token_budget=budget, filter_layers=(1,), wait_layers=0, selector=selector,
+                              window=4, offload=offload)
+        assert_dense(dense, model, config, ids, mask)
+
+
+def test_beam_search_covering_prompt_is_dense():
+    model = tiny_model("qwen2", layers=3, seed=1)
+    ids, mask = padded_prompts([30, 21], seed=2)
+    dense = beam_search(model, DenseConfig(page_size=4), ids, mask, 10)
+    config = OmniKVConfig(page_size=4, token_budget=1.0, filter_layers=(1,), wait_layers=0, selector="uniform",
+                          window=4, offload=True)
+    assert torch.equal(beam_search(model, config, ids, mask, 10), dense)
+
+
+def test_small_budget_attends_chosen_tokens_and_every_decode_token():
+    model = tiny_model("qwen3", layers=5, seed=3)
+    ids, mask = padded_prompts([50, 33], seed=4)
+    config = OmniKVConfig(page_size=4, token_budget=8, filter_layers=(1,), wait_layers=1)
+    _, _, session = generate(model, config, ids, 20, mask)
+    kv_heads, steps = 2, 19  # the first of the 20 tokens comes from the prompt pass
+    expected = kv_heads * sum(2 * 8 + 2 * s for s in range(1, steps + 1))  # 2 sequences: 8 chosen + s decoded
+    for layer in (3, 4):
+        assert float(session.stats.per_layer[layer]) == expected
+    assert session.stats.summary()["fraction"] < 0.75
+
+
+def _brute_force_choice(keys, prompt_q, decode_q, prompt_len, budget, selector, window, scale):
+    """keys: (Hkv, T, D) of one sequence by position; prompt_q: (H, Lp, D); decode_q: [(H, D)] in step order.
+    Returns the set of chosen prompt positions, by plain loops."""
+    queries = [(p, prompt_q[:, p]) for p in range(prompt_len)]
+    queries += [(prompt_len + i, q) for i, q in enumerate(decode_q)]
+    entries = queries[-1:] if selector == "last" else queries[-window:]
+    h, hkv = prompt_q.shape[0], keys.shape[0]
+    score = torch.zeros(prompt_len, dtype=torch.float64)
+    for j, (pos, q) in enumerate(entries):
+        age = len(entries) - 1 - j
+        alpha = 2.0 ** -age if selector == "exponential" else 1.0
+        seen = min(pos + 1, prompt_len)
+        best = torch.zeros(prompt_len, dtype=torch.float64)
+        for head in range(h):
+            logits = torch.tensor([float(q[head] @ keys[head // (h // hkv), t]) * scale for t in range(seen)])
+            probs = torch.softmax(logits.double(), dim=0)
+            best[:seen] = torch.maximum(best[:seen], probs)
+        score += alpha * best
+    return set(score.topk(min(budget, prompt_len)).indices.tolist())
+
+
+@pytest.mark.parametrize("selector", ["last", "uniform", "exponential"])
+@pytest.mark.parametrize("budget", [5, 0.5])
+def test_selection_matches_brute_force(selector, budget):
+    g = torch.Generator().manual_seed(11)
+    b, h, hkv, d, s, window, scale = 2, 4, 2, 8, 12, 4, 0.3
+    lengths = [12, 7]
+    valid = torch.zeros(b, s, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        valid[row, s - n:] = True
+    config = OmniKVConfig(page_size=4, token_budget=budget, filter_layers=(0,), selector=selector, window=window)
+    method = config.build(1)
+    cache = PagedKVCache(1, page_size=4)
+    keys = torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64)
+    prompt_q = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
+    plan = cache.begin(s, valid, b, torch.device("cpu"))
+    layer = cache.append(0, keys, keys)
+    method.prefill(0, prompt_q, layer, plan, scale)
+    decode_keys, decode_q = [], []
+    for _ in range(6):
+        cache.begin(1, None, b, torch.device("cpu"))
+        k = torch.randn(b, hkv, 1, d, generator=g, dtype=torch.float64)
+        q = torch.randn(b, h, d, generator=g, dtype=torch.float64)
+        decode_keys.append(k)
+        decode_q.append(q)
+        layer = cache.append(0, k, k)
+        method.decode(0, q, layer, cache.seq_len, scale)
+        for row, n in enumerate(lengths):
+            row_keys = torch.cat([keys[row, :, s - n:]] + [dk[row] for dk in decode_keys], dim=1)
+            rows = min(n, math.ceil(budget * n) if isinstance(budget, float) else budget)
+            want = _brute_force_choice(row_keys, prompt_q[row, :, s - n:], [dq[row] for dq in decode_q], n, rows,
+                                       selector, window, scale)
+            got = set(method.tokens[0][row].tolist()) - {-1}
+            assert got == want, (row, len(decode_q))
+
+
+def test_sparse_layers_use_the_nearest_filter_layer_below(monkeypatch):
+    model = tiny_model("llama", layers=8, seed=5)
+    ids, mask = padded_prompts([60], seed=6)
+    config = OmniKVConfig(page_size=4, token_budget=6, filter_layers=(1, 4), wait_layers=1)
+    method = config.build(8)
+    assert method.role == ["dense", "filter", "dense", "sparse", "filter", "dense", "sparse", "sparse"]
+    assert [method.source_filter(i) for i in range(8)] == [None, None, None, 1, None, None, 4, 4]
+
+    seen, latest, current = [], {}, {}
+    spy_target = kernels.sparse_decode_tokens
+
+    def spy(q, k, v, tokens, scale):
+        seen.append((current["layer"], tokens.clone()))
+        return spy_target(q, k, v, tokens, scale)
+
+    monkeypatch.setattr(kernels, "sparse_decode_tokens", spy)
+    with sparsekv.apply(model, config) as session:
+        run = session.method
+        decode = run.decode
+
+        def traced(layer_idx, *args):
+            current["layer"] = layer_idx
+            out = decode(layer_idx, *args)
+            if run.role[layer_idx] == "filter":
+                latest[layer_idx] = run.tokens[layer_idx].clone()
+                seen.append(("chose", layer_idx, latest[layer_idx]))
+            return out
+
+        run.decode = traced
+        model.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+
+    chosen, checked, differs = {}, 0, False
+    for entry in seen:
+        if entry[0] == "chose":
+            chosen[entry[1]] = entry[2]
+            differs |= 1 in chosen and 4 in chosen and not torch.equal(chosen[1], chosen[4])
+            continue
+        layer_idx, tokens = entry
+        # Each sparse layer makes two calls: the chosen prompt tokens (< 60), then the decode tokens (>= 60).
+        if tokens.max() < 60 and torch.equal(tokens[:, 0], chosen[run.source_filter(layer_idx)]):
+            checked += 1
+    assert checked == 11 * 3  # every step, every sparse layer used its filter layer's fresh choice
+    assert differs  # the two filter layers did choose differently
+
+
+def test_offload_matches_on_device_and_holds_less_on_the_device():
+    model = tiny_model("mistral", layers=8, seed=7).to(DEVICE)
+    ids, mask = padded_prompts([301, 250], seed=8)
+    results = {}
+    for offload in (False, True):
+        config = OmniKVConfig(page_size=16, token_budget=32, filter_layers=(2,), wait_layers=1, selector="uniform",
+                              window=8, offload=offload)
+        out, scores, session = generate(model, config, ids, 12, mask)
+        results[offload] = (out, scores, session.cache.resident_bytes(), session.cache.offloaded_bytes())
+    assert torch.equal(results[True][0], results[False][0])
+    torch.testing.assert_close(results[True][1], results[False][1], rtol=1e-6, atol=1e-6)
+    assert results[False][3] == 0
+    # Layers 4-7 of 8 are sparse: their prompt (about half the model's KV) lives in host memory.
+    assert results[True][3] > 0
+    assert results[True][2] < 0.7 * results[False][2]
+
+
+@pytest.mark.parametrize("hs", [1, 2, 4])
+def test_token_attention_merges_to_attention_over_the_union(hs):
+    g = torch.Generator().manual_seed(3)
+    b, h, hkv, n, d = 2, 4, 2, 30, 8
+    q = torch.randn(b, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, n, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, n, d, generator=g, dtype=torch.float64)
+    perm = torch.stack([torch.randperm(n, generator=g) for _ in range(b * hs)]).view(b, hs, n)
+    first, second = perm[..., :7].clone(), perm[..., 7:12].clone()
+    first[0, :, -2:] = -1  # unused places
+    parts = [reference.sparse_decode_tokens(q, k, v, t, 0.4) for t in (first, second)]
+    out = reference.merge_attention(parts, q.dtype)
+    for bi in range(b):
+        for head in range(h):
+            row = head // (h // hs) if hs > 1 else 0
+            idx = torch.cat([first[bi, row], second[bi, row]])
+            idx = idx[idx >= 0]
+            kv = head // (h // hkv)
+            w = torch.softmax(k[bi, kv, idx] @ q[bi, head] * 0.4, dim=0)
+            torch.testing.assert_close(out[bi, head], w @ v[bi, kv, idx])
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(token_budget=0), "token_budget"),
+    (dict(token_budget=-5), "token_budget"),
+    (dict(token_budget=0.0), "token_budget"),
+    (dict(token_budget=1.5), "token_budget"),
+    (dict(token_budget=True), "token_budget"),
+    (dict(filter_layers=(8, 2)), "filter_layers"),
+    (dict(filter_layers=(2, 2)), "filter_layers"),
+    (dict(filter_layers=(-1, 2)), "filter_layers"),
+    (dict(filter_layers=()), "filter_layers"),
+    (dict(selector="median"), "selector"),
+    (dict(window=0), "window"),
+    (dict(wait_layers=-1), "wait_layers"),
+    (dict(offload="yes"), "offload"),
+])
+def test_bad_configs_raise(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        OmniKVConfig(**kwargs)
+
+
+def test_filter_layers_out_of_range_raise():
+    with pytest.raises(ValueError, match="filter_layers.*4 layers"):
+        OmniKVConfig(filter_layers=(1, 4)).build(4)
+
+
+def test_default_filter_layers_scale_the_papers():
+    config = OmniKVConfig()
+    assert config.layers_for(32) == (2, 8, 18)
+    assert config.layers_for(28) == (2, 7, 16)
+    assert all(i < 4 for i in config.layers_for(4))
+
+
+def test_cpu_store_fetch_gathers_the_listed_positions():
+    from sparsekv.cache.cpu_store import CPUKVStore
+
+    g = torch.Generator().manual_seed(5)
+    store = CPUKVStore(3, 2, 2, 10, 4, torch.float32, torch.device("cpu"))
+    kv = [(torch.randn(2, 2, 10, 4, generator=g), torch.randn(2, 2, 10, 4, generator=g)) for _ in range(3)]
+    for i, (k, v) in enumerate(kv):
+        store.put(i, k, v)
+    tokens = torch.tensor([[7, 1, 4], [-1, 9, 0]])
+    store.fetch(tokens)
+    buffer = store.wait()
+    for i, (k, v) in enumerate(kv):
+        for row in range(2):
+            idx = tokens[row].clamp(min=0)
+            assert torch.equal(buffer[i, 0, row], k[row][:, idx])
+            assert torch.equal(buffer[i, 1, row], v[row][:, idx])
+    store.reorder(torch.tensor([1, 1]))
+    store.fetch(tokens)
+    assert torch.equal(store.wait()[2, 1, 0], kv[2][1][1][:, tokens[0]])
+    assert store.host_bytes() == 3 * 2 * 2 * 2 * 10 * 4 * 4

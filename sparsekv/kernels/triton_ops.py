@@ -322,7 +322,7 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
         raise ValueError(f"num_pages must be >= 1, got {num_pages}")
     b, hs, c = scores.shape
     k = min(num_pages, c)
-    kp = triton.next_power_of_2(k)
+    kp = max(2, triton.next_power_of_2(k))  # tl.topk does not compile for k = 1 (triton 3.6)
     seg = max(TUNING["select_block"], 2 * kp)
     n_seg = triton.cdiv(c, seg)
     if (scores.dtype != torch.float32 or kp > TUNING["select_max_k"]

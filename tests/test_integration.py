@@ -211,3 +211,24 @@ def test_beam_search_reorders_the_paged_cache():
         dense = model.generate(ids, **kwargs)
         with sparsekv.apply(model, QuestConfig(token_budget=1024)):
             assert torch.equal(model.generate(ids, **kwargs), dense)
+
+
+@pytest.mark.parametrize("name", sorted(sparsekv.METHODS))
+def test_finished_cache_is_freed_without_the_garbage_collector(name):
+    import gc
+    import weakref
+
+    from sparsekv.models import make_config
+
+    model = tiny_model("llama", layers=3)
+    config = make_config(name, None if name == "dense" else 32)
+    gc.collect()
+    gc.disable()  # reference cycles would keep the cache (and its device memory) alive until a collection
+    try:
+        with sparsekv.apply(model, config) as session, torch.no_grad():
+            model.generate(prompt(64).cpu(), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        cache = weakref.ref(session.cache)
+        del session
+        assert cache() is None
+    finally:
+        gc.enable()

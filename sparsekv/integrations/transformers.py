@@ -14,6 +14,7 @@ mask at all, which is what we want, since the cache tracks each sequence's lengt
 from __future__ import annotations
 
 import inspect
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -70,8 +71,13 @@ class _PagedLayerView(CacheLayerMixin):
 
     def __init__(self, owner: "SparseKVCache"):
         super().__init__()
-        self.owner = owner
+        # A weak reference: a cycle would keep a finished cache's device memory until the garbage collector runs.
+        self._owner = weakref.ref(owner)
         self.is_initialized = True
+
+    @property
+    def owner(self) -> "SparseKVCache":
+        return self._owner()
 
     def lazy_initialization(self, key_states, value_states):
         pass

@@ -14,6 +14,7 @@ clock on CPU) after a warm-up; the median over steps is reported. Writes ``e2e.j
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -25,7 +26,7 @@ import torch
 
 from .. import apply
 from ..methods import METHODS
-from ..models import load_model, make_config, resolve_device, resolve_dtype
+from ..models import load_model, make_config, parse_options, resolve_device, resolve_dtype
 
 # Published shapes: hidden, layers, query heads, KV heads, MLP, vocab, RoPE theta.
 SHAPES = {"llama3-8b": (4096, 32, 32, 8, 14336, 128256, 500000.0),
@@ -73,6 +74,7 @@ def run_one(model, config, context: int, new_tokens: int, device: torch.device, 
     """Prefill ``context`` random tokens, then decode ``new_tokens`` greedily one at a time."""
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -101,11 +103,11 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
              "warm-up. Command: `" + meta["command"] + "`", "",
              "| method | budget | context | prefill s | decode ms/token | tokens/s | vs dense | attended/step | "
              "KV device MiB | KV host MiB | peak device MiB |", "|" + " --- |" * 11]
-    dense = {r["context"]: r["decode_ms_per_token"] for r in rows if r["method"] == "dense"}
+    dense = {r["context"]: r["decode_ms_per_token"] for r in rows if r["spec"] == "dense"}
     for r in rows:
         speedup = dense[r["context"]] / r["decode_ms_per_token"] if r["context"] in dense else float("nan")
         peak = "-" if r["peak_device_mib"] is None else f"{r['peak_device_mib']:.0f}"
-        lines.append(f"| {r['method']} | {r['budget'] or '-'} | {r['context']} | {r['prefill_s']:.2f} | "
+        lines.append(f"| {r['spec']} | {r['budget'] or '-'} | {r['context']} | {r['prefill_s']:.2f} | "
                      f"{r['decode_ms_per_token']:.1f} | {r['tokens_per_s']:.1f} | {speedup:.2f}x | "
                      f"{r['attended_per_head']:.0f} | {r['kv_device_mib']:.0f} | {r['kv_offloaded_mib']:.0f} | "
                      f"{peak} |")
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="shape:llama3-8b", help="shape:<name>, tiny:<arch> or a model directory")
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
-    parser.add_argument("--methods", nargs="+", default=["dense", "quest"], choices=sorted(METHODS))
+    parser.add_argument("--methods", nargs="+", default=["dense", "quest"],
+                        help=f"NAME or NAME:FIELD=VALUE,... with NAME in {', '.join(METHODS)}")
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--device", default="auto")
@@ -136,11 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         model, _ = load_model(args.model, device, dtype)
     rows = []
     for context in args.contexts:
-        for name in args.methods:
-            config = make_config(name, None if name == "dense" else args.budget)
+        for spec in args.methods:
+            name, _, options = spec.partition(":")
+            config = make_config(name, None if name == "dense" else args.budget,
+                                 **parse_options(options.split(",") if options else []))
             rows.append(run_one(model, config, context, args.new_tokens, device, args.seed))
+            rows[-1]["spec"] = spec
             r = rows[-1]
-            print(f"{name:>12} ctx {context:>7}: prefill {r['prefill_s']:.2f} s, decode {r['decode_ms_per_token']:.1f} "
+            print(f"{spec:>20} ctx {context:>7}: prefill {r['prefill_s']:.2f} s, decode {r['decode_ms_per_token']:.1f} "
                   f"ms/token, attended {r['attended_per_head']:.0f}/step, KV {r['kv_device_mib']:.0f} MiB", flush=True)
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),

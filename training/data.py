@@ -90,7 +90,7 @@ def tokenizer_corpus(essays: list[Path], samples_per_task: int = 24, seed: int =
     return texts
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, out: Path):
+def train_tokenizer(texts: list[str], vocab_size: int, out: Path | str):
     """A byte-level BPE tokenizer (digits split one per token, as Llama does, so numbers are spelled the same
     wherever they occur) with ``<pad> <s> </s>`` at ids 0, 1, 2 and ``<s>`` prepended to every encoding. Saved in
     ``out`` so ``AutoTokenizer.from_pretrained(out)`` loads it offline; returns the loaded tokenizer."""
@@ -107,7 +107,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out: Path):
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                        special_tokens=[("<s>", 1)])
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    out.mkdir(parents=True, exist_ok=True)
+    Path(out).mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(out)
     return AutoTokenizer.from_pretrained(out, local_files_only=True)
 

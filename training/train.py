@@ -19,13 +19,14 @@ lengths the mean is about 200M per token.
 Throughput on an H200 (989 TFLOP/s bf16 dense peak; about 790 usable): a model this narrow runs its matmuls
 (K = 384) and flash attention (head dim 64) far below peak, and its norms, RoPE and SiLU are memory-bound, so expect
 roughly 60-120 TFLOP/s, i.e. 300K-600K tokens/s. The default 1500 steps of 131072 tokens (197M tokens) then take
-5.5-11 minutes, and the evaluations about 2 more: about 12 GPU-minutes at the conservative end. ``--max-minutes``
+5.5-11 minutes, and the evaluations (batch-1 greedy decoding in the harness's eager loop, dominated by the arith
+chains' ~1600 decode steps per sample set) about 2 more: about 12 GPU-minutes at the conservative end. ``--max-minutes``
 stops training early (then evaluates and saves) should the GPU be slower than that; the log prints tokens/s and
 the projected time every ``--log-every`` steps.
 
-Data generation must keep up with that: a mixed batch is generated at about 100K tokens/s per CPU core (measured on
-the development machine, ``training/README``-style numbers in docs/training.md), so 8-12 workers give 0.8-1.2M
-tokens/s, two to four times what the GPU consumes. The log's ``wait`` column is the time the loop spent waiting
+Data generation must keep up with that: one CPU core generates a mixed batch at 90K-125K tokens/s (measured on the
+2-core development machine at every curriculum length; see docs/training.md), so the default 12 workers give
+about 1.2M tokens/s, two to four times what the GPU consumes. The log's ``wait`` column is the time the loop spent waiting
 for data; it should stay near zero.
 
 Reproducibility: the data are a function of ``--seed`` and the batch index alone (any number of workers gives the
@@ -187,7 +188,7 @@ def eval_plan(args, final: bool) -> list[tuple[str, list[int], list[float] | Non
     if final:
         return [("passkey", args.eval_lengths, [0.0, 0.25, 0.5, 0.75, 1.0], n),
                 ("multikey", args.eval_lengths, None, 2 * n), ("vartrack", args.eval_lengths, None, n),
-                ("2stage", args.eval_lengths, None, 2 * n), ("arith", args.arith_steps, None, 2 * n)]
+                ("2stage", args.eval_lengths, None, 2 * n), ("arith", args.arith_steps, None, n)]
     return [("passkey", args.eval_lengths, [0.0, 0.5, 1.0], 1), ("multikey", longest, None, 2),
             ("2stage", longest, None, 2), ("arith", args.arith_steps[:1], None, 2)]
 

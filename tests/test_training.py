@@ -194,3 +194,42 @@ def test_dry_run_saves_a_loadable_model(essays, tmp_path):
     assert "| passkey | - | " in card and "Held-out essay perplexity" in card and "essay3.txt" in card
     with torch.no_grad():
         assert model(input_ids=torch.tensor([tokenizer("hi")["input_ids"]])).logits.shape[-1] == len(tokenizer)
+
+
+def _record(method, budget, length, score, kv=1, **extra):
+    return {"method": method, "method_name": method, "budget": budget,
+            "length": length, "score": score, "kv_resident_bytes": kv, **extra}
+
+
+def test_claim_checks_report_contradictions():
+    from training import accuracy_tables as at
+
+    good = [_record("dense", None, 4096, 1.0), _record("quest", 32, 4096, 0.5), _record("quest", 64, 4096, 1.0),
+            _record("h2o", 32, 4096, 0.0), _record("h2o", 64, 4096, 0.2)]
+    assert at.matching_budget(good, "quest", 4096) == 64 and at.matching_budget(good, "h2o", 4096) == "-"
+    assert "**consistent**" in at.retrieval_claim(good, "quest", "Quest", "c")
+    bad = good + [_record("tova", 32, 4096, 1.0)]
+    assert "**CONTRADICTS**" in at.retrieval_claim(bad, "quest", "Quest", "c")
+    memory = [_record(m, b, n, 1.0, kv) for m, b, n, kv in (
+        ("dense", None, 16, 100), ("dense", None, 64, 300), ("quest", 256, 16, 100), ("quest", 256, 64, 300),
+        ("raas", 256, 16, 100), ("raas", 256, 64, 104))]
+    [line] = at.raas_claims(None, memory)
+    assert "**consistent**" in line and "raas 1.04x" in line
+
+
+def test_accuracy_tables_smoke(tmp_path):
+    """Every grid's code path on the tiny random model at minimal sizes (scores meaningless)."""
+    from training import accuracy_tables as at
+
+    out = tmp_path / "acc"
+    assert at.main(["--model", "tiny:llama", "--out", str(out), "--grids", "passkey", "arith", "memory", "recall",
+                    "--methods", "dense", "quest", "raas", "--budgets", "32", "--lengths", "300", "--depths", "0.5",
+                    "--samples", "1", "--arith-steps", "2", "--arith-samples", "1", "--memory-steps", "1", "3",
+                    "--memory-budget", "32", "--recall-length", "300", "--recall-budgets", "32", "--recall-samples",
+                    "1", "--no-plots"]) == 0
+    readme = (out / "README.md").read_text()
+    for section in ("## passkey", "## arith", "## memory", "## recall", "## The papers' claims"):
+        assert section in readme
+    assert "sparsekv eval --task passkey --methods dense quest raas --budgets 32" in readme
+    assert "| raas @32 | 3 |" in readme and "- Quest" in readme and "- RaaS (KV memory" in readme
+    assert (out / "recall" / "results.jsonl").exists()

@@ -46,7 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192], help="passkey and 2stage prompt lengths")
     p.add_argument("--depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--samples", type=int, default=3, help="samples per cell (passkey per depth; 2stage twice this)")
-    p.add_argument("--arith-steps", nargs="+", type=int, default=[32, 64])
+    p.add_argument("--arith-steps", nargs="+", type=int, default=[64],
+                   help="arith step counts (64: a ~480-token prompt, a ~1000-token working)")
     p.add_argument("--arith-samples", type=int, default=3)
     p.add_argument("--memory-steps", nargs="+", type=int, default=[16, 32, 64, 128],
                    help="arith step counts of the memory grid (decode length grows with them)")

@@ -176,11 +176,17 @@ def test_loss_decreases_on_a_fixed_batch(setup):
 
 
 def test_dry_run_saves_a_loadable_model(essays, tmp_path):
+    """Two sessions (the first ends after one step with a checkpoint, exit code 3; the same command resumes), then
+    the saved folder loads offline."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "model"
-    assert train.main(["--out", str(out), "--dry-run", "--device", "cpu", "--essays", str(essays), "--held-out", "1",
-                       "--eval-every", "1", "--steps", "2"]) == 0
+    argv = ["--out", str(out), "--dry-run", "--device", "cpu", "--essays", str(essays), "--held-out", "1",
+            "--eval-every", "1", "--steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    assert train.main(argv + ["--session-minutes", "0"]) == 3 and not out.exists()
+    with pytest.raises(SystemExit, match="--lr 0.002 then, 0.001 now"):
+        train.main(argv + ["--lr", "1e-3"])
+    assert train.main(argv) == 0
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "step" in r] == [1, 2] and any("eval" in r for r in log)
     tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
@@ -189,6 +195,7 @@ def test_dry_run_saves_a_loadable_model(essays, tmp_path):
     assert (out / "model.safetensors").stat().st_size <= train.MAX_BYTES
     record = json.loads((out / "training_args.json").read_text())
     assert record["held_out"] == ["essay3.txt"] and record["args"]["seed"] == 0 and record["steps_done"] == 2
+    assert record["sessions"] == 2 and len(record["periodic_evals"]) == 1
     assert set(record["scores"]) == {"passkey", "multikey", "vartrack", "2stage", "arith"}
     card = (out / "README.md").read_text()
     assert "| passkey | - | " in card and "Held-out essay perplexity" in card and "essay3.txt" in card

@@ -44,6 +44,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -52,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sparsekv.eval.base import REPO_ROOT
 from sparsekv.eval.engine import LoadedModel
 from sparsekv.eval.runner import RESULTS, EvalSpec, read_results, run_eval
 
@@ -66,7 +68,7 @@ DEFAULTS = dict(vocab=4096, context=9216, min_len=1024, steps=1500, tokens_per_s
                 lr=2e-3, min_lr_ratio=0.1, warmup=100, weight_decay=0.1, clip=1.0, prompt_weight=0.1,
                 answer_weight=1.0, layers=8, hidden=384, heads=6, kv_heads=2, ffn=1024, rope_theta=500000.0,
                 held_out=4, eval_every=500, eval_lengths=[4096, 8192], arith_steps=[16, 32, 64], eval_samples=5,
-                log_every=10, workers=None)
+                log_every=10, workers=None, checkpoint_every=250)
 DRY_RUN = dict(vocab=512, context=1024, min_len=512, steps=4, tokens_per_step=2048, warmup=1, layers=2, hidden=64,
                heads=4, kv_heads=2, ffn=128, eval_every=2, eval_lengths=[1024], arith_steps=[4], eval_samples=1,
                log_every=1, workers=0)
@@ -84,11 +86,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="autocast dtype of training (weights and optimizer stay float32); auto: bfloat16 on CUDA")
     p.add_argument("--dry-run", action="store_true", help="tiny config for a CPU check of the whole pipeline")
     p.add_argument("--max-minutes", type=float, help="stop training after this many minutes, then evaluate and save")
+    p.add_argument("--session-minutes", type=float,
+                   help="end this process after this many minutes with a checkpoint (exit code 3); the same command "
+                        "resumes (for machines that limit one command's time)")
+    p.add_argument("--checkpoint-dir", help="the run's working folder, kept between sessions (default "
+                                            ".train/<name of --out> in the repository, git-ignored)")
     p.add_argument("--mix", nargs="+", metavar="KIND=W",
                    help=f"row mixture weights over {', '.join(KINDS)} (default "
                         f"{' '.join(f'{k}={v}' for k, v in DEFAULT_MIX.items())})")
     ints = ("vocab", "context", "min_len", "steps", "tokens_per_step", "warmup", "layers", "hidden", "heads",
-            "kv_heads", "ffn", "held_out", "eval_every", "eval_samples", "log_every", "workers")
+            "kv_heads", "ffn", "held_out", "eval_every", "eval_samples", "log_every", "workers", "checkpoint_every")
     floats = ("curriculum", "lr", "min_lr_ratio", "weight_decay", "clip", "prompt_weight", "answer_weight",
               "rope_theta")
     helps = {"context": "longest row (tokens); also the longest training prompt", "min_len": "shortest row",
@@ -96,6 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
              "prompt_weight": "LM weight of task prompt tokens (answers have their own term)",
              "answer_weight": "weight of the answer term", "held_out": "essays held out for perplexity",
              "eval_every": "steps between evaluations (0: final only)",
+             "checkpoint_every": "steps between checkpoints (0: only when a session ends)",
              "workers": "DataLoader workers (default: CPU count - 2, at most 12)",
              "tokens_per_step": "tokens per optimizer step (rows = this // row length)"}
     for name in ints + floats:
@@ -227,15 +235,54 @@ def perplexity(model, ids: list[int], window: int, device: torch.device, autocas
     return math.exp(nll / count)
 
 
+# Options that must not change when a run resumes from its checkpoint (the others: --max-minutes, --workers, ...).
+RESUME_KEYS = ("seed", "vocab", "context", "min_len", "steps", "tokens_per_step", "curriculum", "lr", "min_lr_ratio",
+               "warmup", "weight_decay", "clip", "prompt_weight", "answer_weight", "layers", "hidden", "heads",
+               "kv_heads", "ffn", "rope_theta", "held_out", "mix", "dtype")
+
+
+class Checkpoint:
+    """The run's working folder (``--checkpoint-dir``): tokenizer, ``state.pt`` (weights, optimizer, step, timings),
+    ``train_log.jsonl`` and the periodic evaluations. It outlives one process, so a run cut into several commands
+    (``--session-minutes``) or killed resumes where its last checkpoint left off."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.state_path = folder / "state.pt"
+        self.tokenizer_dir = folder / "tokenizer"
+        self.log_path = folder / "train_log.jsonl"
+        self.eval_dir = folder / "eval"
+
+    def load(self, args) -> dict | None:
+        if not self.state_path.exists():
+            return None
+        state = torch.load(self.state_path, map_location="cpu", weights_only=False)
+        changed = {k: (state["args"][k], getattr(args, k)) for k in RESUME_KEYS if state["args"][k] != getattr(args, k)}
+        if changed:
+            diff = ", ".join(f"--{k.replace('_', '-')} {a} then, {b} now" for k, (a, b) in changed.items())
+            raise SystemExit(f"{self.state_path} was made with other options ({diff}); use the same options, or "
+                             f"another --checkpoint-dir (or delete it) to start afresh")
+        return state
+
+    def save(self, state: dict) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.state_path)  # a process killed mid-write leaves the previous checkpoint intact
+
+
 def main(argv=None) -> int:
+    """Returns 0 when the model is saved, 3 when ``--session-minutes`` ended this process before the last step
+    (rerun the same command to continue)."""
     args = parse_args(argv)
     started = time.time()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    ckpt = Checkpoint(Path(args.checkpoint_dir or REPO_ROOT / ".train" / out.name))
+    ckpt.folder.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16,
              "float32": torch.float32}[args.dtype]
+    args.dtype = str(dtype).removeprefix("torch.")
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers fork; each tokenizes on its own core
@@ -243,7 +290,15 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
 
     train_files, held_files = split_essays(essays_dir(args.essays), args.held_out)
-    tokenizer = train_tokenizer(tokenizer_corpus(train_files, seed=args.seed), args.vocab, out)
+    state = ckpt.load(args)
+    if state is None:
+        tokenizer = train_tokenizer(tokenizer_corpus(train_files, seed=args.seed), args.vocab, ckpt.tokenizer_dir)
+        ckpt.log_path.write_text("")
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(ckpt.tokenizer_dir, local_files_only=True)
+        print(f"resuming from {ckpt.state_path} at step {state['progress']['step']} of {args.steps}")
     print(f"tokenizer: {len(tokenizer)} tokens, trained on {len(train_files)} essays + generated task text; "
           f"held out: {', '.join(f.name for f in held_files) or 'none'}")
     essay_ids = tokenize_essays(tokenizer, train_files)
@@ -252,15 +307,14 @@ def main(argv=None) -> int:
     print(f"model: {params / 1e6:.2f}M parameters, {2 * params / 1e6:.1f} MB as bf16; training FLOPs/token "
           f"{flops_per_token(args, args.min_len) / 1e6:.0f}M at {args.min_len} .. "
           f"{flops_per_token(args, args.context) / 1e6:.0f}M at {args.context}; {device}, autocast {dtype}")
-
-    mixture = Mixture(tokenizer, essay_ids, seed=args.seed, context=args.context, min_len=args.min_len,
-                      tokens_per_step=args.tokens_per_step, curriculum_steps=int(args.curriculum * args.steps),
-                      weights=args.mix, prompt_weight=args.prompt_weight)
-    loader = torch.utils.data.DataLoader(Stream(mixture, 0, args.steps), batch_size=None, num_workers=args.workers,
-                                         pin_memory=device.type == "cuda",
-                                         prefetch_factor=4 if args.workers else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                                   **({"fused": True} if device.type == "cuda" else {}))
+    progress = {"step": 0, "train_s": 0.0, "wall_s": 0.0, "tokens": 0, "sessions": 0, "evals": [], "stopped": None}
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        progress = state["progress"]
+    progress["sessions"] += 1
 
     def autocast():
         return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -268,63 +322,22 @@ def main(argv=None) -> int:
     def eval_copy():
         return copy.deepcopy(model).to(torch.bfloat16).eval()
 
-    log_path = out / "train_log.jsonl"
-    log_file = open(log_path, "w", encoding="utf-8")
-    evals, train_s, tokens, stopped = [], 0.0, 0, None
-    window = {"tokens": 0, "wait": 0.0, "t": time.perf_counter()}
-    model.train()
-    batches = iter(loader)
-    for step in range(args.steps):
-        t_wait = time.perf_counter()
-        batch = next(batches)
-        window["wait"] += time.perf_counter() - t_wait
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(args, step)
-        gpu = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "answer", "lm_weight")}
-        with autocast():
-            logits = model(input_ids=gpu["input_ids"]).logits
-        loss, lm, answer = loss_terms(logits, gpu, args.answer_weight)
-        del logits
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        optimizer.step()
-        window["tokens"] += batch["input_ids"].numel()
-        last = step + 1 == args.steps
-        if (step + 1) % args.log_every == 0 or last:
-            rec = {"step": step + 1, "length": batch["input_ids"].shape[1], "rows": batch["input_ids"].shape[0],
-                   "loss": loss.item(), "lm": lm.item(), "answer": answer.item(), "grad_norm": grad_norm.item(),
-                   "lr": lr_at(args, step)}
-            now = time.perf_counter()
-            elapsed = now - window["t"]
-            train_s += elapsed
-            tokens += window["tokens"]
-            rec.update(tokens_per_s=round(window["tokens"] / elapsed), wait_s=round(window["wait"], 3),
-                       train_s=round(train_s, 1), tokens=tokens)
-            eta = train_s / (step + 1) * (args.steps - step - 1)
-            print(f"step {step + 1}/{args.steps} L {rec['length']} x{rec['rows']} loss {rec['loss']:.3f} "
-                  f"(lm {rec['lm']:.3f}, answer {rec['answer']:.3f}) lr {rec['lr']:.2e} "
-                  f"{rec['tokens_per_s']:,} tok/s wait {rec['wait_s']:.2f}s train {train_s / 60:.1f} min, "
-                  f"~{eta / 60:.1f} min to go", flush=True)
-            log_file.write(json.dumps(rec) + "\n")
-            log_file.flush()
-            window = {"tokens": 0, "wait": 0.0, "t": time.perf_counter()}
-            if args.max_minutes and train_s > 60 * args.max_minutes and not last:
-                stopped = step + 1
-                print(f"--max-minutes {args.max_minutes} reached: stopping at step {stopped}")
-                break
-        if args.eval_every and (step + 1) % args.eval_every == 0 and not last:
-            t0 = time.perf_counter()
-            print(f"evaluating at step {step + 1}")
-            scores = evaluate(eval_copy(), tokenizer, eval_plan(args, final=False), out / "eval" / f"step{step + 1}",
-                              f"step{step + 1}")
-            evals.append({"step": step + 1, "scores": scores, "eval_s": round(time.perf_counter() - t0, 1)})
-            log_file.write(json.dumps({"eval": evals[-1]}) + "\n")
-            model.train()
-            window["t"] += time.perf_counter() - t0  # evaluation time is not training time
-    log_file.close()
-    del batches, loader
+    def save_state():
+        progress["wall_s"] = wall_before + time.time() - started
+        ckpt.save({"args": vars(args), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                   "progress": progress})
 
+    wall_before = progress["wall_s"]
+    if progress["step"] < args.steps and progress["stopped"] is None:
+        done = train_steps(args, model, optimizer, tokenizer, essay_ids, device, autocast, eval_copy, ckpt, progress,
+                           save_state, started)
+        save_state()
+        if not done:
+            print(f"--session-minutes {args.session_minutes}: stopped at step {progress['step']} of {args.steps}; "
+                  f"checkpoint in {ckpt.folder}. Rerun the same command to continue.")
+            return 3
+
+    out.mkdir(parents=True, exist_ok=True)
     final = eval_copy()
     t0 = time.perf_counter()
     print("final evaluation (dense, bf16 weights as saved)")
@@ -337,26 +350,106 @@ def main(argv=None) -> int:
     if ppl is not None:
         print(f"held-out essay perplexity {ppl:.2f} ({len(held_ids)} tokens, windows of {ppl_window})")
 
-    final.config.dtype = torch.bfloat16
     final.generation_config.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     final.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    shutil.copy(ckpt.log_path, out / "train_log.jsonl")
+    if ckpt.eval_dir.exists():
+        shutil.copytree(ckpt.eval_dir, out / "eval", dirs_exist_ok=True)
     weights = out / "model.safetensors"
     size = weights.stat().st_size
     if size > MAX_BYTES:
         raise RuntimeError(f"{weights} is {size / 1e6:.1f} MB, over the {MAX_BYTES / 1e6:.0f} MB limit")
-    record = {"args": {k: v for k, v in vars(args).items()}, "argv": sys.argv[1:] if argv is None else list(argv),
+    total_s = wall_before + time.time() - started
+    record = {"args": vars(args), "argv": sys.argv[1:] if argv is None else list(argv),
               "git_commit": _git_commit(), "device": _device_name(device), "torch": torch.__version__,
               "python": platform.python_version(), "params": params, "safetensors_bytes": size,
-              "train_s": round(train_s, 1), "eval_s": round(eval_s, 1), "total_s": round(time.time() - started, 1),
-              "steps_done": stopped or args.steps, "stopped_early": stopped is not None, "tokens": tokens,
+              "train_s": round(progress["train_s"], 1), "eval_s": round(eval_s, 1), "total_s": round(total_s, 1),
+              "sessions": progress["sessions"], "steps_done": progress["stopped"] or args.steps,
+              "stopped_early": progress["stopped"] is not None, "tokens": progress["tokens"],
               "tokenizer_vocab": len(tokenizer), "held_out": [f.name for f in held_files],
               "train_essays": len(train_files), "essay_tokens": len(essay_ids), "held_out_tokens": len(held_ids),
-              "perplexity": ppl, "perplexity_window": ppl_window, "scores": scores, "periodic_evals": evals}
+              "perplexity": ppl, "perplexity_window": ppl_window, "scores": scores,
+              "periodic_evals": progress["evals"]}
     (out / "training_args.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     (out / "README.md").write_text(model_card(record, final.config))
-    print(f"saved {out} ({size / 1e6:.1f} MB weights); train {train_s / 60:.1f} min, eval {eval_s / 60:.1f} min, "
-          f"total {(time.time() - started) / 60:.1f} min")
+    print(f"saved {out} ({size / 1e6:.1f} MB weights); train {progress['train_s'] / 60:.1f} min, eval "
+          f"{eval_s / 60:.1f} min, whole run {total_s / 60:.1f} min in {progress['sessions']} session(s)")
     return 0
+
+
+def train_steps(args, model, optimizer, tokenizer, essay_ids, device, autocast, eval_copy, ckpt: Checkpoint,
+                progress: dict, save_state, started: float) -> bool:
+    """Trains from ``progress["step"]``; True when training is over (last step, or --max-minutes), False when
+    --session-minutes ended this process first. Updates ``progress`` and checkpoints every --checkpoint-every
+    steps."""
+    mixture = Mixture(tokenizer, essay_ids, seed=args.seed, context=args.context, min_len=args.min_len,
+                      tokens_per_step=args.tokens_per_step, curriculum_steps=int(args.curriculum * args.steps),
+                      weights=args.mix, prompt_weight=args.prompt_weight)
+    loader = torch.utils.data.DataLoader(Stream(mixture, progress["step"], args.steps), batch_size=None,
+                                         num_workers=args.workers, pin_memory=device.type == "cuda",
+                                         prefetch_factor=4 if args.workers else None)
+    window = {"tokens": 0, "wait": 0.0, "t": time.perf_counter()}
+    model.train()
+    batches = iter(loader)
+    with open(ckpt.log_path, "a", encoding="utf-8") as log_file:
+        for step in range(progress["step"], args.steps):
+            t_wait = time.perf_counter()
+            batch = next(batches)
+            window["wait"] += time.perf_counter() - t_wait
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(args, step)
+            gpu = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "answer", "lm_weight")}
+            with autocast():
+                logits = model(input_ids=gpu["input_ids"]).logits
+            loss, lm, answer = loss_terms(logits, gpu, args.answer_weight)
+            del logits
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            optimizer.step()
+            window["tokens"] += batch["input_ids"].numel()
+            progress["step"] = step + 1
+            last = step + 1 == args.steps
+            session_over = args.session_minutes is not None and time.time() - started > 60 * args.session_minutes
+            if (step + 1) % args.log_every == 0 or last or session_over:
+                elapsed = time.perf_counter() - window["t"]
+                progress["train_s"] += elapsed
+                progress["tokens"] += window["tokens"]
+                rec = {"step": step + 1, "length": batch["input_ids"].shape[1], "rows": batch["input_ids"].shape[0],
+                       "loss": loss.item(), "lm": lm.item(), "answer": answer.item(), "grad_norm": grad_norm.item(),
+                       "lr": lr_at(args, step), "tokens_per_s": round(window["tokens"] / elapsed),
+                       "wait_s": round(window["wait"], 3), "train_s": round(progress["train_s"], 1),
+                       "tokens": progress["tokens"]}
+                eta = progress["train_s"] / (step + 1) * (args.steps - step - 1)
+                print(f"step {step + 1}/{args.steps} L {rec['length']} x{rec['rows']} loss {rec['loss']:.3f} "
+                      f"(lm {rec['lm']:.3f}, answer {rec['answer']:.3f}) lr {rec['lr']:.2e} "
+                      f"{rec['tokens_per_s']:,} tok/s wait {rec['wait_s']:.2f}s train "
+                      f"{progress['train_s'] / 60:.1f} min, ~{eta / 60:.1f} min to go", flush=True)
+                log_file.write(json.dumps(rec) + "\n")
+                log_file.flush()
+                window = {"tokens": 0, "wait": 0.0, "t": time.perf_counter()}
+                if args.max_minutes and progress["train_s"] > 60 * args.max_minutes and not last:
+                    progress["stopped"] = step + 1
+                    print(f"--max-minutes {args.max_minutes} reached: stopping at step {step + 1}")
+                    return True
+            if args.eval_every and (step + 1) % args.eval_every == 0 and not last:
+                t0 = time.perf_counter()
+                print(f"evaluating at step {step + 1}")
+                scores = evaluate(eval_copy(), tokenizer, eval_plan(args, final=False),
+                                  ckpt.eval_dir / f"step{step + 1}", f"step{step + 1}")
+                progress["evals"].append({"step": step + 1, "scores": scores,
+                                          "eval_s": round(time.perf_counter() - t0, 1)})
+                log_file.write(json.dumps({"eval": progress["evals"][-1]}) + "\n")
+                model.train()
+                window["t"] += time.perf_counter() - t0  # evaluation time is not training time
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and not last:
+                t0 = time.perf_counter()
+                save_state()
+                window["t"] += time.perf_counter() - t0
+            if session_over and not last:
+                return False  # the caller saves the checkpoint
+    return True
 
 
 def _git_commit() -> str | None:
@@ -408,7 +501,7 @@ def model_card(rec: dict, config) -> str:
         f"- Essays: {rec['train_essays']} for training ({rec['essay_tokens']} tokens), held out: "
         f"{', '.join(rec['held_out']) or 'none'} ({rec['held_out_tokens']} tokens).",
         f"- Hardware: {rec['device']}; training {rec['train_s'] / 60:.1f} min, evaluation {rec['eval_s'] / 60:.1f} "
-        f"min, whole run {rec['total_s'] / 60:.1f} min; torch {rec['torch']}.", "",
+        f"min, whole run {rec['total_s'] / 60:.1f} min in {rec['sessions']} session(s); torch {rec['torch']}.", "",
         "## Dense accuracy", "",
         "The harness (`sparsekv eval`, method dense, greedy, the question fed token by token, seed 0) on the saved "
         "bf16 weights. Lengths are prompt tokens (arith: step counts). Records in `eval/final/`.", "",

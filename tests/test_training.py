@@ -3,6 +3,7 @@
 import json
 import random
 import re
+import tarfile
 
 import pytest
 import torch
@@ -186,7 +187,13 @@ def test_dry_run_saves_a_loadable_model(essays, tmp_path):
     assert train.main(argv + ["--session-minutes", "0"]) == 3 and not out.exists()
     with pytest.raises(SystemExit, match="--lr 0.002 then, 0.001 now"):
         train.main(argv + ["--lr", "1e-3"])
-    assert train.main(argv) == 0
+    # Training finishes, but with less than --eval-minutes of the session left the evaluation waits for a rerun.
+    assert train.main(argv + ["--session-minutes", "1", "--eval-minutes", "1"]) == 3 and not out.exists()
+    assert train.main(argv + ["--pack", str(tmp_path / "packed")]) == 0
+    parts = sorted((tmp_path / "packed").iterdir())
+    assert [p.name for p in parts] == ["model.tar.gz.00"]
+    with tarfile.open(parts[0]) as tar:
+        assert "model/model.safetensors" in tar.getnames()
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "step" in r] == [1, 2] and any("eval" in r for r in log)
     tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
@@ -195,7 +202,7 @@ def test_dry_run_saves_a_loadable_model(essays, tmp_path):
     assert (out / "model.safetensors").stat().st_size <= train.MAX_BYTES
     record = json.loads((out / "training_args.json").read_text())
     assert record["held_out"] == ["essay3.txt"] and record["args"]["seed"] == 0 and record["steps_done"] == 2
-    assert record["sessions"] == 2 and len(record["periodic_evals"]) == 1
+    assert record["sessions"] == 3 and len(record["periodic_evals"]) == 1
     assert set(record["scores"]) == {"passkey", "multikey", "vartrack", "2stage", "arith"}
     card = (out / "README.md").read_text()
     assert "| passkey | - | " in card and "Held-out essay perplexity" in card and "essay3.txt" in card
@@ -240,3 +247,12 @@ def test_accuracy_tables_smoke(tmp_path):
     assert "sparsekv eval --task passkey --methods dense quest raas --budgets 32" in readme
     assert "| raas @32 | 3 |" in readme and "- Quest" in readme and "- RaaS (KV memory" in readme
     assert (out / "recall" / "results.jsonl").exists()
+
+
+def test_pack_splits_into_chunks(essays, tmp_path):
+    parts = train.pack(essays, tmp_path / "out", chunk=20_000)
+    assert len(parts) > 1 and all(p.stat().st_size <= 20_000 for p in parts)
+    joined = tmp_path / "joined.tar.gz"
+    joined.write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(joined) as tar:
+        assert sorted(tar.getnames())[1:] == [f"{essays.name}/essay{i}.txt" for i in range(6)]

@@ -89,6 +89,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--session-minutes", type=float,
                    help="end this process after this many minutes with a checkpoint (exit code 3); the same command "
                         "resumes (for machines that limit one command's time)")
+    p.add_argument("--eval-minutes", type=float, default=3.0,
+                   help="with --session-minutes: the final evaluation and saving are left to the next command unless "
+                        "this much of the session is left after training (default 3)")
+    p.add_argument("--pack", metavar="DIR", help="also write the saved model folder as DIR/<name>.tar.gz.NN chunks "
+                                                 "of at most 15 MiB")
     p.add_argument("--checkpoint-dir", help="the run's working folder, kept between sessions (default "
                                             ".train/<name of --out> in the repository, git-ignored)")
     p.add_argument("--mix", nargs="+", metavar="KIND=W",
@@ -336,6 +341,10 @@ def main(argv=None) -> int:
             print(f"--session-minutes {args.session_minutes}: stopped at step {progress['step']} of {args.steps}; "
                   f"checkpoint in {ckpt.folder}. Rerun the same command to continue.")
             return 3
+    if args.session_minutes is not None and time.time() - started > 60 * (args.session_minutes - args.eval_minutes):
+        print(f"training done; less than --eval-minutes {args.eval_minutes} left of --session-minutes "
+              f"{args.session_minutes}: rerun the same command to evaluate and save (checkpoint in {ckpt.folder})")
+        return 3
 
     out.mkdir(parents=True, exist_ok=True)
     final = eval_copy()
@@ -373,6 +382,8 @@ def main(argv=None) -> int:
               "periodic_evals": progress["evals"]}
     (out / "training_args.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     (out / "README.md").write_text(model_card(record, final.config))
+    if args.pack:
+        print("packed into " + ", ".join(str(p) for p in pack(out, Path(args.pack))))
     print(f"saved {out} ({size / 1e6:.1f} MB weights); train {progress['train_s'] / 60:.1f} min, eval "
           f"{eval_s / 60:.1f} min, whole run {total_s / 60:.1f} min in {progress['sessions']} session(s)")
     return 0
@@ -450,6 +461,25 @@ def train_steps(args, model, optimizer, tokenizer, essay_ids, device, autocast, 
             if session_over and not last:
                 return False  # the caller saves the checkpoint
     return True
+
+
+def pack(folder: Path, dest: Path, chunk: int = 15 * 2**20) -> list[Path]:
+    """``folder`` as a gzipped tar split into files of at most ``chunk`` bytes, ``dest/<name>.tar.gz.00``, ``.01``,
+    ...: a form that passes size and file-count limits on copying results back from a machine. Unpack with
+    ``cat <name>.tar.gz.* | tar xzf - -C models/``."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        tar.add(folder, arcname=folder.name)
+    data = buf.getvalue()
+    dest.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(0, len(data), chunk):
+        paths.append(dest / f"{folder.name}.tar.gz.{i // chunk:02d}")
+        paths[-1].write_bytes(data[i:i + chunk])
+    return paths
 
 
 def _git_commit() -> str | None:

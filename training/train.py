@@ -2,6 +2,12 @@
 
     python -m training.train --out models/sparsekv-llama-16m          # the default run, ~12 H200-minutes
     python -m training.train --out /tmp/dry --dry-run --device cpu     # tiny config, a minute on a CPU
+    python -m training.train --out models/sparsekv-llama-16m --session-minutes 9 --pack $OUT   # see below
+
+A run keeps its state in ``--checkpoint-dir`` (default ``.train/<name>``, git-ignored): with ``--session-minutes``
+each process ends with a checkpoint (exit code 3) and the same command resumes, for machines that limit one
+command's time; ``--pack`` writes the finished folder as chunks of at most 15 MiB. docs/training.md has the
+device recipe.
 
 Steps: train a byte-level BPE tokenizer on the essays' training split plus generated task text; build a
 LlamaForCausalLM (GQA, RoPE theta 5e5, <= 20M parameters, <= 40 MB as bf16; both asserted); stream the mixture of
@@ -16,18 +22,18 @@ matmuls incl. the LM head, 1.6M in the embedding table): training FLOPs per toke
 (QK^T and AV, forward and backward): 104M at L = 1K, 160M at 4K, 255M at 9216. Over the curriculum's mix of
 lengths the mean is about 200M per token.
 
-Throughput on an H200 (989 TFLOP/s bf16 dense peak; about 790 usable): a model this narrow runs its matmuls
-(K = 384) and flash attention (head dim 64) far below peak, and its norms, RoPE and SiLU are memory-bound, so expect
+Throughput on an H200 (about 790 TFLOP/s on large bf16 matrix products): a model this narrow runs its matmuls
+(K = 384) and flash attention (head dim 64) far below that, and its norms, RoPE and SiLU are memory-bound, so expect
 roughly 60-120 TFLOP/s, i.e. 300K-600K tokens/s. The default 1500 steps of 131072 tokens (197M tokens) then take
-5.5-11 minutes, and the evaluations (batch-1 greedy decoding in the harness's eager loop, dominated by the arith
-chains' ~1600 decode steps per sample set) about 2 more: about 12 GPU-minutes at the conservative end. ``--max-minutes``
-stops training early (then evaluates and saves) should the GPU be slower than that; the log prints tokens/s and
-the projected time every ``--log-every`` steps.
+5.5-11 minutes, and the evaluations about 2 more (batch-1 greedy decoding in the harness's eager loop, ~10K decode
+steps in the final one, most of them arith workings): about 12 GPU-minutes at the conservative end.
+``--max-minutes`` stops training early (then evaluates and saves) should the GPU be slower than that; the log prints
+tokens/s and the projected time every ``--log-every`` steps.
 
-Data generation must keep up with that: one CPU core generates a mixed batch at 90K-125K tokens/s (measured on the
-2-core development machine at every curriculum length; see docs/training.md), so the default 12 workers give
-about 1.2M tokens/s, two to four times what the GPU consumes. The log's ``wait`` column is the time the loop spent waiting
-for data; it should stay near zero.
+Data generation must keep up: one CPU core generates a mixed batch at 90K-125K tokens/s (measured on the 2-core
+development machine at every curriculum length; see docs/training.md), so the default 12 workers give about 1.2M
+tokens/s, two to four times what the GPU consumes. The log's ``wait`` column is the time the loop spent waiting for
+data; it should stay near zero.
 
 Reproducibility: the data are a function of ``--seed`` and the batch index alone (any number of workers gives the
 same batches), the weights are initialised from ``torch.manual_seed(seed)``; GPU kernels (flash attention's
@@ -57,7 +63,7 @@ from sparsekv.eval.base import REPO_ROOT
 from sparsekv.eval.engine import LoadedModel
 from sparsekv.eval.runner import RESULTS, EvalSpec, read_results, run_eval
 
-from .data import DEFAULT_MIX, KINDS, Mixture, Stream, essays_dir, read_essay, split_essays, tokenize_essays, \
+from .data import DEFAULT_MIX, KINDS, Mixture, Stream, essays_dir, split_essays, tokenize_essays, \
     tokenizer_corpus, train_tokenizer
 
 MAX_PARAMS = 20_000_000
@@ -157,8 +163,9 @@ def build_model(args, vocab_size: int):
     model = LlamaForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())
     if params > MAX_PARAMS or 2 * params > MAX_BYTES:
-        raise ValueError(f"model has {params / 1e6:.2f}M parameters ({2 * params / 1e6:.1f} MB as bf16); the limits "
-                         f"are {MAX_PARAMS / 1e6:.0f}M and {MAX_BYTES / 1e6:.0f} MB: shrink --layers/--hidden/--ffn/--vocab")
+        raise ValueError(f"model has {params / 1e6:.2f}M parameters ({2 * params / 1e6:.1f} MB as bf16); the "
+                         f"limits are {MAX_PARAMS / 1e6:.0f}M and {MAX_BYTES / 1e6:.0f} MB: shrink "
+                         f"--layers/--hidden/--ffn/--vocab")
     return model
 
 

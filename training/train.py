@@ -306,6 +306,7 @@ def main(argv=None) -> int:
     if state is None:
         tokenizer = train_tokenizer(tokenizer_corpus(train_files, seed=args.seed), args.vocab, ckpt.tokenizer_dir)
         ckpt.log_path.write_text("")
+        shutil.rmtree(ckpt.eval_dir, ignore_errors=True)  # the harness would resume from an earlier run's records
     else:
         from transformers import AutoTokenizer
 
@@ -357,6 +358,7 @@ def main(argv=None) -> int:
     final = eval_copy()
     t0 = time.perf_counter()
     print("final evaluation (dense, bf16 weights as saved)")
+    shutil.rmtree(out / "eval" / "final", ignore_errors=True)  # records of other weights must not be resumed
     scores = evaluate(final, tokenizer, eval_plan(args, final=True), out / "eval" / "final", out.name)
     held_ids = tokenize_essays(tokenizer, held_files)
     ppl_window = min(args.context, 4096)

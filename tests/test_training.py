@@ -75,6 +75,17 @@ def test_default_run_costs_about_twelve_minutes():
     assert 8 < minutes < 13
 
 
+def test_steps_within_a_time_budget(setup):
+    """A budget that leaves just the time of the next three batches (at the FLOP rate measured so far) allows three
+    more steps."""
+    m = mixture(setup)
+    args = train.parse_args(["--out", "x", "--dry-run", "--steps", "10", "--train-minutes", "1"])
+    rate = sum(m.batch(i)["input_ids"].numel() * train.flops_per_token(args, m.row_length(i)) for i in (2, 3, 4)) / 30
+    assert train.steps_within(args, m, 2, {"flops": rate * 29.999, "train_s": 29.999}) == 5
+    assert train.steps_within(args, m, 2, {"flops": 1e30, "train_s": 1.0}) == 10  # capped at --steps
+    assert train.steps_within(args, m, 2, {"flops": 1.0, "train_s": 60.0}) == 2  # no time left
+
+
 def test_lr_schedule():
     args = train.parse_args(["--out", "x", "--steps", "100", "--warmup", "10", "--lr", "1e-3"])
     assert train.lr_at(args, 0) == pytest.approx(1e-4) and train.lr_at(args, 9) == pytest.approx(1e-3)
@@ -256,3 +267,14 @@ def test_pack_splits_into_chunks(essays, tmp_path):
     joined.write_bytes(b"".join(p.read_bytes() for p in parts))
     with tarfile.open(joined) as tar:
         assert sorted(tar.getnames())[1:] == [f"{essays.name}/essay{i}.txt" for i in range(6)]
+
+
+def test_train_minutes_ends_the_schedule_early(essays, tmp_path):
+    out = tmp_path / "m"
+    assert train.main(["--out", str(out), "--dry-run", "--device", "cpu", "--essays", str(essays), "--held-out", "1",
+                       "--eval-every", "0", "--steps", "4", "--train-minutes", "1e-6", "--calibrate-steps", "1",
+                       "--checkpoint-dir", str(tmp_path / "ckpt")]) == 0
+    record = json.loads((out / "training_args.json").read_text())
+    assert record["steps_done"] == 1
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1] and log[0]["lr"] == pytest.approx(train.DRY_RUN.get("lr", 2e-3))

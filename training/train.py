@@ -92,6 +92,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="autocast dtype of training (weights and optimizer stay float32); auto: bfloat16 on CUDA")
     p.add_argument("--dry-run", action="store_true", help="tiny config for a CPU check of the whole pipeline")
     p.add_argument("--max-minutes", type=float, help="stop training after this many minutes, then evaluate and save")
+    p.add_argument("--train-minutes", type=float,
+                   help="fit training into this many minutes: after --calibrate-steps the step count (at most "
+                        "--steps) is set from the measured FLOP rate and the known row lengths, and re-estimated at "
+                        "every log line; the learning-rate schedule follows it")
+    p.add_argument("--calibrate-steps", type=int, default=30, help="steps measured before --train-minutes applies")
     p.add_argument("--session-minutes", type=float,
                    help="end this process after this many minutes with a checkpoint (exit code 3); the same command "
                         "resumes (for machines that limit one command's time)")
@@ -177,12 +182,28 @@ def flops_per_token(args, length: int) -> float:
     return 6 * matmul + 6 * args.layers * args.hidden * length
 
 
-def lr_at(args, step: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+def lr_at(args, step: int, total: int | None = None) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr`` at the last step (``total``
+    steps, default ``args.steps``)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
-    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+    frac = (step - args.warmup) / max(1, (total or args.steps) - args.warmup)
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def steps_within(args, mixture: Mixture, done: int, progress: dict) -> int:
+    """The step count that fits ``--train-minutes``: the FLOP rate achieved so far, applied to the FLOPs of each next
+    batch (its row length is known in advance), until the time left is used; at most ``--steps``."""
+    rate = progress["flops"] / max(progress["train_s"], 1e-9)
+    left = 60 * args.train_minutes - progress["train_s"]
+    n = done
+    while n < args.steps:
+        length = mixture.row_length(n)
+        left -= max(1, args.tokens_per_step // length) * length * flops_per_token(args, length) / rate
+        if left < 0:
+            break
+        n += 1
+    return max(n, done)
 
 
 def loss_terms(logits: torch.Tensor, batch: dict, answer_weight: float):
@@ -322,7 +343,8 @@ def main(argv=None) -> int:
           f"{flops_per_token(args, args.context) / 1e6:.0f}M at {args.context}; {device}, autocast {dtype}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                                   **({"fused": True} if device.type == "cuda" else {}))
-    progress = {"step": 0, "train_s": 0.0, "wall_s": 0.0, "tokens": 0, "sessions": 0, "evals": [], "stopped": None}
+    progress = {"step": 0, "train_s": 0.0, "wall_s": 0.0, "tokens": 0, "flops": 0.0, "sessions": 0, "evals": [],
+                "stopped": None, "total": args.steps}
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -341,13 +363,13 @@ def main(argv=None) -> int:
                    "progress": progress})
 
     wall_before = progress["wall_s"]
-    if progress["step"] < args.steps and progress["stopped"] is None:
+    if progress["step"] < progress["total"] and progress["stopped"] is None:
         done = train_steps(args, model, optimizer, tokenizer, essay_ids, device, autocast, eval_copy, ckpt, progress,
                            save_state, started)
         save_state()
         if not done:
-            print(f"--session-minutes {args.session_minutes}: stopped at step {progress['step']} of {args.steps}; "
-                  f"checkpoint in {ckpt.folder}. Rerun the same command to continue.")
+            print(f"--session-minutes {args.session_minutes}: stopped at step {progress['step']} of "
+                  f"{progress['total']}; checkpoint in {ckpt.folder}. Rerun the same command to continue.")
             return 3
     if args.session_minutes is not None and time.time() - started > 60 * (args.session_minutes - args.eval_minutes):
         print(f"training done; less than --eval-minutes {args.eval_minutes} left of --session-minutes "
@@ -383,7 +405,7 @@ def main(argv=None) -> int:
               "git_commit": _git_commit(), "device": _device_name(device), "torch": torch.__version__,
               "python": platform.python_version(), "params": params, "safetensors_bytes": size,
               "train_s": round(progress["train_s"], 1), "eval_s": round(eval_s, 1), "total_s": round(total_s, 1),
-              "sessions": progress["sessions"], "steps_done": progress["stopped"] or args.steps,
+              "sessions": progress["sessions"], "steps_done": progress["stopped"] or progress["total"],
               "stopped_early": progress["stopped"] is not None, "tokens": progress["tokens"],
               "tokenizer_vocab": len(tokenizer), "held_out": [f.name for f in held_files],
               "train_essays": len(train_files), "essay_tokens": len(essay_ids), "held_out_tokens": len(held_ids),
@@ -414,11 +436,13 @@ def train_steps(args, model, optimizer, tokenizer, essay_ids, device, autocast, 
     batches = iter(loader)
     with open(ckpt.log_path, "a", encoding="utf-8") as log_file:
         for step in range(progress["step"], args.steps):
+            if step >= progress["total"]:
+                break
             t_wait = time.perf_counter()
             batch = next(batches)
             window["wait"] += time.perf_counter() - t_wait
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(args, step)
+                group["lr"] = lr_at(args, step, progress["total"])
             gpu = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "answer", "lm_weight")}
             with autocast():
                 logits = model(input_ids=gpu["input_ids"]).logits
@@ -429,8 +453,9 @@ def train_steps(args, model, optimizer, tokenizer, essay_ids, device, autocast, 
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             optimizer.step()
             window["tokens"] += batch["input_ids"].numel()
+            progress["flops"] += batch["input_ids"].numel() * flops_per_token(args, batch["input_ids"].shape[1])
             progress["step"] = step + 1
-            last = step + 1 == args.steps
+            last = step + 1 == progress["total"]
             session_over = args.session_minutes is not None and time.time() - started > 60 * args.session_minutes
             if (step + 1) % args.log_every == 0 or last or session_over:
                 elapsed = time.perf_counter() - window["t"]
@@ -438,11 +463,14 @@ def train_steps(args, model, optimizer, tokenizer, essay_ids, device, autocast, 
                 progress["tokens"] += window["tokens"]
                 rec = {"step": step + 1, "length": batch["input_ids"].shape[1], "rows": batch["input_ids"].shape[0],
                        "loss": loss.item(), "lm": lm.item(), "answer": answer.item(), "grad_norm": grad_norm.item(),
-                       "lr": lr_at(args, step), "tokens_per_s": round(window["tokens"] / elapsed),
+                       "lr": lr_at(args, step, progress["total"]), "tokens_per_s": round(window["tokens"] / elapsed),
                        "wait_s": round(window["wait"], 3), "train_s": round(progress["train_s"], 1),
                        "tokens": progress["tokens"]}
-                eta = progress["train_s"] / (step + 1) * (args.steps - step - 1)
-                print(f"step {step + 1}/{args.steps} L {rec['length']} x{rec['rows']} loss {rec['loss']:.3f} "
+                if args.train_minutes and step + 1 >= args.calibrate_steps and not last:
+                    progress["total"] = steps_within(args, mixture, step + 1, progress)
+                    last = step + 1 == progress["total"]
+                eta = progress["train_s"] / (step + 1) * (progress["total"] - step - 1)
+                print(f"step {step + 1}/{progress['total']} L {rec['length']} x{rec['rows']} loss {rec['loss']:.3f} "
                       f"(lm {rec['lm']:.3f}, answer {rec['answer']:.3f}) lr {rec['lr']:.2e} "
                       f"{rec['tokens_per_s']:,} tok/s wait {rec['wait_s']:.2f}s train "
                       f"{progress['train_s'] / 60:.1f} min, ~{eta / 60:.1f} min to go", flush=True)
@@ -508,6 +536,7 @@ def model_card(rec: dict, config) -> str:
     a = rec["args"]
     mix = ", ".join(f"{k} {v:g}" for k, v in a["mix"].items())
     cmd = "python -m training.train " + " ".join(rec["argv"])
+    budget = f" (the count that fit --train-minutes {a['train_minutes']:g})" if a["train_minutes"] else ""
     lines = [
         f"# {Path(a['out']).name}", "",
         "A small long-context Llama trained from scratch by sparsekv's `training/train.py` (issue 6), so that the "
@@ -525,7 +554,8 @@ def model_card(rec: dict, config) -> str:
         "## Training", "",
         f"- Command: `{cmd}` at commit `{rec['git_commit']}`; seed {a['seed']} (data, initialisation, sample "
         f"generation; evaluation samples use the harness's seed 0, training samples their own seeds).",
-        f"- {rec['steps_done']} steps{' (stopped early by --max-minutes)' if rec['stopped_early'] else ''} of "
+        f"- {rec['steps_done']} steps{' (stopped early by --max-minutes)' if rec['stopped_early'] else ''}"
+        f"{budget} of "
         f"{a['tokens_per_step']} tokens ({rec['tokens'] / 1e6:.0f}M tokens); AdamW (0.9, 0.95), lr {a['lr']:g}, "
         f"warm-up {a['warmup']}, cosine to {a['min_lr_ratio']:g}x, weight decay {a['weight_decay']:g}, clip "
         f"{a['clip']:g}, bf16 autocast on CUDA, SDPA attention.",

@@ -2,12 +2,13 @@
 
     python -m training.train --out models/sparsekv-llama-16m          # the default run, ~12 H200-minutes
     python -m training.train --out /tmp/dry --dry-run --device cpu     # tiny config, a minute on a CPU
-    python -m training.train --out models/sparsekv-llama-16m --session-minutes 9 --pack $OUT   # see below
+    python -m training.train --out models/sparsekv-llama-16m --train-minutes 5.5 --pack $OUT   # one 10-min command
 
-A run keeps its state in ``--checkpoint-dir`` (default ``.train/<name>``, git-ignored): with ``--session-minutes``
-each process ends with a checkpoint (exit code 3) and the same command resumes, for machines that limit one
-command's time; ``--pack`` writes the finished folder as chunks of at most 15 MiB. docs/training.md has the
-device recipe.
+``--train-minutes`` sets the step count (at most ``--steps``) from the FLOP rate measured in the first steps, so the
+run fits a machine that limits one command's time; ``--pack`` writes the finished folder as chunks of at most
+15 MiB. A run also keeps its state in ``--checkpoint-dir`` (default ``.train/<name>``, git-ignored); with
+``--session-minutes`` a process ends with a checkpoint (exit code 3) and the same command resumes.
+docs/training.md has the device recipe.
 
 Steps: train a byte-level BPE tokenizer on the essays' training split plus generated task text; build a
 LlamaForCausalLM (GQA, RoPE theta 5e5, <= 20M parameters, <= 40 MB as bf16; both asserted); stream the mixture of
@@ -31,7 +32,7 @@ steps in the final one, most of them arith workings): about 12 GPU-minutes at th
 tokens/s and the projected time every ``--log-every`` steps.
 
 Data generation must keep up: one CPU core generates a mixed batch at 90K-125K tokens/s (measured on the 2-core
-development machine at every curriculum length; see docs/training.md), so the default 12 workers give about 1.2M
+development machine at every curriculum length; see docs/training.md), so the default 14 workers give about 1.4M
 tokens/s, two to four times what the GPU consumes. The log's ``wait`` column is the time the loop spent waiting for
 data; it should stay near zero.
 
@@ -120,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
              "answer_weight": "weight of the answer term", "held_out": "essays held out for perplexity",
              "eval_every": "steps between evaluations (0: final only)",
              "checkpoint_every": "steps between checkpoints (0: only when a session ends)",
-             "workers": "DataLoader workers (default: CPU count - 2, at most 12)",
+             "workers": "DataLoader workers (default: CPU count - 2, at most 14)",
              "tokens_per_step": "tokens per optimizer step (rows = this // row length)"}
     for name in ints + floats:
         p.add_argument("--" + name.replace("_", "-"), type=int if name in ints else float,
@@ -132,7 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, DRY_RUN.get(key, value) if args.dry_run and key in DRY_RUN else value)
     if args.workers is None:
-        args.workers = max(0, min(12, (os.cpu_count() or 1) - 2))
+        args.workers = max(0, min(14, (os.cpu_count() or 1) - 2))
     args.mix = parse_mix(args.mix)
     return args
 
@@ -463,7 +464,8 @@ def train_steps(args, model, optimizer, tokenizer, essay_ids, device, autocast, 
                 progress["tokens"] += window["tokens"]
                 rec = {"step": step + 1, "length": batch["input_ids"].shape[1], "rows": batch["input_ids"].shape[0],
                        "loss": loss.item(), "lm": lm.item(), "answer": answer.item(), "grad_norm": grad_norm.item(),
-                       "lr": lr_at(args, step, progress["total"]), "tokens_per_s": round(window["tokens"] / elapsed),
+                       "lr": lr_at(args, step, progress["total"]),
+                       "tokens_per_s": round(window["tokens"] / max(elapsed, 1e-9)),
                        "wait_s": round(window["wait"], 3), "train_s": round(progress["train_s"], 1),
                        "tokens": progress["tokens"]}
                 if args.train_minutes and step + 1 >= args.calibrate_steps and not last:

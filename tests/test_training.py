@@ -1,0 +1,280 @@
+"""The training pipeline of the project's model (training/), on CPU with a tiny config and generated essays."""
+
+import json
+import random
+import re
+import tarfile
+
+import pytest
+import torch
+
+from sparsekv.eval.base import TaskOptions
+from sparsekv.eval.synthetic import COLOURS
+from sparsekv.eval.tasks import get_task
+from training import data, train
+
+WORDS = ("the", "startup", "founders", "investors", "idea", "users", "growth", "money", "essay", "writing", "think",
+         "people", "hard", "good", "work", "because", "which", "would", "make", "could", "problem", "time", "great")
+
+
+@pytest.fixture(scope="module")
+def essays(tmp_path_factory):
+    """Six essay files of random sentences (the tests do not depend on the shared data)."""
+    folder = tmp_path_factory.mktemp("essays")
+    rng = random.Random(0)
+    for i in range(6):
+        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 14))).capitalize() + "."
+                     for _ in range(300)]
+        (folder / f"essay{i}.txt").write_text(" ".join(sentences))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def setup(essays, tmp_path_factory):
+    """(args of the dry run, tokenizer, training essay ids)."""
+    args = train.parse_args(["--out", str(tmp_path_factory.mktemp("tok")), "--dry-run", "--essays", str(essays),
+                             "--held-out", "1"])
+    files, held = data.split_essays(essays, args.held_out)
+    tokenizer = data.train_tokenizer(data.tokenizer_corpus(files, samples_per_task=4), args.vocab, args.out)
+    return args, tokenizer, data.tokenize_essays(tokenizer, files)
+
+
+def mixture(setup, seed=0, **kw):
+    args, tokenizer, ids = setup
+    return data.Mixture(tokenizer, ids, seed=seed, context=args.context, min_len=args.min_len,
+                        tokens_per_step=args.tokens_per_step, curriculum_steps=2, **kw)
+
+
+def test_split_holds_out_evenly_spaced_essays(essays):
+    files, held = data.split_essays(essays, 2)
+    assert [f.name for f in held] == ["essay1.txt", "essay4.txt"]
+    assert len(files) == 4 and not set(files) & set(held)
+    with pytest.raises(ValueError, match="--held-out"):
+        data.split_essays(essays, 6)
+
+
+def test_model_limits_are_checked():
+    args = train.parse_args(["--out", "x"])
+    model = train.build_model(args, args.vocab)
+    params = sum(p.numel() for p in model.parameters())
+    assert params <= train.MAX_PARAMS and 2 * params <= train.MAX_BYTES
+    cfg = model.config
+    assert cfg.num_attention_heads // cfg.num_key_value_heads >= 2 and cfg.rope_parameters["rope_theta"] >= 1e5
+    assert cfg.max_position_embeddings > args.context >= 8192
+    with pytest.raises(ValueError, match="parameters"):
+        train.build_model(train.parse_args(["--out", "x", "--layers", "16"]), args.vocab)
+    with pytest.raises(ValueError, match="GQA"):
+        train.build_model(train.parse_args(["--out", "x", "--kv-heads", "6"]), args.vocab)
+
+
+def test_default_run_costs_about_twelve_minutes():
+    """The docstring's estimate: ~200M FLOPs/token; at 60 TFLOP/s (the conservative end) 197M tokens take ~11 min."""
+    args = train.parse_args(["--out", "x"])
+    assert 80e6 < train.flops_per_token(args, 1024) < 110e6 and 230e6 < train.flops_per_token(args, 9216) < 270e6
+    minutes = args.steps * args.tokens_per_step * train.flops_per_token(args, 4096) / 60e12 / 60
+    assert 8 < minutes < 13
+
+
+def test_steps_within_a_time_budget(setup):
+    """A budget that leaves just the time of the next three batches (at the FLOP rate measured so far) allows three
+    more steps."""
+    m = mixture(setup)
+    args = train.parse_args(["--out", "x", "--dry-run", "--steps", "10", "--train-minutes", "1"])
+    rate = sum(m.batch(i)["input_ids"].numel() * train.flops_per_token(args, m.row_length(i)) for i in (2, 3, 4)) / 30
+    assert train.steps_within(args, m, 2, {"flops": rate * 29.999, "train_s": 29.999}) == 5
+    assert train.steps_within(args, m, 2, {"flops": 1e30, "train_s": 1.0}) == 10  # capped at --steps
+    assert train.steps_within(args, m, 2, {"flops": 1.0, "train_s": 60.0}) == 2  # no time left
+
+
+def test_lr_schedule():
+    args = train.parse_args(["--out", "x", "--steps", "100", "--warmup", "10", "--lr", "1e-3"])
+    assert train.lr_at(args, 0) == pytest.approx(1e-4) and train.lr_at(args, 9) == pytest.approx(1e-3)
+    assert train.lr_at(args, 99) == pytest.approx(1e-4, rel=1e-2)
+    assert all(train.lr_at(args, s) >= train.lr_at(args, s + 1) for s in range(10, 99))
+
+
+@pytest.mark.parametrize("task", data.RETRIEVAL + ("arith",))
+def test_task_doc_masks_exactly_the_answer(setup, task):
+    _, tokenizer, _ = setup
+    sample = get_task(task, TaskOptions()).samples(tokenizer, 6 if task == "arith" else 500, 0.5, 3, 1)[0]
+    doc = data.task_doc(tokenizer, task, sample, 0.1)
+    answer = tokenizer(data.answer_text(task, sample), add_special_tokens=False)["input_ids"] + [2]
+    prompt = len(doc.ids) - len(answer)
+    assert doc.ids[prompt:] == answer and doc.ids[0] == 1
+    assert doc.answer == [False] * prompt + [True] * len(answer)
+    assert doc.lm_weight == [0.0] + [0.1] * (prompt - 1) + [0.0] * len(answer)
+    assert tokenizer.decode(doc.ids[:prompt], skip_special_tokens=True) == sample.context + sample.question
+
+
+def _spans(mask):
+    spans, start = [], None
+    for i, m in enumerate(mask + [False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+ANSWER = {"passkey": r" (\d+)\.", "multikey": r" (\d{7})\.", "vartrack": r"( [A-Z]{5}){5}",
+          "2stage": r" ([a-z]+)\.", "arith": r"1: .*\nAnswer: \d+"}
+
+
+@pytest.mark.parametrize("kind", data.KINDS)
+def test_rows_have_exact_length_and_answer_masks(setup, kind):
+    m = mixture(setup)
+    tok = setup[1]
+    row = m.row(kind, 1024, "s", random.Random(1))
+    assert len(row.ids) == len(row.answer) == len(row.lm_weight) == 1024
+    assert all(w == 0.0 for w, a in zip(row.lm_weight, row.answer) if a)
+    spans = _spans(row.answer)
+    if kind == "essays":
+        assert not spans and all(w == 1.0 for w in row.lm_weight)
+        return
+    assert spans and (len(spans) == 1 or kind == "arith")
+    for start, end in spans:
+        assert row.ids[end - 1] == tok.eos_token_id
+        text = tok.decode(row.ids[start:end - 1])
+        assert re.fullmatch(ANSWER[kind], text, re.S), text
+        prompt = tok.decode(row.ids[:start])
+        if kind in ("passkey", "multikey"):
+            assert re.search(rf"(is|is:) {text.strip(' .')}\.", prompt)
+        if kind == "2stage":
+            assert text.strip(" .") in COLOURS
+    # After the task documents, essay text at full LM weight.
+    assert row.lm_weight[spans[-1][1] + 1:] == [1.0] * (1024 - spans[-1][1] - 1)
+
+
+def test_mixture_is_a_function_of_seed_and_index(setup):
+    a, b, c = mixture(setup), mixture(setup), mixture(setup, seed=1)
+    for index in (0, 3):
+        x, y = a.batch(index), b.batch(index)
+        assert x["kind"] == y["kind"] and all(torch.equal(x[k], y[k]) for k in ("input_ids", "answer", "lm_weight"))
+    assert not torch.equal(a.batch(3)["input_ids"], c.batch(3)["input_ids"])
+    # Two DataLoader workers give the batches in index order, the same as made directly.
+    loader = torch.utils.data.DataLoader(data.Stream(a, 0, 4), batch_size=None, num_workers=2)
+    assert [torch.equal(batch["input_ids"], a.batch(i)["input_ids"]) for i, batch in enumerate(loader)] == [True] * 4
+    # The curriculum: short rows first, the longest by the end of the curriculum.
+    assert a.row_length(0) == 512 and a.row_length(2) in (512, 1024)
+    assert a.batch(0)["input_ids"].shape == (4, 512)
+
+
+def test_loss_terms():
+    logits = torch.randn(2, 4, 5)
+    batch = {"input_ids": torch.tensor([[1, 2, 3, 4], [1, 3, 2, 2]]),
+             "answer": torch.tensor([[False, False, True, True], [False, False, False, False]]),
+             "lm_weight": torch.tensor([[0.0, 0.5, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0]])}
+    loss, lm, answer = train.loss_terms(logits, batch, 2.0)
+    nll = -torch.log_softmax(logits, -1)[:, :-1].gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    assert answer == pytest.approx(float(nll[0, 1:].mean()))
+    assert lm == pytest.approx(float((0.5 * nll[0, 0] + nll[1].sum()) / 3.5))
+    assert loss == pytest.approx(float(lm + 2 * answer))
+
+
+def test_loss_decreases_on_a_fixed_batch(setup):
+    args = setup[0]
+    batch = mixture(setup).batch(0)
+    model = train.build_model(args, len(setup[1])).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(12):
+        loss, _, _ = train.loss_terms(model(input_ids=batch["input_ids"]).logits, batch, 1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_dry_run_saves_a_loadable_model(essays, tmp_path):
+    """Two sessions (the first ends after one step with a checkpoint, exit code 3; the same command resumes), then
+    the saved folder loads offline."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "model"
+    argv = ["--out", str(out), "--dry-run", "--device", "cpu", "--essays", str(essays), "--held-out", "1",
+            "--eval-every", "1", "--steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    assert train.main(argv + ["--session-minutes", "0"]) == 3 and not out.exists()
+    with pytest.raises(SystemExit, match="--lr 0.002 then, 0.001 now"):
+        train.main(argv + ["--lr", "1e-3"])
+    # Training finishes, but with less than --eval-minutes of the session left the evaluation waits for a rerun.
+    assert train.main(argv + ["--session-minutes", "1", "--eval-minutes", "1"]) == 3 and not out.exists()
+    assert train.main(argv + ["--pack", str(tmp_path / "packed")]) == 0
+    parts = sorted((tmp_path / "packed").iterdir())
+    assert [p.name for p in parts] == ["model.tar.gz.00"]
+    with tarfile.open(parts[0]) as tar:
+        assert "model/model.safetensors" in tar.getnames()
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "step" in r] == [1, 2] and any("eval" in r for r in log)
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert model.dtype == torch.bfloat16 and tokenizer("hi")["input_ids"][0] == tokenizer.bos_token_id == 1
+    assert (out / "model.safetensors").stat().st_size <= train.MAX_BYTES
+    record = json.loads((out / "training_args.json").read_text())
+    assert record["held_out"] == ["essay3.txt"] and record["args"]["seed"] == 0 and record["steps_done"] == 2
+    assert record["sessions"] == 3 and len(record["periodic_evals"]) == 1
+    assert set(record["scores"]) == {"passkey", "multikey", "vartrack", "2stage", "arith"}
+    card = (out / "README.md").read_text()
+    assert "| passkey | - | " in card and "Held-out essay perplexity" in card and "essay3.txt" in card
+    with torch.no_grad():
+        assert model(input_ids=torch.tensor([tokenizer("hi")["input_ids"]])).logits.shape[-1] == len(tokenizer)
+
+
+def _record(method, budget, length, score, kv=1, **extra):
+    return {"method": method, "method_name": method, "budget": budget,
+            "length": length, "score": score, "kv_resident_bytes": kv, **extra}
+
+
+def test_claim_checks_report_contradictions():
+    from training import accuracy_tables as at
+
+    good = [_record("dense", None, 4096, 1.0), _record("quest", 32, 4096, 0.5), _record("quest", 64, 4096, 1.0),
+            _record("h2o", 32, 4096, 0.0), _record("h2o", 64, 4096, 0.2)]
+    assert at.matching_budget(good, "quest", 4096) == 64 and at.matching_budget(good, "h2o", 4096) == "-"
+    assert "**consistent**" in at.retrieval_claim(good, "quest", "Quest", "c")
+    bad = good + [_record("tova", 32, 4096, 1.0)]
+    assert "**CONTRADICTS**" in at.retrieval_claim(bad, "quest", "Quest", "c")
+    memory = [_record(m, b, n, 1.0, kv) for m, b, n, kv in (
+        ("dense", None, 16, 100), ("dense", None, 64, 300), ("quest", 256, 16, 100), ("quest", 256, 64, 300),
+        ("raas", 256, 16, 100), ("raas", 256, 64, 104))]
+    [line] = at.raas_claims(None, memory)
+    assert "**consistent**" in line and "raas 1.04x" in line
+
+
+def test_accuracy_tables_smoke(tmp_path):
+    """Every grid's code path on the tiny random model at minimal sizes (scores meaningless)."""
+    from training import accuracy_tables as at
+
+    out = tmp_path / "acc"
+    assert at.main(["--model", "tiny:llama", "--out", str(out), "--grids", "passkey", "arith", "memory", "recall",
+                    "--methods", "dense", "quest", "raas", "--budgets", "32", "--lengths", "300", "--depths", "0.5",
+                    "--samples", "1", "--arith-steps", "2", "--arith-samples", "1", "--memory-steps", "1", "3",
+                    "--memory-budget", "32", "--recall-length", "300", "--recall-budgets", "32", "--recall-samples",
+                    "1", "--no-plots"]) == 0
+    readme = (out / "README.md").read_text()
+    for section in ("## passkey", "## arith", "## memory", "## recall", "## The papers' claims"):
+        assert section in readme
+    assert "sparsekv eval --task passkey --methods dense quest raas --budgets 32" in readme
+    assert "| raas @32 | 3 |" in readme and "- Quest" in readme and "- RaaS (KV memory" in readme
+    assert (out / "recall" / "results.jsonl").exists()
+
+
+def test_pack_splits_into_chunks(essays, tmp_path):
+    parts = train.pack(essays, tmp_path / "out", chunk=20_000)
+    assert len(parts) > 1 and all(p.stat().st_size <= 20_000 for p in parts)
+    joined = tmp_path / "joined.tar.gz"
+    joined.write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(joined) as tar:
+        assert sorted(tar.getnames())[1:] == [f"{essays.name}/essay{i}.txt" for i in range(6)]
+
+
+def test_train_minutes_ends_the_schedule_early(essays, tmp_path):
+    out = tmp_path / "m"
+    assert train.main(["--out", str(out), "--dry-run", "--device", "cpu", "--essays", str(essays), "--held-out", "1",
+                       "--eval-every", "0", "--steps", "4", "--train-minutes", "1e-6", "--calibrate-steps", "1",
+                       "--checkpoint-dir", str(tmp_path / "ckpt")]) == 0
+    record = json.loads((out / "training_args.json").read_text())
+    assert record["steps_done"] == 1
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1] and log[0]["lr"] == pytest.approx(train.DRY_RUN.get("lr", 2e-3))

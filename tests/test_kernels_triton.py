@@ -158,9 +158,13 @@ def stable_selection(scores, cur_slot, n_pages):
        pytest.param(1, 8, 8, 65536, 128, True, id="gpu-longest-in-registers"),
        pytest.param(2, 8, 8, 9000, 2000, False, id="gpu-large-k")] if ON_GPU else []),
 ])
-def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties):
+@pytest.mark.parametrize("one_program", [None, 64], ids=lambda n: f"one-program-{n}")
+def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties, one_program, monkeypatch):
     """Exact: the same slots as the reference, ties to the lower slot, -1 for free slots, the current page forced in
     (cur_slot -1 forces slot 0, as the reference does)."""
+    if one_program:  # rows over 64 slots: top of segments of 128 slots first, then the radix select of those
+        monkeypatch.setitem(tops.TUNING, "select_one_program", one_program)
+        monkeypatch.setitem(tops.TUNING, "select_block", 128)
     scores = torch.randn(batch, rows, slots, device=DEV)
     if ties:
         scores = scores.mul(2).round()
@@ -169,7 +173,7 @@ def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties):
     cur_slot[0, 0] = -1
     got = tops.select_pages(scores, cur_slot, n_pages)
     assert got.shape == ref.select_pages(scores, cur_slot, n_pages).shape
-    # The order of the selected slots is not part of the contract (the kernel lists them by slot).
+    # The order of the selected slots is not part of the contract (the kernel lists them by slot or by segment).
     assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, n_pages))
 
 

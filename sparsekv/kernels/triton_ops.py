@@ -39,10 +39,12 @@ _MAX_SPLITS = 64
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor, so that enough loads are in flight even for batch 1.
-# select_per_thread: top-k keys held per thread (sets the warps of the one program per row, 4 to 32); rows of more than
-# select_max_slots slots go to torch.topk.
+# select_warps: warps of the radix select (one program per row); rows of more than select_one_program slots first
+# keep the top of each segment of select_block slots (select_block_warps), unless more than select_max_k pages are
+# selected; rows of more than select_max_slots slots go to torch.topk.
 TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
-          "select_per_thread": 32, "select_max_slots": 65536,
+          "select_warps": 8, "select_one_program": 4096, "select_block": 1024, "select_block_warps": 4,
+          "select_max_k": 1024, "select_max_slots": 65536,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
 
 
@@ -104,6 +106,39 @@ def _score_key(row_ptr, c, n, cur):
 
 
 @triton.jit
+def _packed(row_ptr, c, n, cur):
+    """(score key, lower slot first) in one signed int64: key - 2^31 in the high half, ~slot in the low half, so
+    that one integer top-k also carries the slot."""
+    return ((_score_key(row_ptr, c, n, cur).to(tl.int64) - 2147483648) << 32) | (0xFFFFFFFF - c.to(tl.int64))
+
+
+@triton.jit
+def _topk_segment_kernel(scores_ptr, cur_ptr, cand_ptr, n, n_seg, sc_b, sc_h, cu_b, cu_h,
+                         HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, SEG: tl.constexpr, KP: tl.constexpr):
+    """The top KP of each segment of SEG slots, packed, in descending order (so ties list the lower slot first)."""
+    row = tl.program_id(0)
+    seg = tl.program_id(1)
+    b = (row // HS).to(tl.int64)
+    r = row % HS
+    cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
+    c = seg * SEG + tl.arange(0, SEG)
+    top = tl.topk(_packed(scores_ptr + b * sc_b + r * sc_h, c, n, cur), KP)
+    tl.store(cand_ptr + (row.to(tl.int64) * n_seg + seg) * KP + tl.arange(0, KP), top)
+
+
+@triton.jit
+def _row_keys(src, i, n, cur, FROM_SCORES: tl.constexpr):
+    """(uint32 key, slot) of entry i of a row: a score (slot i), or a segment candidate. Candidates are listed by
+    segment and, within one, ties by slot, so among equal keys a lower index is a lower slot, as for scores."""
+    if FROM_SCORES:
+        key, slot = _score_key(src, i, n, cur), i.to(tl.int64)
+    else:
+        packed = tl.load(src + i, mask=i < n, other=-9223372036854775808)  # padding: key 0
+        key, slot = ((packed >> 32) + 2147483648).to(tl.uint32), 0xFFFFFFFF - (packed & 0xFFFFFFFF)
+    return key, slot
+
+
+@triton.jit
 def _digit_counts(key, done, prefix, shift):
     """Histogram (256) of the 8-bit digit at ``shift`` of the keys whose ``done`` bits equal ``prefix``; the other
     keys land in bin 0, which the caller recounts."""
@@ -121,19 +156,22 @@ def _taken(key, done, prefix, left):
 
 
 @triton.jit
-def _topk_radix_kernel(scores_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
-                       HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr):
+def _topk_radix_kernel(src_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
+                       HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
+                       FROM_SCORES: tl.constexpr):
+    """Top k of a row of n scores, or of n segment candidates per row."""
     row = tl.program_id(0)
     b = (row // HS).to(tl.int64)
     r = row % HS
     cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
-    src = scores_ptr + b * sc_b + r * sc_h
+    if FROM_SCORES:
+        src = src_ptr + b * sc_b + r * sc_h
+    else:
+        src = src_ptr + row.to(tl.int64) * n
     # The row stays in registers as two power-of-two pieces (HEAD >= TAIL), so that 2^m + 2 slots are not padded
     # to 2^(m+1).
-    c = tl.arange(0, HEAD)
-    t = HEAD + tl.arange(0, TAIL)
-    key = _score_key(src, c, n, cur)
-    tail = _score_key(src, t, n, cur)
+    key, c = _row_keys(src, tl.arange(0, HEAD), n, cur, FROM_SCORES)
+    tail, t = _row_keys(src, HEAD + tl.arange(0, TAIL), n, cur, FROM_SCORES)
     # Radix select of the k-th largest key, 8 bits at a time from the top: ``prefix`` holds its known bits (those
     # set in ``done``), ``in_bin`` keys share them, of which the top ``left`` are still to select. It stops as soon
     # as the whole bin is to be selected (``in_bin == left``), usually after 2-3 digits.
@@ -337,8 +375,9 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
 
 
 def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -> torch.Tensor:
-    """The reference's selection (ties to the lower slot), listed in slot order, by a radix select over each row
-    held in registers: one program per row."""
+    """The reference's selection (ties to the lower slot), listed in slot order for short rows and by segment for
+    long ones: a radix select over the row held in registers (one program per row), after a bitonic top-k of each
+    segment of slots (in parallel) for rows longer than ``TUNING["select_one_program"]``."""
     if num_pages < 1:
         raise ValueError(f"num_pages must be >= 1, got {num_pages}")
     b, hs, c = scores.shape
@@ -348,13 +387,20 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
     if scores.stride(2) != 1:
         scores = scores.contiguous()
     out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
-    head = max(32, triton.next_power_of_2(c + 1) // 2)
-    tail = max(32, triton.next_power_of_2(c - head)) if c > head else 32
-    warps = min(32, max(4, triton.next_power_of_2(triton.cdiv(head + tail, 32 * TUNING["select_per_thread"]))))
-    _topk_radix_kernel[(b * hs,)](scores, cur_slot, out, c, k, scores.stride(0), scores.stride(1),
-                                  cur_slot.stride(0), cur_slot.stride(1), out.stride(0), out.stride(1),
-                                  HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1], HEAD=head, TAIL=tail,
-                                  num_warps=warps)
+    src, n, rows = scores, c, (scores.stride(0), scores.stride(1))
+    kp = max(2, triton.next_power_of_2(k))  # tl.topk does not compile for k = 1 (triton 3.6)
+    seg = max(TUNING["select_block"], 2 * kp)
+    if c > TUNING["select_one_program"] and kp <= TUNING["select_max_k"] and c > seg:
+        n = triton.cdiv(c, seg) * kp
+        src = torch.empty(b * hs, n, dtype=torch.long, device=scores.device)
+        _topk_segment_kernel[(b * hs, n // kp)](scores, cur_slot, src, c, n // kp, *rows, cur_slot.stride(0),
+                                                cur_slot.stride(1), HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1],
+                                                SEG=seg, KP=kp, num_warps=TUNING["select_block_warps"])
+    head = max(32, triton.next_power_of_2(n + 1) // 2)
+    tail = max(32, triton.next_power_of_2(n - head)) if n > head else 32
+    _topk_radix_kernel[(b * hs,)](src, cur_slot, out, n, k, *rows, cur_slot.stride(0), cur_slot.stride(1),
+                                  out.stride(0), out.stride(1), HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1],
+                                  HEAD=head, TAIL=tail, FROM_SCORES=src is scores, num_warps=TUNING["select_warps"])
     return out
 
 

@@ -158,10 +158,13 @@ def stable_selection(scores, cur_slot, n_pages):
        pytest.param(1, 8, 8, 65536, 128, True, id="gpu-longest-in-registers"),
        pytest.param(2, 8, 8, 9000, 2000, False, id="gpu-large-k")] if ON_GPU else []),
 ])
-@pytest.mark.parametrize("one_program", [None, 64], ids=lambda n: f"one-program-{n}")
-def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties, one_program, monkeypatch):
+@pytest.mark.parametrize("one_program,bits", [(None, None), (64, None), (None, 5)],
+                         ids=lambda x: "default" if x is None else str(x))
+def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties, one_program, bits, monkeypatch):
     """Exact: the same slots as the reference, ties to the lower slot, -1 for free slots, the current page forced in
-    (cur_slot -1 forces slot 0, as the reference does)."""
+    (cur_slot -1 forces slot 0, as the reference does); 5-bit digits end on a digit overlapping known bits."""
+    if bits:
+        monkeypatch.setitem(tops.TUNING, "select_digit_bits", bits)
     if one_program:  # rows over 64 slots: top of segments of 128 slots first, then the radix select of those
         monkeypatch.setitem(tops.TUNING, "select_one_program", one_program)
         monkeypatch.setitem(tops.TUNING, "select_block", 128)

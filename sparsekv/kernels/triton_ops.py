@@ -39,12 +39,12 @@ _MAX_SPLITS = 64
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor, so that enough loads are in flight even for batch 1.
-# select_warps: warps of the radix select (one program per row); rows of more than select_one_program slots first
+# select_warps / select_digit_bits: warps and digit width of the radix select (one program per row); rows of more than select_one_program slots first
 # keep the top of each segment of select_block slots (select_block_warps), unless more than select_max_k pages are
 # selected; rows of more than select_max_slots slots go to torch.topk.
 TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
-          "select_max_k": 1024, "select_max_slots": 65536,
+          "select_digit_bits": 8, "select_max_k": 1024, "select_max_slots": 65536,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
 
 
@@ -139,11 +139,11 @@ def _row_keys(src, i, n, cur, FROM_SCORES: tl.constexpr):
 
 
 @triton.jit
-def _digit_counts(key, done, prefix, shift):
-    """Histogram (256) of the 8-bit digit at ``shift`` of the keys whose ``done`` bits equal ``prefix``; the other
+def _digit_counts(key, done, prefix, shift, BITS: tl.constexpr):
+    """Histogram of the BITS-bit digit at ``shift`` of the keys whose ``done`` bits equal ``prefix``; the other
     keys land in bin 0, which the caller recounts."""
-    digit = ((key >> shift) & 255).to(tl.int32)
-    return tl.histogram(tl.where((key & done) == prefix, digit, 0), 256)
+    digit = ((key >> shift) & ((1 << BITS) - 1)).to(tl.int32)
+    return tl.histogram(tl.where((key & done) == prefix, digit, 0), 1 << BITS)
 
 
 @triton.jit
@@ -158,7 +158,7 @@ def _taken(key, done, prefix, left):
 @triton.jit
 def _topk_radix_kernel(src_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
                        HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
-                       FROM_SCORES: tl.constexpr):
+                       FROM_SCORES: tl.constexpr, BITS: tl.constexpr):
     """Top k of a row of n scores, or of n segment candidates per row."""
     row = tl.program_id(0)
     b = (row // HS).to(tl.int64)
@@ -172,25 +172,27 @@ def _topk_radix_kernel(src_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, 
     # to 2^(m+1).
     key, c = _row_keys(src, tl.arange(0, HEAD), n, cur, FROM_SCORES)
     tail, t = _row_keys(src, HEAD + tl.arange(0, TAIL), n, cur, FROM_SCORES)
-    # Radix select of the k-th largest key, 8 bits at a time from the top: ``prefix`` holds its known bits (those
+    # Radix select of the k-th largest key, BITS bits at a time from the top: ``prefix`` holds its known bits (those
     # set in ``done``), ``in_bin`` keys share them, of which the top ``left`` are still to select. It stops as soon
-    # as the whole bin is to be selected (``in_bin == left``), usually after 2-3 digits.
-    bins = tl.arange(0, 256)
+    # as the whole bin is to be selected (``in_bin == left``), usually after 2-3 digits. A last digit that would
+    # reach below bit 0 is taken at bit 0, overlapping known bits (the same for every key in the bin).
+    bins = tl.arange(0, 1 << BITS)
     prefix = tl.zeros((), tl.uint32)
     done = tl.zeros((), tl.uint32)
     left = k + tl.zeros((), tl.int32)
     in_bin = HEAD + TAIL + tl.zeros((), tl.int32)
-    shift = 24 + tl.zeros((), tl.int32)
-    while (shift >= 0) & (in_bin != left):
-        h = _digit_counts(key, done, prefix, shift) + _digit_counts(tail, done, prefix, shift)
+    top = 32 - BITS + tl.zeros((), tl.int32)
+    while (top > -BITS) & (in_bin != left):
+        shift = tl.maximum(top, 0)
+        h = _digit_counts(key, done, prefix, shift, BITS) + _digit_counts(tail, done, prefix, shift, BITS)
         h = tl.where(bins == 0, in_bin - tl.sum(tl.where(bins > 0, h, 0), 0), h)
         at_or_above = in_bin - tl.cumsum(h, 0) + h
         digit = tl.max(tl.where(at_or_above >= left, bins, 0), 0)
         left -= tl.sum(tl.where(bins == digit, at_or_above - h, 0), 0)
         in_bin = tl.sum(tl.where(bins == digit, h, 0), 0)
         prefix |= digit.to(tl.uint32) << shift.to(tl.uint32)
-        done |= tl.full((), 255, tl.uint32) << shift.to(tl.uint32)
-        shift -= 8
+        done |= tl.full((), (1 << BITS) - 1, tl.uint32) << shift.to(tl.uint32)
+        top -= BITS
     take, n_eq = _taken(key, done, prefix, left)
     take_tail, _ = _taken(tail, done, prefix, left - n_eq)
     # Exactly k keys are taken (keys are unique per slot by the rank among equals): compact them in slot order.
@@ -400,7 +402,8 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
     tail = max(32, triton.next_power_of_2(n - head)) if n > head else 32
     _topk_radix_kernel[(b * hs,)](src, cur_slot, out, n, k, *rows, cur_slot.stride(0), cur_slot.stride(1),
                                   out.stride(0), out.stride(1), HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1],
-                                  HEAD=head, TAIL=tail, FROM_SCORES=src is scores, num_warps=TUNING["select_warps"])
+                                  HEAD=head, TAIL=tail, FROM_SCORES=src is scores, BITS=TUNING["select_digit_bits"],
+                                  num_warps=TUNING["select_warps"])
     return out
 
 

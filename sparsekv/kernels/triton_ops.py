@@ -44,7 +44,7 @@ _MAX_SPLITS = 64
 # selected; rows of more than select_max_slots slots go to torch.topk.
 TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
-          "select_digit_bits": 8, "select_max_k": 1024, "select_max_slots": 65536,
+          "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
 
 

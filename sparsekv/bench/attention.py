@@ -349,7 +349,8 @@ def tune(args, timer, device) -> list[dict]:
                      for b, ch, w, st in [(64, 1, 4, 2), (64, 2, 4, 2), (64, 4, 4, 2), (64, 4, 4, 3), (64, 8, 4, 3),
                                           (32, 4, 4, 3), (128, 2, 8, 3), (128, 4, 8, 3)]]
     # select_max_slots=0 sends every selection to the reference (torch.topk): the baseline the kernel must beat.
-    select_variants = [dict(select_one_program=o, select_block=b, select_warps=w, select_digit_bits=d, select_max_slots=m)
+    select_variants = [dict(select_one_program=o, select_block=b, select_warps=w, select_digit_bits=d,
+                            select_max_slots=m)
                        for o, b, w, d, m in [(4096, 512, 8, 5, 65536), (4096, 512, 8, 8, 65536),
                                              (4096, 1024, 8, 5, 65536), (65536, 512, 16, 5, 65536),
                                              (4096, 512, 8, 5, 0)]]

@@ -15,11 +15,13 @@ Kernels:
   sum; a second kernel merges the splits (log-sum-exp) and, for the token variant, writes the fp32 output with its
   log-sum-exp (``merge_attention`` combines such parts). Invalid entries (-1, free slots, positions after the
   current token) are masked, never branched on.
-- ``select_pages``: exact top-k by radix select, one program per row holding the whole row's scores in registers
-  as order-preserving uint32 keys: 8-bit digit histograms (``tl.histogram``) narrow down the k-th largest key until
-  its whole bin is selected, then the keys above it (ties: the lower slots) are compacted with a prefix sum. It
-  replaces ``torch.topk`` (35 of the 47 us of a Llama-3-8B step at 32K on the H200); rows longer than ``TUNING``
-  allows still use ``torch.topk`` (benchmarks/results/KERNEL_NOTES.md has the numbers).
+- ``select_pages``: exact top-k by radix select, one program per row holding the row's scores in registers as
+  order-preserving uint32 keys: 5-bit digit histograms (``tl.histogram``; its cost grows with the bins) narrow down
+  the k-th largest key until its whole bin is selected, then the keys above it (ties: the lower slots) are
+  compacted with a prefix sum. Long rows are first cut to the bitonic ``tl.topk`` of each segment of slots, in
+  parallel, and the radix select runs on those candidates. It replaces ``torch.topk`` (35 of the 47 us of a
+  Llama-3-8B step at 32K on the H200); rows longer than ``TUNING`` allows still use ``torch.topk``
+  (benchmarks/results/KERNEL_NOTES.md has the numbers).
 - ``append_token``: writes one decode token's key and value into its page and updates the page's key bounds.
 """
 
@@ -39,9 +41,9 @@ _MAX_SPLITS = 64
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor, so that enough loads are in flight even for batch 1.
-# select_warps / select_digit_bits: warps and digit width of the radix select (one program per row); rows of more than select_one_program slots first
-# keep the top of each segment of select_block slots (select_block_warps), unless more than select_max_k pages are
-# selected; rows of more than select_max_slots slots go to torch.topk.
+# select_warps / select_digit_bits: warps and digit width of the radix select (one program per row); rows of more
+# than select_one_program slots first keep the top of each segment of select_block slots (select_block_warps),
+# unless more than select_max_k pages are selected; rows of more than select_max_slots slots go to torch.topk.
 TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
           "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,

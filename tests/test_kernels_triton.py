@@ -133,39 +133,58 @@ def test_decode_tokens(batch, heads, kv_heads, head_dim, store, n_tokens, rows, 
     assert rel_err(lse[fin], exact_lse[fin]) <= 2 * rel_err(torch_lse[fin], exact_lse[fin]) + 1e-5
 
 
-@pytest.mark.parametrize("block", [128] + ([None] if ON_GPU else []), ids=lambda b: f"segment-{b}")
+def stable_selection(scores, cur_slot, n_pages):
+    """The reference's contract with ties broken to the lower slot (torch.topk leaves that open), as sorted sets."""
+    rows = scores.shape[1] // cur_slot.shape[1]
+    forced = scores.scatter(2, cur_slot.clamp(min=0).repeat_interleave(rows, 1).unsqueeze(-1), float("inf"))
+    idx = torch.sort(forced, dim=2, descending=True, stable=True).indices[..., :min(n_pages, scores.shape[2])]
+    return torch.where(forced.gather(2, idx) > float("-inf"), idx, -1).sort(-1).values
+
+
 @pytest.mark.parametrize("batch,rows,kv_heads,slots,n_pages,ties", [
     pytest.param(2, 4, 2, 50, 8, False, id="gqa-rows"),
     pytest.param(3, 2, 1, 7, 20, False, id="budget-over-slots"),
     pytest.param(2, 4, 4, 1, 3, False, id="one-slot"),
     pytest.param(2, 4, 2, 30, 1, False, id="one-page-budget"),
-    pytest.param(1, 2, 2, 300, 1, False, id="one-page-budget-segments"),
+    pytest.param(1, 2, 2, 300, 1, False, id="one-page-budget-long"),
     pytest.param(1, 3, 3, 300, 17, True, id="ties"),
-    pytest.param(1, 2, 2, 400, 20, False, id="several-segments"),
+    pytest.param(2, 4, 1, 64, 40, True, id="ties-gqa4-most-selected"),
+    pytest.param(1, 2, 2, 32, 32, False, id="all-of-one-piece"),
+    pytest.param(1, 2, 2, 33, 32, False, id="one-slot-in-the-tail"),
+    pytest.param(1, 2, 1, 2050, 128, False, id="32k-context-rows"),
+    pytest.param(1, 2, 2, 2047, 2000, True, id="ties-pieces-just-full"),
+    pytest.param(1, 2, 2, 3000, 2999, False, id="all-but-one"),
     *([pytest.param(16, 32, 8, 32770, 256, False, id="gpu-512k"), pytest.param(4, 8, 8, 5000, 64, True, id="gpu-ties"),
+       pytest.param(1, 8, 8, 65536, 128, True, id="gpu-longest-in-registers"),
        pytest.param(2, 8, 8, 9000, 2000, False, id="gpu-large-k")] if ON_GPU else []),
 ])
-def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties, block, monkeypatch):
-    if block:  # small segments: the two-level path on small rows
-        monkeypatch.setitem(tops.TUNING, "select_block", block)
+@pytest.mark.parametrize("one_program,bits", [(None, None), (64, None), (None, 5)],
+                         ids=lambda x: "default" if x is None else str(x))
+def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties, one_program, bits, monkeypatch):
+    """Exact: the same slots as the reference, ties to the lower slot, -1 for free slots, the current page forced in
+    (cur_slot -1 forces slot 0, as the reference does); 5-bit digits end on a digit overlapping known bits."""
+    if bits:
+        monkeypatch.setitem(tops.TUNING, "select_digit_bits", bits)
+    if one_program:  # rows over 64 slots: top of segments of 128 slots first, then the radix select of those
+        monkeypatch.setitem(tops.TUNING, "select_one_program", one_program)
+        monkeypatch.setitem(tops.TUNING, "select_block", 128)
     scores = torch.randn(batch, rows, slots, device=DEV)
     if ties:
         scores = scores.mul(2).round()
     scores[torch.rand(scores.shape, device=DEV) < 0.3] = float("-inf")  # free slots
     cur_slot = torch.randint(-1, slots, (batch, kv_heads), device=DEV)
-    got, want = tops.select_pages(scores, cur_slot, n_pages), ref.select_pages(scores, cur_slot, n_pages)
-    # The order of the selected slots is not part of the contract (both list them by score today).
-    if not ties:
-        assert torch.equal(got.sort(-1).values, want.sort(-1).values)
-        return
-    # With ties, slots of the same scores (the current page forced in, -1 for free slots).
-    forced = scores.scatter(2, cur_slot.clamp(min=0).repeat_interleave(rows // kv_heads, 1).unsqueeze(-1),
-                            float("inf"))
+    cur_slot[0, 0] = -1
+    got = tops.select_pages(scores, cur_slot, n_pages)
+    assert got.shape == ref.select_pages(scores, cur_slot, n_pages).shape
+    # The order of the selected slots is not part of the contract (the kernel lists them by slot or by segment).
+    assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, n_pages))
 
-    def picked(sel):
-        return torch.where(sel >= 0, forced.gather(2, sel.clamp(min=0)), -7.0).sort(-1).values
 
-    assert torch.equal(picked(got), picked(want))
+def test_select_pages_long_rows_use_torch_topk(monkeypatch):
+    monkeypatch.setitem(tops.TUNING, "select_max_slots", 64)
+    scores = torch.randn(2, 2, 100, device=DEV)
+    cur_slot = torch.tensor([[3], [-1]], device=DEV)
+    assert torch.equal(tops.select_pages(scores, cur_slot, 9).sort(-1).values, stable_selection(scores, cur_slot, 9))
 
 
 def test_nothing_to_attend_gives_zeros():

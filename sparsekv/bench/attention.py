@@ -348,10 +348,12 @@ def tune(args, timer, device) -> list[dict]:
     page_variants = [dict(page_block=b, page_chunks=ch, page_warps=w, page_stages=st)
                      for b, ch, w, st in [(64, 1, 4, 2), (64, 2, 4, 2), (64, 4, 4, 2), (64, 4, 4, 3), (64, 8, 4, 3),
                                           (32, 4, 4, 3), (128, 2, 8, 3), (128, 4, 8, 3)]]
-    # select_max_k=0 sends every selection to the reference (torch.topk): the baseline the kernel must beat.
-    select_variants = [dict(select_block=b, select_warps=w, select_max_k=m)
-                       for b, w, m in [(1024, 4, 1024), (2048, 8, 1024), (4096, 8, 1024), (1024, 8, 1024),
-                                       (1024, 4, 0)]]
+    # select_max_slots=0 sends every selection to the reference (torch.topk): the baseline the kernel must beat.
+    select_variants = [dict(select_one_program=o, select_block=b, select_warps=w, select_digit_bits=d,
+                            select_max_slots=m)
+                       for o, b, w, d, m in [(4096, 512, 8, 5, 65536), (4096, 512, 8, 8, 65536),
+                                             (4096, 1024, 8, 5, 65536), (65536, 512, 16, 5, 65536),
+                                             (4096, 512, 8, 5, 0)]]
     attn_variants = [dict(attn_block_n=n, attn_warps=w, attn_stages=st, programs_per_sm=pp)
                      for n, w, st, pp in [(64, 4, 2, 4), (128, 4, 2, 4), (64, 4, 2, 8), (32, 4, 2, 8), (64, 4, 2, 2)]]
     cases = [("llama3-8b", 1, 131072), ("llama3-8b", 1, 524288), ("llama2-7b", 1, 32768), ("llama3-8b", 16, 32768)]

@@ -15,10 +15,13 @@ Kernels:
   sum; a second kernel merges the splits (log-sum-exp) and, for the token variant, writes the fp32 output with its
   log-sum-exp (``merge_attention`` combines such parts). Invalid entries (-1, free slots, positions after the
   current token) are masked, never branched on.
-- ``select_pages``: exact top-k by bitonic ``tl.topk`` on int64 keys that pack the score (order-preserving bits)
-  with the slot: the top of each segment of slots in parallel, then the top of those. It replaces ``torch.topk``
-  (35 of the 47 us of a Llama-3-8B step at 32K on the H200); selections larger than ``TUNING`` allows still use
-  ``torch.topk`` (benchmarks/results/KERNEL_NOTES.md has the numbers).
+- ``select_pages``: exact top-k by radix select, one program per row holding the row's scores in registers as
+  order-preserving uint32 keys: 5-bit digit histograms (``tl.histogram``; its cost grows with the bins) narrow down
+  the k-th largest key until its whole bin is selected, then the keys above it (ties: the lower slots) are
+  compacted with a prefix sum. Long rows are first cut to the bitonic ``tl.topk`` of each segment of slots, in
+  parallel, and the radix select runs on those candidates. It replaces ``torch.topk`` (35 of the 47 us of a
+  Llama-3-8B step at 32K on the H200); rows longer than ``TUNING`` allows still use ``torch.topk``
+  (benchmarks/results/KERNEL_NOTES.md has the numbers).
 - ``append_token``: writes one decode token's key and value into its page and updates the page's key bounds.
 """
 
@@ -38,10 +41,12 @@ _MAX_SPLITS = 64
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor, so that enough loads are in flight even for batch 1.
-# select_block: slots per segment of the first top-k level; select_max_k / select_final_max: selections of more pages,
-# or with more candidates left for the second level, go to torch.topk.
+# select_warps / select_digit_bits: warps and digit width of the radix select (one program per row); rows of more
+# than select_one_program slots first keep the top of each segment of select_block slots (select_block_warps),
+# unless more than select_max_k pages are selected; rows of more than select_max_slots slots go to torch.topk.
 TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
-          "select_block": 1024, "select_warps": 4, "select_max_k": 1024, "select_final_max": 8192,
+          "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
+          "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
 
 
@@ -88,17 +93,17 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, n_slots,
 
 
 _NEG_INF_KEY = tl.constexpr(8388607)  # _score_key of -inf (a free slot)
-_LOWEST = tl.constexpr(-9223372036854775808)
 
 
 @triton.jit
 def _score_key(row_ptr, c, n, cur):
-    """Scores as int64 keys in [0, 2^32) in the same order (the float's bits, sign-flipped); the current page gets
-    the key of +inf, so that it is always selected, and padding (c >= n) the key 0, below every score."""
+    """Scores as uint32 keys in the same order (the float's bits with the sign bit flipped, all bits flipped for
+    negative floats); the current page gets the key of +inf, so that it is always selected, and padding (c >= n)
+    the key 0, below every score."""
     x = tl.load(row_ptr + c, mask=c < n, other=0.0)
     x = tl.where(c == cur, float("inf"), x)
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+    bits = x.to(tl.uint32, bitcast=True)
+    key = tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
     return tl.where(c < n, key, 0)
 
 
@@ -106,12 +111,13 @@ def _score_key(row_ptr, c, n, cur):
 def _packed(row_ptr, c, n, cur):
     """(score key, lower slot first) in one signed int64: key - 2^31 in the high half, ~slot in the low half, so
     that one integer top-k also carries the slot."""
-    return ((_score_key(row_ptr, c, n, cur) - 2147483648) << 32) | (0xFFFFFFFF - c.to(tl.int64))
+    return ((_score_key(row_ptr, c, n, cur).to(tl.int64) - 2147483648) << 32) | (0xFFFFFFFF - c.to(tl.int64))
 
 
 @triton.jit
 def _topk_segment_kernel(scores_ptr, cur_ptr, cand_ptr, n, n_seg, sc_b, sc_h, cu_b, cu_h,
                          HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, SEG: tl.constexpr, KP: tl.constexpr):
+    """The top KP of each segment of SEG slots, packed, in descending order (so ties list the lower slot first)."""
     row = tl.program_id(0)
     seg = tl.program_id(1)
     b = (row // HS).to(tl.int64)
@@ -123,23 +129,80 @@ def _topk_segment_kernel(scores_ptr, cur_ptr, cand_ptr, n, n_seg, sc_b, sc_h, cu
 
 
 @triton.jit
-def _topk_final_kernel(src_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
-                       HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, N_PAD: tl.constexpr, KP: tl.constexpr,
-                       FROM_SCORES: tl.constexpr):
+def _row_keys(src, i, n, cur, FROM_SCORES: tl.constexpr):
+    """(uint32 key, slot) of entry i of a row: a score (slot i), or a segment candidate. Candidates are listed by
+    segment and, within one, ties by slot, so among equal keys a lower index is a lower slot, as for scores."""
+    if FROM_SCORES:
+        key, slot = _score_key(src, i, n, cur), i.to(tl.int64)
+    else:
+        packed = tl.load(src + i, mask=i < n, other=-9223372036854775808)  # padding: key 0
+        key, slot = ((packed >> 32) + 2147483648).to(tl.uint32), 0xFFFFFFFF - (packed & 0xFFFFFFFF)
+    return key, slot
+
+
+@triton.jit
+def _digit_counts(key, done, prefix, shift, BITS: tl.constexpr):
+    """Histogram of the BITS-bit digit at ``shift`` of the keys whose ``done`` bits equal ``prefix``; the other
+    keys land in bin 0, which the caller recounts."""
+    digit = ((key >> shift) & ((1 << BITS) - 1)).to(tl.int32)
+    return tl.histogram(tl.where((key & done) == prefix, digit, 0), 1 << BITS)
+
+
+@triton.jit
+def _taken(key, done, prefix, left):
+    """Which keys are selected: those above ``prefix`` on the ``done`` bits, and the first ``left`` (lowest slots)
+    of those equal to it. Also returns how many are equal."""
+    eq = (key & done) == prefix
+    rank = tl.cumsum(eq.to(tl.int32), 0)
+    return ((key & done) > prefix) | (eq & (rank <= left)), tl.sum(eq.to(tl.int32), 0)
+
+
+@triton.jit
+def _topk_radix_kernel(src_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
+                       HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
+                       FROM_SCORES: tl.constexpr, BITS: tl.constexpr):
+    """Top k of a row of n scores, or of n segment candidates per row."""
     row = tl.program_id(0)
     b = (row // HS).to(tl.int64)
     r = row % HS
-    i = tl.arange(0, N_PAD)
+    cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
     if FROM_SCORES:
-        cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
-        packed = _packed(src_ptr + b * sc_b + r * sc_h, i, n, cur)
-    else:  # the segments' candidates, n per row
-        packed = tl.load(src_ptr + row.to(tl.int64) * n + i, mask=i < n, other=_LOWEST)
-    top = tl.topk(packed, KP)
-    j = tl.arange(0, KP)
-    slot = 0xFFFFFFFF - (top & 0xFFFFFFFF)
-    tl.store(out_ptr + b * so_b + r * so_h + j, tl.where((top >> 32) + 2147483648 == _NEG_INF_KEY, -1, slot),
-             mask=j < k)
+        src = src_ptr + b * sc_b + r * sc_h
+    else:
+        src = src_ptr + row.to(tl.int64) * n
+    # The row stays in registers as two power-of-two pieces (HEAD >= TAIL), so that 2^m + 2 slots are not padded
+    # to 2^(m+1).
+    key, c = _row_keys(src, tl.arange(0, HEAD), n, cur, FROM_SCORES)
+    tail, t = _row_keys(src, HEAD + tl.arange(0, TAIL), n, cur, FROM_SCORES)
+    # Radix select of the k-th largest key, BITS bits at a time from the top: ``prefix`` holds its known bits (those
+    # set in ``done``), ``in_bin`` keys share them, of which the top ``left`` are still to select. It stops as soon
+    # as the whole bin is to be selected (``in_bin == left``), usually after 2-3 digits. A last digit that would
+    # reach below bit 0 is taken at bit 0, overlapping known bits (the same for every key in the bin).
+    bins = tl.arange(0, 1 << BITS)
+    prefix = tl.zeros((), tl.uint32)
+    done = tl.zeros((), tl.uint32)
+    left = k + tl.zeros((), tl.int32)
+    in_bin = HEAD + TAIL + tl.zeros((), tl.int32)
+    top = 32 - BITS + tl.zeros((), tl.int32)
+    while (top > -BITS) & (in_bin != left):
+        shift = tl.maximum(top, 0)
+        h = _digit_counts(key, done, prefix, shift, BITS) + _digit_counts(tail, done, prefix, shift, BITS)
+        h = tl.where(bins == 0, in_bin - tl.sum(tl.where(bins > 0, h, 0), 0), h)
+        at_or_above = in_bin - tl.cumsum(h, 0) + h
+        digit = tl.max(tl.where(at_or_above >= left, bins, 0), 0)
+        left -= tl.sum(tl.where(bins == digit, at_or_above - h, 0), 0)
+        in_bin = tl.sum(tl.where(bins == digit, h, 0), 0)
+        prefix |= digit.to(tl.uint32) << shift.to(tl.uint32)
+        done |= tl.full((), (1 << BITS) - 1, tl.uint32) << shift.to(tl.uint32)
+        top -= BITS
+    take, n_eq = _taken(key, done, prefix, left)
+    take_tail, _ = _taken(tail, done, prefix, left - n_eq)
+    # Exactly k keys are taken (keys are unique per slot by the rank among equals): compact them in slot order.
+    out = out_ptr + b * so_b + r * so_h
+    pos = tl.cumsum(take.to(tl.int32), 0) - 1
+    tl.store(out + pos, tl.where(key == _NEG_INF_KEY, -1, c), mask=take)
+    pos = tl.sum(take.to(tl.int32), 0) + tl.cumsum(take_tail.to(tl.int32), 0) - 1
+    tl.store(out + pos, tl.where(tail == _NEG_INF_KEY, -1, t), mask=take_tail)
 
 
 @triton.jit
@@ -316,33 +379,32 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
 
 
 def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -> torch.Tensor:
-    """The reference's selection, in the same order (by score; ties to the lower slot), from a two-level bitonic
-    top-k: the top of each segment of slots, then the top of those."""
+    """The reference's selection (ties to the lower slot), listed in slot order for short rows and by segment for
+    long ones: a radix select over the row held in registers (one program per row), after a bitonic top-k of each
+    segment of slots (in parallel) for rows longer than ``TUNING["select_one_program"]``."""
     if num_pages < 1:
         raise ValueError(f"num_pages must be >= 1, got {num_pages}")
     b, hs, c = scores.shape
     k = min(num_pages, c)
-    kp = max(2, triton.next_power_of_2(k))  # tl.topk does not compile for k = 1 (triton 3.6)
-    seg = max(TUNING["select_block"], 2 * kp)
-    n_seg = triton.cdiv(c, seg)
-    if (scores.dtype != torch.float32 or kp > TUNING["select_max_k"]
-            or triton.next_power_of_2(n_seg * kp) > TUNING["select_final_max"]):
-        return reference.select_pages(scores, cur_slot, num_pages)  # torch.topk: selections this large are rare
+    if scores.dtype != torch.float32 or c > TUNING["select_max_slots"]:
+        return reference.select_pages(scores, cur_slot, num_pages)  # torch.topk: rows this long are rare
     if scores.stride(2) != 1:
         scores = scores.contiguous()
     out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
-    rows = (scores.stride(0), scores.stride(1), cur_slot.stride(0), cur_slot.stride(1))
-    meta = dict(HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1], KP=kp)
-    if n_seg == 1:
-        _topk_final_kernel[(b * hs,)](scores, cur_slot, out, c, k, *rows, out.stride(0), out.stride(1),
-                                      N_PAD=max(kp, triton.next_power_of_2(c)), FROM_SCORES=True, **meta,
-                                      num_warps=TUNING["select_warps"])
-        return out
-    cand = torch.empty(b * hs, n_seg * kp, dtype=torch.long, device=scores.device)
-    _topk_segment_kernel[(b * hs, n_seg)](scores, cur_slot, cand, c, n_seg, *rows, SEG=seg, **meta,
-                                          num_warps=TUNING["select_warps"])
-    _topk_final_kernel[(b * hs,)](cand, cur_slot, out, n_seg * kp, k, *rows, out.stride(0), out.stride(1),
-                                  N_PAD=triton.next_power_of_2(n_seg * kp), FROM_SCORES=False, **meta,
+    src, n, rows = scores, c, (scores.stride(0), scores.stride(1))
+    kp = max(2, triton.next_power_of_2(k))  # tl.topk does not compile for k = 1 (triton 3.6)
+    seg = max(TUNING["select_block"], 2 * kp)
+    if c > TUNING["select_one_program"] and kp <= TUNING["select_max_k"] and c > seg:
+        n = triton.cdiv(c, seg) * kp
+        src = torch.empty(b * hs, n, dtype=torch.long, device=scores.device)
+        _topk_segment_kernel[(b * hs, n // kp)](scores, cur_slot, src, c, n // kp, *rows, cur_slot.stride(0),
+                                                cur_slot.stride(1), HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1],
+                                                SEG=seg, KP=kp, num_warps=TUNING["select_block_warps"])
+    head = max(32, triton.next_power_of_2(n + 1) // 2)
+    tail = max(32, triton.next_power_of_2(n - head)) if n > head else 32
+    _topk_radix_kernel[(b * hs,)](src, cur_slot, out, n, k, *rows, cur_slot.stride(0), cur_slot.stride(1),
+                                  out.stride(0), out.stride(1), HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1],
+                                  HEAD=head, TAIL=tail, FROM_SCORES=src is scores, BITS=TUNING["select_digit_bits"],
                                   num_warps=TUNING["select_warps"])
     return out
 

@@ -26,7 +26,9 @@ import torch
 
 from .. import apply
 from ..methods import METHODS
-from ..models import load_model, make_config, parse_options, resolve_device, resolve_dtype
+from ..eval.base import EvalError
+from ..eval.runner import method_runs
+from ..models import load_model, resolve_device, resolve_dtype
 
 # Published shapes: hidden, layers, query heads, KV heads, MLP, vocab, RoPE theta.
 SHAPES = {"llama3-8b": (4096, 32, 32, 8, 14336, 128256, 500000.0),
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="shape:llama3-8b", help="shape:<name>, tiny:<arch> or a model directory")
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--methods", nargs="+", default=["dense", "quest"],
-                        help=f"NAME or NAME:FIELD=VALUE,... with NAME in {', '.join(METHODS)}")
+                        help=f"NAME or NAME:FIELD=VALUE,... (as sparsekv eval takes them) with NAME in "
+                             f"{', '.join(METHODS)}")
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--device", default="auto")
@@ -137,14 +140,16 @@ def main(argv: list[str] | None = None) -> int:
         model = shape_model(args.model[len("shape:"):], device, dtype, max(args.contexts) + args.new_tokens)
     else:
         model, _ = load_model(args.model, device, dtype)
+    try:
+        runs = method_runs(args.methods, [args.budget])
+    except EvalError as err:
+        print(f"sparsekv.bench.e2e: error: {err}", file=sys.stderr)
+        return 2
     rows = []
     for context in args.contexts:
-        for spec in args.methods:
-            name, _, options = spec.partition(":")
-            config = make_config(name, None if name == "dense" else args.budget,
-                                 **parse_options(options.split(",") if options else []))
-            rows.append(run_one(model, config, context, args.new_tokens, device, args.seed))
-            rows[-1]["spec"] = spec
+        for run in runs:
+            rows.append(run_one(model, run.config, context, args.new_tokens, device, args.seed))
+            rows[-1]["spec"] = spec = run.label
             r = rows[-1]
             print(f"{spec:>20} ctx {context:>7}: prefill {r['prefill_s']:.2f} s, decode {r['decode_ms_per_token']:.1f} "
                   f"ms/token, attended {r['attended_per_head']:.0f}/step, KV {r['kv_device_mib']:.0f} MiB", flush=True)

@@ -134,17 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
 
+    try:
+        runs = method_runs(args.methods, [args.budget])
+    except EvalError as err:
+        print(f"sparsekv.bench.e2e: error: {err}", file=sys.stderr)
+        return 2
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     if args.model.startswith("shape:"):
         model = shape_model(args.model[len("shape:"):], device, dtype, max(args.contexts) + args.new_tokens)
     else:
         model, _ = load_model(args.model, device, dtype)
-    try:
-        runs = method_runs(args.methods, [args.budget])
-    except EvalError as err:
-        print(f"sparsekv.bench.e2e: error: {err}", file=sys.stderr)
-        return 2
     rows = []
     for context in args.contexts:
         for run in runs:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from sparsekv.eval import EvalError, TaskOptions, get_task
-from sparsekv.eval.base import count_tokens, data_dir
+from sparsekv.eval.base import count_tokens, data_dir, insert_at
 from sparsekv.tiny import byte_tokenizer
 
 GENERATED = ["passkey", "niah", "multikey", "vartrack", "2stage"]
@@ -139,7 +139,7 @@ def test_arith_chain_is_a_long_decode_task_with_a_correct_reference():
     first = task.samples(tok, 40, None, 3, 3)
     assert [s.meta for s in first] == [s.meta for s in task.samples(tok, 40, None, 3, 3)]
     for sample in first:
-        ops = re.findall(r"^(\d+): ([+*r]+)(\d+)$", sample.context, re.M)
+        ops = re.findall(r"^(\d+): ([-+r]+)(\d+)$", sample.context, re.M)
         x = int(re.search(r"x = (\d+)\.", sample.context).group(1))
         results = []
         for k, (step, op, arg) in enumerate(ops, 1):
@@ -149,7 +149,7 @@ def test_arith_chain_is_a_long_decode_task_with_a_correct_reference():
                 assert k - 8 <= int(arg) < k  # refers back to a recent result
                 results.append((prev + results[int(arg) - 1]) % 100)
             else:
-                results.append((prev + int(arg) if op == "+" else prev * int(arg)) % 100)
+                results.append((prev + int(arg) if op == "+" else prev - int(arg)) % 100)
         assert len(results) == 40 and sample.answer == results[-1]
         solution = sample.meta["solution"]
         assert len(tok(solution).input_ids) > len(tok(sample.context).input_ids)  # the chain outgrows the prompt
@@ -157,3 +157,10 @@ def test_arith_chain_is_a_long_decode_task_with_a_correct_reference():
         assert task.score(sample, solution) == 1.0
         assert task.score(sample, solution.replace(f"Answer: {sample.answer}", "Answer: 100")) == 0.0
         assert task.score(sample, "no answer here") == 0.0
+
+
+def test_needles_go_to_sentence_ends_never_inside_a_word():
+    text = "Alpha beta gamma. Delta epsilon. Zeta eta."
+    assert insert_at(text, [(0.05, "N.")]) == " N. " + text  # no sentence ends before the depth: the start
+    assert insert_at(text, [(0.6, "N.")]) == "Alpha beta gamma. N.  Delta epsilon. Zeta eta."
+    assert insert_at(text, [(1.0, "N.")]) == text + " N. "

@@ -9,7 +9,12 @@ A row is one of:
   between L/2 and L - 64, followed by its answer and ``</s>``; the rest of the row is essay text;
 * arithmetic chains (the harness's ``arith``: prompt, ``Work:``, the reference working ``meta["solution"]``,
   ``</s>``), packed one after another, the rest essay text;
-* essay text (plain language modelling on the training split).
+* dense recall: facts in the tasks' own sentence forms (magic numbers, colours of numbers, values of letters, a
+  pass key) among noise sentences, each restated or asked again later in the row, at every distance, with the
+  recalled value as answer. A retrieval row has one answer; a recall row has dozens, so retrieval heads get a
+  gradient from every row (MQAR-style associative recall). It also fills the rest of task and arith rows;
+* essay text (plain language modelling on the training split), kept to a small share: the training split is only
+  165K tokens, so every essay row is another epoch over it.
 
 Per token the batch carries ``answer`` (True on the answer/working tokens and their ``</s>``) and ``lm_weight`` (the
 weight of the token in the language-modelling term: 1 on essay text, ``prompt_weight`` on task prompts, 0 on answer
@@ -30,12 +35,16 @@ from pathlib import Path
 import torch
 
 from sparsekv.eval.base import EvalError, TaskOptions, data_dir, encode
+from sparsekv.eval.synthetic import COLOURS, KEY_WORDS, NOISE, magic_needle, magic_question
 from sparsekv.eval.tasks import get_task
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 RETRIEVAL = ("passkey", "multikey", "vartrack", "2stage")
-KINDS = RETRIEVAL + ("arith", "essays")
-DEFAULT_MIX = {"passkey": 0.2, "multikey": 0.2, "vartrack": 0.1, "2stage": 0.2, "arith": 0.15, "essays": 0.15}
+KINDS = RETRIEVAL + ("arith", "recall", "essays")
+DEFAULT_MIX = {"passkey": 0.15, "multikey": 0.15, "vartrack": 0.1, "2stage": 0.2, "arith": 0.2, "recall": 0.15,
+               "essays": 0.05}
+RECALL_INTRO = "Memorize the facts hidden in the following text. Some of them are asked again later.\n"
+NOISE_SENTENCES = tuple(" " + x.strip() + "." for x in NOISE.split(".") if x.strip())
 ANSWER_RESERVE = 64  # tokens left after a retrieval prompt for its answer and </s>
 ARITH_MIN_STEPS, ARITH_MAX_STEPS = 8, 96
 
@@ -82,7 +91,7 @@ def tokenizer_corpus(essays: list[Path], samples_per_task: int = 24, seed: int =
 
     byte_tok = byte_tokenizer()
     texts = [read_essay(f) for f in essays]
-    for name in KINDS[:-1]:
+    for name in RETRIEVAL + ("arith",):
         task = get_task(name, TaskOptions())
         length = 24 if name == "arith" else 2048
         for s in task.samples(byte_tok, length, 0.5, f"tokenizer{seed}", samples_per_task):
@@ -161,7 +170,7 @@ class Mixture:
             self.buckets.append(length)
             length *= 2
         self.buckets.append(context)
-        self.tasks = {name: get_task(name, TaskOptions()) for name in KINDS[:-1]}
+        self.tasks = {name: get_task(name, TaskOptions()) for name in RETRIEVAL + ("arith",)}
 
     def row_length(self, index: int) -> int:
         rng = random.Random(f"{self.seed}:length:{index}")
@@ -182,14 +191,17 @@ class Mixture:
                 "kind": kinds, "index": index}
 
     def row(self, kind: str, length: int, seed: str, rng: random.Random) -> Doc:
-        """One row of exactly ``length`` tokens: the task documents of ``kind``, then essay text."""
+        """One row of exactly ``length`` tokens: the task documents of ``kind``, then a recall document (essay
+        rows: essay text only)."""
+        if kind == "essays":
+            return self._essay(length, rng)
         docs = []
         if kind in RETRIEVAL:
             docs.append(self._retrieval(kind, length, seed, rng))
         elif kind == "arith":
             docs = self._arith(length, seed, rng)
         used = sum(len(d.ids) for d in docs)
-        docs.append(self._essay(length - used, rng, start_doc=bool(docs)))
+        docs.append(self._recall(length - used, rng))
         return Doc([t for d in docs for t in d.ids], [a for d in docs for a in d.answer],
                    [w for d in docs for w in d.lm_weight])
 
@@ -231,14 +243,86 @@ class Mixture:
         sample = self.tasks["arith"].samples(self.tokenizer, steps, None, seed, 1)[0]
         return task_doc(self.tokenizer, "arith", sample, self.prompt_weight)
 
-    def _essay(self, n: int, rng: random.Random, start_doc: bool) -> Doc:
-        """``n`` tokens of essay text from a random offset; after a task document it starts with ``<s>``."""
-        if n <= 0:
-            return Doc([], [], [])
+    def _essay(self, n: int, rng: random.Random) -> Doc:
+        """``n`` tokens of essay text from a random offset."""
         start = rng.randint(0, len(self.essay_ids) - n)
-        ids = ([self.tokenizer.bos_token_id] + self.essay_ids[start:start + n - 1]) if start_doc else \
-            self.essay_ids[start:start + n]
-        return Doc(ids, [False] * n, [0.0 if start_doc else 1.0] + [1.0] * (n - 1))
+        return Doc(self.essay_ids[start:start + n], [False] * n, [1.0] * n)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _recall(self, n: int, rng: random.Random) -> Doc:
+        """``n`` tokens of dense recall: ``<s>``, an intro, then noise sentences, new facts and recalls of earlier
+        facts (a restatement or the harness's question, the value being the answer). Every value is random, so a
+        recalled one can only be predicted by finding its fact. Each part is tokenized on its own (parts start
+        with a space or a newline, which the pre-tokenizer splits at anyway)."""
+        ids = [self.tokenizer.bos_token_id] + self._encode(RECALL_INTRO)
+        answer, weight = [False] * len(ids), [0.0] + [self.prompt_weight] * (len(ids) - 1)
+        facts, used, letters = [], set(), []
+        while len(ids) < n:
+            r = rng.random()
+            if facts and r < 0.3:
+                parts = rng.choice(rng.choice(facts)[1])
+            elif r < 0.55:
+                statement, recalls = _new_fact(rng, used, letters)
+                facts.append((statement, recalls))
+                parts = [(statement, "")]
+            else:
+                parts = [(rng.choice(NOISE_SENTENCES), "")]
+            for text, value in parts:
+                for piece, is_answer in ((text, False), (value, True)):
+                    if piece:
+                        t = self._encode(piece)
+                        ids += t
+                        answer += [is_answer] * len(t)
+                        weight += [0.0 if is_answer else self.prompt_weight] * len(t)
+        return Doc(ids[:n], answer[:n], weight[:n])
+
+
+def _new_fact(rng: random.Random, used: set, letters: list) -> tuple[str, list[list[tuple[str, str]]]]:
+    """A new fact of a recall document: (its statement, its recall forms); a recall form is a list of (prompt text,
+    answer text) parts. Keys are unique within the document (``used``); ``letters`` collects the (letter, value)
+    facts so far. Sentence forms are the harness's
+    (``sparsekv.eval.synthetic``): magic numbers (multikey), colours of numbers and values of letters (2stage,
+    with the sum of two letters as a second hop), the pass key."""
+    r = rng.random()
+    if r < 0.35:
+        key = rng.choice(KEY_WORDS) if rng.random() < 0.5 else "".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
+                                                                       for _ in range(rng.randint(4, 8)))
+        if key not in used:
+            used.add(key)
+            value = f" {rng.randint(1_000_000, 9_999_999)}"
+            prefix = magic_needle(key, 0)[:-len(" 0.")]
+            return (" " + magic_needle(key, value.strip()),
+                    [[(" " + prefix, value), (".", "")], [(magic_question(key), value), (".", "")]])
+    elif r < 0.65:
+        number = rng.randint(20, 998)
+        if ("n", number) not in used:
+            used.add(("n", number))
+            colour = " " + rng.choice(COLOURS)
+            return (f" The color of number {number} is{colour}.",
+                    [[(f" The color of number {number} is", colour), (".", "")],
+                     [(f"\nQuestion: What is the color of the number {number}? Answer: The color of the number "
+                       f"{number} is", colour), (".", "")]])
+    elif r < 0.9:
+        letter = rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+        if letter not in used:
+            used.add(letter)
+            value = rng.randint(10, 499)
+            recalls = [[(f" The value of {letter} is", f" {value}"), (".", "")],
+                       [(f"\nQuestion: What is the value of {letter}? Answer: The value of {letter} is",
+                         f" {value}"), (".", "")]]
+            for other, other_value in letters:
+                recalls.append([(f"\nQuestion: What is {other} + {letter}? Answer: {other} + {letter} is",
+                                 f" {other_value + value}"), (".", "")])
+            letters.append((letter, value))
+            return (f" The value of {letter} is {value}.", recalls)
+    elif "pass key" not in used:
+        used.add("pass key")
+        key = rng.randint(1, 50000)
+        return (f" The pass key is {key}. Remember it. {key} is the pass key.",
+                [[("\nWhat is the pass key? The pass key is", f" {key}"), (".", "")]])
+    return _new_fact(rng, used, letters)  # the key was taken: draw again
 
 
 def tokenize_essays(tokenizer, files: list[Path]) -> list[int]:

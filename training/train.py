@@ -71,10 +71,10 @@ MAX_PARAMS = 20_000_000
 MAX_BYTES = 40_000_000  # as bf16 safetensors
 
 # Tunables: the default run, and the dry run's tiny config. Options given on the command line win over both.
-DEFAULTS = dict(vocab=4096, context=9216, min_len=1024, steps=1500, tokens_per_step=131072, curriculum=0.3,
-                lr=2e-3, min_lr_ratio=0.1, warmup=100, weight_decay=0.1, clip=1.0, prompt_weight=0.1,
+DEFAULTS = dict(vocab=4096, context=9216, min_len=512, steps=6000, tokens_per_step=65536, curriculum=0.5,
+                lr=2e-3, min_lr_ratio=0.1, warmup=200, weight_decay=0.1, clip=1.0, prompt_weight=0.1,
                 answer_weight=1.0, layers=8, hidden=384, heads=6, kv_heads=2, ffn=1024, rope_theta=500000.0,
-                held_out=4, eval_every=500, eval_lengths=[4096, 8192], arith_steps=[16, 32, 64], eval_samples=5,
+                held_out=4, eval_every=2000, eval_lengths=[4096, 8192], arith_steps=[16, 32, 64], eval_samples=5,
                 log_every=10, workers=None, checkpoint_every=250)
 DRY_RUN = dict(vocab=512, context=1024, min_len=512, steps=4, tokens_per_step=2048, warmup=1, layers=2, hidden=64,
                heads=4, kv_heads=2, ffn=128, eval_every=2, eval_lengths=[1024], arith_steps=[4], eval_samples=1,
@@ -92,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="autocast dtype of training (weights and optimizer stay float32); auto: bfloat16 on CUDA")
     p.add_argument("--dry-run", action="store_true", help="tiny config for a CPU check of the whole pipeline")
+    p.add_argument("--evaluate-only", action="store_true",
+                   help="no training: rerun the final evaluation of the model saved in --out (e.g. with more "
+                        "--eval-samples than fitted the training command) and update its model card")
     p.add_argument("--max-minutes", type=float, help="stop training after this many minutes, then evaluate and save")
     p.add_argument("--train-minutes", type=float,
                    help="fit training into this many minutes: after --calibrate-steps the step count (at most "
@@ -308,6 +311,8 @@ def main(argv=None) -> int:
     """Returns 0 when the model is saved, 3 when ``--session-minutes`` ended this process before the last step
     (rerun the same command to continue)."""
     args = parse_args(argv)
+    if args.evaluate_only:
+        return evaluate_saved(args)
     started = time.time()
     out = Path(args.out)
     ckpt = Checkpoint(Path(args.checkpoint_dir or REPO_ROOT / ".train" / out.name))
@@ -379,17 +384,7 @@ def main(argv=None) -> int:
 
     out.mkdir(parents=True, exist_ok=True)
     final = eval_copy()
-    t0 = time.perf_counter()
-    print("final evaluation (dense, bf16 weights as saved)")
-    shutil.rmtree(out / "eval" / "final", ignore_errors=True)  # records of other weights must not be resumed
-    scores = evaluate(final, tokenizer, eval_plan(args, final=True), out / "eval" / "final", out.name)
-    held_ids = tokenize_essays(tokenizer, held_files)
-    ppl_window = min(args.context, 4096)
-    ppl = perplexity(final, held_ids, ppl_window, device, lambda: torch.autocast(device.type, enabled=False)) \
-        if held_files else None
-    eval_s = time.perf_counter() - t0
-    if ppl is not None:
-        print(f"held-out essay perplexity {ppl:.2f} ({len(held_ids)} tokens, windows of {ppl_window})")
+    results = final_evaluation(args, final, tokenizer, out, held_files)
 
     final.generation_config.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     final.save_pretrained(out)
@@ -405,19 +400,63 @@ def main(argv=None) -> int:
     record = {"args": vars(args), "argv": sys.argv[1:] if argv is None else list(argv),
               "git_commit": _git_commit(), "device": _device_name(device), "torch": torch.__version__,
               "python": platform.python_version(), "params": params, "safetensors_bytes": size,
-              "train_s": round(progress["train_s"], 1), "eval_s": round(eval_s, 1), "total_s": round(total_s, 1),
+              "train_s": round(progress["train_s"], 1), "total_s": round(total_s, 1),
               "sessions": progress["sessions"], "steps_done": progress["stopped"] or progress["total"],
               "stopped_early": progress["stopped"] is not None, "tokens": progress["tokens"],
               "tokenizer_vocab": len(tokenizer), "held_out": [f.name for f in held_files],
-              "train_essays": len(train_files), "essay_tokens": len(essay_ids), "held_out_tokens": len(held_ids),
-              "perplexity": ppl, "perplexity_window": ppl_window, "scores": scores,
+              "train_essays": len(train_files), "essay_tokens": len(essay_ids), **results,
               "periodic_evals": progress["evals"]}
     (out / "training_args.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     (out / "README.md").write_text(model_card(record, final.config))
     if args.pack:
         print("packed into " + ", ".join(str(p) for p in pack(out, Path(args.pack))))
     print(f"saved {out} ({size / 1e6:.1f} MB weights); train {progress['train_s'] / 60:.1f} min, eval "
-          f"{eval_s / 60:.1f} min, whole run {total_s / 60:.1f} min in {progress['sessions']} session(s)")
+          f"{results['eval_s'] / 60:.1f} min, whole run {total_s / 60:.1f} min in {progress['sessions']} session(s)")
+    return 0
+
+
+def final_evaluation(args, model, tokenizer, out: Path, held_files: list[Path]) -> dict:
+    """The model card's evaluation of ``model`` (bf16, eval mode): the harness's final plan (records in
+    ``out/eval/final``) and the held-out essay perplexity. Returns the record's fields ``scores``, ``perplexity``,
+    ``perplexity_window``, ``held_out_tokens`` and ``eval_s``."""
+    t0 = time.perf_counter()
+    print("final evaluation (dense, bf16 weights as saved)")
+    shutil.rmtree(out / "eval" / "final", ignore_errors=True)  # records of other weights must not be resumed
+    scores = evaluate(model, tokenizer, eval_plan(args, final=True), out / "eval" / "final", out.name)
+    held_ids = tokenize_essays(tokenizer, held_files)
+    window = min(args.context, 4096)
+    device = next(model.parameters()).device
+    ppl = perplexity(model, held_ids, window, device, lambda: torch.autocast(device.type, enabled=False)) \
+        if held_files else None
+    if ppl is not None:
+        print(f"held-out essay perplexity {ppl:.2f} ({len(held_ids)} tokens, windows of {window})")
+    return {"scores": scores, "perplexity": ppl, "perplexity_window": window, "held_out_tokens": len(held_ids),
+            "eval_s": round(time.perf_counter() - t0, 1)}
+
+
+def evaluate_saved(args) -> int:
+    """``--evaluate-only``: the final evaluation of the model saved in ``--out`` (with ``--eval-samples``,
+    ``--eval-lengths``, ``--arith-steps`` of this command), written into its ``training_args.json`` and model
+    card; the training record is kept. For a run whose own final evaluation was kept small to fit a time limit."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(args.out)
+    record_path = out / "training_args.json"
+    if not record_path.exists():
+        raise SystemExit(f"--evaluate-only: {record_path} not found; --out must be a folder saved by this script")
+    record = json.loads(record_path.read_text())
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.bfloat16).to(device).eval()
+    _, held_files = split_essays(essays_dir(args.essays), record["args"]["held_out"])
+    args.context = record["args"]["context"]
+    record.update(final_evaluation(args, model, tokenizer, out, held_files))
+    record["final_eval_argv"] = sys.argv[1:]
+    record_path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    (out / "README.md").write_text(model_card(record, model.config))
+    if args.pack:
+        print("packed into " + ", ".join(str(p) for p in pack(out, Path(args.pack))))
     return 0
 
 
@@ -575,7 +614,10 @@ def model_card(rec: dict, config) -> str:
         f"min, whole run {rec['total_s'] / 60:.1f} min in {rec['sessions']} session(s); torch {rec['torch']}.", "",
         "## Dense accuracy", "",
         "The harness (`sparsekv eval`, method dense, greedy, the question fed token by token, seed 0) on the saved "
-        "bf16 weights. Lengths are prompt tokens (arith: step counts). Records in `eval/final/`.", "",
+        "bf16 weights. Lengths are prompt tokens (arith: step counts). Records in `eval/final/`."
+        + (f" Evaluated after training by `python -m training.train {' '.join(rec['final_eval_argv'])}`, "
+           f"{rec['args']['eval_samples']} samples per cell in the training command, more here."
+           if rec.get("final_eval_argv") else ""), "",
     ]
     lengths = sorted({length for s in rec["scores"].values() for length in s})
     lines += ["| task | " + " | ".join(str(n) for n in lengths) + " |", "| --- |" + " --- |" * len(lengths)]

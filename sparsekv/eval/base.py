@@ -148,14 +148,13 @@ def fit_length(tokenizer, target: int, render: Callable[[int], Sample]) -> Sampl
 
 def insert_at(text: str, needles: list[tuple[float, str]]) -> str:
     """``text`` with each ``(depth, needle)`` inserted at that depth (0 = start, 1 = end), moved back to the end of
-    a sentence where there is one, as the needle-in-a-haystack test does. Needles at equal depths keep their
-    order."""
+    a sentence, or to the start when no sentence ends before it (never inside a word), as the needle-in-a-haystack
+    test does. Needles at equal depths keep their order."""
     cuts = []
     for depth, needle in needles:
         cut = int(round(depth * len(text)))
         if 0 < cut < len(text):
-            period = text.rfind(". ", 0, cut)
-            cut = period + 1 if period >= 0 else cut
+            cut = text.rfind(". ", 0, cut) + 1
         cuts.append(cut)
     out, prev = [], 0
     for cut, (_, needle) in sorted(zip(cuts, needles), key=lambda x: x[0]):

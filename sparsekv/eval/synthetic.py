@@ -73,11 +73,11 @@ class Passkey(_Synthetic):
         return float(parse_first_int(prediction) == sample.answer)
 
 
-def _magic_needle(key: str, value: int) -> str:
+def magic_needle(key: str, value: int) -> str:
     return f"One of the special magic numbers for {key} is: {value}."
 
 
-def _magic_question(key: str) -> str:
+def magic_question(key: str) -> str:
     return (f"\nWhat is the special magic number for {key} mentioned in the provided text? "
             f"The special magic number for {key} mentioned in the provided text is")
 
@@ -106,8 +106,8 @@ class Niah(_Synthetic):
 
     def render(self, rng, filler, n, depth):
         key, value = rng.choice(KEY_WORDS), rng.randint(1_000_000, 9_999_999)
-        context = _MAGIC_INTRO + insert_at(filler.take(n), [(depth, _magic_needle(key, value))])
-        return Sample(context, _magic_question(key), [str(value)], self.new_tokens(), {"key": key})
+        context = _MAGIC_INTRO + insert_at(filler.take(n), [(depth, magic_needle(key, value))])
+        return Sample(context, magic_question(key), [str(value)], self.new_tokens(), {"key": key})
 
 
 class MultiKey(_Synthetic):
@@ -118,10 +118,10 @@ class MultiKey(_Synthetic):
     def render(self, rng, filler, n, depth):
         keys = rng.sample(KEY_WORDS, self.num_keys)
         values = [rng.randint(1_000_000, 9_999_999) for _ in keys]
-        needles = [(rng.random(), _magic_needle(k, v)) for k, v in zip(keys, values)]
+        needles = [(rng.random(), magic_needle(k, v)) for k, v in zip(keys, values)]
         asked = rng.randrange(self.num_keys)
         context = _MAGIC_INTRO + insert_at(filler.take(n), needles)
-        return Sample(context, _magic_question(keys[asked]), [str(values[asked])], self.new_tokens(),
+        return Sample(context, magic_question(keys[asked]), [str(values[asked])], self.new_tokens(),
                       {"key": keys[asked], "needle_depth": round(needles[asked][0], 3)})
 
 
@@ -169,7 +169,9 @@ class TwoStage(_Synthetic):
 
 class ArithChain(Task):
     """``lengths`` here are step counts. Step k applies the k-th operation of the prompt modulo 100: ``+a``,
-    ``*a``, or ``+rj`` (add the result of an earlier step j, at most ``reach`` steps back). The model writes
+    ``-a``, or ``+rj`` (add the result of an earlier step j, at most ``reach`` steps back). Addition and
+    subtraction, not multiplication: a step must be exact 64 times in a row, and a small model learns carries,
+    not a 10,000-entry product table; what the task measures is the retrieval of operations and results. The model writes
     ``k: <previous> <op> <operand> = <result>`` per line and ends with ``Answer: <final>``; the score is 1 when
     the final answer is right. ``meta["solution"]`` holds the reference working (training data for the project's
     own model)."""
@@ -188,7 +190,7 @@ class ArithChain(Task):
             results, ops, lines = [], [], []
             for k in range(1, length + 1):
                 prev = results[-1] if results else x
-                kind = rng.choice("+*r") if k > 2 else rng.choice("+*")
+                kind = rng.choice("+-r") if k > 2 else rng.choice("+-")
                 if kind == "r":
                     j = rng.randint(max(1, k - self.reach), k - 1)
                     ops.append(f"{k}: +r{j}")
@@ -196,7 +198,7 @@ class ArithChain(Task):
                 else:
                     a = rng.randint(2, 99)
                     ops.append(f"{k}: {kind}{a}")
-                    value = (prev + a if kind == "+" else prev * a) % 100
+                    value = (prev + a if kind == "+" else prev - a) % 100
                     shown = f"{prev} {kind} {a}"
                 results.append(value)
                 lines.append(f"{k}: {shown} = {value}")

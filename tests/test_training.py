@@ -161,10 +161,11 @@ def test_recall_answers_are_values_stated_earlier_in_the_row(setup):
     for (start, end), before in zip(spans, text_before):
         value = tok.decode(row.ids[start:end]).strip()
         key_line = before.rsplit("\n", 1)[-1].rsplit(". ", 1)[-1]
-        if "+" in key_line:  # the sum of two letters' values
-            a, b = re.search(r"What is ([A-Z]) \+ ([A-Z])\?", key_line).groups()
-            values = [int(re.search(rf"The value of {x} is (\d+)\.", before).group(1)) for x in (a, b)]
-            assert int(value) == sum(values)
+        if "+" in key_line:  # the sum of two letters' values, or the colour of that sum (two hops)
+            a, b = re.search(r"([A-Z]) \+ ([A-Z])\?", key_line).groups()
+            total = sum(int(re.search(rf"The value of {x} is (\d+)\.", before).group(1)) for x in (a, b))
+            stated = re.search(rf"The color of number {total} is (\w+)\.", before) if "color" in key_line else None
+            assert value == (stated.group(1) if stated else str(total)), (key_line, value)
             continue
         forms = ((r"magic numbers? for (\w+)", r"magic numbers for {} is: (\d+)\."),
                  (r"color of (?:the )?number (\d+)", r"The color of number {} is (\w+)\."),
@@ -247,6 +248,17 @@ def test_dry_run_saves_a_loadable_model(essays, tmp_path):
     assert "| passkey | - | " in card and "Held-out essay perplexity" in card and "essay3.txt" in card
     with torch.no_grad():
         assert model(input_ids=torch.tensor([tokenizer("hi")["input_ids"]])).logits.shape[-1] == len(tokenizer)
+    # A second stage from the saved model, then its card re-evaluated separately.
+    stage2 = tmp_path / "stage2"
+    common = ["--device", "cpu", "--essays", str(essays), "--eval-lengths", "1024", "--arith-steps", "4"]
+    assert train.main(["--out", str(stage2), "--dry-run", "--held-out", "1", "--steps", "1", "--eval-every", "0",
+                       "--checkpoint-dir", str(tmp_path / "ckpt2"), "--init-from", str(out)] + common) == 0
+    assert (stage2 / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()
+    assert train.main(["--out", str(stage2), "--evaluate-only", "--eval-samples", "2"] + common) == 0
+    record = json.loads((stage2 / "training_args.json").read_text())
+    assert record["args"]["init_from"] == str(out) and "--evaluate-only" in record["final_eval_argv"]
+    card = (stage2 / "README.md").read_text()
+    assert "A second stage" in card and "Evaluated after training" in card
 
 
 def _record(method, budget, length, score, kv=1, **extra):

@@ -312,11 +312,20 @@ def _new_fact(rng: random.Random, used: set, letters: list) -> tuple[str, list[l
             recalls = [[(f" The value of {letter} is", f" {value}"), (".", "")],
                        [(f"\nQuestion: What is the value of {letter}? Answer: The value of {letter} is",
                          f" {value}"), (".", "")]]
+            statement = f" The value of {letter} is {value}."
             for other, other_value in letters:
+                total = other_value + value
                 recalls.append([(f"\nQuestion: What is {other} + {letter}? Answer: {other} + {letter} is",
-                                 f" {other_value + value}"), (".", "")])
+                                 f" {total}"), (".", "")])
+                if ("n", total) not in used and rng.random() < 0.5:
+                    # 2stage's second hop: the colour of the sum, stated with the letter and asked by the letters
+                    used.add(("n", total))
+                    colour = " " + rng.choice(COLOURS)
+                    statement += f" The color of number {total} is{colour}."
+                    recalls.append([(f"\nQuestion: What is the color of the number {other} + {letter}? Answer: "
+                                     f"The color of the number {other} + {letter} is", colour), (".", "")])
             letters.append((letter, value))
-            return (f" The value of {letter} is {value}.", recalls)
+            return (statement, recalls)
     elif "pass key" not in used:
         used.add("pass key")
         key = rng.randint(1, 50000)

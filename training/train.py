@@ -111,6 +111,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                  "of at most 15 MiB")
     p.add_argument("--checkpoint-dir", help="the run's working folder, kept between sessions (default "
                                             ".train/<name of --out> in the repository, git-ignored)")
+    p.add_argument("--init-from", metavar="DIR",
+                   help="start from the weights and tokenizer of a model saved by this script (a second training "
+                        "stage; the architecture options must match it) instead of a new tokenizer and random "
+                        "weights")
     p.add_argument("--mix", nargs="+", metavar="KIND=W",
                    help=f"row mixture weights over {', '.join(KINDS)} (default "
                         f"{' '.join(f'{k}={v}' for k, v in DEFAULT_MIX.items())})")
@@ -273,7 +277,7 @@ def perplexity(model, ids: list[int], window: int, device: torch.device, autocas
 
 
 # Options that must not change when a run resumes from its checkpoint (the others: --max-minutes, --workers, ...).
-RESUME_KEYS = ("seed", "vocab", "context", "min_len", "steps", "tokens_per_step", "curriculum", "lr", "min_lr_ratio",
+RESUME_KEYS = ("seed", "init_from", "vocab", "context", "min_len", "steps", "tokens_per_step", "curriculum", "lr", "min_lr_ratio",
                "warmup", "weight_decay", "clip", "prompt_weight", "answer_weight", "layers", "hidden", "heads",
                "kv_heads", "ffn", "rope_theta", "held_out", "mix", "dtype")
 
@@ -312,7 +316,7 @@ def main(argv=None) -> int:
     (rerun the same command to continue)."""
     args = parse_args(argv)
     if args.evaluate_only:
-        return evaluate_saved(args)
+        return evaluate_saved(args, sys.argv[1:] if argv is None else list(argv))
     started = time.time()
     out = Path(args.out)
     ckpt = Checkpoint(Path(args.checkpoint_dir or REPO_ROOT / ".train" / out.name))
@@ -331,7 +335,14 @@ def main(argv=None) -> int:
     train_files, held_files = split_essays(essays_dir(args.essays), args.held_out)
     state = ckpt.load(args)
     if state is None:
-        tokenizer = train_tokenizer(tokenizer_corpus(train_files, seed=args.seed), args.vocab, ckpt.tokenizer_dir)
+        if args.init_from:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(args.init_from, local_files_only=True).save_pretrained(ckpt.tokenizer_dir)
+            tokenizer = AutoTokenizer.from_pretrained(ckpt.tokenizer_dir, local_files_only=True)
+        else:
+            tokenizer = train_tokenizer(tokenizer_corpus(train_files, seed=args.seed), args.vocab,
+                                        ckpt.tokenizer_dir)
         ckpt.log_path.write_text("")
         shutil.rmtree(ckpt.eval_dir, ignore_errors=True)  # the harness would resume from an earlier run's records
     else:
@@ -342,7 +353,14 @@ def main(argv=None) -> int:
     print(f"tokenizer: {len(tokenizer)} tokens, trained on {len(train_files)} essays + generated task text; "
           f"held out: {', '.join(f.name for f in held_files) or 'none'}")
     essay_ids = tokenize_essays(tokenizer, train_files)
-    model = build_model(args, len(tokenizer)).to(device)
+    model = build_model(args, len(tokenizer))
+    if args.init_from and state is None:
+        from transformers import AutoModelForCausalLM
+
+        init = AutoModelForCausalLM.from_pretrained(args.init_from, local_files_only=True, dtype=torch.float32)
+        model.load_state_dict(init.state_dict())  # raises if the architecture options differ from that model's
+        print(f"weights and tokenizer from {args.init_from}")
+    model = model.to(device)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters, {2 * params / 1e6:.1f} MB as bf16; training FLOPs/token "
           f"{flops_per_token(args, args.min_len) / 1e6:.0f}M at {args.min_len} .. "
@@ -434,7 +452,7 @@ def final_evaluation(args, model, tokenizer, out: Path, held_files: list[Path]) 
             "eval_s": round(time.perf_counter() - t0, 1)}
 
 
-def evaluate_saved(args) -> int:
+def evaluate_saved(args, argv: list[str]) -> int:
     """``--evaluate-only``: the final evaluation of the model saved in ``--out`` (with ``--eval-samples``,
     ``--eval-lengths``, ``--arith-steps`` of this command), written into its ``training_args.json`` and model
     card; the training record is kept. For a run whose own final evaluation was kept small to fit a time limit."""
@@ -452,7 +470,7 @@ def evaluate_saved(args) -> int:
     _, held_files = split_essays(essays_dir(args.essays), record["args"]["held_out"])
     args.context = record["args"]["context"]
     record.update(final_evaluation(args, model, tokenizer, out, held_files))
-    record["final_eval_argv"] = sys.argv[1:]
+    record["final_eval_argv"] = argv
     record_path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     (out / "README.md").write_text(model_card(record, model.config))
     if args.pack:
@@ -594,7 +612,9 @@ def model_card(rec: dict, config) -> str:
         f"prompts of that length.", "",
         "## Training", "",
         f"- Command: `{cmd}` at commit `{rec['git_commit']}`; seed {a['seed']} (data, initialisation, sample "
-        f"generation; evaluation samples use the harness's seed 0, training samples their own seeds).",
+        f"generation; evaluation samples use the harness's seed 0, training samples their own seeds)."
+        + (f" A second stage: weights and tokenizer from `{a['init_from']}` (its own card gives its run)."
+           if a.get("init_from") else ""),
         f"- {rec['steps_done']} steps{' (stopped early by --max-minutes)' if rec['stopped_early'] else ''}"
         f"{budget} of "
         f"{a['tokens_per_step']} tokens ({rec['tokens'] / 1e6:.0f}M tokens); AdamW (0.9, 0.95), lr {a['lr']:g}, "

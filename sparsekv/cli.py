@@ -13,7 +13,7 @@ import torch
 from . import apply
 from .eval import cli as eval_cli
 from .methods import METHODS, MethodConfig
-from .models import load_model, make_config, parse_options, resolve_device, resolve_dtype
+from .models import default_model, load_model, make_config, parse_options, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -124,22 +124,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def demo_prompt(tokens: int, seed: int = 0) -> str:
-    """A passkey-retrieval prompt of about ``tokens`` byte tokens: filler text with one number to remember."""
-    import random
-
-    rng = random.Random(seed)
-    key = rng.randint(10000, 99999)
-    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    question = "What is the pass key? The pass key is"
-    reps = max(1, (tokens - len(needle) - len(question)) // len(filler))
-    at = rng.randint(0, reps)
-    return filler * at + needle + filler * (reps - at) + question
-
-
 def cmd_demo(args) -> int:
-    from .tiny import byte_tokenizer, tiny_model
+    from .eval import TaskOptions, get_task
 
     names = [n for n in METHODS if n != "dense"] if args.method == "all" else [args.method]
     configs = []
@@ -147,29 +133,28 @@ def cmd_demo(args) -> int:
         args.method = name
         device, dtype, config = _setup(args, default_budget=256)
         configs.append(config)
-    print("sparsekv demo: no trained model ships yet, so this runs a small RANDOM-WEIGHT Llama (6 layers, GQA 8 "
-          "query / 2 KV heads) with a byte tokenizer. Its text is gibberish; the demo shows the machinery: one long "
-          "prompt decoded densely and with each method, with tokens/s, KV tokens attended per step and cache "
-          "memory. Accuracy needs a trained model.\n")
-    model = tiny_model("llama", layers=6, heads=8, kv_heads=2, head_dim=32, dtype=dtype).to(device)
-    model.generation_config.eos_token_id = None
-    tokenizer = byte_tokenizer()
-    prompt = demo_prompt(args.prompt_tokens)
-    print(f"prompt: {len(tokenizer(prompt).input_ids)} tokens (passkey format); {args.max_new_tokens} new tokens; "
-          f"{device}, {dtype}\n")
-    generate(model, tokenizer, make_config("dense"), prompt[:200], 2)  # warm-up, so timings compare fairly
+    model, tokenizer = load_model(args.model or default_model(), device, dtype)
+    sample = get_task("passkey", TaskOptions()).samples(tokenizer, args.prompt_tokens, 0.5, args.seed, 1)[0]
+    prompt = sample.context + sample.question
+    print(f"sparsekv demo: model {args.model or 'sparsekv-llama-16m (the project-trained default)'}; a pass key "
+          f"hidden mid-way in {len(tokenizer(prompt).input_ids)} prompt tokens (the answer is {sample.answer}); "
+          f"up to {args.max_new_tokens} new tokens; {device}, {dtype}. Each method decodes the same prompt: its "
+          f"answer, speed, KV tokens attended per step and cache memory against dense.\n")
+    generate(model, tokenizer, make_config("dense"), "Warm up.", 2)  # so that timings compare fairly
     dense = generate(model, tokenizer, make_config("dense"), prompt, args.max_new_tokens, seed=args.seed)
-    print("| method | budget | tokens/s | KV tokens attended per layer-head per step | of dense | KV on device (MiB) "
-          "| same tokens as dense |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| method | budget | answer | tokens/s | KV tokens attended per layer-head per step | of dense "
+          "| KV on device (MiB) | same tokens as dense |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for config in [make_config("dense"), *configs]:
         result = dense if config.name == "dense" else generate(
             model, tokenizer, config, prompt, args.max_new_tokens, args.sample, args.temperature, args.top_p,
             args.seed)
         agree = next((i for i, (a, b) in enumerate(zip(dense.tokens, result.tokens)) if a != b), len(dense.tokens))
         s = result.stats
-        print(f"| {config.name} | {getattr(config, 'token_budget', '-')} | {result.tokens_per_second:.1f} | {s['attended_per_head']:.0f} | "
-              f"{100 * s['fraction']:.0f}% | {result.kv_bytes / 2**20:.1f} | first {agree} of {len(dense.tokens)} |")
+        answer = " ".join(result.text.split())[:24]
+        print(f"| {config.name} | {getattr(config, 'token_budget', '-')} | {answer} | "
+              f"{result.tokens_per_second:.1f} | {s['attended_per_head']:.0f} | {100 * s['fraction']:.0f}% | "
+              f"{result.kv_bytes / 2**20:.1f} | first {agree} of {len(dense.tokens)} |")
     print("\nOther fields are each method's defaults (see README, Methods); --method X --opt FIELD=VALUE sets them.")
     return 0
 
@@ -189,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the README's main job: dense vs every method (or --method X) on the default "
                                        "model, budget 256 unless --budget")
     _method_args(demo, "all", ("all",))
-    demo.add_argument("--prompt-tokens", type=int, default=2000)
+    demo.add_argument("--prompt-tokens", type=int, default=4000)
+    demo.add_argument("--model", help="model folder or tiny:<arch> (default: the project's trained model)")
     demo.set_defaults(func=cmd_demo, opt=[], max_new_tokens=48)
 
     eval_cli.add_parser(sub)

@@ -14,6 +14,18 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 TINY_PREFIX = "tiny:"
+# The project's trained model (issue 6), shipped in the repository (not in a wheel): the default of `sparsekv demo`
+# and `sparsekv eval`.
+DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "sparsekv-llama-16m")
+
+
+def default_model() -> str:
+    """The shipped model's folder; a clear error where the package runs without the repository around it."""
+    if not Path(DEFAULT_MODEL, "model.safetensors").is_file():
+        raise FileNotFoundError(f"the default model ships in the repository's models/ folder and is not at "
+                                f"{DEFAULT_MODEL}: install from a clone (pip install -e .) or pass --model DIR "
+                                f"(or --model tiny:llama for a random-weight model)")
+    return DEFAULT_MODEL
 
 
 def resolve_dtype(name: str | None) -> torch.dtype | None:

@@ -61,11 +61,26 @@ def test_make_config_errors():
         make_config("dense", 64)
 
 
-def test_demo_runs_every_method_and_says_the_model_is_random(capsys):
+def test_demo_runs_every_method_on_the_shipped_model(capsys):
+    """The README's main job: the project's trained model finds the pass key densely, and every method runs."""
+    import re
+
     from sparsekv.methods import METHODS
 
-    assert main(["demo", "--prompt-tokens", "300", "--max-new-tokens", "4", "--budget", "64"]) == 0
+    assert main(["demo", "--prompt-tokens", "1000", "--max-new-tokens", "8", "--budget", "64"]) == 0
     out = capsys.readouterr().out
-    assert "RANDOM-WEIGHT" in out and "| dense | - |" in out
+    key = re.search(r"the answer is (\d+)", out).group(1)
+    assert f"| dense | - | {key}. |" in out
     for name in METHODS:
         assert f"| {name} |" in out
+
+
+def test_demo_on_a_tiny_model_and_a_missing_default(capsys, monkeypatch):
+    from sparsekv import models
+
+    assert main(["demo", "--model", "tiny:llama", "--method", "quest", "--prompt-tokens", "300",
+                 "--max-new-tokens", "2"]) == 0
+    assert "| quest | 256 |" in capsys.readouterr().out
+    monkeypatch.setattr(models, "DEFAULT_MODEL", "/nonexistent/model")
+    with pytest.raises(FileNotFoundError, match="pip install -e"):
+        models.default_model()

@@ -155,13 +155,14 @@ def test_cli_reports_errors(tmp_path, capsys):
 
 
 def test_cli_runs_default_model(tmp_path, capsys):
-    status = main(["--task", "passkey", "--methods", "dense", "--lengths", "300", "--depths", "0.5", "--limit", "1",
-                   "--max-new-tokens", "2", "--out", str(tmp_path), "--no-progress", "--no-plots"])
+    status = main(["--task", "passkey", "--methods", "dense", "--lengths", "600", "--depths", "0.5", "--limit", "1",
+                   "--out", str(tmp_path), "--no-progress", "--no-plots"])
     assert status == 0
     out = capsys.readouterr().out
-    assert "tiny random-weight model" in out
+    assert "the project's trained model" in out
     rec, = [json.loads(line) for line in (tmp_path / RESULTS).read_text().splitlines()]
-    assert rec["model"] == "tiny:llama" and rec["task"] == "passkey"
+    assert rec["model"].endswith("models/sparsekv-llama-16m") and rec["task"] == "passkey"
+    assert rec["score"] == 1.0  # the trained model retrieves the pass key
 
 
 def test_chat_template_keeps_the_question_for_the_decode_path():

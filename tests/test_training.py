@@ -318,3 +318,21 @@ def test_train_minutes_ends_the_schedule_early(essays, tmp_path):
     assert record["steps_done"] == 1
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1] and log[0]["lr"] == pytest.approx(train.DRY_RUN.get("lr", 2e-3))
+
+
+def test_accuracy_tables_in_parallel_parts_match_one_process(tmp_path):
+    """--jobs splits the grids into (grid, method) parts run by processes of their own; the merged results hold
+    the same runs and scores as one process makes."""
+    from training import accuracy_tables as at
+
+    common = ["--model", "tiny:llama", "--grids", "passkey", "2stage", "--methods", "dense", "quest", "--budgets",
+              "32", "--lengths", "1024", "--depths", "0.5", "--samples", "1", "--no-plots", "--device", "cpu"]
+    assert at.main(common + ["--out", str(tmp_path / "one")]) == 0
+    assert at.main(common + ["--out", str(tmp_path / "par"), "--jobs", "2"]) == 0
+    for grid in ("passkey", "2stage"):
+        one, par = (sorted((r["key"], r["score"]) for r in at.read_results(tmp_path / d / grid / at.RESULTS))
+                    for d in ("one", "par"))
+        assert one == par and len(one) == (2 if grid == "passkey" else 4)
+        assert not (tmp_path / "par" / grid / "parts").exists()
+    with pytest.raises(SystemExit):
+        at.parse_args(["--model", "x", "--jobs", "0"])

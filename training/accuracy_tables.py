@@ -60,7 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--no-plots", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="processes that run the grids' (grid, method) parts side by side on the same device "
+                        "(default 1: one process, grids in turn)")
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    return args
 
 
 def grid_specs(args) -> dict[str, EvalSpec]:
@@ -219,14 +225,53 @@ def write_readme(args, specs: dict[str, EvalSpec], argv: list[str]) -> Path:
     return path
 
 
+def _run_part(spec: EvalSpec) -> str:
+    """One (grid, method) part in a process of its own (``--jobs``)."""
+    run_eval(spec, loaded=load_model(spec.model, spec.dtype, spec.device), log=lambda *_: None, progress=False)
+    return spec.out
+
+
+def run_parallel(specs: dict[str, EvalSpec], jobs: int) -> None:
+    """Every grid split into one part per method, run by ``jobs`` processes, each into ``<grid>/parts/<i>/``, then
+    merged into the grid's results.jsonl. The harness decodes batch 1 in an eager loop bound by host time, so
+    processes sharing one GPU multiply the throughput. Parts resume like whole grids."""
+    import concurrent.futures
+    import dataclasses
+    import json
+    import multiprocessing
+    import shutil
+
+    # The longest grids first, so that the pool ends evenly.
+    order = {"arith": 0, "passkey": 1, "memory": 2, "2stage": 3, "recall": 4}
+    parts = [dataclasses.replace(spec, methods=[m], out=str(Path(spec.out) / "parts" / str(i)), plots=False)
+             for name, spec in sorted(specs.items(), key=lambda kv: order[kv[0]]) for i, m in enumerate(spec.methods)]
+    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in forked children
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        for done in pool.map(_run_part, parts):
+            print(f"part done: {done}", flush=True)
+    for spec in specs.values():
+        path = Path(spec.out) / RESULTS
+        path.parent.mkdir(parents=True, exist_ok=True)
+        have = {r["key"] for r in read_results(path)}
+        with open(path, "a", encoding="utf-8") as f:
+            for part in sorted((Path(spec.out) / "parts").glob(f"*/{RESULTS}")):
+                for record in read_results(part):
+                    if record["key"] not in have:
+                        have.add(record["key"])
+                        f.write(json.dumps(record, default=str) + "\n")
+        shutil.rmtree(Path(spec.out) / "parts")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     specs = grid_specs(args)
+    if args.jobs > 1:
+        run_parallel(specs, args.jobs)
     loaded = load_model(args.model, args.dtype, args.device)
     for name, spec in specs.items():
         print(f"== {name}: {eval_command(spec)}", flush=True)
-        run_eval(spec, loaded=loaded)
+        run_eval(spec, loaded=loaded)  # after --jobs: every run is done, this writes the grid's report
     print(f"wrote {write_readme(args, specs, argv)}")
     return 0
 

@@ -298,7 +298,8 @@ class Checkpoint:
         if not self.state_path.exists():
             return None
         state = torch.load(self.state_path, map_location="cpu", weights_only=False)
-        changed = {k: (state["args"][k], getattr(args, k)) for k in RESUME_KEYS if state["args"][k] != getattr(args, k)}
+        changed = {k: (state["args"].get(k), getattr(args, k)) for k in RESUME_KEYS
+                   if state["args"].get(k) != getattr(args, k)}
         if changed:
             diff = ", ".join(f"--{k.replace('_', '-')} {a} then, {b} now" for k, (a, b) in changed.items())
             raise SystemExit(f"{self.state_path} was made with other options ({diff}); use the same options, or "

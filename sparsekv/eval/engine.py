@@ -18,9 +18,6 @@ from ..methods.base import MethodConfig
 from .base import EvalError, Sample, encode
 from .recall import RecallConfig
 
-DEFAULT_MODEL = models.TINY_PREFIX + "llama"
-
-
 @dataclass
 class LoadedModel:
     model: object
@@ -34,12 +31,11 @@ class LoadedModel:
 
 def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", log=print) -> LoadedModel:
     """``spec``: a local model folder (``from_pretrained``, no downloads) or ``tiny:<arch>`` (a random-weight model
-    from ``sparsekv.tiny`` with the byte tokenizer). None: the project's default model, for now ``tiny:llama``."""
-    if spec is None:
-        spec = DEFAULT_MODEL
-        log(f"no --model given: using the default model {DEFAULT_MODEL}, a tiny random-weight model whose scores "
-            f"are meaningless except for comparing code paths")
+    from ``sparsekv.tiny`` with the byte tokenizer). None: the project's trained model (``models.DEFAULT_MODEL``)."""
     try:
+        if spec is None:
+            spec = models.default_model()
+            log(f"no --model given: using the project's trained model {spec}")
         model, tokenizer = models.load_model(spec, models.resolve_device(device), models.resolve_dtype(dtype))
     except (ValueError, FileNotFoundError) as err:
         raise EvalError(f"--model {spec}: {err}") from None

@@ -275,11 +275,16 @@ def test_claim_checks_report_contradictions():
     assert "**consistent**" in at.retrieval_claim(good, "quest", "Quest", "c")
     bad = good + [_record("tova", 32, 4096, 1.0)]
     assert "**CONTRADICTS**" in at.retrieval_claim(bad, "quest", "Quest", "c")
-    memory = [_record(m, b, n, 1.0, kv) for m, b, n, kv in (
-        ("dense", None, 16, 100), ("dense", None, 64, 300), ("quest", 256, 16, 100), ("quest", 256, 64, 300),
-        ("raas", 256, 16, 100), ("raas", 256, 64, 104))]
-    [line] = at.raas_claims(None, memory)
-    assert "**consistent**" in line and "raas 1.04x" in line
+    hopeless = [dict(r, score=0.0) for r in good]
+    assert "**not tested**" in at.retrieval_claim(hopeless, "quest", "Quest", "c")
+    # Decode tokens resident = bytes / 100 - prompt tokens (prompts of 10 and 40 tokens).
+    memory = [_record(m, b, n, 1.0, kv, prompt_tokens=p) for m, b, n, kv, p in (
+        ("dense", None, 16, 3000, 10), ("dense", None, 64, 12000, 40), ("quest", 256, 16, 3000, 10),
+        ("quest", 256, 64, 12000, 40), ("raas", 256, 16, 27000, 10), ("raas", 256, 64, 30000, 40))]
+    [line] = at.raas_claims(None, memory, token_bytes=100)
+    assert "**consistent**" in line and "raas 16: 260, 64: 260" in line and "dense 16: 20, 64: 80" in line
+    memory[-1]["kv_resident_bytes"] = 60000  # RaaS's decode part doubles: not flat
+    assert "**CONTRADICTS**" in at.raas_claims(None, memory, token_bytes=100)[0]
 
 
 def test_accuracy_tables_smoke(tmp_path):
@@ -287,13 +292,15 @@ def test_accuracy_tables_smoke(tmp_path):
     from training import accuracy_tables as at
 
     out = tmp_path / "acc"
+    out.mkdir()
+    (out / "NOTES.md").write_text("## Reading the tables (by hand)\n")
     assert at.main(["--model", "tiny:llama", "--out", str(out), "--grids", "passkey", "arith", "memory", "recall",
                     "--methods", "dense", "quest", "raas", "--budgets", "32", "--lengths", "300", "--depths", "0.5",
                     "--samples", "1", "--arith-steps", "2", "--arith-samples", "1", "--memory-steps", "1", "3",
                     "--memory-budget", "32", "--recall-length", "300", "--recall-budgets", "32", "--recall-samples",
                     "1", "--no-plots"]) == 0
     readme = (out / "README.md").read_text()
-    for section in ("## passkey", "## arith", "## memory", "## recall", "## The papers' claims"):
+    for section in ("## passkey", "## arith", "## memory", "## recall", "## The papers' claims", "(by hand)"):
         assert section in readme
     assert "sparsekv eval --task passkey --methods dense quest raas --budgets 32" in readme
     assert "| raas @32 | 3 |" in readme and "- Quest" in readme and "- RaaS (KV memory" in readme
@@ -334,5 +341,9 @@ def test_accuracy_tables_in_parallel_parts_match_one_process(tmp_path):
                     for d in ("one", "par"))
         assert one == par and len(one) == (2 if grid == "passkey" else 4)
         assert not (tmp_path / "par" / grid / "parts").exists()
+    # A rerun finds every run done, in one process or in parts.
+    before = (tmp_path / "par" / "passkey" / at.RESULTS).read_text()
+    assert at.main(common + ["--out", str(tmp_path / "par"), "--jobs", "2"]) == 0
+    assert (tmp_path / "par" / "passkey" / at.RESULTS).read_text() == before
     with pytest.raises(SystemExit):
         at.parse_args(["--model", "x", "--jobs", "0"])

@@ -624,8 +624,9 @@ def model_card(rec: dict, config) -> str:
         f"- Rows of {a['min_len']} to {a['context']} tokens, the longest length allowed doubling over the first "
         f"{a['curriculum']:.0%} of the steps. Row mixture: {mix}. Task rows are drawn by the harness's own "
         f"generators (`sparsekv.eval.synthetic`) at prompt lengths of L/2 to L - 64 with the answer and `</s>` "
-        f"after the question, the rest of the row essay text; arith rows pack chains of "
-        f"8-96 steps with the reference working as target.",
+        f"after the question, the rest of the row a recall document; arith rows pack chains of "
+        f"8-96 steps with the reference working as target; recall rows state facts in the tasks' sentence forms "
+        f"among noise and ask them again later (see `training/data.py`).",
         f"- Loss: mean NLL over the answer/working tokens of each task row (averaged over rows), weight "
         f"{a['answer_weight']:g}, plus the weighted mean NLL of the other tokens (essay text 1, task prompts "
         f"{a['prompt_weight']:g}).",

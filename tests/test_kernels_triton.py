@@ -201,6 +201,18 @@ def test_select_pages_groups_mostly_free(free, monkeypatch):
     assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, 100))
 
 
+@pytest.mark.parametrize("fused", [0, 1 << 30])
+def test_select_pages_groups_clustered(fused, monkeypatch):
+    """Scores rising with the slot (the top pages all in the last groups): more candidates than the compaction
+    buffer holds, so the whole tile of the kept groups is selected from."""
+    monkeypatch.setitem(tops.TUNING, "select_group_min", 64)
+    monkeypatch.setitem(tops.TUNING, "select_group_fused", fused)
+    scores = torch.arange(2000, device=DEV).float().expand(2, 2, 2000) + torch.rand(2, 2, 2000, device=DEV)
+    cur_slot = torch.tensor([[5], [-1]], device=DEV)
+    got = tops.select_pages(scores, cur_slot, 128)
+    assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, 128))
+
+
 def test_select_pages_long_rows_use_torch_topk(monkeypatch):
     monkeypatch.setitem(tops.TUNING, "select_max_slots", 64)
     scores = torch.randn(2, 2, 100, device=DEV)

@@ -48,7 +48,8 @@ _MAX_SPLITS = 64
 TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
           "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
-          "select_group_min": 4096, "select_group_scale": 1, "select_group_fused": 8192, "select_group_block": 4096,
+          "select_group_min": 4096, "select_group_scale": 2, "select_group_fused": 16384, "select_group_block": 4096,
+          "select_group_cand": 2,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
 
 
@@ -239,10 +240,11 @@ def _group_max_kernel(scores_ptr, cur_ptr, gmax_ptr, n, n_groups, sc_b, sc_h, cu
 
 
 @triton.jit
-def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, out_ptr, n, n_groups, k,
+def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, cand_ptr, out_ptr, n, n_groups, k,
                        sc_b, sc_h, cu_b, cu_h, so_b, so_h,
                        HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
-                       GS: tl.constexpr, KP: tl.constexpr, FUSED: tl.constexpr, BITS: tl.constexpr):
+                       GS: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr, FUSED: tl.constexpr,
+                       BITS: tl.constexpr):
     """Top k of a row of n scores through its groups of GS slots: the radix select of the k-th largest group
     maximum bounds the k-th largest key from below, so the top k lie in the groups whose maximum reaches that bound
     (at most KP >= k of them, see below); a second radix select over those groups' slots gives the top k. Group
@@ -276,9 +278,22 @@ def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, out_ptr, n, n_gro
     slot = tl.reshape(slot, (KP * GS,))  # row-major: slot order
     ckey = _score_key(src, slot, n, cur)
     none = tl.zeros((32,), tl.uint32)
-    prefix, done, left = _radix_bin(ckey, none, k, BITS)
-    _emit(out_ptr + b * so_b + r * so_h, ckey, tl.where(ckey == _NEG_INF_KEY, -1, slot).to(tl.int64), 0, done,
-          prefix, left)
+    # Candidates: the keys that reach the bound (with ties on the whole key, the first k equal to it), usually
+    # little more than k; compacted when they fit in CAND entries, else the whole tile is selected from.
+    cand, _ = _taken(ckey, done, prefix, tl.where(~done == 0, k, KP * GS))
+    count = tl.sum(cand.to(tl.int32), 0)
+    out = out_ptr + b * so_b + r * so_h
+    if count <= CAND:
+        buf = cand_ptr + row.to(tl.int64) * CAND
+        packed = ((ckey.to(tl.int64) - 2147483648) << 32) | (0xFFFFFFFF - slot.to(tl.int64))
+        tl.store(buf + tl.cumsum(cand.to(tl.int32), 0) - 1, packed, mask=cand)
+        tl.debug_barrier()
+        fkey, fslot = _row_keys(buf, tl.arange(0, CAND), count, cur, False)
+        fprefix, fdone, fleft = _radix_bin(fkey, none, k, BITS)
+        _emit(out, fkey, tl.where(fkey == _NEG_INF_KEY, -1, fslot), 0, fdone, fprefix, fleft)
+    else:
+        wprefix, wdone, wleft = _radix_bin(ckey, none, k, BITS)
+        _emit(out, ckey, tl.where(ckey == _NEG_INF_KEY, -1, slot).to(tl.int64), 0, wdone, wprefix, wleft)
 
 
 @triton.jit
@@ -506,6 +521,8 @@ def _select_by_groups(scores, cur_slot, out, k, kp, gs):
     head, tail = _pieces(n_groups)
     fused = c <= TUNING["select_group_fused"]
     ids = torch.empty(b * hs, kp, dtype=torch.int32, device=scores.device)
+    n_cand = kp * TUNING["select_group_cand"]
+    cand = torch.empty(b * hs, n_cand, dtype=torch.long, device=scores.device)
     gmax = ids if fused else torch.empty(b * hs, n_groups, dtype=torch.int32, device=scores.device)
     rows = (scores.stride(0), scores.stride(1), cur_slot.stride(0), cur_slot.stride(1))
     common = dict(HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1], GS=gs)
@@ -513,8 +530,8 @@ def _select_by_groups(scores, cur_slot, out, k, kp, gs):
         block = max(2, TUNING["select_group_block"] // gs)
         _group_max_kernel[(b * hs, triton.cdiv(n_groups, block))](scores, cur_slot, gmax, c, n_groups, *rows,
                                                                   BLOCK=block, **common, num_warps=4)
-    _topk_group_kernel[(b * hs,)](scores, cur_slot, gmax, ids, out, c, n_groups, k, *rows, out.stride(0),
-                                  out.stride(1), HEAD=head, TAIL=tail, KP=kp, FUSED=fused,
+    _topk_group_kernel[(b * hs,)](scores, cur_slot, gmax, ids, cand, out, c, n_groups, k, *rows, out.stride(0),
+                                  out.stride(1), HEAD=head, TAIL=tail, KP=kp, CAND=n_cand, FUSED=fused,
                                   BITS=TUNING["select_digit_bits"], **common, num_warps=TUNING["select_warps"])
 
 

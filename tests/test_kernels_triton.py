@@ -144,13 +144,13 @@ def stable_selection(scores, cur_slot, n_pages):
 SELECT_VARIANTS = {  # TUNING overrides: each path of select_pages on the small shapes
     "default": {},
     # rows over 64 slots: top of segments of 128 slots first, then the radix select of those
-    "segments": {"select_group_min": 1 << 30, "select_one_program": 64, "select_block": 128},
+    "segments": {"select_group_rows": 1 << 30, "select_one_program": 64, "select_block": 128},
     # 4-bit digits end exactly at bit 0; 5-bit ones on a digit overlapping known bits
-    "bits4": {"select_digit_bits": 4, "select_group_min": 1 << 30},
-    # rows over 64 slots through their groups: maxima in a kernel of their own, or in the select program
-    "groups": {"select_group_min": 64, "select_group_fused": 0, "select_group_block": 64},
-    "groups-fused-bits4": {"select_group_min": 64, "select_group_fused": 1 << 30, "select_digit_bits": 4},
-    "groups-wide": {"select_group_min": 64, "select_group_scale": 4, "select_group_fused": 0},
+    "bits4": {"select_digit_bits": 4},
+    # rows over 64 slots through their groups, group maxima from programs of 64 slots
+    "groups": {"select_group_rows": 1, "select_one_program": 64, "select_group_block": 64},
+    "groups-bits4": {"select_group_rows": 1, "select_one_program": 64, "select_digit_bits": 4},
+    "groups-wide": {"select_group_rows": 1, "select_one_program": 64, "select_group_scale": 4},
 }
 
 
@@ -193,7 +193,8 @@ def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties, variant, monk
 @pytest.mark.parametrize("free", [0.9, 1.0])
 def test_select_pages_groups_mostly_free(free, monkeypatch):
     """The group filter when fewer pages are valid than selected: the bound is the -inf key, tied everywhere."""
-    monkeypatch.setitem(tops.TUNING, "select_group_min", 64)
+    monkeypatch.setitem(tops.TUNING, "select_group_rows", 1)
+    monkeypatch.setitem(tops.TUNING, "select_one_program", 64)
     scores = torch.randn(2, 4, 700, device=DEV)
     scores[torch.rand(scores.shape, device=DEV) < free] = float("-inf")
     cur_slot = torch.tensor([[650, 3], [-1, 0]], device=DEV)
@@ -201,12 +202,11 @@ def test_select_pages_groups_mostly_free(free, monkeypatch):
     assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, 100))
 
 
-@pytest.mark.parametrize("fused", [0, 1 << 30])
-def test_select_pages_groups_clustered(fused, monkeypatch):
+def test_select_pages_groups_clustered(monkeypatch):
     """Scores rising with the slot (the top pages all in the last groups): more candidates than the compaction
     buffer holds, so the whole tile of the kept groups is selected from."""
-    monkeypatch.setitem(tops.TUNING, "select_group_min", 64)
-    monkeypatch.setitem(tops.TUNING, "select_group_fused", fused)
+    monkeypatch.setitem(tops.TUNING, "select_group_rows", 1)
+    monkeypatch.setitem(tops.TUNING, "select_one_program", 64)
     scores = torch.arange(2000, device=DEV).float().expand(2, 2, 2000) + torch.rand(2, 2, 2000, device=DEV)
     cur_slot = torch.tensor([[5], [-1]], device=DEV)
     got = tops.select_pages(scores, cur_slot, 128)

@@ -18,9 +18,11 @@ Kernels:
 - ``select_pages``: exact top-k by radix select, one program per row holding the row's scores in registers as
   order-preserving uint32 keys: 5-bit digit histograms (``tl.histogram``; its cost grows with the bins) narrow down
   the k-th largest key until its whole bin is selected, then the keys above it (ties: the lower slots) are
-  compacted with a prefix sum. Long rows are first cut to the bitonic ``tl.topk`` of each segment of slots, in
-  parallel, and the radix select runs on those candidates. It replaces ``torch.topk`` (35 of the 47 us of a
-  Llama-3-8B step at 32K on the H200); rows longer than ``TUNING`` allows still use ``torch.topk``
+  compacted with a prefix sum. Long rows are first cut down in parallel: with many rows (batch * rows >=
+  ``select_group_rows``), to the slots of the groups of consecutive slots whose maximum reaches the k-th largest
+  group maximum (a radix select of the maxima), and of those to the keys that reach it; with few rows, to the
+  bitonic ``tl.topk`` of each segment of slots. It replaces ``torch.topk`` (35 of the 47 us of a Llama-3-8B step
+  at 32K on the H200); rows longer than ``TUNING`` allows still use ``torch.topk``
   (benchmarks/results/KERNEL_NOTES.md has the numbers).
 - ``append_token``: writes one decode token's key and value into its page and updates the page's key bounds.
 """
@@ -43,13 +45,14 @@ _MAX_SPLITS = 64
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor, so that enough loads are in flight even for batch 1.
 # select_warps / select_digit_bits: warps and digit width of the radix select (one program per row); rows of more
-# than select_one_program slots first keep the top of each segment of select_block slots (select_block_warps),
-# unless more than select_max_k pages are selected; rows of more than select_max_slots slots go to torch.topk.
+# than select_one_program slots are first cut down, unless more than select_max_k pages are selected: with at
+# least select_group_rows rows, through groups of select_group_scale * sqrt(slots / k) slots (maxima by programs
+# of select_group_block slots; up to select_group_cand * k candidates compacted), else to the top of each segment
+# of select_block slots (select_block_warps); rows of more than select_max_slots slots go to torch.topk.
 TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
           "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
-          "select_group_min": 4096, "select_group_scale": 2, "select_group_fused": 16384, "select_group_block": 4096,
-          "select_group_cand": 2,
+          "select_group_rows": 32, "select_group_scale": 2, "select_group_block": 4096, "select_group_cand": 2,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
 
 
@@ -221,12 +224,6 @@ def _topk_radix_kernel(src_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, 
 
 
 @triton.jit
-def _group_keys(row_ptr, i, n, cur, GS: tl.constexpr):
-    """The largest score key of each group i of GS consecutive slots (0 past the row)."""
-    return tl.max(_score_key(row_ptr, i[:, None] * GS + tl.arange(0, GS)[None, :], n, cur), axis=1)
-
-
-@triton.jit
 def _group_max_kernel(scores_ptr, cur_ptr, gmax_ptr, n, n_groups, sc_b, sc_h, cu_b, cu_h,
                       HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, GS: tl.constexpr, BLOCK: tl.constexpr):
     """Group maxima of the score keys (as int32 bits), BLOCK groups per program."""
@@ -235,7 +232,8 @@ def _group_max_kernel(scores_ptr, cur_ptr, gmax_ptr, n, n_groups, sc_b, sc_h, cu
     r = row % HS
     cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = _group_keys(scores_ptr + b * sc_b + r * sc_h, i, n, cur, GS)
+    m = tl.max(_score_key(scores_ptr + b * sc_b + r * sc_h, i[:, None] * GS + tl.arange(0, GS)[None, :], n, cur),
+               axis=1)  # padding past the row: key 0
     tl.store(gmax_ptr + row.to(tl.int64) * n_groups + i, m.to(tl.int32, bitcast=True), mask=i < n_groups)
 
 
@@ -243,12 +241,11 @@ def _group_max_kernel(scores_ptr, cur_ptr, gmax_ptr, n, n_groups, sc_b, sc_h, cu
 def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, cand_ptr, out_ptr, n, n_groups, k,
                        sc_b, sc_h, cu_b, cu_h, so_b, so_h,
                        HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
-                       GS: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr, FUSED: tl.constexpr,
-                       BITS: tl.constexpr):
+                       GS: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr, BITS: tl.constexpr):
     """Top k of a row of n scores through its groups of GS slots: the radix select of the k-th largest group
     maximum bounds the k-th largest key from below, so the top k lie in the groups whose maximum reaches that bound
-    (at most KP >= k of them, see below); a second radix select over those groups' slots gives the top k. Group
-    maxima come from ``_group_max_kernel`` or, with FUSED, from the whole row loaded here."""
+    (at most KP >= k of them, see below); a second radix select over those groups' slots gives the top k. The
+    group maxima come from ``_group_max_kernel``."""
     row = tl.program_id(0)
     b = (row // HS).to(tl.int64)
     r = row % HS
@@ -256,12 +253,9 @@ def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, cand_ptr, out_ptr
     src = scores_ptr + b * sc_b + r * sc_h
     i = tl.arange(0, HEAD)
     it = HEAD + tl.arange(0, TAIL)
-    if FUSED:
-        key, tail = _group_keys(src, i, n, cur, GS), _group_keys(src, it, n, cur, GS)
-    else:
-        gmax = gmax_ptr + row.to(tl.int64) * n_groups
-        key = tl.load(gmax + i, mask=i < n_groups, other=0).to(tl.uint32, bitcast=True)
-        tail = tl.load(gmax + it, mask=it < n_groups, other=0).to(tl.uint32, bitcast=True)
+    gmax = gmax_ptr + row.to(tl.int64) * n_groups
+    key = tl.load(gmax + i, mask=i < n_groups, other=0).to(tl.uint32, bitcast=True)
+    tail = tl.load(gmax + it, mask=it < n_groups, other=0).to(tl.uint32, bitcast=True)
     prefix, done, left = _radix_bin(key, tail, k, BITS)
     # Groups above the k-th maximum's bin (fewer than k: each holds a key above the k-th largest), and of the groups
     # in it the first KP - above by slot. Usually the bin is exactly what remains to select, so k groups in all.
@@ -470,9 +464,10 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
 
 
 def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -> torch.Tensor:
-    """The reference's selection (ties to the lower slot), listed in slot order for short rows and by segment for
-    long ones: a radix select over the row held in registers (one program per row), after a bitonic top-k of each
-    segment of slots (in parallel) for rows longer than ``TUNING["select_one_program"]``."""
+    """The reference's selection (ties to the lower slot), listed in slot order, or by segment for long rows cut
+    down by segments: a radix select over the row held in registers (one program per row); rows longer than
+    ``TUNING["select_one_program"]`` are first cut down in parallel, through groups of slots when there are many
+    rows, else to the bitonic top-k of each segment of slots."""
     if num_pages < 1:
         raise ValueError(f"num_pages must be >= 1, got {num_pages}")
     b, hs, c = scores.shape
@@ -485,7 +480,9 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
     src, n, rows = scores, c, (scores.stride(0), scores.stride(1))
     kp = max(2, triton.next_power_of_2(k))  # tl.topk does not compile for k = 1 (triton 3.6)
     gs = _group_size(c, kp)
-    if c > TUNING["select_group_min"] and kp <= TUNING["select_max_k"] and gs > 1 and triton.cdiv(c, gs) >= kp:
+    many_rows = b * hs >= TUNING["select_group_rows"]
+    if (c > TUNING["select_one_program"] and many_rows and kp <= TUNING["select_max_k"] and gs > 1
+            and triton.cdiv(c, gs) >= kp):
         _select_by_groups(scores, cur_slot, out, k, kp, gs)
         return out
     seg = max(TUNING["select_block"], 2 * kp)
@@ -519,19 +516,17 @@ def _select_by_groups(scores, cur_slot, out, k, kp, gs):
     b, hs, c = scores.shape
     n_groups = triton.cdiv(c, gs)
     head, tail = _pieces(n_groups)
-    fused = c <= TUNING["select_group_fused"]
     ids = torch.empty(b * hs, kp, dtype=torch.int32, device=scores.device)
     n_cand = kp * TUNING["select_group_cand"]
     cand = torch.empty(b * hs, n_cand, dtype=torch.long, device=scores.device)
-    gmax = ids if fused else torch.empty(b * hs, n_groups, dtype=torch.int32, device=scores.device)
+    gmax = torch.empty(b * hs, n_groups, dtype=torch.int32, device=scores.device)
     rows = (scores.stride(0), scores.stride(1), cur_slot.stride(0), cur_slot.stride(1))
     common = dict(HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1], GS=gs)
-    if not fused:
-        block = max(2, TUNING["select_group_block"] // gs)
-        _group_max_kernel[(b * hs, triton.cdiv(n_groups, block))](scores, cur_slot, gmax, c, n_groups, *rows,
-                                                                  BLOCK=block, **common, num_warps=4)
+    block = max(2, TUNING["select_group_block"] // gs)
+    _group_max_kernel[(b * hs, triton.cdiv(n_groups, block))](scores, cur_slot, gmax, c, n_groups, *rows,
+                                                              BLOCK=block, **common, num_warps=4)
     _topk_group_kernel[(b * hs,)](scores, cur_slot, gmax, ids, cand, out, c, n_groups, k, *rows, out.stride(0),
-                                  out.stride(1), HEAD=head, TAIL=tail, KP=kp, CAND=n_cand, FUSED=fused,
+                                  out.stride(1), HEAD=head, TAIL=tail, KP=kp, CAND=n_cand,
                                   BITS=TUNING["select_digit_bits"], **common, num_warps=TUNING["select_warps"])
 
 

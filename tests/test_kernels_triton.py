@@ -141,6 +141,19 @@ def stable_selection(scores, cur_slot, n_pages):
     return torch.where(forced.gather(2, idx) > float("-inf"), idx, -1).sort(-1).values
 
 
+SELECT_VARIANTS = {  # TUNING overrides: each path of select_pages on the small shapes
+    "default": {},
+    # rows over 64 slots: top of segments of 128 slots first, then the radix select of those
+    "segments": {"select_group_rows": 1 << 30, "select_one_program": 64, "select_block": 128},
+    # 4-bit digits end exactly at bit 0; 5-bit ones on a digit overlapping known bits
+    "bits4": {"select_digit_bits": 4},
+    # rows over 64 slots through their groups, group maxima from programs of 64 slots
+    "groups": {"select_group_rows": 1, "select_one_program": 64, "select_group_block": 64},
+    "groups-bits4": {"select_group_rows": 1, "select_one_program": 64, "select_digit_bits": 4},
+    "groups-wide": {"select_group_rows": 1, "select_one_program": 64, "select_group_scale": 4},
+}
+
+
 @pytest.mark.parametrize("batch,rows,kv_heads,slots,n_pages,ties", [
     pytest.param(2, 4, 2, 50, 8, False, id="gqa-rows"),
     pytest.param(3, 2, 1, 7, 20, False, id="budget-over-slots"),
@@ -154,20 +167,17 @@ def stable_selection(scores, cur_slot, n_pages):
     pytest.param(1, 2, 1, 2050, 128, False, id="32k-context-rows"),
     pytest.param(1, 2, 2, 2047, 2000, True, id="ties-pieces-just-full"),
     pytest.param(1, 2, 2, 3000, 2999, False, id="all-but-one"),
+    pytest.param(2, 2, 1, 1000, 64, True, id="ties-long"),
     *([pytest.param(16, 32, 8, 32770, 256, False, id="gpu-512k"), pytest.param(4, 8, 8, 5000, 64, True, id="gpu-ties"),
        pytest.param(1, 8, 8, 65536, 128, True, id="gpu-longest-in-registers"),
        pytest.param(2, 8, 8, 9000, 2000, False, id="gpu-large-k")] if ON_GPU else []),
 ])
-@pytest.mark.parametrize("one_program,bits", [(None, None), (64, None), (None, 5)],
-                         ids=lambda x: "default" if x is None else str(x))
-def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties, one_program, bits, monkeypatch):
+@pytest.mark.parametrize("variant", SELECT_VARIANTS)
+def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties, variant, monkeypatch):
     """Exact: the same slots as the reference, ties to the lower slot, -1 for free slots, the current page forced in
-    (cur_slot -1 forces slot 0, as the reference does); 5-bit digits end on a digit overlapping known bits."""
-    if bits:
-        monkeypatch.setitem(tops.TUNING, "select_digit_bits", bits)
-    if one_program:  # rows over 64 slots: top of segments of 128 slots first, then the radix select of those
-        monkeypatch.setitem(tops.TUNING, "select_one_program", one_program)
-        monkeypatch.setitem(tops.TUNING, "select_block", 128)
+    (cur_slot -1 forces slot 0, as the reference does)."""
+    for key, value in SELECT_VARIANTS[variant].items():
+        monkeypatch.setitem(tops.TUNING, key, value)
     scores = torch.randn(batch, rows, slots, device=DEV)
     if ties:
         scores = scores.mul(2).round()
@@ -178,6 +188,29 @@ def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties, one_program, 
     assert got.shape == ref.select_pages(scores, cur_slot, n_pages).shape
     # The order of the selected slots is not part of the contract (the kernel lists them by slot or by segment).
     assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, n_pages))
+
+
+@pytest.mark.parametrize("free", [0.9, 1.0])
+def test_select_pages_groups_mostly_free(free, monkeypatch):
+    """The group filter when fewer pages are valid than selected: the bound is the -inf key, tied everywhere."""
+    monkeypatch.setitem(tops.TUNING, "select_group_rows", 1)
+    monkeypatch.setitem(tops.TUNING, "select_one_program", 64)
+    scores = torch.randn(2, 4, 700, device=DEV)
+    scores[torch.rand(scores.shape, device=DEV) < free] = float("-inf")
+    cur_slot = torch.tensor([[650, 3], [-1, 0]], device=DEV)
+    got = tops.select_pages(scores, cur_slot, 100)
+    assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, 100))
+
+
+def test_select_pages_groups_clustered(monkeypatch):
+    """Scores rising with the slot (the top pages all in the last groups): more candidates than the compaction
+    buffer holds, so the whole tile of the kept groups is selected from."""
+    monkeypatch.setitem(tops.TUNING, "select_group_rows", 1)
+    monkeypatch.setitem(tops.TUNING, "select_one_program", 64)
+    scores = torch.arange(2000, device=DEV).float().expand(2, 2, 2000) + torch.rand(2, 2, 2000, device=DEV)
+    cur_slot = torch.tensor([[5], [-1]], device=DEV)
+    got = tops.select_pages(scores, cur_slot, 128)
+    assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, 128))
 
 
 def test_select_pages_long_rows_use_torch_topk(monkeypatch):

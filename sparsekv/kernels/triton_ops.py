@@ -18,9 +18,11 @@ Kernels:
 - ``select_pages``: exact top-k by radix select, one program per row holding the row's scores in registers as
   order-preserving uint32 keys: 5-bit digit histograms (``tl.histogram``; its cost grows with the bins) narrow down
   the k-th largest key until its whole bin is selected, then the keys above it (ties: the lower slots) are
-  compacted with a prefix sum. Long rows are first cut to the bitonic ``tl.topk`` of each segment of slots, in
-  parallel, and the radix select runs on those candidates. It replaces ``torch.topk`` (35 of the 47 us of a
-  Llama-3-8B step at 32K on the H200); rows longer than ``TUNING`` allows still use ``torch.topk``
+  compacted with a prefix sum. Long rows are first cut down in parallel: with many rows (batch * rows >=
+  ``select_group_rows``), to the slots of the groups of consecutive slots whose maximum reaches the k-th largest
+  group maximum (a radix select of the maxima), and of those to the keys that reach it; with few rows, to the
+  bitonic ``tl.topk`` of each segment of slots. It replaces ``torch.topk`` (35 of the 47 us of a Llama-3-8B step
+  at 32K on the H200); rows longer than ``TUNING`` allows still use ``torch.topk``
   (benchmarks/results/KERNEL_NOTES.md has the numbers).
 - ``append_token``: writes one decode token's key and value into its page and updates the page's key bounds.
 """
@@ -28,6 +30,7 @@ Kernels:
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -42,11 +45,14 @@ _MAX_SPLITS = 64
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor, so that enough loads are in flight even for batch 1.
 # select_warps / select_digit_bits: warps and digit width of the radix select (one program per row); rows of more
-# than select_one_program slots first keep the top of each segment of select_block slots (select_block_warps),
-# unless more than select_max_k pages are selected; rows of more than select_max_slots slots go to torch.topk.
+# than select_one_program slots are first cut down, unless more than select_max_k pages are selected: with at
+# least select_group_rows rows, through groups of select_group_scale * sqrt(slots / k) slots (maxima by programs
+# of select_group_block slots; up to select_group_cand * k candidates compacted), else to the top of each segment
+# of select_block slots (select_block_warps); rows of more than select_max_slots slots go to torch.topk.
 TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
           "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
+          "select_group_rows": 32, "select_group_scale": 2, "select_group_block": 4096, "select_group_cand": 2,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
 
 
@@ -158,6 +164,42 @@ def _taken(key, done, prefix, left):
 
 
 @triton.jit
+def _radix_bin(key, tail, k, BITS: tl.constexpr):
+    """Radix select of the k-th largest of the keys of two pieces (HEAD >= TAIL), BITS bits at a time from the top:
+    returns ``prefix``, the k-th key's known bits (those set in ``done``), and ``left``, how many of the keys that
+    share them are still to select (the first ones by index). It stops as soon as the whole bin is to be selected,
+    usually after 2-3 digits. A last digit that would reach below bit 0 is taken at bit 0, overlapping known bits
+    (the same for every key in the bin)."""
+    bins = tl.arange(0, 1 << BITS)
+    prefix = tl.zeros((), tl.uint32)
+    done = tl.zeros((), tl.uint32)
+    left = k + tl.zeros((), tl.int32)
+    in_bin = key.shape[0] + tail.shape[0] + tl.zeros((), tl.int32)
+    top = 32 - BITS + tl.zeros((), tl.int32)
+    while (top > -BITS) & (in_bin != left):
+        shift = tl.maximum(top, 0)
+        h = _digit_counts(key, done, prefix, shift, BITS) + _digit_counts(tail, done, prefix, shift, BITS)
+        h = tl.where(bins == 0, in_bin - tl.sum(tl.where(bins > 0, h, 0), 0), h)
+        at_or_above = in_bin - tl.cumsum(h, 0) + h
+        digit = tl.max(tl.where(at_or_above >= left, bins, 0), 0)
+        left -= tl.sum(tl.where(bins == digit, at_or_above - h, 0), 0)
+        in_bin = tl.sum(tl.where(bins == digit, h, 0), 0)
+        prefix |= digit.to(tl.uint32) << shift.to(tl.uint32)
+        done |= tl.full((), (1 << BITS) - 1, tl.uint32) << shift.to(tl.uint32)
+        top -= BITS
+    return prefix, done, left
+
+
+@triton.jit
+def _emit(out, key, val, start, done, prefix, left):
+    """Stores ``val`` of the selected keys of one piece (above ``prefix``, and the first ``left`` equal to it) at
+    out[start:], in index order. Returns the new ``start`` and ``left``."""
+    take, n_eq = _taken(key, done, prefix, left)
+    tl.store(out + start + tl.cumsum(take.to(tl.int32), 0) - 1, val, mask=take)
+    return start + tl.sum(take.to(tl.int32), 0), left - n_eq
+
+
+@triton.jit
 def _topk_radix_kernel(src_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
                        HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
                        FROM_SCORES: tl.constexpr, BITS: tl.constexpr):
@@ -174,35 +216,78 @@ def _topk_radix_kernel(src_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, 
     # to 2^(m+1).
     key, c = _row_keys(src, tl.arange(0, HEAD), n, cur, FROM_SCORES)
     tail, t = _row_keys(src, HEAD + tl.arange(0, TAIL), n, cur, FROM_SCORES)
-    # Radix select of the k-th largest key, BITS bits at a time from the top: ``prefix`` holds its known bits (those
-    # set in ``done``), ``in_bin`` keys share them, of which the top ``left`` are still to select. It stops as soon
-    # as the whole bin is to be selected (``in_bin == left``), usually after 2-3 digits. A last digit that would
-    # reach below bit 0 is taken at bit 0, overlapping known bits (the same for every key in the bin).
-    bins = tl.arange(0, 1 << BITS)
-    prefix = tl.zeros((), tl.uint32)
-    done = tl.zeros((), tl.uint32)
-    left = k + tl.zeros((), tl.int32)
-    in_bin = HEAD + TAIL + tl.zeros((), tl.int32)
-    top = 32 - BITS + tl.zeros((), tl.int32)
-    while (top > -BITS) & (in_bin != left):
-        shift = tl.maximum(top, 0)
-        h = _digit_counts(key, done, prefix, shift, BITS) + _digit_counts(tail, done, prefix, shift, BITS)
-        h = tl.where(bins == 0, in_bin - tl.sum(tl.where(bins > 0, h, 0), 0), h)
-        at_or_above = in_bin - tl.cumsum(h, 0) + h
-        digit = tl.max(tl.where(at_or_above >= left, bins, 0), 0)
-        left -= tl.sum(tl.where(bins == digit, at_or_above - h, 0), 0)
-        in_bin = tl.sum(tl.where(bins == digit, h, 0), 0)
-        prefix |= digit.to(tl.uint32) << shift.to(tl.uint32)
-        done |= tl.full((), (1 << BITS) - 1, tl.uint32) << shift.to(tl.uint32)
-        top -= BITS
-    take, n_eq = _taken(key, done, prefix, left)
-    take_tail, _ = _taken(tail, done, prefix, left - n_eq)
-    # Exactly k keys are taken (keys are unique per slot by the rank among equals): compact them in slot order.
+    prefix, done, left = _radix_bin(key, tail, k, BITS)
+    # Exactly k keys are taken (keys are unique per slot by the rank among equals): compact them in index order.
     out = out_ptr + b * so_b + r * so_h
-    pos = tl.cumsum(take.to(tl.int32), 0) - 1
-    tl.store(out + pos, tl.where(key == _NEG_INF_KEY, -1, c), mask=take)
-    pos = tl.sum(take.to(tl.int32), 0) + tl.cumsum(take_tail.to(tl.int32), 0) - 1
-    tl.store(out + pos, tl.where(tail == _NEG_INF_KEY, -1, t), mask=take_tail)
+    start, left = _emit(out, key, tl.where(key == _NEG_INF_KEY, -1, c), 0, done, prefix, left)
+    _emit(out, tail, tl.where(tail == _NEG_INF_KEY, -1, t), start, done, prefix, left)
+
+
+@triton.jit
+def _group_max_kernel(scores_ptr, cur_ptr, gmax_ptr, n, n_groups, sc_b, sc_h, cu_b, cu_h,
+                      HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, GS: tl.constexpr, BLOCK: tl.constexpr):
+    """Group maxima of the score keys (as int32 bits), BLOCK groups per program."""
+    row = tl.program_id(0)
+    b = (row // HS).to(tl.int64)
+    r = row % HS
+    cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = tl.max(_score_key(scores_ptr + b * sc_b + r * sc_h, i[:, None] * GS + tl.arange(0, GS)[None, :], n, cur),
+               axis=1)  # padding past the row: key 0
+    tl.store(gmax_ptr + row.to(tl.int64) * n_groups + i, m.to(tl.int32, bitcast=True), mask=i < n_groups)
+
+
+@triton.jit
+def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, cand_ptr, out_ptr, n, n_groups, k,
+                       sc_b, sc_h, cu_b, cu_h, so_b, so_h,
+                       HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
+                       GS: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr, BITS: tl.constexpr):
+    """Top k of a row of n scores through its groups of GS slots: the radix select of the k-th largest group
+    maximum bounds the k-th largest key from below, so the top k lie in the groups whose maximum reaches that bound
+    (at most KP >= k of them, see below); a second radix select over those groups' slots gives the top k. The
+    group maxima come from ``_group_max_kernel``."""
+    row = tl.program_id(0)
+    b = (row // HS).to(tl.int64)
+    r = row % HS
+    cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
+    src = scores_ptr + b * sc_b + r * sc_h
+    i = tl.arange(0, HEAD)
+    it = HEAD + tl.arange(0, TAIL)
+    gmax = gmax_ptr + row.to(tl.int64) * n_groups
+    key = tl.load(gmax + i, mask=i < n_groups, other=0).to(tl.uint32, bitcast=True)
+    tail = tl.load(gmax + it, mask=it < n_groups, other=0).to(tl.uint32, bitcast=True)
+    prefix, done, left = _radix_bin(key, tail, k, BITS)
+    # Groups above the k-th maximum's bin (fewer than k: each holds a key above the k-th largest), and of the groups
+    # in it the first KP - above by slot. Usually the bin is exactly what remains to select, so k groups in all.
+    # When the bits run out first (ties on the whole key), the top k take the first of the keys equal to the bound
+    # by slot, and those lie in the first KP - above such groups: each earlier group holds one at a lower slot.
+    above = (tl.sum(((key & done) > prefix).to(tl.int32), 0) + tl.sum(((tail & done) > prefix).to(tl.int32), 0))
+    ids = ids_ptr + row.to(tl.int64) * KP
+    start, cap = _emit(ids, key, i, 0, done, prefix, KP - above)
+    count, _ = _emit(ids, tail, it, start, done, prefix, cap)
+    tl.debug_barrier()  # the group list goes through memory: the compaction above is a scatter
+    g = tl.arange(0, KP)
+    grp = tl.load(ids + g, mask=g < count, other=0)
+    slot = tl.where((g < count)[:, None], grp[:, None] * GS + tl.arange(0, GS)[None, :], n)  # padding: key 0
+    slot = tl.reshape(slot, (KP * GS,))  # row-major: slot order
+    ckey = _score_key(src, slot, n, cur)
+    none = tl.zeros((32,), tl.uint32)
+    # Candidates: the keys that reach the bound (with ties on the whole key, the first k equal to it), usually
+    # little more than k; compacted when they fit in CAND entries, else the whole tile is selected from.
+    cand, _ = _taken(ckey, done, prefix, tl.where(~done == 0, k, KP * GS))
+    count = tl.sum(cand.to(tl.int32), 0)
+    out = out_ptr + b * so_b + r * so_h
+    if count <= CAND:
+        buf = cand_ptr + row.to(tl.int64) * CAND
+        packed = ((ckey.to(tl.int64) - 2147483648) << 32) | (0xFFFFFFFF - slot.to(tl.int64))
+        tl.store(buf + tl.cumsum(cand.to(tl.int32), 0) - 1, packed, mask=cand)
+        tl.debug_barrier()
+        fkey, fslot = _row_keys(buf, tl.arange(0, CAND), count, cur, False)
+        fprefix, fdone, fleft = _radix_bin(fkey, none, k, BITS)
+        _emit(out, fkey, tl.where(fkey == _NEG_INF_KEY, -1, fslot), 0, fdone, fprefix, fleft)
+    else:
+        wprefix, wdone, wleft = _radix_bin(ckey, none, k, BITS)
+        _emit(out, ckey, tl.where(ckey == _NEG_INF_KEY, -1, slot).to(tl.int64), 0, wdone, wprefix, wleft)
 
 
 @triton.jit
@@ -379,9 +464,10 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
 
 
 def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -> torch.Tensor:
-    """The reference's selection (ties to the lower slot), listed in slot order for short rows and by segment for
-    long ones: a radix select over the row held in registers (one program per row), after a bitonic top-k of each
-    segment of slots (in parallel) for rows longer than ``TUNING["select_one_program"]``."""
+    """The reference's selection (ties to the lower slot), listed in slot order, or by segment for long rows cut
+    down by segments: a radix select over the row held in registers (one program per row); rows longer than
+    ``TUNING["select_one_program"]`` are first cut down in parallel, through groups of slots when there are many
+    rows, else to the bitonic top-k of each segment of slots."""
     if num_pages < 1:
         raise ValueError(f"num_pages must be >= 1, got {num_pages}")
     b, hs, c = scores.shape
@@ -393,6 +479,12 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
     out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
     src, n, rows = scores, c, (scores.stride(0), scores.stride(1))
     kp = max(2, triton.next_power_of_2(k))  # tl.topk does not compile for k = 1 (triton 3.6)
+    gs = _group_size(c, kp)
+    many_rows = b * hs >= TUNING["select_group_rows"]
+    if (c > TUNING["select_one_program"] and many_rows and kp <= TUNING["select_max_k"] and gs > 1
+            and triton.cdiv(c, gs) >= kp):
+        _select_by_groups(scores, cur_slot, out, k, kp, gs)
+        return out
     seg = max(TUNING["select_block"], 2 * kp)
     if c > TUNING["select_one_program"] and kp <= TUNING["select_max_k"] and c > seg:
         n = triton.cdiv(c, seg) * kp
@@ -400,13 +492,42 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
         _topk_segment_kernel[(b * hs, n // kp)](scores, cur_slot, src, c, n // kp, *rows, cur_slot.stride(0),
                                                 cur_slot.stride(1), HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1],
                                                 SEG=seg, KP=kp, num_warps=TUNING["select_block_warps"])
-    head = max(32, triton.next_power_of_2(n + 1) // 2)
-    tail = max(32, triton.next_power_of_2(n - head)) if n > head else 32
+    head, tail = _pieces(n)
     _topk_radix_kernel[(b * hs,)](src, cur_slot, out, n, k, *rows, cur_slot.stride(0), cur_slot.stride(1),
                                   out.stride(0), out.stride(1), HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1],
                                   HEAD=head, TAIL=tail, FROM_SCORES=src is scores, BITS=TUNING["select_digit_bits"],
                                   num_warps=TUNING["select_warps"])
     return out
+
+
+def _pieces(n: int) -> tuple[int, int]:
+    """Two power-of-two pieces (HEAD >= TAIL >= 32) that hold n entries with little padding."""
+    head = max(32, triton.next_power_of_2(n + 1) // 2)
+    return head, max(32, triton.next_power_of_2(n - head)) if n > head else 32
+
+
+def _group_size(c: int, kp: int) -> int:
+    """Slots per group for the group filter: about sqrt(c / kp), so that the group maxima (c / gs) and the slots of
+    the kp groups kept (kp * gs) are about as many."""
+    return triton.next_power_of_2(max(1, math.isqrt(c // kp))) * TUNING["select_group_scale"]
+
+
+def _select_by_groups(scores, cur_slot, out, k, kp, gs):
+    b, hs, c = scores.shape
+    n_groups = triton.cdiv(c, gs)
+    head, tail = _pieces(n_groups)
+    ids = torch.empty(b * hs, kp, dtype=torch.int32, device=scores.device)
+    n_cand = kp * TUNING["select_group_cand"]
+    cand = torch.empty(b * hs, n_cand, dtype=torch.long, device=scores.device)
+    gmax = torch.empty(b * hs, n_groups, dtype=torch.int32, device=scores.device)
+    rows = (scores.stride(0), scores.stride(1), cur_slot.stride(0), cur_slot.stride(1))
+    common = dict(HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1], GS=gs)
+    block = max(2, TUNING["select_group_block"] // gs)
+    _group_max_kernel[(b * hs, triton.cdiv(n_groups, block))](scores, cur_slot, gmax, c, n_groups, *rows,
+                                                              BLOCK=block, **common, num_warps=4)
+    _topk_group_kernel[(b * hs,)](scores, cur_slot, gmax, ids, cand, out, c, n_groups, k, *rows, out.stride(0),
+                                  out.stride(1), HEAD=head, TAIL=tail, KP=kp, CAND=n_cand,
+                                  BITS=TUNING["select_digit_bits"], **common, num_warps=TUNING["select_warps"])
 
 
 @functools.lru_cache(maxsize=None)

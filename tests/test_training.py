@@ -93,7 +93,7 @@ def test_lr_schedule():
     assert all(train.lr_at(args, s) >= train.lr_at(args, s + 1) for s in range(10, 99))
 
 
-@pytest.mark.parametrize("task", data.RETRIEVAL + ("arith",))
+@pytest.mark.parametrize("task", data.GENERATED)
 def test_task_doc_masks_exactly_the_answer(setup, task):
     _, tokenizer, _ = setup
     sample = get_task(task, TaskOptions()).samples(tokenizer, 6 if task == "arith" else 500, 0.5, 3, 1)[0]

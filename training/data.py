@@ -40,7 +40,8 @@ from sparsekv.eval.tasks import get_task
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 RETRIEVAL = ("passkey", "multikey", "vartrack", "2stage")
-KINDS = RETRIEVAL + ("arith", "recall", "essays")
+GENERATED = RETRIEVAL + ("arith",)  # row kinds drawn by the harness's task generators
+KINDS = GENERATED + ("recall", "essays")
 DEFAULT_MIX = {"passkey": 0.15, "multikey": 0.15, "vartrack": 0.1, "2stage": 0.2, "arith": 0.2, "recall": 0.15,
                "essays": 0.05}
 RECALL_INTRO = "Memorize the facts hidden in the following text. Some of them are asked again later.\n"
@@ -91,7 +92,7 @@ def tokenizer_corpus(essays: list[Path], samples_per_task: int = 24, seed: int =
 
     byte_tok = byte_tokenizer()
     texts = [read_essay(f) for f in essays]
-    for name in RETRIEVAL + ("arith",):
+    for name in GENERATED:
         task = get_task(name, TaskOptions())
         length = 24 if name == "arith" else 2048
         for s in task.samples(byte_tok, length, 0.5, f"tokenizer{seed}", samples_per_task):
@@ -170,7 +171,7 @@ class Mixture:
             self.buckets.append(length)
             length *= 2
         self.buckets.append(context)
-        self.tasks = {name: get_task(name, TaskOptions()) for name in RETRIEVAL + ("arith",)}
+        self.tasks = {name: get_task(name, TaskOptions()) for name in GENERATED}
 
     def row_length(self, index: int) -> int:
         rng = random.Random(f"{self.seed}:length:{index}")

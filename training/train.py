@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from sparsekv.eval.base import REPO_ROOT
 from sparsekv.eval.engine import LoadedModel
 from sparsekv.eval.runner import RESULTS, EvalSpec, read_results, run_eval
+from sparsekv.models import resolve_device
 
 from .data import DEFAULT_MIX, KINDS, Mixture, Stream, essays_dir, split_essays, tokenize_essays, \
     tokenizer_corpus, train_tokenizer
@@ -277,9 +278,9 @@ def perplexity(model, ids: list[int], window: int, device: torch.device, autocas
 
 
 # Options that must not change when a run resumes from its checkpoint (the others: --max-minutes, --workers, ...).
-RESUME_KEYS = ("seed", "init_from", "vocab", "context", "min_len", "steps", "tokens_per_step", "curriculum", "lr", "min_lr_ratio",
-               "warmup", "weight_decay", "clip", "prompt_weight", "answer_weight", "layers", "hidden", "heads",
-               "kv_heads", "ffn", "rope_theta", "held_out", "mix", "dtype")
+RESUME_KEYS = ("seed", "init_from", "vocab", "context", "min_len", "steps", "tokens_per_step", "curriculum", "lr",
+               "min_lr_ratio", "warmup", "weight_decay", "clip", "prompt_weight", "answer_weight", "layers", "hidden",
+               "heads", "kv_heads", "ffn", "rope_theta", "held_out", "mix", "dtype")
 
 
 class Checkpoint:
@@ -322,8 +323,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     ckpt = Checkpoint(Path(args.checkpoint_dir or REPO_ROOT / ".train" / out.name))
     ckpt.folder.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16,
              "float32": torch.float32}[args.dtype]
     args.dtype = str(dtype).removeprefix("torch.")
@@ -464,8 +464,7 @@ def evaluate_saved(args, argv: list[str]) -> int:
     if not record_path.exists():
         raise SystemExit(f"--evaluate-only: {record_path} not found; --out must be a folder saved by this script")
     record = json.loads(record_path.read_text())
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
     tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.bfloat16).to(device).eval()
     _, held_files = split_essays(essays_dir(args.essays), record["args"]["held_out"])

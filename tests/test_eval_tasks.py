@@ -6,6 +6,7 @@ import pytest
 
 from sparsekv.eval import EvalError, TaskOptions, get_task
 from sparsekv.eval.base import count_tokens, data_dir, insert_at
+from sparsekv.eval.synthetic import COLOURS
 from sparsekv.tiny import byte_tokenizer
 
 GENERATED = ["passkey", "niah", "multikey", "vartrack", "2stage"]
@@ -71,6 +72,11 @@ def test_answers_are_in_context(tok):
     x, y = s.meta["x"], s.meta["y"]
     assert f"The color of number {x + y} is {s.answer[0]}." in s.context
     assert f"The value of X is {x}." in s.context and f"The value of Y is {y}." in s.context
+    task, colour = _task("2stage"), s.answer[0]
+    assert s.meta["solution"].endswith(f"X + Y is {x + y}. The color of number {x + y} is {colour}.")
+    assert task.score(s, s.meta["solution"]) == 1.0
+    other = next(c for c in COLOURS if c != colour)
+    assert task.score(s, f" {other}, {colour}.") == 0.0 and task.score(s, " The value of X is") == 0.0
 
 
 def test_length_too_short_is_refused(tok):

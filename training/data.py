@@ -76,7 +76,7 @@ def read_essay(path: Path) -> str:
 
 def answer_text(task: str, sample) -> str:
     """What the model should generate after a task's question, in the form the harness scores."""
-    if task == "arith":
+    if "solution" in sample.meta:  # arith and 2stage write their working
         return sample.meta["solution"]
     if task == "passkey":
         return f" {sample.answer}."
@@ -323,8 +323,12 @@ def _new_fact(rng: random.Random, used: set, letters: list) -> tuple[str, list[l
                     used.add(("n", total))
                     colour = " " + rng.choice(COLOURS)
                     statement += f" The color of number {total} is{colour}."
+                    # asked as 2stage asks, answered as it answers: each stage written out
                     recalls.append([(f"\nQuestion: What is the color of the number {other} + {letter}? Answer: "
-                                     f"The color of the number {other} + {letter} is", colour), (".", "")])
+                                     f"The value of {other} is", f" {other_value}"),
+                                    (f". The value of {letter} is", f" {value}"),
+                                    (f". {other} + {letter} is", f" {total}"),
+                                    (f". The color of number {total} is", colour), (".", "")])
             letters.append((letter, value))
             return (statement, recalls)
     elif "pass key" not in used:

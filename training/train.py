@@ -216,9 +216,10 @@ def steps_within(args, mixture: Mixture, done: int, progress: dict) -> int:
 
 
 def loss_terms(logits: torch.Tensor, batch: dict, answer_weight: float):
-    """(loss, lm term, answer term) of logits (B, L, V) for ``batch`` (see ``training.data``): the LM term is the
-    ``lm_weight``-weighted mean NLL; the answer term the mean over rows with answers of each row's mean answer NLL.
-    Token t's weights apply to predicting it from position t - 1. No host sync."""
+    """(loss, lm term, answer term, per-row answer NLL (B,)) of logits (B, L, V) for ``batch`` (see
+    ``training.data``): the LM term is the ``lm_weight``-weighted mean NLL; the answer term the mean over rows with
+    answers of each row's mean answer NLL (0 for a row without answers). Token t's weights apply to predicting it
+    from position t - 1. No host sync."""
     ids = batch["input_ids"]
     nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
     nll = nll.view(ids.shape[0], -1)
@@ -227,8 +228,20 @@ def loss_terms(logits: torch.Tensor, batch: dict, answer_weight: float):
     ans = batch["answer"][:, 1:].float()
     count = ans.sum(1)
     has = (count > 0).float()
-    answer = ((nll * ans).sum(1) / count.clamp(min=1) * has).sum() / has.sum().clamp(min=1)
-    return lm + answer_weight * answer, lm, answer
+    per_row = (nll * ans).sum(1) / count.clamp(min=1)
+    answer = (per_row * has).sum() / has.sum().clamp(min=1)
+    return lm + answer_weight * answer, lm, answer, per_row
+
+
+def answer_by_kind(kinds: list[str], per_row: torch.Tensor) -> dict[str, float]:
+    """Mean answer NLL of this batch's rows per row kind (essay rows have no answers), for the log: one answer
+    term averaged over kinds hides a kind that is not learning."""
+    values = per_row.tolist()
+    by_kind: dict[str, list[float]] = {}
+    for kind, value in zip(kinds, values):
+        if kind != "essays":
+            by_kind.setdefault(kind, []).append(value)
+    return {kind: round(sum(v) / len(v), 4) for kind, v in sorted(by_kind.items())}
 
 
 def eval_plan(args, final: bool) -> list[tuple[str, list[int], list[float] | None, int]]:
@@ -504,7 +517,7 @@ def train_steps(args, model, optimizer, tokenizer, essay_ids, device, autocast, 
             gpu = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "answer", "lm_weight")}
             with autocast():
                 logits = model(input_ids=gpu["input_ids"]).logits
-            loss, lm, answer = loss_terms(logits, gpu, args.answer_weight)
+            loss, lm, answer, per_row = loss_terms(logits, gpu, args.answer_weight)
             del logits
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -524,7 +537,7 @@ def train_steps(args, model, optimizer, tokenizer, essay_ids, device, autocast, 
                        "lr": lr_at(args, step, progress["total"]),
                        "tokens_per_s": round(window["tokens"] / max(elapsed, 1e-9)),
                        "wait_s": round(window["wait"], 3), "train_s": round(progress["train_s"], 1),
-                       "tokens": progress["tokens"]}
+                       "tokens": progress["tokens"], "answer_by_kind": answer_by_kind(batch["kind"], per_row)}
                 if args.train_minutes and step + 1 >= args.calibrate_steps and not last:
                     progress["total"] = steps_within(args, mixture, step + 1, progress)
                     last = step + 1 == progress["total"]

@@ -5,7 +5,9 @@
 * ``multikey``: RULER's multi-key needle test: several keyed needles in noise, one asked for.
 * ``vartrack``: RULER's variable tracking: a chain of ``VAR X = VAR Y`` assignments spread through noise.
 * ``2stage``: after OmniKV's 2StageRetr: a dictionary from numbers to colours and two values spread through noise;
-  the answer is the colour of the values' sum, so the model must retrieve twice.
+  the answer is the colour of the values' sum. The model writes the two stages out (the values, their sum, then
+  that number's colour), so what the second stage must find is known only after the first is decoded: a selection
+  made once at prefill cannot anticipate it.
 * ``arith``: a long-decode task (the RaaS setting): a short program of arithmetic steps whose written chain of
   intermediate results is longer than the prompt; each step reads its operation from the prompt and earlier
   results from the decode, so both old prompt tokens and recent decode tokens matter.
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from .base import (HAYSTACK_ENV, EvalError, Sample, Task, TokenFiller, data_dir, fit_length, insert_at,
@@ -148,8 +151,12 @@ class VarTrack(_Synthetic):
 
 
 class TwoStage(_Synthetic):
+    """The answer is written as ``The value of X is a. The value of Y is b. X + Y is s. The color of number s is
+    c.`` (``meta["solution"]``), each sentence in the form the facts were stated in; the score is 1 when the first
+    colour named is c, so a prediction listing colours scores 0."""
+
     name = "2stage"
-    max_new_tokens = 8
+    max_new_tokens = 48
     entries = 16
 
     def render(self, rng, filler, n, depth):
@@ -163,8 +170,15 @@ class TwoStage(_Synthetic):
         facts += [f"The value of X is {a}.", f"The value of Y is {b}."]
         context = ("Below is a text with hidden facts: colors of numbers and the values of X and Y. "
                    "Memorize them.\n" + insert_at(filler.take(n), [(rng.random(), f) for f in facts]))
-        question = "\nQuestion: What is the color of the number X + Y? Answer: The color of the number X + Y is"
-        return Sample(context, question, [table[a + b]], self.new_tokens(), {"x": a, "y": b})
+        question = ("\nQuestion: What is the color of the number X + Y? Answer step by step: find X and Y, add "
+                    "them, then find the color of the sum.\nAnswer:")
+        solution = (f" The value of X is {a}. The value of Y is {b}. X + Y is {a + b}. "
+                    f"The color of number {a + b} is {table[a + b]}.")
+        return Sample(context, question, [table[a + b]], self.new_tokens(), {"x": a, "y": b, "solution": solution})
+
+    def score(self, sample, prediction):
+        named = [w for w in re.findall(r"[a-z]+", prediction.lower()) if w in COLOURS]
+        return float(bool(named) and named[0] == sample.answer[0])
 
 
 class ArithChain(Task):

@@ -73,7 +73,7 @@ def test_answers_are_in_context(tok):
     assert f"The color of number {x + y} is {s.answer[0]}." in s.context
     assert f"The value of X is {x}." in s.context and f"The value of Y is {y}." in s.context
     task, colour = _task("2stage"), s.answer[0]
-    assert s.meta["solution"].endswith(f"X + Y is {x + y}. The color of number {x + y} is {colour}.")
+    assert s.meta["solution"].endswith(f"X + Y is {x} + {y} = {x + y}. The color of number {x + y} is {colour}.")
     assert task.score(s, s.meta["solution"]) == 1.0
     other = next(c for c in COLOURS if c != colour)
     assert task.score(s, f" {other}, {colour}.") == 0.0 and task.score(s, " The value of X is") == 0.0

@@ -118,7 +118,7 @@ def _spans(mask):
 
 
 ANSWER = {"passkey": r" (\d+)\.", "multikey": r" (\d{7})\.", "vartrack": r"( [A-Z]{5}){5}",
-          "2stage": r" The value of X is \d+\. The value of Y is \d+\. X \+ Y is \d+\. The color of number \d+ is [a-z]+\.",
+          "2stage": r" The value of X is \d+\. The value of Y is \d+\. X \+ Y is \d+ \+ \d+ = \d+\. The color of number \d+ is [a-z]+\.",
           "arith": r"1: .*\nAnswer: \d+"}
 
 
@@ -143,9 +143,10 @@ def test_rows_have_exact_length_and_answer_masks(setup, kind):
         if kind in ("passkey", "multikey"):
             assert re.search(rf"(is|is:) {text.strip(' .')}\.", prompt)
         if kind == "2stage":
-            x, y, total, colour = re.match(r" The value of X is (\d+)\. The value of Y is (\d+)\. X \+ Y is (\d+)\. "
-                                           r"The color of number \d+ is ([a-z]+)\.", text).groups()
-            assert int(x) + int(y) == int(total) and colour in COLOURS
+            x, y, x2, y2, total, colour = re.match(
+                r" The value of X is (\d+)\. The value of Y is (\d+)\. X \+ Y is (\d+) \+ (\d+) = (\d+)\. "
+                r"The color of number \d+ is ([a-z]+)\.", text).groups()
+            assert (x, y) == (x2, y2) and int(x) + int(y) == int(total) and colour in COLOURS
             assert f"The color of number {total} is {colour}." in prompt
     recall_start = task_spans[-1][1] if task_spans else 0
     assert row.ids[recall_start] == tok.bos_token_id
@@ -167,8 +168,9 @@ def test_recall_answers_are_values_stated_earlier_in_the_row(setup):
         # the clause that asks for this value: after the last sentence end or "Answer:" of its line
         key_line = re.split(r"\. |\? Answer: ", before.rsplit("\n", 1)[-1])[-1]
         if hit := re.fullmatch(r"([A-Z]) \+ ([A-Z]) is", key_line):  # the sum of two letters' values
-            total = sum(int(re.search(rf"The value of {x} is (\d+)\.", before).group(1)) for x in hit.groups())
-            assert str(total) == value or (end == len(row.ids) and str(total).startswith(value)), (key_line, value)
+            a, b = (int(re.search(rf"The value of {x} is (\d+)\.", before).group(1)) for x in hit.groups())
+            written = f"{a} + {b} = {a + b}"
+            assert written == value or (end == len(row.ids) and written.startswith(value)), (key_line, value)
             continue
         forms = ((r"magic numbers? for (\w+)", r"magic numbers for {} is: (\d+)\."),
                  (r"color of (?:the )?number (\d+)", r"The color of number {} is (\w+)\."),

@@ -316,8 +316,9 @@ def _new_fact(rng: random.Random, used: set, letters: list) -> tuple[str, list[l
             statement = f" The value of {letter} is {value}."
             for other, other_value in letters:
                 total = other_value + value
-                recalls.append([(f"\nQuestion: What is {other} + {letter}? Answer: {other} + {letter} is",
-                                 f" {total}"), (".", "")])
+                written = f" {other_value} + {value} = {total}"  # the sum as 2stage writes it
+                recalls.append([(f"\nQuestion: What is {other} + {letter}? Answer: {other} + {letter} is", written),
+                                (".", "")])
                 if ("n", total) not in used and rng.random() < 0.5:
                     # 2stage's second hop: the colour of the sum, stated with the letter and asked by the letters
                     used.add(("n", total))
@@ -327,7 +328,7 @@ def _new_fact(rng: random.Random, used: set, letters: list) -> tuple[str, list[l
                     recalls.append([(f"\nQuestion: What is the color of the number {other} + {letter}? Answer: "
                                      f"The value of {other} is", f" {other_value}"),
                                     (f". The value of {letter} is", f" {value}"),
-                                    (f". {other} + {letter} is", f" {total}"),
+                                    (f". {other} + {letter} is", written),
                                     (f". The color of number {total} is", colour), (".", "")])
             letters.append((letter, value))
             return (statement, recalls)

@@ -151,9 +151,10 @@ class VarTrack(_Synthetic):
 
 
 class TwoStage(_Synthetic):
-    """The answer is written as ``The value of X is a. The value of Y is b. X + Y is s. The color of number s is
-    c.`` (``meta["solution"]``), each sentence in the form the facts were stated in; the score is 1 when the first
-    colour named is c, so a prediction listing colours scores 0."""
+    """The answer is written as ``The value of X is a. The value of Y is b. X + Y is a + b = s. The color of number
+    s is c.`` (``meta["solution"]``): each lookup in the form its fact was stated in, the addition with its
+    operands beside it as in ``arith``. The score is 1 when the first colour named is c, so a prediction listing
+    colours scores 0."""
 
     name = "2stage"
     max_new_tokens = 48
@@ -172,7 +173,7 @@ class TwoStage(_Synthetic):
                    "Memorize them.\n" + insert_at(filler.take(n), [(rng.random(), f) for f in facts]))
         question = ("\nQuestion: What is the color of the number X + Y? Answer step by step: find X and Y, add "
                     "them, then find the color of the sum.\nAnswer:")
-        solution = (f" The value of X is {a}. The value of Y is {b}. X + Y is {a + b}. "
+        solution = (f" The value of X is {a}. The value of Y is {b}. X + Y is {a} + {b} = {a + b}. "
                     f"The color of number {a + b} is {table[a + b]}.")
         return Sample(context, question, [table[a + b]], self.new_tokens(), {"x": a, "y": b, "solution": solution})
 

@@ -213,7 +213,20 @@ def test_select_pages_groups_clustered(monkeypatch):
     assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, 128))
 
 
-@pytest.mark.parametrize("variant", ["default", "groups", "groups-wide"])
+QUEST_SELECT_VARIANTS = {  # TUNING overrides: each path of quest_select on the small shapes
+    "default": {},
+    # group maxima from the page-score kernel: several groups per block of slots, or one (a block of 16 slots,
+    # groups of 16 or 32)
+    "fused": {"select_fused_rows": 1, "select_one_program": 64},
+    "fused-wide": {"select_fused_rows": 1, "select_one_program": 64, "select_fused_scale": 4, "page_block": 16},
+    "fused-scale2": {"select_fused_rows": 1, "select_one_program": 64, "select_fused_scale": 2},
+    # grid too large to fuse: select_pages through groups
+    "unfused-groups": {"select_fused_rows": 1, "select_fused_programs": 0, "select_group_rows": 1,
+                       "select_one_program": 64},
+}
+
+
+@pytest.mark.parametrize("variant", QUEST_SELECT_VARIANTS)
 @pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", [
     pytest.param(2, 8, 2, 64, 4, [1500, 903], 16, False, id="gqa4"),
     pytest.param(2, 4, 2, 32, 2, [700, 1301], 9, True, id="per-query-head"),
@@ -224,7 +237,7 @@ def test_select_pages_groups_clustered(monkeypatch):
 def test_quest_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, variant, monkeypatch):
     """The fused op selects exactly what ``select_pages`` selects from ``page_scores`` (the group maxima written by
     the page-score kernel included), on every path."""
-    for key, value in SELECT_VARIANTS[variant].items():
+    for key, value in QUEST_SELECT_VARIANTS[variant].items():
         monkeypatch.setitem(tops.TUNING, key, value)
     k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
                                                                 torch.bfloat16)

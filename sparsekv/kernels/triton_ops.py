@@ -24,8 +24,9 @@ Kernels:
   bitonic ``tl.topk`` of each segment of slots. It replaces ``torch.topk`` (35 of the 47 us of a Llama-3-8B step
   at 32K on the H200); rows longer than ``TUNING`` allows still use ``torch.topk``
   (benchmarks/results/KERNEL_NOTES.md has the numbers).
-- ``quest_select``: scores and selects in one op; on the group path the page-score kernel also writes the group
-  maxima, which saves a kernel and a pass over the scores.
+- ``quest_select``: scores and selects in one op. With few rows (>= ``select_fused_rows``, e.g. Llama-3-8B at batch
+  1) and a small page-score grid, it takes the group filter with the group maxima written by the page-score kernel,
+  which saves a kernel and a pass over the scores; otherwise it is ``select_pages(page_scores(...))``.
 - ``append_token``: writes one decode token's key and value into its page and updates the page's key bounds.
 """
 
@@ -51,10 +52,14 @@ _MAX_SPLITS = 64
 # least select_group_rows rows, through groups of select_group_scale * sqrt(slots / k) slots (maxima by programs
 # of select_group_block slots; up to select_group_cand * k candidates compacted), else to the top of each segment
 # of select_block slots (select_block_warps); rows of more than select_max_slots slots go to torch.topk.
+# quest_select takes the group filter with at least select_fused_rows rows, groups of select_fused_scale *
+# sqrt(slots / k), the maxima written by the page-score kernel, if that kernel has at most select_fused_programs
+# programs (beyond, its extra cost per program exceeds the separate pass: Llama-2 batch 1 512K); else select_pages.
 TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
           "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
           "select_group_rows": 32, "select_group_scale": 2, "select_group_block": 4096, "select_group_cand": 2,
+          "select_fused_rows": 8, "select_fused_scale": 1, "select_fused_programs": 8192,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
 
 
@@ -111,9 +116,11 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
             tl.store(out_ptr + b * so_b + kvh * so_h + c, s, mask=in_c)
             if GS > 0:
                 gi = c0 // GS + tl.arange(0, BLOCK_C // GS)
-                key = tl.reshape(_key_of(s, c, n_slots, cur), (BLOCK_C // GS, GS))
-                tl.store(gmax_ptr + row.to(tl.int64) * n_groups + gi,
-                         tl.max(key, axis=1).to(tl.int32, bitcast=True), mask=gi < n_groups)
+                # A masked reduction per group (0.6 us faster than a reshape at Llama-3 512K, batch 1)
+                in_group = (tl.arange(0, BLOCK_C)[None, :] // GS) == tl.arange(0, BLOCK_C // GS)[:, None]
+                gk = tl.max(tl.where(in_group, _key_of(s, c, n_slots, cur)[None, :], 0), axis=1)
+                tl.store(gmax_ptr + row.to(tl.int64) * n_groups + gi, gk.to(tl.int32, bitcast=True),
+                         mask=gi < n_groups)
 
 
 _NEG_INF_KEY = tl.constexpr(8388607)  # _score_key of -inf (a free slot)
@@ -510,7 +517,7 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
     out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
     src, n, rows = scores, c, (scores.stride(0), scores.stride(1))
     kp = max(2, triton.next_power_of_2(k))  # tl.topk does not compile for k = 1 (triton 3.6)
-    gs = _group_filter(b * hs, c, num_pages)
+    gs = _group_filter(b * hs, c, num_pages, TUNING["select_group_rows"], TUNING["select_group_scale"])
     if gs:
         _select_by_groups(scores, cur_slot, out, k, kp, gs)
         return out
@@ -538,9 +545,10 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_p
     if num_pages < 1:
         raise ValueError(f"num_pages must be >= 1, got {num_pages}")
     b, h, _ = q.shape
-    c = kmin.shape[2]
-    gs = _group_filter(b * (h if per_query_head else kmin.shape[1]), c, num_pages)
-    if not gs:
+    hkv, c = kmin.shape[1], kmin.shape[2]
+    gs = _group_filter(b * (h if per_query_head else hkv), c, num_pages, TUNING["select_fused_rows"],
+                       TUNING["select_fused_scale"])
+    if not gs or b * hkv * triton.cdiv(c, max(TUNING["page_block"], gs)) > TUNING["select_fused_programs"]:
         return select_pages(page_scores(q, kmin, kmax, slot_page, per_query_head), cur_slot, num_pages)
     scores, gmax = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, gs)
     k = min(num_pages, c)
@@ -549,14 +557,14 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_p
     return out
 
 
-def _group_filter(rows: int, c: int, num_pages: int) -> int:
-    """Slots per group when ``rows`` rows of c fp32 scores are cut down through groups (see ``select_pages``),
-    else 0."""
+def _group_filter(rows: int, c: int, num_pages: int, min_rows: int, scale: int) -> int:
+    """Slots per group when ``rows`` rows of c fp32 scores are cut down through groups (see ``select_pages``; at
+    least ``min_rows`` rows, ``scale`` as in ``_group_size``), else 0."""
     kp = max(2, triton.next_power_of_2(min(num_pages, c)))
-    if (c <= TUNING["select_one_program"] or c > TUNING["select_max_slots"] or rows < TUNING["select_group_rows"]
+    if (c <= TUNING["select_one_program"] or c > TUNING["select_max_slots"] or rows < min_rows
             or kp > TUNING["select_max_k"]):
         return 0
-    gs = _group_size(c, kp)
+    gs = _group_size(c, kp, scale)
     return gs if gs > 1 and triton.cdiv(c, gs) >= kp else 0
 
 
@@ -566,10 +574,10 @@ def _pieces(n: int) -> tuple[int, int]:
     return head, max(32, triton.next_power_of_2(n - head)) if n > head else 32
 
 
-def _group_size(c: int, kp: int) -> int:
-    """Slots per group for the group filter: about sqrt(c / kp), so that the group maxima (c / gs) and the slots of
-    the kp groups kept (kp * gs) are about as many."""
-    return triton.next_power_of_2(max(1, math.isqrt(c // kp))) * TUNING["select_group_scale"]
+def _group_size(c: int, kp: int, scale: int) -> int:
+    """Slots per group for the group filter: scale times about sqrt(c / kp), so that the group maxima (c / gs) and
+    the slots of the kp groups kept (kp * gs) are about as many."""
+    return triton.next_power_of_2(max(1, math.isqrt(c // kp))) * scale
 
 
 def _select_by_groups(scores, cur_slot, out, k, kp, gs, gmax=None):

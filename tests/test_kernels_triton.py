@@ -213,6 +213,42 @@ def test_select_pages_groups_clustered(monkeypatch):
     assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, 128))
 
 
+QUEST_SELECT_VARIANTS = {  # TUNING overrides: each path of quest_select on the small shapes
+    "default": {},
+    # group maxima from the page-score kernel: several groups per block of slots, or one (a block of 16 slots,
+    # groups of 16 or 32)
+    "fused": {"select_fused_rows": 1, "select_one_program": 64},
+    "fused-wide": {"select_fused_rows": 1, "select_one_program": 64, "select_fused_scale": 4, "page_block": 16},
+    "fused-scale2": {"select_fused_rows": 1, "select_one_program": 64, "select_fused_scale": 2},
+    # grid too large to fuse: select_pages through groups
+    "unfused-groups": {"select_fused_rows": 1, "select_fused_programs": 0, "select_group_rows": 1,
+                       "select_one_program": 64},
+}
+
+
+@pytest.mark.parametrize("variant", QUEST_SELECT_VARIANTS)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", [
+    pytest.param(2, 8, 2, 64, 4, [1500, 903], 16, False, id="gqa4"),
+    pytest.param(2, 4, 2, 32, 2, [700, 1301], 9, True, id="per-query-head"),
+    pytest.param(1, 2, 1, 32, 1, [300], 40, False, id="mostly-selected"),
+    *([pytest.param(4, 32, 8, 128, 16, [131072 - 999 * i for i in range(4)], 128, False, id="gpu-128k-32-rows"),
+       pytest.param(1, 32, 8, 128, 16, [524288], 128, False, id="gpu-512k-8-rows")] if ON_GPU else []),
+])
+def test_quest_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, variant, monkeypatch):
+    """The fused op selects exactly what ``select_pages`` selects from ``page_scores`` (the group maxima written by
+    the page-score kernel included), on every path."""
+    for key, value in QUEST_SELECT_VARIANTS[variant].items():
+        monkeypatch.setitem(tops.TUNING, key, value)
+    k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
+                                                                torch.bfloat16)
+    del k, v
+    q = torch.randn(batch, heads, head_dim, device=DEV).to(torch.bfloat16)
+    got = tops.quest_select(q, kmin, kmax, slot_page, cur_slot, n_pages, per_head)
+    scores = tops.page_scores(q, kmin, kmax, slot_page, per_head)
+    assert got.shape == ref.quest_select(q, kmin, kmax, slot_page, cur_slot, n_pages, per_head).shape
+    assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, n_pages))
+
+
 def test_select_pages_long_rows_use_torch_topk(monkeypatch):
     monkeypatch.setitem(tops.TUNING, "select_max_slots", 64)
     scores = torch.randn(2, 2, 100, device=DEV)
@@ -271,7 +307,8 @@ def test_dispatch_picks_triton_and_step_replays_in_cuda_graph():
 
     k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(4, 8, 128, 16, [3000, 2000, 1000, 17],
                                                                 torch.bfloat16, spare=1)
-    for name in ("page_scores", "select_pages", "sparse_decode", "sparse_decode_tokens", "append_token"):
+    for name in ("page_scores", "select_pages", "quest_select", "sparse_decode", "sparse_decode_tokens",
+                 "append_token"):
         assert kernels.FAST.get(name) is getattr(tops, name)
     step = QuestStep(k, v, kmin, kmax, slot_page, cur_slot, seq_len, heads=32, num_pages=16, per_query_head=False)
     q = torch.randn(4, 32, 128, device=DEV).to(torch.bfloat16)

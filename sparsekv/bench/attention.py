@@ -7,7 +7,8 @@ torch Quest (the reference ops), on paged caches of random bf16 keys and values.
     python -m sparsekv.bench.attention --tune           # launch-parameter sweep of the two main kernels
 
 Per row: median microseconds per layer (CUDA events, after warm-up) in eager mode and as CUDA-graph replay, the
-breakdown estimate / top-k / attention (graph replay of each op alone), the whole step including the token append
+breakdown estimate / top-k / attention (graph replay of each op alone; "estimate + top-k" is the fused
+``quest_select`` the step uses), the whole step including the token append
 (graph), achieved TB/s and the ratio to the bandwidth floor (bytes that must be read / 4.2 TB/s). Inputs rotate over
 enough copies of the cache ("layers") that one sweep reads several times the L2 cache. Writes
 ``attention.json``, ``attention.md`` and ``attention.png`` under ``--out`` (default benchmarks/results/).
@@ -59,8 +60,8 @@ class QuestStep:
 
     def attention(self, q: torch.Tensor) -> torch.Tensor:
         """q: (B, H, D) -> (B, H, D)."""
-        scores = kernels.page_scores(q, self.kmin, self.kmax, self.slot_page, self.per_query_head)
-        self.slots = kernels.select_pages(scores, self.cur_slot, self.num_pages)
+        self.slots = kernels.quest_select(q, self.kmin, self.kmax, self.slot_page, self.cur_slot, self.num_pages,
+                                          self.per_query_head)
         self.out = kernels.sparse_decode(q, self.k, self.v, self.slot_page, self.slots, self.seq_len, self.scale)
         return self.out
 
@@ -219,10 +220,18 @@ def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> 
             q, s.kmin, s.kmax, s.slot_page, args.per_query_head))) / copies
         row["topk_us"] = 1e3 * timer.graph(
             lambda: [kernels.select_pages(sc, s.cur_slot, n_pages) for sc, s in zip(scores, steps)]) / copies
+        row["select_us"] = 1e3 * timer.graph(sweep(lambda s, q: kernels.quest_select(
+            q, s.kmin, s.kmax, s.slot_page, s.cur_slot, n_pages, args.per_query_head))) / copies
         row["attention_us"] = 1e3 * timer.graph(lambda: [kernels.sparse_decode(
             q, s.k, s.v, s.slot_page, sl, s.seq_len, scale) for s, q, sl in zip(steps, qs, slots)]) / copies
         row["token_attention_us"] = 1e3 * timer.graph(lambda: [kernels.sparse_decode_tokens(
             q, s.k.flatten(2, 3), s.v.flatten(2, 3), t, scale) for s, q, t in zip(steps, qs, tokens)]) / copies
+        if args.profile and device.type == "cuda":
+            try:  # the profiler's view of graph replays depends on the CUPTI build: a failure is a note, not a row
+                row["profile"] = profile_graph(sweep(QuestStep.attention), copies)
+            except Exception as err:  # noqa: BLE001
+                notes.append(f"profile of {shape} batch {batch} context {context}: {type(err).__name__}: {err}")
+                print(notes[-1], flush=True)
         if args.naive:
             def naive(s, q):
                 sc = reference.page_scores(q, s.kmin, s.kmax, s.slot_page, args.per_query_head)
@@ -254,11 +263,46 @@ def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> 
     return out
 
 
+def profile_graph(fn: Callable[[], object], copies: int, reps: int = 20) -> dict:
+    """Kernels of a CUDA-graph replay of ``fn`` (``copies`` steps) under torch.profiler: per kernel, launches and mean
+    microseconds per step; per step, the summed kernel time and the span from the first kernel's start to the last
+    one's end (span - busy = gaps between dependent kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels_run = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)
+    steps = reps * copies
+    per_name: dict[str, list[float]] = {}
+    for e in kernels_run:
+        per_name.setdefault(e.name[:60], []).append(e.time_range.end - e.time_range.start)
+    span = (kernels_run[-1].time_range.end - kernels_run[0].time_range.start) if kernels_run else float("nan")
+    out = {"kernels": {n: {"per_step": len(t) / steps, "us": sum(t) / len(t)} for n, t in per_name.items()},
+           "busy_us": sum(sum(t) for t in per_name.values()) / steps, "span_us": span / steps}
+    del graph
+    for n, k in out["kernels"].items():
+        print(f"  profile {n}: {k['per_step']:.0f} x {k['us']:.2f} us", flush=True)
+    print(f"  profile: busy {out['busy_us']:.1f} us, span {out['span_us']:.1f} us per step", flush=True)
+    return out
+
+
 def format_row(r: dict) -> str:
     f = lambda x: f"{x:8.1f}" if x == x else "     n/a"  # noqa: E731
     return (f"{r['shape']:10s} B={r['batch']:<3d} ctx={r['context']:<7d} budget={r['budget']:<5d} "
             f"dense {f(r['dense_graph_us'])} | quest eager {f(r['quest_eager_us'])} graph {f(r['quest_graph_us'])} "
-            f"(est {f(r['estimate_us'])} topk {f(r['topk_us'])} attn {f(r['attention_us'])}) "
+            f"(est {f(r['estimate_us'])} topk {f(r['topk_us'])} fused {f(r['select_us'])} attn {f(r['attention_us'])}) "
             f"naive {f(r.get('naive_eager_us', float('nan')))} | x{r['speedup_graph']:.2f} "
             f"{r['quest_tbps']:.2f} TB/s floor x{r['quest_floor_ratio']:.2f}")
 
@@ -292,7 +336,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], targets: list[dict]
             ("dense eager", "dense_eager_us", "{:.1f}"), ("dense graph", "dense_graph_us", "{:.1f}"),
             ("naive torch Quest", "naive_eager_us", "{:.1f}"), ("Quest eager", "quest_eager_us", "{:.1f}"),
             ("Quest graph", "quest_graph_us", "{:.1f}"), ("estimate", "estimate_us", "{:.1f}"),
-            ("top-k", "topk_us", "{:.1f}"), ("attention", "attention_us", "{:.1f}"),
+            ("top-k", "topk_us", "{:.1f}"), ("estimate + top-k (fused op)", "select_us", "{:.1f}"),
+            ("attention", "attention_us", "{:.1f}"),
             ("token-index attention", "token_attention_us", "{:.1f}"), ("step incl. append", "step_graph_us", "{:.1f}"),
             ("speedup", "speedup_graph", "{:.2f}x"), ("Quest TB/s", "quest_tbps", "{:.2f}"),
             ("floor us", "quest_floor_us", "{:.1f}"), ("x floor", "quest_floor_ratio", "{:.2f}")]
@@ -420,6 +465,8 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="llama3-8b, batch 1, budget 2048, contexts 32K and 128K")
     ap.add_argument("--tune", action="store_true", help="sweep kernel launch parameters instead (writes the best)")
     ap.add_argument("--tuning", type=Path, help="launch parameters from a --tune run's JSON ('best')")
+    ap.add_argument("--profile", action="store_true", help="also list the kernels of the Quest graph replay "
+                    "(torch.profiler): per-kernel times, busy time and span per step")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--tag", default="attention", help="output file stem")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

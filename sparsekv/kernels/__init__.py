@@ -45,6 +45,7 @@ def _dispatch(name: str) -> Callable:
 
 page_scores = _dispatch("page_scores")
 select_pages = _dispatch("select_pages")
+quest_select = _dispatch("quest_select")
 sparse_decode = _dispatch("sparse_decode")
 attend = _dispatch("attend")
 attend_with_weights = _dispatch("attend_with_weights")
@@ -54,5 +55,6 @@ append_token = _dispatch("append_token")
 count_attended = reference.count_attended
 merge_attention = reference.merge_attention
 
-__all__ = ["page_scores", "select_pages", "sparse_decode", "attend", "attend_with_weights", "window_token_scores",
-           "sparse_decode_tokens", "append_token", "count_attended", "merge_attention", "reference", "FAST"]
+__all__ = ["page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",
+           "window_token_scores", "sparse_decode_tokens", "append_token", "count_attended", "merge_attention",
+           "reference", "FAST"]

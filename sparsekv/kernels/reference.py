@@ -56,6 +56,13 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
     return torch.where(top > float("-inf"), idx, -1)
 
 
+def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
+                 cur_slot: torch.Tensor, num_pages: int, per_query_head: bool = False) -> torch.Tensor:
+    """Quest's page choice in one op: ``select_pages(page_scores(...), cur_slot, num_pages)`` (shapes there), so
+    that a fused kernel may score and start the selection in one pass. Returns (B, Hs, min(num_pages, C)) int64."""
+    return select_pages(page_scores(q, kmin, kmax, slot_page, per_query_head), cur_slot, num_pages)
+
+
 def attend_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor,
                         slots: torch.Tensor, q_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``attend`` that also returns its attention weights, for methods that score tokens by attention (H2O, TOVA,

@@ -24,6 +24,9 @@ Kernels:
   bitonic ``tl.topk`` of each segment of slots. It replaces ``torch.topk`` (35 of the 47 us of a Llama-3-8B step
   at 32K on the H200); rows longer than ``TUNING`` allows still use ``torch.topk``
   (benchmarks/results/KERNEL_NOTES.md has the numbers).
+- ``quest_select``: scores and selects in one op. With few rows (>= ``select_fused_rows``, e.g. Llama-3-8B at batch
+  1) and a small page-score grid, it takes the group filter with the group maxima written by the page-score kernel,
+  which saves a kernel and a pass over the scores; otherwise it is ``select_pages(page_scores(...))``.
 - ``append_token``: writes one decode token's key and value into its page and updates the page's key bounds.
 """
 
@@ -49,19 +52,25 @@ _MAX_SPLITS = 64
 # least select_group_rows rows, through groups of select_group_scale * sqrt(slots / k) slots (maxima by programs
 # of select_group_block slots; up to select_group_cand * k candidates compacted), else to the top of each segment
 # of select_block slots (select_block_warps); rows of more than select_max_slots slots go to torch.topk.
+# quest_select takes the group filter with at least select_fused_rows rows, groups of select_fused_scale *
+# sqrt(slots / k), the maxima written by the page-score kernel, if that kernel has at most select_fused_programs
+# programs (beyond, its extra cost per program exceeds the separate pass: Llama-2 batch 1 512K); else select_pages.
 TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
           "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
           "select_group_rows": 32, "select_group_scale": 2, "select_group_block": 4096, "select_group_cand": 2,
+          "select_fused_rows": 8, "select_fused_scale": 1, "select_fused_programs": 8192,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4}
 
 
 @triton.jit
-def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, n_slots,
-                        sq_b, sq_h, sm_b, sm_h, sm_c, ss_b, ss_h, so_b, so_h,
+def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gmax_ptr, n_slots, n_groups,
+                        sq_b, sq_h, sm_b, sm_h, sm_c, ss_b, ss_h, so_b, so_h, cu_b, cu_h,
                         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr, PER_HEAD: tl.constexpr,
-                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr):
+    """Scores of BLOCK_C slots per chunk; with GS > 0 also the maxima of the score keys (``_key_of``) of each group
+    of GS consecutive slots, per selection row, for the group filter of the top-k (rows of n_groups int32)."""
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     kvh = row % HKV
@@ -75,8 +84,11 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, n_slots,
     zero = tl.zeros_like(q)
     q_plus = tl.maximum(q, zero).to(q.dtype)  # triton may compute bf16 max in fp32
     q_minus = tl.minimum(q, zero).to(q.dtype)
+    if GS > 0:
+        cur = tl.maximum(tl.load(cur_ptr + b * cu_b + kvh * cu_h), 0)
     for i in range(CHUNKS):  # a loop, so that the loads of the next chunk overlap this one's products
-        c = (tl.program_id(1) * CHUNKS + i) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c0 = (tl.program_id(1) * CHUNKS + i) * BLOCK_C
+        c = c0 + tl.arange(0, BLOCK_C)
         in_c = c < n_slots
         page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
         # Bounds are loaded without waiting for the page table; free slots' +-inf bounds give NaN/inf in their own
@@ -93,9 +105,22 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, n_slots,
         if PER_HEAD:
             tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], s,
                      mask=(g[:, None] < G) & in_c[None, :])
+            if GS > 0:
+                gi = c0 // GS + tl.arange(0, BLOCK_C // GS)
+                key = tl.reshape(_key_of(s, c[None, :], n_slots, cur), (G_PAD, BLOCK_C // GS, GS))
+                tl.store(gmax_ptr + ((b * HKV + kvh) * G + g)[:, None] * n_groups + gi[None, :],
+                         tl.max(key, axis=2).to(tl.int32, bitcast=True),
+                         mask=(g[:, None] < G) & (gi < n_groups)[None, :])
         else:
-            s = tl.where(g[:, None] < G, s, float("-inf"))
-            tl.store(out_ptr + b * so_b + kvh * so_h + c, tl.max(s, axis=0), mask=in_c)
+            s = tl.max(tl.where(g[:, None] < G, s, float("-inf")), axis=0)
+            tl.store(out_ptr + b * so_b + kvh * so_h + c, s, mask=in_c)
+            if GS > 0:
+                gi = c0 // GS + tl.arange(0, BLOCK_C // GS)
+                # A masked reduction per group (0.6 us faster than a reshape at Llama-3 512K, batch 1)
+                in_group = (tl.arange(0, BLOCK_C)[None, :] // GS) == tl.arange(0, BLOCK_C // GS)[:, None]
+                gk = tl.max(tl.where(in_group, _key_of(s, c, n_slots, cur)[None, :], 0), axis=1)
+                tl.store(gmax_ptr + row.to(tl.int64) * n_groups + gi, gk.to(tl.int32, bitcast=True),
+                         mask=gi < n_groups)
 
 
 _NEG_INF_KEY = tl.constexpr(8388607)  # _score_key of -inf (a free slot)
@@ -103,10 +128,15 @@ _NEG_INF_KEY = tl.constexpr(8388607)  # _score_key of -inf (a free slot)
 
 @triton.jit
 def _score_key(row_ptr, c, n, cur):
-    """Scores as uint32 keys in the same order (the float's bits with the sign bit flipped, all bits flipped for
-    negative floats); the current page gets the key of +inf, so that it is always selected, and padding (c >= n)
-    the key 0, below every score."""
-    x = tl.load(row_ptr + c, mask=c < n, other=0.0)
+    """The keys (``_key_of``) of the scores of slots c of a row."""
+    return _key_of(tl.load(row_ptr + c, mask=c < n, other=0.0), c, n, cur)
+
+
+@triton.jit
+def _key_of(x, c, n, cur):
+    """Scores x of slots c as uint32 keys in the same order (the float's bits with the sign bit flipped, all bits
+    flipped for negative floats); the current page gets the key of +inf, so that it is always selected, and padding
+    (c >= n) the key 0, below every score."""
     x = tl.where(c == cur, float("inf"), x)
     bits = x.to(tl.uint32, bitcast=True)
     key = tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
@@ -245,7 +275,7 @@ def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, cand_ptr, out_ptr
     """Top k of a row of n scores through its groups of GS slots: the radix select of the k-th largest group
     maximum bounds the k-th largest key from below, so the top k lie in the groups whose maximum reaches that bound
     (at most KP >= k of them, see below); a second radix select over those groups' slots gives the top k. The
-    group maxima come from ``_group_max_kernel``."""
+    group maxima come from ``_group_max_kernel``, or from the page-score kernel (``quest_select``)."""
     row = tl.program_id(0)
     b = (row // HS).to(tl.int64)
     r = row % HS
@@ -445,6 +475,11 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
                 per_query_head: bool = False) -> torch.Tensor:
     if q.dtype == torch.float64:
         return reference.page_scores(q, kmin, kmax, slot_page, per_query_head)
+    return _page_scores(q, kmin, kmax, slot_page, per_query_head)[0]
+
+
+def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0):
+    """Scores (B, Hs, C) fp32 and, with gs > 0, the group maxima of their keys (B * Hs, cdiv(C, gs)) int32."""
     _check(q, kmin, "page_scores")
     b, h, d = q.shape
     hkv, c = kmin.shape[1], kmin.shape[2]
@@ -452,15 +487,18 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
         raise ValueError("page_scores: kmin and kmax must have the same layout")
     g = h // hkv
     out = torch.empty(b, h if per_query_head else hkv, c, dtype=torch.float32, device=q.device)
-    block_c, chunks = TUNING["page_block"], TUNING["page_chunks"]
+    n_groups = triton.cdiv(c, gs) if gs else 0
+    gmax = torch.empty(b * out.shape[1], n_groups, dtype=torch.int32, device=q.device) if gs else out
+    cur = cur_slot if gs else slot_page
+    block_c, chunks = max(TUNING["page_block"], gs), TUNING["page_chunks"]  # groups within one block
     _page_scores_kernel[(b * hkv, triton.cdiv(c, block_c * chunks))](
-        q, kmin, kmax, slot_page, out, c,
+        q, kmin, kmax, slot_page, out, cur, gmax, c, n_groups,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
-        slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1),
+        slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1), cur.stride(0), cur.stride(1),
         HKV=hkv, G=g, G_PAD=_group_pad(g), D=d, BLOCK_D=_block_d(d), BLOCK_C=block_c, CHUNKS=chunks,
-        PER_HEAD=per_query_head, PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype),
+        PER_HEAD=per_query_head, PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype), GS=gs,
         num_warps=TUNING["page_warps"], num_stages=TUNING["page_stages"])
-    return out
+    return out, gmax
 
 
 def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -> torch.Tensor:
@@ -479,10 +517,8 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
     out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
     src, n, rows = scores, c, (scores.stride(0), scores.stride(1))
     kp = max(2, triton.next_power_of_2(k))  # tl.topk does not compile for k = 1 (triton 3.6)
-    gs = _group_size(c, kp)
-    many_rows = b * hs >= TUNING["select_group_rows"]
-    if (c > TUNING["select_one_program"] and many_rows and kp <= TUNING["select_max_k"] and gs > 1
-            and triton.cdiv(c, gs) >= kp):
+    gs = _group_filter(b * hs, c, num_pages, TUNING["select_group_rows"], TUNING["select_group_scale"])
+    if gs:
         _select_by_groups(scores, cur_slot, out, k, kp, gs)
         return out
     seg = max(TUNING["select_block"], 2 * kp)
@@ -500,31 +536,65 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
     return out
 
 
+def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
+                 cur_slot: torch.Tensor, num_pages: int, per_query_head: bool = False) -> torch.Tensor:
+    """``select_pages(page_scores(...))``; when the selection takes the group filter, the page-score kernel also
+    writes the group maxima, so the filter needs no pass of its own over the scores."""
+    if q.dtype == torch.float64:
+        return reference.quest_select(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_head)
+    if num_pages < 1:
+        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    b, h, _ = q.shape
+    hkv, c = kmin.shape[1], kmin.shape[2]
+    gs = _group_filter(b * (h if per_query_head else hkv), c, num_pages, TUNING["select_fused_rows"],
+                       TUNING["select_fused_scale"])
+    if not gs or b * hkv * triton.cdiv(c, max(TUNING["page_block"], gs)) > TUNING["select_fused_programs"]:
+        return select_pages(page_scores(q, kmin, kmax, slot_page, per_query_head), cur_slot, num_pages)
+    scores, gmax = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, gs)
+    k = min(num_pages, c)
+    out = torch.empty(b, scores.shape[1], k, dtype=torch.long, device=q.device)
+    _select_by_groups(scores, cur_slot, out, k, max(2, triton.next_power_of_2(k)), gs, gmax)
+    return out
+
+
+def _group_filter(rows: int, c: int, num_pages: int, min_rows: int, scale: int) -> int:
+    """Slots per group when ``rows`` rows of c fp32 scores are cut down through groups (see ``select_pages``; at
+    least ``min_rows`` rows, ``scale`` as in ``_group_size``), else 0."""
+    kp = max(2, triton.next_power_of_2(min(num_pages, c)))
+    if (c <= TUNING["select_one_program"] or c > TUNING["select_max_slots"] or rows < min_rows
+            or kp > TUNING["select_max_k"]):
+        return 0
+    gs = _group_size(c, kp, scale)
+    return gs if gs > 1 and triton.cdiv(c, gs) >= kp else 0
+
+
 def _pieces(n: int) -> tuple[int, int]:
     """Two power-of-two pieces (HEAD >= TAIL >= 32) that hold n entries with little padding."""
     head = max(32, triton.next_power_of_2(n + 1) // 2)
     return head, max(32, triton.next_power_of_2(n - head)) if n > head else 32
 
 
-def _group_size(c: int, kp: int) -> int:
-    """Slots per group for the group filter: about sqrt(c / kp), so that the group maxima (c / gs) and the slots of
-    the kp groups kept (kp * gs) are about as many."""
-    return triton.next_power_of_2(max(1, math.isqrt(c // kp))) * TUNING["select_group_scale"]
+def _group_size(c: int, kp: int, scale: int) -> int:
+    """Slots per group for the group filter: scale times about sqrt(c / kp), so that the group maxima (c / gs) and
+    the slots of the kp groups kept (kp * gs) are about as many."""
+    return triton.next_power_of_2(max(1, math.isqrt(c // kp))) * scale
 
 
-def _select_by_groups(scores, cur_slot, out, k, kp, gs):
+def _select_by_groups(scores, cur_slot, out, k, kp, gs, gmax=None):
+    """Top k of each row through the group filter; gmax: the group maxima if the page-score kernel wrote them."""
     b, hs, c = scores.shape
     n_groups = triton.cdiv(c, gs)
     head, tail = _pieces(n_groups)
     ids = torch.empty(b * hs, kp, dtype=torch.int32, device=scores.device)
     n_cand = kp * TUNING["select_group_cand"]
     cand = torch.empty(b * hs, n_cand, dtype=torch.long, device=scores.device)
-    gmax = torch.empty(b * hs, n_groups, dtype=torch.int32, device=scores.device)
     rows = (scores.stride(0), scores.stride(1), cur_slot.stride(0), cur_slot.stride(1))
     common = dict(HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1], GS=gs)
-    block = max(2, TUNING["select_group_block"] // gs)
-    _group_max_kernel[(b * hs, triton.cdiv(n_groups, block))](scores, cur_slot, gmax, c, n_groups, *rows,
-                                                              BLOCK=block, **common, num_warps=4)
+    if gmax is None:
+        gmax = torch.empty(b * hs, n_groups, dtype=torch.int32, device=scores.device)
+        block = max(2, TUNING["select_group_block"] // gs)
+        _group_max_kernel[(b * hs, triton.cdiv(n_groups, block))](scores, cur_slot, gmax, c, n_groups, *rows,
+                                                                  BLOCK=block, **common, num_warps=4)
     _topk_group_kernel[(b * hs,)](scores, cur_slot, gmax, ids, cand, out, c, n_groups, k, *rows, out.stride(0),
                                   out.stride(1), HEAD=head, TAIL=tail, KP=kp, CAND=n_cand,
                                   BITS=TUNING["select_digit_bits"], **common, num_warps=TUNING["select_warps"])
@@ -617,6 +687,6 @@ def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
         HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), P=p, num_warps=1)
 
 
-OPS = {"page_scores": page_scores, "select_pages": select_pages, "sparse_decode": sparse_decode,
-       "sparse_decode_tokens": sparse_decode_tokens, "append_token": append_token}
+OPS = {"page_scores": page_scores, "select_pages": select_pages, "quest_select": quest_select,
+       "sparse_decode": sparse_decode, "sparse_decode_tokens": sparse_decode_tokens, "append_token": append_token}
 FAST.update(OPS)

@@ -47,5 +47,5 @@ class Quest(Method):
     def select(self, layer_idx, q, layer, seq_len):
         if layer_idx < self.config.dense_layers:
             return all_slots(layer)
-        scores = kernels.page_scores(q, layer.kmin, layer.kmax, layer.slot_page, self.config.per_query_head)
-        return kernels.select_pages(scores, layer.cur_slot, self.config.token_budget // self.config.page_size)
+        return kernels.quest_select(q, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot,
+                                    self.config.token_budget // self.config.page_size, self.config.per_query_head)

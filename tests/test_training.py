@@ -267,7 +267,7 @@ def test_dry_run_saves_a_loadable_model(essays, tmp_path):
     record = json.loads((stage2 / "training_args.json").read_text())
     assert record["args"]["init_from"] == str(out) and "--evaluate-only" in record["final_eval_argv"]
     card = (stage2 / "README.md").read_text()
-    assert "A second stage" in card and "Evaluated after training" in card
+    assert "Continued from" in card and "Evaluated after training" in card
 
 
 def _record(method, budget, length, score, kv=1, **extra):

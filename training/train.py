@@ -626,7 +626,7 @@ def model_card(rec: dict, config) -> str:
         "## Training", "",
         f"- Command: `{cmd}` at commit `{rec['git_commit']}`; seed {a['seed']} (data, initialisation, sample "
         f"generation; evaluation samples use the harness's seed 0, training samples their own seeds)."
-        + (f" A second stage: weights and tokenizer from `{a['init_from']}` (its own card gives its run)."
+        + (f" Continued from `{a['init_from']}` (weights and tokenizer; `docs/training.md` lists the stages)."
            if a.get("init_from") else ""),
         f"- {rec['steps_done']} steps{' (stopped early by --max-minutes)' if rec['stopped_early'] else ''}"
         f"{budget} of "

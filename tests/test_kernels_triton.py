@@ -220,6 +220,8 @@ QUEST_SELECT_VARIANTS = {  # TUNING overrides: each path of quest_select on the 
     "fused": {"select_fused_rows": 1, "select_one_program": 64},
     "fused-wide": {"select_fused_rows": 1, "select_one_program": 64, "select_fused_scale": 4, "page_block": 16},
     "fused-scale2": {"select_fused_rows": 1, "select_one_program": 64, "select_fused_scale": 2},
+    # page scores over head-dim slices of 16 (the loop of the page-score kernel)
+    "fused-slices16": {"select_fused_rows": 1, "select_one_program": 64, "page_block_k": 16},
     # grid too large to fuse: select_pages through groups
     "unfused-groups": {"select_fused_rows": 1, "select_fused_programs": 0, "select_group_rows": 1,
                        "select_one_program": 64},

@@ -8,7 +8,7 @@ host, so a whole decode step can be captured in a CUDA graph.
 Kernels:
 - ``page_scores``: Quest's bound ``sum_i max(q_i max_i, q_i min_i)`` written as two matrix products,
   ``relu(q) . kmax + min(q, 0) . kmin``, one program per (sequence, KV head, block of slots), all query heads of
-  the group at once, so the min/max metadata is read once.
+  the group at once, so the min/max metadata is read once; the bounds are read in pipelined head-dim slices.
 - ``sparse_decode`` / ``sparse_decode_tokens``: split-K flash decoding. Program (selection row, split) gathers the
   key/value rows of its share of the selected pages (or of the listed rows of a flat token store), runs an online
   softmax in fp32 for the row's query heads, and writes an unnormalised partial output with its running max and
@@ -45,6 +45,9 @@ from . import FAST, reference
 LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
+# page_block_k: the page-score kernel reads its block of key bounds in head-dim slices of this many, through a loop
+# of page_stages stages (v10: slices of 64 in 4 stages need ~94 registers instead of ~128 for the whole tile, so
+# twice as many programs fit per multiprocessor).
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor, so that enough loads are in flight even for batch 1.
 # select_warps / select_digit_bits: warps and digit width of the radix select (one program per row); rows of more
@@ -55,7 +58,7 @@ _MAX_SPLITS = 64
 # quest_select takes the group filter with at least select_fused_rows rows, groups of select_fused_scale *
 # sqrt(slots / k), the maxima written by the page-score kernel, if that kernel has at most select_fused_programs
 # programs (beyond, its extra cost per program exceeds the separate pass: Llama-2 batch 1 512K); else select_pages.
-TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
+TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
           "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
           "select_group_rows": 32, "select_group_scale": 2, "select_group_block": 4096, "select_group_cand": 2,
@@ -67,23 +70,15 @@ TUNING = {"page_block": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 2,
 def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gmax_ptr, n_slots, n_groups,
                         sq_b, sq_h, sm_b, sm_h, sm_c, ss_b, ss_h, so_b, so_h, cu_b, cu_h,
                         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr, PER_HEAD: tl.constexpr,
-                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr):
+                        BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
+                        PER_HEAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr):
     """Scores of BLOCK_C slots per chunk; with GS > 0 also the maxima of the score keys (``_key_of``) of each group
     of GS consecutive slots, per selection row, for the group filter of the top-k (rows of n_groups int32)."""
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     kvh = row % HKV
     g = tl.arange(0, G_PAD)
-    d = tl.arange(0, BLOCK_D)
     head = kvh * G + g
-    q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=(g[:, None] < G) & (d[None, :] < D),
-                other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    zero = tl.zeros_like(q)
-    q_plus = tl.maximum(q, zero).to(q.dtype)  # triton may compute bf16 max in fp32
-    q_minus = tl.minimum(q, zero).to(q.dtype)
     if GS > 0:
         cur = tl.maximum(tl.load(cur_ptr + b * cu_b + kvh * cu_h), 0)
     for i in range(CHUNKS):  # a loop, so that the loads of the next chunk overlap this one's products
@@ -91,16 +86,28 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
         c = c0 + tl.arange(0, BLOCK_C)
         in_c = c < n_slots
         page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
-        # Bounds are loaded without waiting for the page table; free slots' +-inf bounds give NaN/inf in their own
-        # columns only, which the mask below replaces.
-        m_off = b * sm_b + kvh * sm_h + c[:, None].to(tl.int64) * sm_c + d[None, :]
-        m_mask = in_c[:, None] & (d[None, :] < D)
-        kmax = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0)
-        kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
-        if UPCAST:
-            kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
-        s = tl.dot(q_plus, tl.trans(kmax), input_precision=PRECISION)
-        s += tl.dot(q_minus, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
+        s = tl.zeros((G_PAD, BLOCK_C), tl.float32)
+        # Head-dim slices of BLOCK_K: a pipelined loop whose loads go to shared memory (num_stages), so that the
+        # tile need not be held in registers.
+        for d0 in range(0, BLOCK_D, BLOCK_K):
+            d = d0 + tl.arange(0, BLOCK_K)
+            q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :],
+                        mask=(g[:, None] < G) & (d[None, :] < D), other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+            zero = tl.zeros_like(q)
+            q_plus = tl.maximum(q, zero).to(q.dtype)  # triton may compute bf16 max in fp32
+            q_minus = tl.minimum(q, zero).to(q.dtype)
+            # Bounds are loaded without waiting for the page table; free slots' +-inf bounds give NaN/inf in their
+            # own columns only, which the mask below replaces.
+            m_off = b * sm_b + kvh * sm_h + c[:, None].to(tl.int64) * sm_c + d[None, :]
+            m_mask = in_c[:, None] & (d[None, :] < D)
+            kmax = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0)
+            kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
+            if UPCAST:
+                kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
+            s += tl.dot(q_plus, tl.trans(kmax), input_precision=PRECISION)
+            s += tl.dot(q_minus, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
         s = tl.where((page >= 0)[None, :], s, float("-inf"))
         if PER_HEAD:
             tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], s,
@@ -495,7 +502,8 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0):
         q, kmin, kmax, slot_page, out, cur, gmax, c, n_groups,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
         slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1), cur.stride(0), cur.stride(1),
-        HKV=hkv, G=g, G_PAD=_group_pad(g), D=d, BLOCK_D=_block_d(d), BLOCK_C=block_c, CHUNKS=chunks,
+        HKV=hkv, G=g, G_PAD=_group_pad(g), D=d, BLOCK_D=_block_d(d),
+        BLOCK_K=min(_block_d(d), TUNING["page_block_k"]), BLOCK_C=block_c, CHUNKS=chunks,
         PER_HEAD=per_query_head, PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype), GS=gs,
         num_warps=TUNING["page_warps"], num_stages=TUNING["page_stages"])
     return out, gmax

@@ -13,7 +13,8 @@ import torch
 from . import apply
 from .eval import cli as eval_cli
 from .methods import METHODS, MethodConfig
-from .models import default_model, load_model, make_config, parse_options, resolve_device, resolve_dtype
+from .models import (default_model, load_model, make_config, parse_options, resolve_device, resolve_dtype,
+                     synchronize)
 
 
 @dataclass
@@ -44,20 +45,15 @@ def generate(model, tokenizer, config: MethodConfig, prompt: str, max_new_tokens
     extra = dict(do_sample=True, temperature=temperature, top_p=top_p) if sample else dict(do_sample=False)
     torch.manual_seed(seed)
     with apply(model, config) as session, torch.no_grad():
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **extra)
-        _sync(device)
+        synchronize(device)
         seconds = time.perf_counter() - start
     new = out[0, enc.input_ids.shape[1]:]
     return GenerationResult(text=tokenizer.decode(new, skip_special_tokens=True), tokens=new.tolist(),
                             seconds=seconds, stats=session.stats.summary(),
                             kv_bytes=session.cache.resident_bytes(), offloaded_bytes=session.cache.offloaded_bytes())
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _describe(name: str, result: GenerationResult) -> str:

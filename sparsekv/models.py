@@ -47,6 +47,12 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (CUDA), so that host timings cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def load_model(spec: str, device: torch.device, dtype: torch.dtype | None = None):
     """A causal LM and its tokenizer: ``tiny:<arch>`` (a random-weight model from ``sparsekv.tiny`` with the byte
     tokenizer), a local directory, or a hub id where the machine has network.

@@ -95,7 +95,7 @@ class Engine:
         with apply(self.model, self.config) as session:
             t0 = time.perf_counter()
             logits, cache = self._step(ctx, None)
-            self._sync()
+            models.synchronize(self.device)
             t1 = time.perf_counter()
             after_prompt = session.cache.resident_bytes()
             for tok in question:
@@ -107,7 +107,7 @@ class Engine:
                 if tok == eos or len(new) == sample.max_new_tokens:
                     break
                 logits, cache = self._step([tok], cache)
-            self._sync()
+            models.synchronize(self.device)
             t2 = time.perf_counter()
         text = self.tokenizer.decode([t for t in new if t != eos], skip_special_tokens=True)
         steps = len(question) + len(new) - 1
@@ -124,7 +124,7 @@ class Engine:
         with apply(self.model, self.config) as session:
             t0 = time.perf_counter()
             logits, cache = self._step(ids[:prefill], None)
-            self._sync()
+            models.synchronize(self.device)
             t1 = time.perf_counter()
             after_prompt = session.cache.resident_bytes()
             for i in range(prefill, len(ids)):
@@ -153,7 +153,3 @@ class Engine:
     def _reset_peak(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 from sparsekv.eval.base import REPO_ROOT
 from sparsekv.eval.engine import LoadedModel
+from sparsekv.eval.report import _groups, _mean
 from sparsekv.eval.runner import RESULTS, EvalSpec, read_results, run_eval
 from sparsekv.models import resolve_device
 
@@ -266,10 +267,8 @@ def evaluate(model, tokenizer, plan, out: Path, name: str, log=print) -> dict[st
         run_eval(EvalSpec(task=task, methods=["dense"], lengths=lengths, depths=depths, limit=samples, seed=0,
                           out=str(folder), chat="off", plots=False), log=lambda *_: None, progress=False,
                  loaded=loaded)
-        by_length: dict[int, list[float]] = {}
-        for rec in read_results(folder / RESULTS):
-            by_length.setdefault(rec["length"], []).append(rec["score"])
-        scores[task] = {length: sum(v) / len(v) for length, v in sorted(by_length.items())}
+        by_length = _groups(read_results(folder / RESULTS), "length")
+        scores[task] = {length: _mean(r["score"] for r in rs) for (length,), rs in sorted(by_length.items())}
         log(f"  eval {task}: " + ", ".join(f"{length}: {s:.2f}" for length, s in scores[task].items()))
     return scores
 

@@ -524,7 +524,7 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
         scores = scores.contiguous()
     out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
     src, n, rows = scores, c, (scores.stride(0), scores.stride(1))
-    kp = max(2, triton.next_power_of_2(k))  # tl.topk does not compile for k = 1 (triton 3.6)
+    kp = _padded_k(k)
     gs = _group_filter(b * hs, c, num_pages, TUNING["select_group_rows"], TUNING["select_group_scale"])
     if gs:
         _select_by_groups(scores, cur_slot, out, k, kp, gs)
@@ -561,19 +561,24 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_p
     scores, gmax = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, gs)
     k = min(num_pages, c)
     out = torch.empty(b, scores.shape[1], k, dtype=torch.long, device=q.device)
-    _select_by_groups(scores, cur_slot, out, k, max(2, triton.next_power_of_2(k)), gs, gmax)
+    _select_by_groups(scores, cur_slot, out, k, _padded_k(k), gs, gmax)
     return out
 
 
 def _group_filter(rows: int, c: int, num_pages: int, min_rows: int, scale: int) -> int:
     """Slots per group when ``rows`` rows of c fp32 scores are cut down through groups (see ``select_pages``; at
     least ``min_rows`` rows, ``scale`` as in ``_group_size``), else 0."""
-    kp = max(2, triton.next_power_of_2(min(num_pages, c)))
+    kp = _padded_k(min(num_pages, c))
     if (c <= TUNING["select_one_program"] or c > TUNING["select_max_slots"] or rows < min_rows
             or kp > TUNING["select_max_k"]):
         return 0
     gs = _group_size(c, kp, scale)
     return gs if gs > 1 and triton.cdiv(c, gs) >= kp else 0
+
+
+def _padded_k(k: int) -> int:
+    """k selected pages as a power-of-two tile width, at least 2: tl.topk does not compile for k = 1 (triton 3.6)."""
+    return max(2, triton.next_power_of_2(k))
 
 
 def _pieces(n: int) -> tuple[int, int]:

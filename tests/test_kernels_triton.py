@@ -190,6 +190,30 @@ def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties, variant, monk
     assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, n_pages))
 
 
+@pytest.mark.parametrize("data", ["narrow", "narrow-ties", "equal", "mostly-free", "one-finite-bin"])
+@pytest.mark.parametrize("n_pages", [1, 16, 150])
+@pytest.mark.parametrize("variant", ["default", "segments", "groups"])
+def test_select_pages_shared_leading_bits(data, n_pages, variant, monkeypatch):
+    """Scores that share their sign and exponent bits (as Quest's bounds do), so that the radix select starts below
+    those bits; also when the k-th key lies outside them (free slots) or all keys are equal."""
+    for key, value in SELECT_VARIANTS[variant].items():
+        monkeypatch.setitem(tops.TUNING, key, value)
+    g = torch.Generator(device=DEV).manual_seed(n_pages)
+    scores = 150 + 20 * torch.rand(2, 2, 400, generator=g, device=DEV)
+    if data == "narrow-ties":
+        scores = scores.round()
+    elif data == "equal":
+        scores = torch.full_like(scores, 3.5)
+    elif data == "mostly-free":
+        scores[torch.rand(scores.shape, generator=g, device=DEV) < 0.9] = float("-inf")
+    elif data == "one-finite-bin":  # finite keys differ in the last bits only, below them free slots
+        scores = (1 + torch.randint(0, 4, scores.shape, generator=g, device=DEV) * 2.0 ** -22).float()
+        scores[:, :, 200:] = float("-inf")
+    cur_slot = torch.tensor([[350, 3], [-1, 0]], device=DEV)
+    got = tops.select_pages(scores, cur_slot, n_pages)
+    assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, n_pages))
+
+
 @pytest.mark.parametrize("free", [0.9, 1.0])
 def test_select_pages_groups_mostly_free(free, monkeypatch):
     """The group filter when fewer pages are valid than selected: the bound is the -inf key, tied everywhere."""

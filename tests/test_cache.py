@@ -1,9 +1,11 @@
 """The paged cache against brute force: token placement, page bounds, padding, growth, eviction reuse."""
 
+import copy
+
 import pytest
 import torch
 
-from sparsekv.cache import PagedKVCache
+from sparsekv.cache import AppendPlan, PagedKVCache
 
 
 def stored_tokens(layer, b, h, length):
@@ -135,3 +137,35 @@ def test_unsupported_dtype():
     cache.begin(2, None, 1, torch.device("cpu"))
     with pytest.raises(ValueError, match="dtype torch.int32 is not supported"):
         cache.append(0, torch.zeros(1, 1, 2, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 2, dtype=torch.int32))
+
+
+DEVICES = [("cpu", torch.float32)] + ([("cuda", torch.bfloat16)] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_decode_append_matches_scatter_append(page_size, device, dtype):
+    """A decode step's token goes through the fused ``append_token`` op (the Triton kernel on CUDA); the general
+    scatter path must leave the same pages, bounds and current slots: across page boundaries, into freed slots,
+    and with a padded row."""
+    torch.manual_seed(page_size)
+    b, h, d = 3, 2, 8
+    cache = PagedKVCache(num_layers=1, page_size=page_size)
+    valid = torch.tensor([[True], [False], [True]], device=device)  # a one-token prompt with row 1 padded
+    keys = torch.randn(b, h, 1, d, device=device, dtype=dtype)
+    layer = None
+    for t in range(14):
+        plan = cache.begin(1, valid if t == 0 else None, b, keys.device)
+        if t == 9:  # free two held pages of one head; the next new pages take the lowest freed slot
+            layer.free(torch.tensor([[[0, 1]] * h] * b, device=device),
+                       torch.tensor([[[True, True], [False, False]]] * b, device=device))
+        if layer is not None and layer.capacity < cache.needed_pages(layer):
+            layer.grow(2 * cache.needed_pages(layer))
+        if layer is not None:
+            twin = copy.deepcopy(layer)
+            twin.scatter_append(keys, keys + 1, plan)
+        layer = cache.append(0, keys, keys + 1)
+        if t > 0:
+            for name in ("k", "v", "kmin", "kmax", "slot_page", "cur_slot"):
+                assert torch.equal(getattr(layer, name), getattr(twin, name)), (t, name)
+        keys = torch.randn(b, h, 1, d, device=device, dtype=dtype)

@@ -303,24 +303,6 @@ def test_append_token_matches_reference(dtype):
         assert torch.equal(got, want)
 
 
-def test_reference_append_token_matches_paged_layer():
-    """The decode append of the cache itself and ``append_token`` leave the same pages and bounds."""
-    torch.manual_seed(0)
-    layer = PagedLayer(2, 2, 16, 4, 4, torch.float32, torch.device("cpu"))
-    prompt = torch.randn(2, 2, 7, 16)
-    valid = torch.ones(2, 7, dtype=torch.bool)
-    layer.append(prompt, prompt, AppendPlan(valid, torch.arange(7).expand(2, 7), [0, 0], [7, 7], torch.zeros(2).long()))
-    for pos in (7, 8):  # last row of a page, then first row of a new one
-        k_new, v_new = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
-        before = [t.clone() for t in (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page)]
-        layer.append(k_new.unsqueeze(2), v_new.unsqueeze(2),
-                     AppendPlan(valid[:, :1], torch.full((2, 1), pos), [pos, pos], [pos + 1, pos + 1],
-                                torch.full((2,), pos)))
-        ref.append_token(*before, layer.cur_slot, torch.full((2,), pos), k_new, v_new)
-        for got, want in zip(before, (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page)):
-            assert torch.equal(got, want)
-
-
 def test_refuses_mismatched_dtypes():
     k, v, kmin, kmax, slot_page, _, seq_len = make_cache(1, 1, 64, 4, [5], torch.bfloat16)
     with pytest.raises(ValueError, match="q .* must have the cache's dtype"):

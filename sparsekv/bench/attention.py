@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..cache.paged import decode_slot
 from ..kernels import reference
 
 # name -> (query heads, KV heads, head dim)
@@ -67,10 +68,7 @@ class QuestStep:
 
     def run(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         """q: (B, H, D); k_new, v_new: (B, Hkv, D). A new page takes the lowest free slot, as PagedLayer does."""
-        page_size, capacity = self.k.shape[3], self.k.shape[2] - 1
-        first_free = (self.slot_page[:, :, :capacity] < 0).to(torch.int8).argmax(dim=2)  # (B, Hkv)
-        new_page = (self.seq_len % page_size == 0).view(-1, 1)
-        slot = torch.where(new_page, first_free, self.cur_slot)
+        slot = decode_slot(self.slot_page[:, :, :-1], self.cur_slot, self.seq_len, self.k.shape[3], True)
         kernels.append_token(self.k, self.v, self.kmin, self.kmax, self.slot_page, slot, self.seq_len, k_new, v_new)
         self.cur_slot.copy_(slot)
         self.seq_len.add_(1)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -47,6 +49,18 @@ class AppendPlan:
     @property
     def is_first(self) -> bool:
         return max(self.prev_len) == 0
+
+
+def decode_slot(slot_page: torch.Tensor, cur_slot: torch.Tensor, position: torch.Tensor, page_size: int,
+                has_holes: bool) -> torch.Tensor:
+    """The slot (B, Hkv) that receives each sequence's token at ``position`` (B,): the current page's slot, or for a
+    token that starts a page the lowest free slot of ``slot_page`` (B, Hkv, C) (slot j while none was ever freed,
+    ``has_holes`` False: slot j then holds page j)."""
+    if has_holes:
+        fresh = (slot_page < 0).to(torch.int8).argmax(dim=2)
+    else:
+        fresh = (position // page_size).clamp(min=0).unsqueeze(1).expand_as(cur_slot)
+    return torch.where((position % page_size == 0).unsqueeze(1), fresh, cur_slot)
 
 
 class PagedLayer:
@@ -155,7 +169,20 @@ class PagedLayer:
         return torch.where(self.slot_page.unsqueeze(-1) >= 0, pos, -1)
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, plan: AppendPlan) -> None:
-        """Writes the new tokens (B, Hkv, S, D) into their pages and updates the page bounds."""
+        """Writes the new tokens (B, Hkv, S, D) into their pages and updates the page bounds. One token per sequence
+        (a decode step) takes the fused ``kernels.append_token`` (one Triton kernel on CUDA), more take scatters."""
+        if k_new.shape[2] == 1:
+            position = plan.position[:, 0]
+            slot = decode_slot(self.slot_page[:, :, :self.capacity], self.cur_slot, position, self.page_size,
+                               self.has_holes)
+            kernels.append_token(self.k, self.v, self.kmin, self.kmax, self.slot_page, slot, position,
+                                 k_new[:, :, 0], v_new[:, :, 0])
+            self.cur_slot = torch.where((position >= 0).unsqueeze(1), slot, self.cur_slot)
+        else:
+            self.scatter_append(k_new, v_new, plan)
+
+    def scatter_append(self, k_new: torch.Tensor, v_new: torch.Tensor, plan: AppendPlan) -> None:
+        """``append`` for any number of tokens per sequence, padding included, by scatters."""
         p, cap = self.page_size, self.capacity
         b, h, s, d = k_new.shape
         page = torch.where(plan.valid, plan.position // p, -1)  # (B, S)

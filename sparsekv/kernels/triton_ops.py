@@ -21,9 +21,9 @@ Kernels:
   selected, then the keys above it (ties: the lower slots) are compacted with a prefix sum. Long rows are first
   cut down in parallel: with many rows (batch * rows >= ``select_group_rows``), to the slots of the groups of
   consecutive slots whose maximum reaches the k-th largest group maximum (a radix select of the maxima), and of
-  those to the keys that reach it; with few rows, to the bitonic ``tl.topk`` of each segment of slots. It replaces ``torch.topk`` (35 of the 47 us of a Llama-3-8B step
-  at 32K on the H200); rows longer than ``TUNING`` allows still use ``torch.topk``
-  (benchmarks/results/KERNEL_NOTES.md has the numbers).
+  those to the keys that reach it; with few rows, to the bitonic ``tl.topk`` of each segment of slots. It replaces
+  ``torch.topk`` (35 of the 47 us of a Llama-3-8B step at 32K on the H200); rows longer than ``TUNING`` allows still
+  use ``torch.topk`` (benchmarks/results/KERNEL_NOTES.md has the numbers).
 - ``quest_select``: scores and selects in one op. With few rows (>= ``select_fused_rows``, e.g. Llama-3-8B at batch
   1) and a small page-score grid, it takes the group filter with the group maxima written by the page-score kernel,
   which saves a kernel and a pass over the scores; otherwise it is ``select_pages(page_scores(...))``.

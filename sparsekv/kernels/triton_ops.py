@@ -204,6 +204,12 @@ def _taken(key, done, prefix, left):
 
 
 @triton.jit
+def _count_above(key, tail, done, prefix):
+    """How many keys of the two pieces are above ``prefix`` on the ``done`` bits."""
+    return tl.sum(((key & done) > prefix).to(tl.int32), 0) + tl.sum(((tail & done) > prefix).to(tl.int32), 0)
+
+
+@triton.jit
 def _radix_bin(key, tail, k, BITS: tl.constexpr):
     """Radix select of the k-th largest of the keys of two pieces (HEAD >= TAIL), BITS bits at a time from the top:
     returns ``prefix``, the k-th key's known bits (those set in ``done``), and ``left``, how many of the keys that
@@ -224,8 +230,7 @@ def _radix_bin(key, tail, k, BITS: tl.constexpr):
         low_bits |= low_bits >> (1 << i)
     shared = ~low_bits
     head_bits = hi & shared
-    above = (tl.sum(((key & shared) > head_bits).to(tl.int32), 0)
-             + tl.sum(((tail & shared) > head_bits).to(tl.int32), 0))
+    above = _count_above(key, tail, shared, head_bits)
     same = (tl.sum(((key & shared) == head_bits).to(tl.int32), 0)
             + tl.sum(((tail & shared) == head_bits).to(tl.int32), 0))
     if (hi >= lo) & (above < k) & (same >= k - above):
@@ -323,7 +328,7 @@ def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, cand_ptr, out_ptr
     # in it the first KP - above by slot. Usually the bin is exactly what remains to select, so k groups in all.
     # When the bits run out first (ties on the whole key), the top k take the first of the keys equal to the bound
     # by slot, and those lie in the first KP - above such groups: each earlier group holds one at a lower slot.
-    above = (tl.sum(((key & done) > prefix).to(tl.int32), 0) + tl.sum(((tail & done) > prefix).to(tl.int32), 0))
+    above = _count_above(key, tail, done, prefix)
     ids = ids_ptr + row.to(tl.int64) * KP
     start, cap = _emit(ids, key, i, 0, done, prefix, KP - above)
     count, _ = _emit(ids, tail, it, start, done, prefix, cap)

@@ -289,18 +289,30 @@ def test_nothing_to_attend_gives_zeros():
     assert torch.equal(tops.sparse_decode(q, k, v, slot_page, slots, seq_len, 0.1), torch.zeros_like(q))
 
 
+@pytest.mark.parametrize("search", [4096, 4], ids=["search4096", "search4"])
+@pytest.mark.parametrize("has_holes", [False, True], ids=["no-holes", "holes"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_append_token_matches_reference(dtype):
-    k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(3, 2, 64, 4, [8, 6, 3], dtype)
-    position = torch.tensor([8, 6, -1], device=DEV)  # fresh page, same page, no token
-    slot = torch.where((position % 4 == 0).view(3, 1), k.shape[2] - 2, cur_slot)
-    k_new = torch.randn(3, 2, 64, device=DEV).to(dtype)
-    v_new = torch.randn(3, 2, 64, device=DEV).to(dtype)
-    state = [t.clone() for t in (k, v, kmin, kmax, slot_page)]
-    ref.append_token(*state, slot, position, k_new, v_new)
-    tops.append_token(k, v, kmin, kmax, slot_page, slot, position, k_new, v_new)
-    for got, want in zip((k, v, kmin, kmax, slot_page), state):
+def test_append_token_matches_reference(dtype, has_holes, search, monkeypatch):
+    """Fresh pages (in the lowest free slot, found in several scan blocks with search 4), the current page, and a
+    sequence without a token; the op also picks the slot and updates the current slots."""
+    monkeypatch.setitem(tops.TUNING, "append_search", search)
+    k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(4, 2, 64, 4, [8, 6, 3, 20], dtype, spare=6)
+    slot_page[3, 1, :3] = -1  # freed slots ahead of the others in one row
+    slot_page[0, 0, :6] = 7  # and none in the first two scan blocks of another (search 4)
+    position = torch.tensor([8, 6, -1, 20], device=DEV)
+    k_new = torch.randn(4, 2, 64, device=DEV).to(dtype)
+    v_new = torch.randn(4, 2, 64, device=DEV).to(dtype)
+    free = slot_page[:, :, :-1] < 0
+    expected = cur_slot.clone()
+    expected[[0, 3]] = free[[0, 3]].to(torch.int8).argmax(-1) if has_holes else torch.tensor([[2], [5]], device=DEV)
+    state = [t.clone() for t in (k, v, kmin, kmax, slot_page, cur_slot)]
+    ref.append_token(*state, position, k_new, v_new, has_holes)
+    tops.append_token(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, has_holes)
+    for got, want in zip((k, v, kmin, kmax, slot_page, cur_slot), state):
         assert torch.equal(got, want)
+    assert torch.equal(cur_slot, expected)
+    assert torch.equal(slot_page[[0, 1, 3]].gather(2, cur_slot[[0, 1, 3]].unsqueeze(-1)).squeeze(-1),
+                       torch.tensor([[2, 2], [1, 1], [5, 5]], device=DEV))
 
 
 def test_refuses_mismatched_dtypes():

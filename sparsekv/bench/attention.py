@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from ..cache.paged import decode_slot
 from ..kernels import reference
 
 # name -> (query heads, KV heads, head dim)
@@ -68,9 +67,8 @@ class QuestStep:
 
     def run(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         """q: (B, H, D); k_new, v_new: (B, Hkv, D). A new page takes the lowest free slot, as PagedLayer does."""
-        slot = decode_slot(self.slot_page[:, :, :-1], self.cur_slot, self.seq_len, self.k.shape[3], True)
-        kernels.append_token(self.k, self.v, self.kmin, self.kmax, self.slot_page, slot, self.seq_len, k_new, v_new)
-        self.cur_slot.copy_(slot)
+        kernels.append_token(self.k, self.v, self.kmin, self.kmax, self.slot_page, self.cur_slot, self.seq_len, k_new,
+                             v_new, True)
         self.seq_len.add_(1)
         return self.attention(q)
 

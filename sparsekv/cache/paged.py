@@ -51,18 +51,6 @@ class AppendPlan:
         return max(self.prev_len) == 0
 
 
-def decode_slot(slot_page: torch.Tensor, cur_slot: torch.Tensor, position: torch.Tensor, page_size: int,
-                has_holes: bool) -> torch.Tensor:
-    """The slot (B, Hkv) that receives each sequence's token at ``position`` (B,): the current page's slot, or for a
-    token that starts a page the lowest free slot of ``slot_page`` (B, Hkv, C) (slot j while none was ever freed,
-    ``has_holes`` False: slot j then holds page j)."""
-    if has_holes:
-        fresh = (slot_page < 0).to(torch.int8).argmax(dim=2)
-    else:
-        fresh = (position // page_size).clamp(min=0).unsqueeze(1).expand_as(cur_slot)
-    return torch.where((position % page_size == 0).unsqueeze(1), fresh, cur_slot)
-
-
 class PagedLayer:
     """The pages of one layer.
 
@@ -170,14 +158,11 @@ class PagedLayer:
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, plan: AppendPlan) -> None:
         """Writes the new tokens (B, Hkv, S, D) into their pages and updates the page bounds. One token per sequence
-        (a decode step) takes the fused ``kernels.append_token`` (one Triton kernel on CUDA), more take scatters."""
+        (a decode step) takes the fused ``kernels.append_token`` (one Triton kernel on CUDA, slot choice included),
+        more take scatters."""
         if k_new.shape[2] == 1:
-            position = plan.position[:, 0]
-            slot = decode_slot(self.slot_page[:, :, :self.capacity], self.cur_slot, position, self.page_size,
-                               self.has_holes)
-            kernels.append_token(self.k, self.v, self.kmin, self.kmax, self.slot_page, slot, position,
-                                 k_new[:, :, 0], v_new[:, :, 0])
-            self.cur_slot = torch.where((position >= 0).unsqueeze(1), slot, self.cur_slot)
+            kernels.append_token(self.k, self.v, self.kmin, self.kmax, self.slot_page, self.cur_slot,
+                                 plan.position[:, 0], k_new[:, :, 0], v_new[:, :, 0], self.has_holes)
         else:
             self.scatter_append(k_new, v_new, plan)
 

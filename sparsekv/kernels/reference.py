@@ -186,27 +186,35 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch
 
 
 def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
-                 slot: torch.Tensor, position: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-    """Stores one decode token per sequence in place and updates its page's key bounds.
+                 cur_slot: torch.Tensor, position: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 has_holes: bool) -> None:
+    """Stores one decode token per sequence in place, updates its page's key bounds and the current slots.
 
-    k, v: (B, Hkv, C, P, D); kmin, kmax: (B, Hkv, C, D); slot_page: (B, Hkv, C); slot: (B, Hkv) int64 slot that
-    receives the token; position: (B,) int64 its position in the sequence (-1: no token for that sequence);
-    k_new, v_new: (B, Hkv, D). The token goes to offset ``position % P`` of ``slot``, which then holds page
-    ``position // P``; at offset 0 the slot starts a fresh page and its bounds restart from this key.
+    k, v: (B, Hkv, C, P, D), slot C - 1 the cache's scratch slot; kmin, kmax: (B, Hkv, C, D); slot_page: (B, Hkv,
+    C); cur_slot: (B, Hkv) int64 slot of each row's current page, updated in place; position: (B,) int64 the token's
+    position in the sequence (-1: no token for that sequence); k_new, v_new: (B, Hkv, D). The token goes to offset
+    ``position % P`` of the current page's slot; at offset 0 it starts a page in a fresh slot: the lowest free one of
+    the first C - 1 (``has_holes``), else slot ``position // P`` (while no slot was ever freed, slot j holds page j).
+    The caller keeps a free slot for it. The slot then holds page ``position // P``, its bounds restart from this key.
     """
-    b, h, _, p, _ = k.shape
+    b, h, c, p, _ = k.shape
     ok = (position >= 0).view(b, 1, 1)
-    bi = torch.arange(b, device=k.device).view(b, 1)
-    hd = torch.arange(h, device=k.device).view(1, h)
-    si = slot.clamp(min=0)
     pos = position.clamp(min=0).view(b, 1).expand(b, h)
     off = pos % p
+    if has_holes:
+        fresh_slot = (slot_page[:, :, :c - 1] < 0).to(torch.int8).argmax(dim=2)
+    else:
+        fresh_slot = pos // p
+    si = torch.where(off == 0, fresh_slot, cur_slot).clamp(min=0)
+    bi = torch.arange(b, device=k.device).view(b, 1)
+    hd = torch.arange(h, device=k.device).view(1, h)
     # Rows without a token write back what they read, so the op has fixed shapes and no host sync.
     kn = torch.where(ok, k_new.to(k.dtype), k[bi, hd, si, off])
     k[bi, hd, si, off] = kn
     v[bi, hd, si, off] = torch.where(ok, v_new.to(v.dtype), v[bi, hd, si, off])
-    fresh = (off == 0).unsqueeze(-1)
+    starts = (off == 0).unsqueeze(-1)
     lo, up = kmin[bi, hd, si], kmax[bi, hd, si]
-    kmin[bi, hd, si] = torch.where(ok, torch.where(fresh, kn, torch.minimum(lo, kn)), lo)
-    kmax[bi, hd, si] = torch.where(ok, torch.where(fresh, kn, torch.maximum(up, kn)), up)
+    kmin[bi, hd, si] = torch.where(ok, torch.where(starts, kn, torch.minimum(lo, kn)), lo)
+    kmax[bi, hd, si] = torch.where(ok, torch.where(starts, kn, torch.maximum(up, kn)), up)
     slot_page[bi, hd, si] = torch.where(ok.view(b, 1), pos // p, slot_page[bi, hd, si])
+    cur_slot.copy_(torch.where(ok.view(b, 1), si, cur_slot))

@@ -27,7 +27,9 @@ Kernels:
 - ``quest_select``: scores and selects in one op. With few rows (>= ``select_fused_rows``, e.g. Llama-3-8B at batch
   1) and a small page-score grid, it takes the group filter with the group maxima written by the page-score kernel,
   which saves a kernel and a pass over the scores; otherwise it is ``select_pages(page_scores(...))``.
-- ``append_token``: writes one decode token's key and value into its page and updates the page's key bounds.
+- ``append_token``: writes one decode token's key and value into its page, updates the page's key bounds, and
+  chooses the slot of a page the token starts (the lowest free one, by a scan of the slot table) and the current
+  slot itself, so that a decode step's append is one kernel.
 """
 
 from __future__ import annotations
@@ -59,13 +61,16 @@ _MAX_SPLITS = 64
 # quest_select takes the group filter with at least select_fused_rows rows, groups of select_fused_scale *
 # sqrt(slots / k), the maxima written by the page-score kernel, if that kernel has at most select_fused_programs
 # programs (beyond, its extra cost per program exceeds the separate pass: Llama-2 batch 1 512K); else select_pages.
+# append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
+# starts a page in a cache with freed slots), with append_warps warps.
 TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
           "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
           "select_group_rows": 32, "select_group_scale": 2, "select_group_block": 4096, "select_group_cand": 2,
           "select_fused_rows": 8, "select_fused_scale": 1, "select_fused_programs": 8192,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4,
-          "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8}
+          "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8,
+          "append_search": 4096, "append_warps": 4}
 
 
 @triton.jit
@@ -480,17 +485,30 @@ def _merge_kernel(part_ptr, stat_ptr, out_ptr, lse_ptr, n_splits, so_b, so_h,
 
 
 @triton.jit
-def _append_token_kernel(k_ptr, v_ptr, kmin_ptr, kmax_ptr, sp_ptr, slot_ptr, pos_ptr, kn_ptr, vn_ptr,
-                         sk_b, sk_h, sk_c, sk_p, sv_b, sv_h, sv_c, sv_p, sm_b, sm_h, sm_c, ss_b, ss_h, st_b, st_h,
+def _append_token_kernel(k_ptr, v_ptr, kmin_ptr, kmax_ptr, sp_ptr, cur_ptr, pos_ptr, kn_ptr, vn_ptr, n_free,
+                         sk_b, sk_h, sk_c, sk_p, sv_b, sv_h, sv_c, sv_p, sm_b, sm_h, sm_c, ss_b, ss_h, sc_b, sc_h,
                          skn_b, skn_h, svn_b, svn_h,
-                         HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr):
+                         HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr,
+                         HAS_HOLES: tl.constexpr, SEARCH: tl.constexpr):
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     h = row % HKV
     pos = tl.load(pos_ptr + b)
     if pos >= 0:
-        slot = tl.load(slot_ptr + b * st_b + h * st_h)
         off = pos % P
+        slot = tl.load(cur_ptr + b * sc_b + h * sc_h)
+        if off == 0:
+            if HAS_HOLES:  # the lowest free slot of the first n_free (slot 0 if none, as argmax), SEARCH at a time
+                found = n_free + tl.zeros((), tl.int64)
+                start = 0
+                while (start < n_free) & (found == n_free):
+                    c = start + tl.arange(0, SEARCH)
+                    page = tl.load(sp_ptr + b * ss_b + h * ss_h + c, mask=c < n_free, other=0)
+                    found = tl.min(tl.where(page < 0, c, n_free), 0).to(tl.int64)
+                    start += SEARCH
+                slot = tl.where(found < n_free, found, 0)
+            else:
+                slot = pos // P
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
         kn = tl.load(kn_ptr + b * skn_b + h * skn_h + d, mask=d_ok).to(k_ptr.dtype.element_ty)
@@ -509,6 +527,7 @@ def _append_token_kernel(k_ptr, v_ptr, kmin_ptr, kmax_ptr, sp_ptr, slot_ptr, pos
             tl.store(kmin_ptr + m_off, lo.to(kmin_ptr.dtype.element_ty), mask=d_ok)
             tl.store(kmax_ptr + m_off, up.to(kmax_ptr.dtype.element_ty), mask=d_ok)
         tl.store(sp_ptr + b * ss_b + h * ss_h + slot, pos // P)
+        tl.store(cur_ptr + b * sc_b + h * sc_h, slot)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, name: str) -> None:
@@ -749,20 +768,22 @@ def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, toke
 
 
 def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
-                 slot: torch.Tensor, position: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+                 cur_slot: torch.Tensor, position: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 has_holes: bool) -> None:
     if k.dtype == torch.float64:
-        return reference.append_token(k, v, kmin, kmax, slot_page, slot, position, k_new, v_new)
-    b, hkv, _, p, d = k.shape
+        return reference.append_token(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, has_holes)
+    b, hkv, c, p, d = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1 or kmin.stride() != kmax.stride() or kmin.stride(-1) != 1:
         raise ValueError("append_token: k, v, kmin and kmax must be contiguous in head_dim, kmin/kmax alike")
     if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
         k_new, v_new = k_new.contiguous(), v_new.contiguous()
     _append_token_kernel[(b * hkv,)](
-        k, v, kmin, kmax, slot_page, slot, position, k_new, v_new,
+        k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, c - 1,
         k.stride(0), k.stride(1), k.stride(2), k.stride(3), v.stride(0), v.stride(1), v.stride(2), v.stride(3),
         kmin.stride(0), kmin.stride(1), kmin.stride(2), slot_page.stride(0), slot_page.stride(1),
-        slot.stride(0), slot.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), P=p, num_warps=1)
+        cur_slot.stride(0), cur_slot.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), P=p, HAS_HOLES=has_holes,
+        SEARCH=TUNING["append_search"], num_warps=TUNING["append_warps"])
 
 
 OPS = {"page_scores": page_scores, "select_pages": select_pages, "quest_select": quest_select,

@@ -240,8 +240,8 @@ def _radix_bin(key, tail, k, BITS: tl.constexpr):
     """Radix select of the k-th largest of the keys of two pieces (HEAD >= TAIL; tail None: one piece), BITS bits
     at a time from the top: returns ``prefix``, the k-th key's known bits (those set in ``done``), and ``left``, how
     many of the keys that share them are still to select (the first ones by index); k - left keys lie above them.
-    It stops as soon as the whole bin is to be selected, usually after 2-3 digits. A last digit that would reach below bit 0 is taken at bit 0, overlapping known bits
-    (the same for every key in the bin).
+    It stops as soon as the whole bin is to be selected, usually after 2-3 digits. A last digit that would reach
+    below bit 0 is taken at bit 0, overlapping known bits (the same for every key in the bin).
 
     The scores of a row share their sign and exponent bits, so that the first digits would put every key in one bin
     (v12: 0.5-1.2 us per select): the digits start below the leading bits that the finite keys (not the forced

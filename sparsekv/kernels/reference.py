@@ -41,14 +41,18 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
     return bound.masked_fill(free, float("-inf"))
 
 
+def check_num_pages(num_pages: int) -> None:
+    if num_pages < 1:
+        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+
+
 def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -> torch.Tensor:
     """Top ``num_pages`` slots by score, the current page always among them.
 
     scores: (B, Hs, C); cur_slot: (B, Hkv). Returns (B, Hs, min(num_pages, C)) int64 slots, -1 where a row has
     fewer valid slots than that.
     """
-    if num_pages < 1:
-        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    check_num_pages(num_pages)
     rows = scores.shape[1] // cur_slot.shape[1]
     cur = cur_slot.clamp(min=0).repeat_interleave(rows, dim=1).unsqueeze(-1)
     forced = scores.scatter(2, cur, float("inf"))

@@ -200,20 +200,26 @@ def _digit_counts(key, done, prefix, shift, BITS: tl.constexpr):
 
 
 @triton.jit
+def _above_equal(key, done, prefix):
+    """Per key, 1 in the low 16-bit half if it is above ``prefix`` on the ``done`` bits and 1 in the high half if
+    equal to it, so that one sum or scan counts both (pieces hold fewer than 2^16 keys)."""
+    tl.static_assert(key.shape[0] < 65536)
+    return ((key & done) > prefix).to(tl.int32) | (((key & done) == prefix).to(tl.int32) << 16)
+
+
+@triton.jit
 def _ranked(key, done, prefix, left):
     """Which keys are selected (those above ``prefix`` on the ``done`` bits, and the first ``left`` of those equal
-    to it by index), the place of each among the selected in index order, and how many keys are above and equal.
-    The counts above and equal run in the two 16-bit halves of one int32, so that one scan gives both (v13: one scan
-    and one reduction in place of two of each, ~0.4 us per 2K keys)."""
-    tl.static_assert(key.shape[0] < 65536)
+    to it by index), the place of each among the selected in index order, how many are selected and how many are
+    equal: one scan and one reduction of ``_above_equal`` (v13: in place of two of each, ~0.4 us per 2K keys)."""
     left = tl.maximum(left, 0)
-    above = (key & done) > prefix
-    eq = (key & done) == prefix
-    both = above.to(tl.int32) | (eq.to(tl.int32) << 16)
+    both = _above_equal(key, done, prefix)
     run = tl.cumsum(both, 0)
     total = tl.sum(both, 0)
-    rank = run >> 16
-    return above | (eq & (rank <= left)), (run & 0xFFFF) + tl.minimum(rank, left) - 1, total & 0xFFFF, total >> 16
+    rank, n_eq = run >> 16, total >> 16
+    take = ((both & 1) == 1) | ((both >> 16 == 1) & (rank <= left))
+    place = (run & 0xFFFF) + tl.minimum(rank, left) - 1
+    return take, place, (total & 0xFFFF) + tl.minimum(n_eq, left), n_eq
 
 
 @triton.jit
@@ -227,12 +233,6 @@ def _finite_range(key):
     reduction; (0, 2^32 - 1) when there are none."""
     return tl.reduce((tl.where(key < _INF_KEY, key, 0), tl.where(key > _NEG_INF_KEY, key, 0xFFFFFFFF)), 0,
                      _max_min)
-
-
-@triton.jit
-def _above_and_equal(key, done, prefix):
-    """How many keys of a piece are above ``prefix`` on the ``done`` bits (low half) and equal to it (high half)."""
-    return tl.sum(((key & done) > prefix).to(tl.int32) | (((key & done) == prefix).to(tl.int32) << 16), 0)
 
 
 @triton.jit
@@ -250,9 +250,8 @@ def _radix_bin(key, tail, k, BITS: tl.constexpr):
     bins = tl.arange(0, 1 << BITS)
     hi, lo = _finite_range(key)
     n_keys = key.shape[0] + tl.zeros((), tl.int32)
-    tl.static_assert(key.shape[0] < 65536)  # counts run in 16-bit halves (``_above_and_equal``)
     if tail is not None:
-        tl.static_assert(key.shape[0] + tail.shape[0] < 65536)
+        tl.static_assert(key.shape[0] + tail.shape[0] < 65536)  # the counts of both pieces share 16-bit halves
         hi_tail, lo_tail = _finite_range(tail)
         hi, lo = tl.maximum(hi, hi_tail), tl.minimum(lo, lo_tail)
         n_keys += tail.shape[0]
@@ -261,9 +260,9 @@ def _radix_bin(key, tail, k, BITS: tl.constexpr):
         low_bits |= low_bits >> (1 << i)
     shared = ~low_bits
     head_bits = hi & shared
-    counts = _above_and_equal(key, shared, head_bits)
+    counts = tl.sum(_above_equal(key, shared, head_bits), 0)
     if tail is not None:
-        counts += _above_and_equal(tail, shared, head_bits)
+        counts += tl.sum(_above_equal(tail, shared, head_bits), 0)
     above, same = counts & 0xFFFF, counts >> 16
     if (hi >= lo) & (above < k) & (same >= k - above):
         prefix, done, left, in_bin = head_bits, shared, k - above, same
@@ -295,9 +294,9 @@ def _radix_bin(key, tail, k, BITS: tl.constexpr):
 def _emit(out, key, val, start, done, prefix, left):
     """Stores ``val`` of the selected keys of one piece (above ``prefix``, and the first ``left`` equal to it) at
     out[start:], in index order. Returns the new ``start`` and ``left``."""
-    take, place, n_above, n_eq = _ranked(key, done, prefix, left)
+    take, place, n_taken, n_eq = _ranked(key, done, prefix, left)
     tl.store(out + start + place, val, mask=take)
-    return start + n_above + tl.minimum(n_eq, tl.maximum(left, 0)), left - n_eq
+    return start + n_taken, left - n_eq
 
 
 @triton.jit
@@ -374,9 +373,7 @@ def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, cand_ptr, out_ptr
     ckey = _score_key(src, slot, n, cur)
     # Candidates: the keys that reach the bound (with ties on the whole key, the first k equal to it), usually
     # little more than k; compacted when they fit in CAND entries, else the whole tile is selected from.
-    ties = tl.where(~done == 0, k, KP * GS)
-    cand, place, n_above, n_eq = _ranked(ckey, done, prefix, ties)
-    count = n_above + tl.minimum(n_eq, ties)
+    cand, place, count, _ = _ranked(ckey, done, prefix, tl.where(~done == 0, k, KP * GS))
     out = out_ptr + b * so_b + r * so_h
     if count <= CAND:
         buf = cand_ptr + row.to(tl.int64) * CAND
@@ -592,8 +589,7 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
     down by segments: a radix select over the row held in registers (one program per row); rows longer than
     ``TUNING["select_one_program"]`` are first cut down in parallel, through groups of slots when there are many
     rows, else to the bitonic top-k of each segment of slots."""
-    if num_pages < 1:
-        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    reference.check_num_pages(num_pages)
     b, hs, c = scores.shape
     k = min(num_pages, c)
     if scores.dtype != torch.float32 or c > TUNING["select_max_slots"]:
@@ -628,8 +624,7 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_p
     writes the group maxima, so the filter needs no pass of its own over the scores."""
     if q.dtype == torch.float64:
         return reference.quest_select(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_head)
-    if num_pages < 1:
-        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    reference.check_num_pages(num_pages)  # before the groups are sized from it
     b, h, _ = q.shape
     hkv, c = kmin.shape[1], kmin.shape[2]
     gs = _group_filter(b * (h if per_query_head else hkv), c, num_pages, TUNING["select_fused_rows"],

@@ -118,7 +118,8 @@ def _spans(mask):
 
 
 ANSWER = {"passkey": r" (\d+)\.", "multikey": r" (\d{7})\.", "vartrack": r"( [A-Z]{5}){5}",
-          "2stage": r" The value of X is \d+\. The value of Y is \d+\. X \+ Y is \d+ \+ \d+ = \d+\. The color of number \d+ is [a-z]+\.",
+          "2stage": r" The value of X is \d+\. The value of Y is \d+\. X \+ Y is \d+ \+ \d+ = \d+\. "
+                    r"The color of number \d+ is [a-z]+\.",
           "arith": r"1: .*\nAnswer: \d+"}
 
 

@@ -186,10 +186,10 @@ class ArithChain(Task):
     """``lengths`` here are step counts. Step k applies the k-th operation of the prompt modulo 100: ``+a``,
     ``-a``, or ``+rj`` (add the result of an earlier step j, at most ``reach`` steps back). Addition and
     subtraction, not multiplication: a step must be exact 64 times in a row, and a small model learns carries,
-    not a 10,000-entry product table; what the task measures is the retrieval of operations and results. The model writes
-    ``k: <previous> <op> <operand> = <result>`` per line and ends with ``Answer: <final>``; the score is 1 when
-    the final answer is right. ``meta["solution"]`` holds the reference working (training data for the project's
-    own model)."""
+    not a 10,000-entry product table; what the task measures is the retrieval of operations and results. The
+    model writes ``k: <previous> <op> <operand> = <result>`` per line and ends with ``Answer: <final>``; the score
+    is 1 when the final answer is right. ``meta["solution"]`` holds the reference working (training data for the
+    project's own model)."""
 
     name = "arith"
     lengths = (16, 32, 64)

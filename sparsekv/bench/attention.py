@@ -152,6 +152,17 @@ def copy_bandwidth(device: torch.device, timer: Timer) -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
+def dense_attention(caches, qs, context: int) -> Callable[[], None]:
+    """Dense SDPA decode over the first ``context`` tokens of each cache copy (make_copy's tuples) with its query
+    q: (B, H, D)."""
+    def sweep():
+        for (k, v, *_), q in zip(caches, qs):
+            F.scaled_dot_product_attention(q.unsqueeze(2), k.flatten(2, 3)[:, :, :context],
+                                           v.flatten(2, 3)[:, :, :context], scale=q.shape[-1] ** -0.5,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+    return sweep
+
+
 def quest_bytes(batch, kv_heads, rows, head_dim, context, page_size, budget, itemsize) -> int:
     """Bytes a Quest step must read: key bounds and page table of every page, the selected pages' keys and values
     (per selection row), the query and the output."""
@@ -187,12 +198,7 @@ def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> 
     qs = [torch.randn(batch, heads, head_dim, dtype=dtype, device=device) for _ in range(copies)]
     scale = head_dim ** -0.5
 
-    def dense_sweep():
-        for (k, v, *_), q in zip(caches, qs):
-            kk = k.flatten(2, 3)[:, :, :context]
-            vv = v.flatten(2, 3)[:, :, :context]
-            F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, scale=scale, enable_gqa=heads != kv_heads)
-
+    dense_sweep = dense_attention(caches, qs, context)
     dense = {"dense_eager_us": 1e3 * timer.eager(dense_sweep) / copies,
              "dense_graph_us": 1e3 * timer.graph(dense_sweep) / copies}
     out = []
@@ -433,6 +439,48 @@ def tune(args, timer, device) -> list[dict]:
     return out
 
 
+def variants(args, timer, device, overrides: list[dict]) -> list[dict]:
+    """The Quest step (graph replay; eager on the CPU; budget 2048) at each ``TUNING`` override of ``overrides``
+    (the first is the baseline) on the --shapes / --batches / --contexts grid, against dense SDPA in the same run.
+    Each variant's slots must be the baseline's (as sets) and its output within bf16 rounding of it; a mismatch is
+    reported without a time."""
+    from ..kernels import triton_ops
+
+    base = dict(triton_ops.TUNING)
+    out = []
+    for batch in args.batches:
+        for shape in args.shapes:
+            for context in args.contexts:
+                heads, kv_heads, head_dim = SHAPES[shape]
+                p = args.page_size
+                touched = quest_bytes(batch, kv_heads, kv_heads, head_dim, context, p, 2048, 2)
+                copies = max(1, min(args.max_copies, math.ceil(4 * L2_BYTES / touched)))
+                caches = [make_copy(batch, kv_heads, head_dim, context, p, 1, torch.bfloat16, device)
+                          for _ in range(copies)]
+                qs = [torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device) for _ in caches]
+                steps = [QuestStep(*c, heads=heads, num_pages=2048 // p, per_query_head=False) for c in caches]
+                dense = 1e3 * timer.graph(dense_attention(caches, qs, context)) / copies
+                sweep = lambda: [s.attention(q) for s, q in zip(steps, qs)]  # noqa: E731
+                expected = None
+                for i, var in enumerate(overrides):
+                    triton_ops.TUNING.update(base, **var)
+                    # leaves the last run's slots and output (on the GPU: of the graph replay)
+                    us = 1e3 * (timer.graph(sweep) if device.type == "cuda" else timer.eager(sweep)) / copies
+                    got = (steps[0].slots.sort(-1).values, steps[0].out.float())
+                    expected = expected or got
+                    same = bool(torch.equal(got[0], expected[0])
+                                and (got[1] - expected[1]).norm() <= 1e-2 * expected[1].norm())
+                    out.append({"shape": shape, "batch": batch, "context": context, "variant": i, **var,
+                                "quest_us": us if same else None, "dense_us": dense,
+                                "speedup": dense / us if same else None, "same_as_baseline": same})
+                    print(f"variant {i} {shape} B={batch} ctx={context} {var}: {us:.1f} us (dense {dense:.1f}, "
+                          f"x{dense / us:.2f}){'' if same else ' MISMATCH with the baseline'}", flush=True)
+                del caches, qs, steps
+                torch.cuda.empty_cache()
+    triton_ops.TUNING.update(base)
+    return out
+
+
 def best_tuning(rows: list[dict]) -> dict:
     """Per kernel, the launch parameters with the least total time over the tuned shapes."""
     best = {}
@@ -461,6 +509,8 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="llama3-8b, batch 1, budget 2048, contexts 32K and 128K")
     ap.add_argument("--tune", action="store_true", help="sweep kernel launch parameters instead (writes the best)")
     ap.add_argument("--tuning", type=Path, help="launch parameters from a --tune run's JSON ('best')")
+    ap.add_argument("--variants", type=json.loads, metavar="JSON", help="a JSON list of TUNING overrides: time the "
+                    "Quest step (budget 2048) at each on the grid instead (writes TAG_variants.json)")
     ap.add_argument("--profile", action="store_true", help="also list the kernels of the Quest graph replay "
                     "(torch.profiler): per-kernel times, busy time and span per step")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -504,6 +554,10 @@ def main(argv=None) -> None:
         from ..kernels import triton_ops
 
         meta["tuning"] = dict(triton_ops.TUNING)
+    if args.variants:
+        rows = variants(args, timer, device, args.variants)
+        (args.out / f"{args.tag}_variants.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        return
     rows, notes, targets = [], [], []
     for batch in args.batches:  # batch 1 of every shape first: the targets' rows
         for shape in args.shapes:

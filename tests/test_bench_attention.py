@@ -1,0 +1,19 @@
+"""The attention benchmark's variant mode runs and writes its rows (timings themselves are not tested; on the CPU
+they are not taken)."""
+
+import json
+
+import pytest
+
+from sparsekv.bench.attention import main
+
+pytest.importorskip("triton", reason="the variant mode sets the Triton kernels' TUNING")
+
+
+def test_attention_bench_variants_smoke(tmp_path, capsys):
+    main(["--shapes", "tiny", "--contexts", "256", "--batches", "1", "--device", "cpu", "--out", str(tmp_path),
+          "--tag", "t", "--variants", '[{}, {"select_digit_bits": 4}]'])
+    rows = json.loads((tmp_path / "t_variants.json").read_text())["rows"]
+    assert [(r["shape"], r["context"], r["variant"]) for r in rows] == [("tiny", 256, 0), ("tiny", 256, 1)]
+    assert rows[1]["select_digit_bits"] == 4 and all(r["same_as_baseline"] for r in rows)
+    assert "variant 1 tiny B=1 ctx=256 {'select_digit_bits': 4}" in capsys.readouterr().out

@@ -246,9 +246,8 @@ QUEST_SELECT_VARIANTS = {  # TUNING overrides: each path of quest_select on the 
     "fused-scale2": {"select_fused_rows": 1, "select_one_program": 64, "select_fused_scale": 2},
     # page scores over head-dim slices of 16 (the loop of the page-score kernel)
     "fused-slices16": {"select_fused_rows": 1, "select_one_program": 64, "page_block_k": 16},
-    # grid too large to fuse: select_pages through groups
-    "unfused-groups": {"select_fused_rows": 1, "select_fused_programs": 0, "select_group_rows": 1,
-                       "select_one_program": 64},
+    # too few rows to fuse: select_pages through groups
+    "unfused-groups": {"select_fused_rows": 1 << 30, "select_group_rows": 1, "select_one_program": 64},
 }
 
 
@@ -258,7 +257,8 @@ QUEST_SELECT_VARIANTS = {  # TUNING overrides: each path of quest_select on the 
     pytest.param(2, 4, 2, 32, 2, [700, 1301], 9, True, id="per-query-head"),
     pytest.param(1, 2, 1, 32, 1, [300], 40, False, id="mostly-selected"),
     *([pytest.param(4, 32, 8, 128, 16, [131072 - 999 * i for i in range(4)], 128, False, id="gpu-128k-32-rows"),
-       pytest.param(1, 32, 8, 128, 16, [524288], 128, False, id="gpu-512k-8-rows")] if ON_GPU else []),
+       pytest.param(1, 32, 8, 128, 16, [524288], 128, False, id="gpu-512k-8-rows"),
+       pytest.param(1, 32, 32, 128, 16, [524288 - 77], 128, False, id="gpu-512k-mha-16k-programs")] if ON_GPU else []),
 ])
 def test_quest_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, variant, monkeypatch):
     """The fused op selects exactly what ``select_pages`` selects from ``page_scores`` (the group maxima written by

@@ -24,9 +24,9 @@ Kernels:
   those to the keys that reach it; with few rows, to the bitonic ``tl.topk`` of each segment of slots. It replaces
   ``torch.topk`` (35 of the 47 us of a Llama-3-8B step at 32K on the H200); rows longer than ``TUNING`` allows still
   use ``torch.topk`` (benchmarks/results/KERNEL_NOTES.md has the numbers).
-- ``quest_select``: scores and selects in one op. With few rows (>= ``select_fused_rows``, e.g. Llama-3-8B at batch
-  1) and a small page-score grid, it takes the group filter with the group maxima written by the page-score kernel,
-  which saves a kernel and a pass over the scores; otherwise it is ``select_pages(page_scores(...))``.
+- ``quest_select``: scores and selects in one op. Where the selection takes the group filter (from
+  ``select_fused_rows`` rows, e.g. Llama-3-8B at batch 1), the page-score kernel writes the group maxima, which
+  saves a kernel and a pass over the scores; otherwise it is ``select_pages(page_scores(...))``.
 - ``append_token``: writes one decode token's key and value into its page, updates the page's key bounds, and
   chooses the slot of a page the token starts (the lowest free one, by a scan of the slot table) and the current
   slot itself, so that a decode step's append is one kernel.
@@ -59,15 +59,15 @@ _MAX_SPLITS = 64
 # of select_group_block slots; up to select_group_cand * k candidates compacted), else to the top of each segment
 # of select_block slots (select_block_warps); rows of more than select_max_slots slots go to torch.topk.
 # quest_select takes the group filter with at least select_fused_rows rows, groups of select_fused_scale *
-# sqrt(slots / k), the maxima written by the page-score kernel, if that kernel has at most select_fused_programs
-# programs (beyond, its extra cost per program exceeds the separate pass: Llama-2 batch 1 512K); else select_pages.
+# sqrt(slots / k), the maxima written by the page-score kernel (v14: faster than a separate pass on every grid
+# measured, up to 65536 programs); else select_pages.
 # append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
 # starts a page in a cache with freed slots), with append_warps warps.
 TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
           "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
           "select_group_rows": 32, "select_group_scale": 2, "select_group_block": 4096, "select_group_cand": 2,
-          "select_fused_rows": 8, "select_fused_scale": 1, "select_fused_programs": 8192,
+          "select_fused_rows": 8, "select_fused_scale": 1,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4,
           "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8,
           "append_search": 4096, "append_warps": 4}
@@ -629,7 +629,7 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_p
     hkv, c = kmin.shape[1], kmin.shape[2]
     gs = _group_filter(b * (h if per_query_head else hkv), c, num_pages, TUNING["select_fused_rows"],
                        TUNING["select_fused_scale"])
-    if not gs or b * hkv * triton.cdiv(c, max(TUNING["page_block"], gs)) > TUNING["select_fused_programs"]:
+    if not gs:
         return select_pages(page_scores(q, kmin, kmax, slot_page, per_query_head), cur_slot, num_pages)
     scores, gmax = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, gs)
     k = min(num_pages, c)

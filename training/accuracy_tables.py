@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from sparsekv.eval.engine import load_model
-from sparsekv.eval.report import _groups, _mean
+from sparsekv.eval.report import group_by, mean_of
 from sparsekv.eval.runner import RESULTS, EvalSpec, read_results, run_eval
 from sparsekv.methods import METHODS
 
@@ -108,15 +108,15 @@ def eval_command(spec: EvalSpec) -> str:
 def matching_budget(records, method: str, length) -> int | None | str:
     """The smallest budget at which ``method``'s mean score is within TOLERANCE of dense's at ``length``; "-" when
     it never is, None when there is no dense or no run of the method."""
-    cells = _groups(records, "method_name", "budget", "length")
+    cells = group_by(records, "method_name", "budget", "length")
     dense = [r for (m, _, n), rs in cells.items() if m == "dense" and n == length for r in rs]
     if not dense:
         return None
-    target = _mean(r["score"] for r in dense) - TOLERANCE
+    target = mean_of(r["score"] for r in dense) - TOLERANCE
     budgets = sorted(b for (m, b, n) in cells if m == method and n == length and b is not None)
     if not budgets:
         return None
-    return next((b for b in budgets if _mean(r["score"] for r in cells[(method, b, length)]) >= target), "-")
+    return next((b for b in budgets if mean_of(r["score"] for r in cells[(method, b, length)]) >= target), "-")
 
 
 def budget_table(records, title: str) -> list[str]:
@@ -140,8 +140,8 @@ def retrieval_claim(records, method: str, paper: str, claim: str) -> str:
     verdicts = []
     for n in sorted({r["length"] for r in records}):
         dense = [r["score"] for r in records if r["method_name"] == "dense" and r["length"] == n]
-        if dense and _mean(dense) < MIN_DENSE:
-            verdicts.append((None, f"length {n}: dense scores {_mean(dense):.2f}"))
+        if dense and mean_of(dense) < MIN_DENSE:
+            verdicts.append((None, f"length {n}: dense scores {mean_of(dense):.2f}"))
             continue
         ours = matching_budget(records, method, n)
         others = {m: matching_budget(records, m, n) for m in EVICTION}
@@ -179,9 +179,9 @@ def raas_claims(arith, memory, token_bytes: int | None = None) -> list[str]:
         # checked on the decode part: resident tokens (bytes / bytes per token) minus prompt tokens, where the model's
         # size per token is known.
         decode = {}
-        for (m, b), rs in _groups(memory, "method_name", "budget").items():
-            by_steps = _groups(rs, "length")
-            decode[m] = [(n, _mean(_decode_resident(r, token_bytes) for r in by_steps[(n,)]))
+        for (m, b), rs in group_by(memory, "method_name", "budget").items():
+            by_steps = group_by(rs, "length")
+            decode[m] = [(n, mean_of(_decode_resident(r, token_bytes) for r in by_steps[(n,)]))
                          for (n,) in sorted(by_steps)]
         if "raas" in decode and not token_bytes:
             lines.append("- RaaS (KV memory flat in the decode length): not checked, the model's KV bytes per token "
@@ -219,11 +219,12 @@ def kv_token_bytes(model: str) -> int | None:
 
 def memory_table(records) -> list[str]:
     lines = ["| method | steps | decode tokens | KV MiB | accuracy |", "|---|---|---|---|---|"]
-    for (m, b, n), rs in sorted(_groups(records, "method", "budget", "length").items(),
+    for (m, b, n), rs in sorted(group_by(records, "method", "budget", "length").items(),
                                 key=lambda kv: (kv[0][0], kv[0][2])):
         label = m if b is None else f"{m} @{b}"
-        lines.append(f"| {label} | {n} | {_mean(r['new_tokens'] for r in rs):.0f} | "
-                     f"{_mean(r['kv_resident_bytes'] for r in rs) / 2**20:.3g} | {_mean(r['score'] for r in rs):.2f} |")
+        lines.append(f"| {label} | {n} | {mean_of(r['new_tokens'] for r in rs):.0f} | "
+                     f"{mean_of(r['kv_resident_bytes'] for r in rs) / 2**20:.3g} | "
+                     f"{mean_of(r['score'] for r in rs):.2f} |")
     return lines + [""]
 
 

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from sparsekv.eval.base import REPO_ROOT
 from sparsekv.eval.engine import LoadedModel
-from sparsekv.eval.report import _groups, _mean
+from sparsekv.eval.report import group_by, mean_of
 from sparsekv.eval.runner import RESULTS, EvalSpec, read_results, run_eval
 from sparsekv.models import resolve_device
 
@@ -267,8 +267,8 @@ def evaluate(model, tokenizer, plan, out: Path, name: str, log=print) -> dict[st
         run_eval(EvalSpec(task=task, methods=["dense"], lengths=lengths, depths=depths, limit=samples, seed=0,
                           out=str(folder), chat="off", plots=False), log=lambda *_: None, progress=False,
                  loaded=loaded)
-        by_length = _groups(read_results(folder / RESULTS), "length")
-        scores[task] = {length: _mean(r["score"] for r in rs) for (length,), rs in sorted(by_length.items())}
+        by_length = group_by(read_results(folder / RESULTS), "length")
+        scores[task] = {length: mean_of(r["score"] for r in rs) for (length,), rs in sorted(by_length.items())}
         log(f"  eval {task}: " + ", ".join(f"{length}: {s:.2f}" for length, s in scores[task].items()))
     return scores
 

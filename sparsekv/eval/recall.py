@@ -13,8 +13,9 @@ an evicting method (H2O, TOVA, StreamingLLM, SnapKV, RaaS) has already dropped: 
 every key it has seen in the layer, so evicted tokens count as missed mass. The query is the method's own, so the
 number isolates the selection of this step from the drift of hidden states across earlier sparse steps. Keys are
 copied before the method's prefill hook, so a prompt compressed after its attention is seen whole; only tokens a
-cache cap drops while they are stored would be missing. A decode step that attends through any other ``kernels`` op is refused, not
-approximated. The probe syncs with the host and runs a float64 attention per layer and step: a diagnostic only.
+cache cap drops while they are stored would be missing. A decode step that attends through any other ``kernels``
+op is refused, not approximated. The probe syncs with the host and runs a float64 attention per layer and step: a
+diagnostic only.
 """
 
 from __future__ import annotations

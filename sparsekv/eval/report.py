@@ -13,7 +13,8 @@ def _label(method: str, budget) -> str:
     return method if budget is None else f"{method} @{budget}"
 
 
-def _mean(values) -> float | None:
+def mean_of(values) -> float | None:
+    """Mean of the values that are not None (None if there are none)."""
     values = [v for v in values if v is not None]
     return float(np.mean(values)) if values else None
 
@@ -22,7 +23,8 @@ def _fmt(v, digits: int = 3) -> str:
     return "-" if v is None else f"{v:.{digits}g}" if isinstance(v, float) else str(v)
 
 
-def _groups(records, *keys) -> dict:
+def group_by(records, *keys) -> dict:
+    """Records grouped by the tuple of their values at ``keys``, in order of appearance within each group."""
     out = defaultdict(list)
     for r in records:
         out[tuple(r[k] for k in keys)].append(r)
@@ -42,20 +44,20 @@ def layer_recall(records) -> list[float | None]:
     rows = [r["recall"] for r in records if r.get("recall")]
     if not rows:
         return []
-    return [_mean(row[i] for row in rows) for i in range(len(rows[0]))]
+    return [mean_of(row[i] for row in rows) for i in range(len(rows[0]))]
 
 
 def markdown(records: list[dict], task: str) -> str:
     metric = records[0]["metric"]
     lengths = sorted({r["length"] for r in records}, key=lambda x: -1 if x is None else x)
-    cells = _groups(records, "method", "budget", "length")
+    cells = group_by(records, "method", "budget", "length")
     lines = [f"# {task}", "", f"Model: {', '.join(sorted({r['model'] for r in records}))}; "
              f"seeds: {', '.join(str(s) for s in sorted({r['seed'] for r in records}))}; metric: {metric}"
              + (" (lower is better)" if metric == "perplexity" else "") + "; mean over depths and samples.", ""]
     head = ["method", *(("length " + str(n)) if n is not None else "all" for n in lengths)]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m, b in _order(records):
-        row = [_label(m, b)] + [_fmt(_mean(r["score"] for r in cells.get((m, b, n), []))) for n in lengths]
+        row = [_label(m, b)] + [_fmt(mean_of(r["score"] for r in cells.get((m, b, n), []))) for n in lengths]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Per run means: KV tokens attended per decode step and (layer, KV head), its share of the dense "
               "context, resident KV cache bytes, decode tokens/s" + ", attention recall" * any(
@@ -64,16 +66,16 @@ def markdown(records: list[dict], task: str) -> str:
     with_recall = any(r.get("recall") for r in records)
     head += ["recall"] if with_recall else []
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    by_method = _groups(records, "method", "budget")
+    by_method = group_by(records, "method", "budget")
     for m, b in _order(records):
         rs = by_method[(m, b)]
-        row = [_label(m, b), str(len(rs)), _fmt(_mean(r["score"] for r in rs)),
-               _fmt(_mean(r["kv"]["attended_per_head"] for r in rs), 4),
-               _fmt(_mean(r["kv"]["fraction"] for r in rs)),
-               _fmt(_mean(r["kv_resident_bytes"] / 2**20 for r in rs)),
-               _fmt(_mean(r.get("decode_tokens_per_s") for r in rs))]
+        row = [_label(m, b), str(len(rs)), _fmt(mean_of(r["score"] for r in rs)),
+               _fmt(mean_of(r["kv"]["attended_per_head"] for r in rs), 4),
+               _fmt(mean_of(r["kv"]["fraction"] for r in rs)),
+               _fmt(mean_of(r["kv_resident_bytes"] / 2**20 for r in rs)),
+               _fmt(mean_of(r.get("decode_tokens_per_s") for r in rs))]
         if with_recall:
-            row.append(_fmt(_mean(v for v in layer_recall(rs))))
+            row.append(_fmt(mean_of(v for v in layer_recall(rs))))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -105,15 +107,15 @@ def _plot_budget(plt, records, out: Path, task: str) -> Path:
     """Score vs budget, a line per method (budget-free methods as dashed levels), a panel per length."""
     lengths = sorted({r["length"] for r in records}, key=lambda x: -1 if x is None else x)
     fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.6), squeeze=False)
-    cells = _groups(records, "method", "budget", "length")
+    cells = group_by(records, "method", "budget", "length")
     budgets = sorted({r["budget"] for r in records if r["budget"] is not None})
     for ax, n in zip(axes[0], lengths):
         for m in dict.fromkeys(r["method"] for r in records):
-            pts = [(b, _mean(r["score"] for r in cells[(m, b, n)])) for b in budgets if (m, b, n) in cells]
+            pts = [(b, mean_of(r["score"] for r in cells[(m, b, n)])) for b in budgets if (m, b, n) in cells]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=m)
             if (m, None, n) in cells:
-                ax.axhline(_mean(r["score"] for r in cells[(m, None, n)]), linestyle="--", label=m)
+                ax.axhline(mean_of(r["score"] for r in cells[(m, None, n)]), linestyle="--", label=m)
         if budgets:
             ax.set_xscale("log", base=2)
         ax.set_xlabel("token budget")
@@ -131,12 +133,12 @@ def _plot_heatmaps(plt, records, out: Path, task: str) -> Path | None:
         return None
     lengths = sorted({r["length"] for r in records})
     keys = _order(records)
-    cells = _groups(records, "method", "budget", "depth", "length")
+    cells = group_by(records, "method", "budget", "depth", "length")
     cols = min(4, len(keys))
     rows = -(-len(keys) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 1, 3.2 * rows), squeeze=False, layout="constrained")
     for ax, (m, b) in zip(axes.flat, keys):
-        grid = np.array([[_mean(r["score"] for r in cells.get((m, b, d, n), [])) for n in lengths]
+        grid = np.array([[mean_of(r["score"] for r in cells.get((m, b, d, n), [])) for n in lengths]
                          for d in depths], dtype=float)  # None (no runs) becomes nan: a blank cell
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45)
@@ -152,7 +154,7 @@ def _plot_heatmaps(plt, records, out: Path, task: str) -> Path | None:
 
 def _plot_recall(plt, records, out: Path, task: str) -> Path | None:
     """Attention recall per layer, a line per (method, budget)."""
-    by_method = _groups(records, "method", "budget")
+    by_method = group_by(records, "method", "budget")
     lines = [(_label(m, b), layer_recall(by_method[(m, b)])) for m, b in _order(records)]
     lines = [(name, ys) for name, ys in lines if ys]
     if not lines:

@@ -387,6 +387,17 @@ def plot(path: Path, rows: list[dict]) -> None:
     fig.savefig(path, dpi=110)
 
 
+def rotated_copies(shape: str, batch: int, context: int, page_size: int, max_copies: int, device):
+    """bf16 cache copies (``make_copy``, one spare slot) and a query (B, H, D) for each: enough copies (at most
+    max_copies) that a sweep of Quest steps at budget 2048 reads 4x the L2. Returns (caches, qs)."""
+    heads, kv_heads, head_dim = SHAPES[shape]
+    touched = quest_bytes(batch, kv_heads, kv_heads, head_dim, context, page_size, 2048, 2)
+    copies = max(1, min(max_copies, math.ceil(4 * L2_BYTES / touched)))
+    caches = [make_copy(batch, kv_heads, head_dim, context, page_size, 1, torch.bfloat16, device)
+              for _ in range(copies)]
+    return caches, [torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device) for _ in caches]
+
+
 def tune(args, timer, device) -> list[dict]:
     """Times launch-parameter variants of the page-score and attention kernels on a few shapes."""
     from ..kernels import triton_ops
@@ -408,10 +419,8 @@ def tune(args, timer, device) -> list[dict]:
     for shape, batch, context in cases:
         heads, kv_heads, head_dim = SHAPES[shape]
         p = args.page_size
-        touched = quest_bytes(batch, kv_heads, kv_heads, head_dim, context, p, 2048, 2)
-        copies = max(1, min(args.max_copies, math.ceil(4 * L2_BYTES / touched)))
-        caches = [make_copy(batch, kv_heads, head_dim, context, p, 1, torch.bfloat16, device) for _ in range(copies)]
-        qs = [torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device) for _ in range(copies)]
+        caches, qs = rotated_copies(shape, batch, context, p, args.max_copies, device)
+        copies = len(caches)
         scores = [kernels.page_scores(q, c[2], c[3], c[4]) for c, q in zip(caches, qs)]
         slots = [kernels.select_pages(s, c[5], 2048 // p) for s, c in zip(scores, caches)]
         for kind, variants in (("estimate", page_variants), ("top-k", select_variants), ("attention", attn_variants)):
@@ -451,14 +460,11 @@ def variants(args, timer, device, overrides: list[dict]) -> list[dict]:
     for batch in args.batches:
         for shape in args.shapes:
             for context in args.contexts:
-                heads, kv_heads, head_dim = SHAPES[shape]
                 p = args.page_size
-                touched = quest_bytes(batch, kv_heads, kv_heads, head_dim, context, p, 2048, 2)
-                copies = max(1, min(args.max_copies, math.ceil(4 * L2_BYTES / touched)))
-                caches = [make_copy(batch, kv_heads, head_dim, context, p, 1, torch.bfloat16, device)
-                          for _ in range(copies)]
-                qs = [torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device) for _ in caches]
-                steps = [QuestStep(*c, heads=heads, num_pages=2048 // p, per_query_head=False) for c in caches]
+                caches, qs = rotated_copies(shape, batch, context, p, args.max_copies, device)
+                copies = len(caches)
+                steps = [QuestStep(*c, heads=SHAPES[shape][0], num_pages=2048 // p, per_query_head=False)
+                         for c in caches]
                 dense = 1e3 * timer.graph(dense_attention(caches, qs, context)) / copies
                 sweep = lambda: [s.attention(q) for s, q in zip(steps, qs)]  # noqa: E731
                 expected = None

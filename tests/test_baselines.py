@@ -42,6 +42,12 @@ def test_bad_config_names_the_field(cls, kwargs, field):
         cls(**kwargs)
 
 
+
+def end_prompt(method, q, layer, plan, scale):
+    """What the integration calls after a one-pass prompt's attention in layer 0."""
+    method.prefill_chunk(0, q, layer, plan, scale)
+    method.prefill(0, q, layer, plan, scale)
+
 def test_dense_layers_beyond_the_model_are_refused():
     with pytest.raises(ValueError, match="dense_layers"):
         TOVAConfig(token_budget=8, dense_layers=5).build(num_layers=4)
@@ -200,7 +206,7 @@ def test_keeps_exactly_what_its_rule_says(cfg, padding, seed, monkeypatch):
     cache = PagedKVCache(1, cfg.page_size, method.max_pages)
     plan = cache.begin(s, valid, b, torch.device("cpu"))
     layer = cache.append(0, k, v)
-    method.prefill(0, q, layer, plan, scale)
+    end_prompt(method, q, layer, plan, scale)
 
     sims = []
     for i in range(b):
@@ -237,7 +243,7 @@ def test_h2o_scores_follow_their_tokens_through_a_reorder():
     cache = PagedKVCache(1, 1)
     plan = cache.begin(10, torch.tensor([[True] * 10, [False] * 3 + [True] * 7]), 2, torch.device("cpu"))
     layer = cache.append(0, k, v)
-    method.prefill(0, q, layer, plan, 0.3)
+    end_prompt(method, q, layer, plan, 0.3)
     before = {name: t.clone() for name, t in layer.slot_state.items()}
     held, dropped = layer.slot_page.clone(), list(layer.dropped)
     cache.reorder(torch.tensor([1, 0]))
@@ -250,7 +256,7 @@ def test_chunk_after_the_prompt_is_refused_by_an_evicting_method():
     cache = PagedKVCache(1, 1)
     x = torch.randn(1, 1, 6, 4)
     plan = cache.begin(6, None, 1, torch.device("cpu"))
-    method.prefill(0, torch.randn(1, 1, 6, 4), cache.append(0, x, x), plan, 0.5)
+    end_prompt(method, torch.randn(1, 1, 6, 4), cache.append(0, x, x), plan, 0.5)
     cache.begin(3, None, 1, torch.device("cpu"))
     with pytest.raises(ValueError, match="one token per forward pass"):
         cache.append(0, x[:, :, :3], x[:, :, :3])

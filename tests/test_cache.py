@@ -89,7 +89,7 @@ def test_padding_is_not_stored(side):
 def test_padding_after_prompt_is_refused():
     cache = PagedKVCache(num_layers=1, page_size=4)
     cache.begin(3, None, 2, torch.device("cpu"))
-    with pytest.raises(ValueError, match="padding is only supported in the first forward"):
+    with pytest.raises(ValueError, match="padding is only supported before a sequence.s first token"):
         cache.begin(2, torch.tensor([[True, True], [False, True]]), 2, torch.device("cpu"))
 
 

@@ -220,23 +220,24 @@ def test_default_filter_layers_scale_the_papers():
     assert all(i < 4 for i in config.layers_for(4))
 
 
-def test_cpu_store_fetch_gathers_the_listed_positions():
-    from sparsekv.cache.cpu_store import CPUKVStore
+def test_host_store_fetch_gathers_the_listed_positions():
+    from sparsekv.cache.host_store import HostKVStore
 
     g = torch.Generator().manual_seed(5)
-    store = CPUKVStore(3, 2, 2, 10, 4, torch.float32, torch.device("cpu"))
+    store = HostKVStore(3, 2, 2, 10, 4, 3, torch.float32, torch.device("cpu"))
     kv = [(torch.randn(2, 2, 10, 4, generator=g), torch.randn(2, 2, 10, 4, generator=g)) for _ in range(3)]
     for i, (k, v) in enumerate(kv):
-        store.put(i, k, v)
+        store.put(i, k[:, :, :6], v[:, :, :6])
+        store.put(i, k[:, :, 6:], v[:, :, 6:], start=6)
     tokens = torch.tensor([[7, 1, 4], [-1, 9, 0]])
     store.fetch(tokens)
-    buffer = store.wait()
     for i, (k, v) in enumerate(kv):
+        keys, values = store.layer(i)
         for row in range(2):
             idx = tokens[row].clamp(min=0)
-            assert torch.equal(buffer[i, 0, row], k[row][:, idx])
-            assert torch.equal(buffer[i, 1, row], v[row][:, idx])
+            assert torch.equal(keys[row], k[row][:, idx])
+            assert torch.equal(values[row], v[row][:, idx])
     store.reorder(torch.tensor([1, 1]))
     store.fetch(tokens)
-    assert torch.equal(store.wait()[2, 1, 0], kv[2][1][1][:, tokens[0]])
+    assert torch.equal(store.layer(2)[1][0], kv[2][1][1][:, tokens[0]])
     assert store.host_bytes() == 3 * 2 * 2 * 2 * 10 * 4 * 4

@@ -38,6 +38,8 @@ class AppendPlan:
     position: (B, S) int64, position of each new token in its sequence (-1 for padding).
     prev_len, new_len: per-sequence token counts before and after the pass, on the host.
     prev_seq_len: (B,) int64, ``prev_len`` on the device.
+    prompt: the pass is (a chunk of) the prompt; prompt_end: it is the prompt's last pass, after which the method
+    takes over (compresses, starts its state).
     """
 
     valid: torch.Tensor
@@ -45,10 +47,13 @@ class AppendPlan:
     prev_len: list[int]
     new_len: list[int]
     prev_seq_len: torch.Tensor
+    prompt: bool
+    prompt_end: bool
 
     @property
-    def is_first(self) -> bool:
-        return max(self.prev_len) == 0
+    def seq_len(self) -> torch.Tensor:
+        """(B,) int64 tokens per sequence after the pass, on the device."""
+        return self.prev_seq_len + self.valid.sum(dim=1)
 
 
 class PagedLayer:
@@ -156,13 +161,19 @@ class PagedLayer:
         pos = self.slot_page.unsqueeze(-1) * self.page_size + offs
         return torch.where(self.slot_page.unsqueeze(-1) >= 0, pos, -1)
 
+    @property
+    def may_have_holes(self) -> bool:
+        """Whether a new page must search for a free slot: a slot was freed, or the layer evicts (``max_pages``), so
+        that a decode step captured before its first eviction still searches after it."""
+        return self.has_holes or self.max_pages is not None
+
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, plan: AppendPlan) -> None:
         """Writes the new tokens (B, Hkv, S, D) into their pages and updates the page bounds. One token per sequence
         (a decode step) takes the fused ``kernels.append_token`` (one Triton kernel on CUDA, slot choice included),
         more take scatters."""
-        if k_new.shape[2] == 1:
+        if k_new.shape[2] == 1 and not plan.prompt:
             kernels.append_token(self.k, self.v, self.kmin, self.kmax, self.slot_page, self.cur_slot,
-                                 plan.position[:, 0], k_new[:, :, 0], v_new[:, :, 0], self.has_holes)
+                                 plan.position[:, 0], k_new[:, :, 0], v_new[:, :, 0], self.may_have_holes)
         else:
             self.scatter_append(k_new, v_new, plan)
 
@@ -173,7 +184,7 @@ class PagedLayer:
         page = torch.where(plan.valid, plan.position // p, -1)  # (B, S)
         offset = torch.where(plan.valid, plan.position % p, 0)
         first_new = (plan.prev_seq_len + p - 1) // p  # (B,) first logical page that starts in this pass
-        if self.has_holes:
+        if self.may_have_holes:
             # New pages take free slots in ascending order; pages that already hold tokens keep theirs.
             free_order = torch.argsort((self.slot_page[:, :, :cap] >= 0).to(torch.int8), dim=2, stable=True)
             rank = (page - first_new[:, None]).clamp(min=0).unsqueeze(1).expand(b, h, s)
@@ -197,17 +208,22 @@ class PagedLayer:
             idx = slot.unsqueeze(-1).expand(b, h, s, d)
             self._kmin.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amin")
             self._kmax.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amax")
+            self._kmin[:, :, cap] = float("inf")  # padding keys were reduced into the scratch slot
+            self._kmax[:, :, cap] = float("-inf")
 
         last_col = torch.where(plan.valid, plan.position, -1).argmax(dim=1)  # (B,)
         last_slot = slot.gather(2, last_col.view(b, 1, 1).expand(b, h, 1)).squeeze(-1)
-        self.cur_slot = torch.where(plan.valid.any(dim=1, keepdim=True), last_slot, self.cur_slot)
+        self.cur_slot.copy_(torch.where(plan.valid.any(dim=1, keepdim=True), last_slot, self.cur_slot))
 
 
 class PagedKVCache:
     """Pages of every layer of a model, plus the per-sequence lengths they share.
 
-    seq_len: (B,) int64 tokens per sequence on the device; ``lengths`` the same on the host, so that page
-    allocation never waits for the device.
+    seq_len: (B,) int64 tokens per sequence on the device, updated in place (a captured decode step reads and
+    advances the same tensor at every replay); ``lengths`` the same on the host, so that page allocation never
+    waits for the device. The host copy is advanced by whoever replays a captured step (``advance``).
+    ``in_prompt``: the next pass belongs to the prompt, which may come in several chunks (the last one is marked
+    by ``begin(prompt_end=True)``).
     """
 
     def __init__(self, num_layers: int, page_size: int = 16, max_pages: int | None = None):
@@ -218,16 +234,20 @@ class PagedKVCache:
         self.lengths: list[int] = []
         self.seq_len: torch.Tensor | None = None
         self.plan: AppendPlan | None = None
+        self.in_prompt = True
 
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
 
-    def begin(self, num_new: int, valid: torch.Tensor | None, batch: int, device: torch.device) -> AppendPlan:
+    def begin(self, num_new: int, valid: torch.Tensor | None, batch: int, device: torch.device,
+              prompt_end: bool = True) -> AppendPlan:
         """Plans a forward pass of ``num_new`` columns; ``valid`` (B, S) marks real tokens (None: all real).
+        While the prompt comes in chunks, ``prompt_end=False`` says that more chunks follow.
 
-        Padding is allowed only in the first pass (left or right padded prompts): afterwards every row grows by the
-        same number of real tokens.
+        Padding is allowed only before a row's first token (left padding over one or more prompt chunks, or a
+        right-padded prompt in one pass): afterwards every row grows by the same number of real tokens.
+        A decode pass (one token per row after the prompt) reads no host value and updates ``seq_len`` in place.
         """
         if valid is None:
             valid = torch.ones(batch, num_new, dtype=torch.bool, device=device)
@@ -241,20 +261,39 @@ class PagedKVCache:
         elif batch != self.batch_size:
             raise ValueError(f"batch size changed from {self.batch_size} to {batch} within one cache")
         prev = list(self.lengths)
-        if max(prev) == 0 or num_new > 1:
+        prompt = self.in_prompt
+        if prompt or num_new > 1:
             counts = valid.sum(dim=1).tolist()  # one host sync per prompt or chunk, never per decode token
-            if max(prev) > 0 and any(c != num_new for c in counts):
-                raise ValueError("attention_mask: padding is only supported in the first forward pass (the prompt); "
-                                 "later tokens must all be real")
+            if any(p > 0 and c != num_new for p, c in zip(prev, counts)):
+                raise ValueError("attention_mask: padding is only supported before a sequence's first token (the "
+                                 "prompt's left padding); later tokens must all be real")
         else:
             counts = [num_new] * batch
         new = [p + c for p, c in zip(prev, counts)]
         position = self.seq_len.unsqueeze(1) + valid.long().cumsum(dim=1) - 1
         position = torch.where(valid, position, -1)
-        self.plan = AppendPlan(valid=valid, position=position, prev_len=prev, new_len=new, prev_seq_len=self.seq_len)
+        self.plan = AppendPlan(valid=valid, position=position, prev_len=prev, new_len=new,
+                               prev_seq_len=self.seq_len.clone(), prompt=prompt, prompt_end=prompt and prompt_end)
         self.lengths = new
-        self.seq_len = self.seq_len + valid.sum(dim=1)
+        self.seq_len.add_(valid.sum(dim=1))
+        self.in_prompt = prompt and not prompt_end
         return self.plan
+
+    def advance(self, steps: int) -> None:
+        """Moves the host lengths on by ``steps`` decode tokens per row that ran without Python (graph replays)."""
+        self.lengths = [n + steps for n in self.lengths]
+
+    def reserve(self, tokens: int) -> None:
+        """Gives every layer the slots for each row to grow by ``tokens`` more tokens (within the layers' caps), so
+        that the decode steps that follow allocate nothing."""
+        saved = self.lengths
+        self.lengths = [n + tokens for n in saved]
+        try:
+            for layer in self.layers:
+                if layer is not None and layer.capacity < self.needed_pages(layer):
+                    layer.grow(self.needed_pages(layer))
+        finally:
+            self.lengths = saved
 
     def needed_pages(self, layer: PagedLayer | None = None) -> int:
         """Slots per row the next append needs in ``layer``: each row's pages less those it dropped for good,
@@ -275,7 +314,7 @@ class PagedKVCache:
         if k.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {k.dtype} is not supported; allowed: {', '.join(map(str, SUPPORTED_DTYPES))}")
         layer = self.layers[layer_idx]
-        if layer is not None and layer.max_pages is not None and not self.plan.is_first and k.shape[2] > 1:
+        if layer is not None and layer.max_pages is not None and not self.plan.prompt and k.shape[2] > 1:
             raise ValueError(f"this method evicts tokens and takes one token per forward pass after the prompt; "
                              f"got {k.shape[2]} tokens at once (feed them one by one)")
         need = max(self.needed_pages(layer), 1)

@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import kernels
-from ..cache import PagedKVCache
+from ..cache import AppendPlan, PagedKVCache, PagedLayer
 from ..methods.base import Method, MethodConfig, all_slots
 
 ATTENTION_NAME = "sparsekv"
@@ -35,7 +34,10 @@ SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"
 @dataclass
 class DecodeStats:
     """KV tokens attended in decode steps, summed over layers, sequences and KV heads (selection rows for
-    per-query-head methods are normalised to KV heads). ``context`` is what dense attention would have read."""
+    per-query-head methods are normalised to KV heads). ``context`` is what dense attention would have read.
+
+    The sums are device tensors updated in place, so a captured decode step keeps adding to them at every replay;
+    the host counters (``steps``, ``rows``) are advanced for replays by ``replayed``."""
 
     steps: int = 0
     attended: torch.Tensor | None = None
@@ -47,12 +49,21 @@ class DecodeStats:
         """attended: (B, Hs) tokens per selection row; seq_len: (B,)."""
         per_kv = attended.sum() * kv_heads / attended.shape[1]
         ctx = seq_len.sum() * kv_heads
-        self.attended = per_kv if self.attended is None else self.attended + per_kv
-        self.context = ctx if self.context is None else self.context + ctx
-        self.per_layer[layer_idx] = self.per_layer.get(layer_idx, 0) + per_kv
+        if self.attended is None:
+            self.attended, self.context = torch.zeros_like(per_kv), torch.zeros_like(ctx)
+        self.attended.add_(per_kv)
+        self.context.add_(ctx)
+        if layer_idx not in self.per_layer:
+            self.per_layer[layer_idx] = torch.zeros_like(per_kv)
+        self.per_layer[layer_idx].add_(per_kv)
         self.rows += seq_len.shape[0] * kv_heads
         if layer_idx == 0:
             self.steps += 1
+
+    def replayed(self, steps: int, rows_per_step: int) -> None:
+        """Counts ``steps`` decode steps that ran as replays of a captured step of ``rows_per_step`` rows."""
+        self.steps += steps
+        self.rows += steps * rows_per_step
 
     def summary(self) -> dict:
         """Means per decode step and (layer, sequence, KV head): tokens attended, dense context, their ratio."""
@@ -109,6 +120,7 @@ class SparseKVCache(Cache):
         self.sliding_window = sliding_window
         self.columns = 0
         self.pending_mask: torch.Tensor | None = None
+        self.prompt_end = True  # False while a chunked prompt has more chunks to come
         super().__init__(layers=[_PagedLayerView(self) for _ in range(method.num_layers)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -127,9 +139,9 @@ class SparseKVCache(Cache):
                                  f"{tuple(mask.shape)} for {s} new tokens")
             mask = mask[:, -s:]
         self.pending_mask = None
-        if self.pages.lengths and max(self.pages.lengths) > 0 and s > 1 and not self.method.accepts_chunks:
+        if not self.pages.in_prompt and s > 1 and not self.method.accepts_chunks:
             raise ValueError(f"{self.method.config.name} takes one token per forward pass after the prompt, got {s}")
-        self.pages.begin(s, mask, b, key_states.device)
+        self.pages.begin(s, mask, b, key_states.device, self.prompt_end)
         self.columns += s
         if self.sliding_window is not None and max(self.pages.lengths) > self.sliding_window:
             raise ValueError(f"context of {max(self.pages.lengths)} tokens exceeds the model's sliding window "
@@ -137,6 +149,12 @@ class SparseKVCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.columns
+
+    def replayed(self, steps: int, rows_per_step: int) -> None:
+        """Advances the host-side counters by ``steps`` decode steps that ran as replays of a captured step."""
+        self.pages.advance(steps)
+        self.columns += steps
+        self.stats.replayed(steps, rows_per_step)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self.columns + query_length, 0
@@ -173,16 +191,56 @@ class SparseKVCache(Cache):
         return self.method.offloaded_bytes()
 
 
-def _prefill_attention(q, k, v, valid: torch.Tensor, all_valid: bool, scale: float) -> torch.Tensor:
-    """Dense causal attention among the prompt's own tokens. q: (B, H, S, D); k, v: (B, Hkv, S, D);
-    valid: (B, S). Padding queries attend to themselves only, which keeps them finite."""
-    if all_valid:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    s = q.shape[2]
-    eye = torch.eye(s, dtype=torch.bool, device=q.device)
-    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() & valid[:, None, None, :]
-    mask = mask | (eye & ~valid[:, None, :, None])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one sequence with its log-sum-exp, through PyTorch's flash attention (no weights
+    materialised). q: (1, H, S, D); k, v: (1, H, T, D); ``causal`` aligns the last query with the last key (S == T
+    here). Returns out (1, H, S, D) in float32 and lse (1, H, S) float32."""
+    if q.is_cuda:
+        if q.dtype in (torch.float16, torch.bfloat16):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                          scale=scale)[:2]
+        else:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                              scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out.float(), lse[..., :q.shape[2]].float()
+
+
+def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale: float) -> torch.Tensor:
+    """Dense causal attention of a prompt pass (the whole prompt or one chunk of it) over the sequence so far.
+
+    q: (B, H, S, D), the pass's queries; the pass's keys are already stored in ``layer``, where during the prompt
+    slot j holds page j, so a row's first n tokens are the first n entries of its flat store. Each row runs on its
+    own (its real queries are the last ``new_len - prev_len`` columns, or the first ones of a right-padded prompt)
+    in two parts merged by their log-sum-exp: the keys before the pass, unmasked, and the pass's own keys,
+    causally. Peak memory is one chunk's, whatever the context. Padding queries give zeros. Returns (B, H, S, D)."""
+    b, h, s, d = q.shape
+    hkv = layer.k.shape[1]
+    g = h // hkv
+    k_flat, v_flat = layer.k.flatten(2, 3), layer.v.flatten(2, 3)
+    out = torch.zeros_like(q)
+    for row, (prev, new) in enumerate(zip(plan.prev_len, plan.new_len)):
+        n = new - prev
+        if n == 0:
+            continue
+        cols = plan.valid[row].nonzero().squeeze(1) if n != s else slice(None)
+        qr = q[row:row + 1, :, cols]  # (1, H, n, D)
+        own_k = k_flat[row:row + 1, :, prev:new].repeat_interleave(g, dim=1)
+        own_v = v_flat[row:row + 1, :, prev:new].repeat_interleave(g, dim=1)
+        o, lse = attention_lse(qr, own_k.to(q.dtype), own_v.to(q.dtype), True, scale)
+        if prev:
+            # Earlier keys: every query sees all of them; the group's queries share a KV head, so they run as one
+            # longer query sequence against it.
+            qg = qr.reshape(1, hkv, g * n, d)
+            o2, lse2 = attention_lse(qg, k_flat[row:row + 1, :, :prev].to(q.dtype),
+                                     v_flat[row:row + 1, :, :prev].to(q.dtype), False, scale)
+            o2, lse2 = o2.reshape(1, h, n, d), lse2.reshape(1, h, n)
+            total = torch.logaddexp(lse, lse2)
+            o = o * torch.exp(lse - total).unsqueeze(-1) + o2 * torch.exp(lse2 - total).unsqueeze(-1)
+        out[row:row + 1, :, cols] = o.to(q.dtype)
+    return out
 
 
 def sparsekv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -198,10 +256,11 @@ def sparsekv_attention(module, query, key, value, attention_mask, scaling=None, 
     plan = pages.plan
     layer = pages.layers[module.layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if plan.is_first:
-        all_valid = all(n == query.shape[2] for n in plan.new_len)
-        out = _prefill_attention(query, key, value, plan.valid, all_valid, scale)
-        cache.method.prefill(module.layer_idx, query, layer, plan, scale)
+    if plan.prompt:
+        out = prompt_attention(query, layer, plan, scale)
+        cache.method.prefill_chunk(module.layer_idx, query, layer, plan, scale)
+        if plan.prompt_end:
+            cache.method.prefill(module.layer_idx, query, layer, plan, scale)
     elif query.shape[2] > 1:
         # A chunk after the prompt (e.g. a question appended at once) is attended densely, like a prefill.
         out = kernels.attend(query, layer.k, layer.v, layer.slot_page, all_slots(layer), plan.position, scale)

@@ -52,10 +52,20 @@ class Method:
         self.config = config
         self.num_layers = num_layers
 
+    def prefill_chunk(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan,
+                      scale: float) -> None:
+        """Called after the attention of every pass of the prompt (the whole prompt, or each of its chunks), with
+        that pass's queries q: (B, H, S, D) (post-RoPE). Methods that score every prompt query accumulate here."""
+
     def prefill(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale: float) -> None:
-        """Called after a layer's prompt attention, with the prompt's queries q: (B, H, S, D) (post-RoPE), the
-        plan that placed its tokens and the model's attention scale. Methods that score or compress the prompt do
-        it here."""
+        """Called after a layer's last prompt pass (after ``prefill_chunk``), with that pass's queries
+        q: (B, H, S, D) (post-RoPE), its plan (``new_len``: the prompt lengths) and the model's attention scale.
+        Methods that score or compress the prompt do it here; methods that read the prompt's last queries find them
+        in q (a chunked prompt's last chunk holds at least as many as they need: ``min_prompt_chunk``)."""
+
+    def min_prompt_chunk(self) -> int:
+        """The fewest columns the prompt's last chunk may have: the prompt queries ``prefill`` reads."""
+        return 1
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keeps the sequences ``index`` of any per-sequence state (beam search, batch selection)."""

@@ -134,22 +134,23 @@ def per_kv_head(weights: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale: float,
                      last: int | None = None) -> torch.Tensor:
-    """Attention weights over the prompt's tokens, summed over each row's last ``last`` real queries (all of them
-    when None), causal as in the prompt's own attention.
+    """Attention weights over the stored tokens, summed over each row's last ``last`` real queries of a prompt
+    pass (all of them when None), causal as in the prompt's own attention.
 
-    q: (B, H, S, D) the prompt's queries (padding anywhere). Returns (B, H, C + 1) per query head, indexed by slot.
-    Queries are taken in chunks so that at most about ``PROMPT_CHUNK_WEIGHTS`` weights exist at once.
+    q: (B, H, S, D) the pass's queries (padding anywhere; a chunked prompt's pass sees the tokens of the chunks
+    before it too). Returns (B, H, C + 1) per query head, indexed by slot. Queries are taken in chunks so that at
+    most about ``PROMPT_CHUNK_WEIGHTS`` weights exist at once.
     """
     b, h, s, d = q.shape
     n = s if last is None else min(last, s)
     cols = torch.arange(s, device=q.device)
-    # Column of each row's p-th real token: real tokens sorted by position come first.
+    # Column of each row's r-th real token of the pass: real tokens sorted by position come first.
     order = torch.where(plan.valid, plan.position, s + cols).argsort(dim=1)
-    lengths = plan.valid.sum(dim=1, keepdim=True)
-    want = lengths - n + torch.arange(n, device=q.device)  # (B, n) positions of the queries taken
-    col = order.gather(1, want.clamp(min=0))
+    counts = plan.valid.sum(dim=1, keepdim=True)
+    rank = counts - n + torch.arange(n, device=q.device)  # (B, n) ranks of the queries taken, < 0: none
+    col = order.gather(1, rank.clamp(min=0))
     q_taken = q.gather(2, col.view(b, 1, n, 1).expand(b, h, n, d))
-    q_pos = torch.where(want >= 0, want, -1)
+    q_pos = torch.where(rank >= 0, plan.prev_seq_len.unsqueeze(1) + rank, -1)
     slots = all_slots(layer)
     chunk = max(1, PROMPT_CHUNK_WEIGHTS // (b * h * slots.shape[2]))
     total = torch.zeros(b, h, slots.shape[2], dtype=kernels.reference.acc_dtype(q.dtype), device=q.device)

@@ -56,12 +56,23 @@ class H2O(EvictionMethod):
         recent = pos > (seq_len - self.config.recent).view(-1, 1, 1)
         return layer.slot_state[STATE].masked_fill(recent, float("inf"))
 
+    def prefill_chunk(self, layer_idx, q, layer, plan, scale):
+        # Every prompt query adds its attention, chunk by chunk (slot j holds position j during the prompt).
+        if self.dense(layer_idx):
+            return
+        score = per_kv_head(prompt_attention(q, layer, plan, scale), layer.k.shape[1])
+        if STATE in layer.slot_state:
+            layer.slot_state[STATE].add_(score)
+        else:
+            layer.slot_state[STATE] = score
+
     def prompt_score(self, layer_idx, q, layer, plan, scale):
-        layer.slot_state[STATE] = per_kv_head(prompt_attention(q, layer, plan, scale), layer.k.shape[1])
-        return self.keep_score(layer, plan.valid.sum(dim=1))
+        return self.keep_score(layer, plan.seq_len)
 
     def step_score(self, layer_idx, layer, weights, seq_len):
-        # The current token's slot may have held a dropped token: its score starts from zero.
-        score = layer.slot_state[STATE].scatter(2, layer.cur_slot.unsqueeze(-1), 0.0)
-        layer.slot_state[STATE] = score + per_kv_head(weights, layer.k.shape[1])
+        # The current token's slot may have held a dropped token: its score starts from zero. In place: the state
+        # is read and written at the same address by every replay of a captured step.
+        score = layer.slot_state[STATE]
+        score.scatter_(2, layer.cur_slot.unsqueeze(-1), 0.0)
+        score.add_(per_kv_head(weights, layer.k.shape[1]))
         return self.keep_score(layer, seq_len)

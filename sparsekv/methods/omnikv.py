@@ -11,9 +11,9 @@ during decoding are always attended. Layers below the first filter layer and the
 layer attend fully; every other layer attends to the choice of the nearest filter layer below it plus all decode
 tokens. Nothing is evicted: a token passed over now can be chosen at the next step.
 
-``offload=True`` keeps the sparse layers' prompt KV in host memory after the prompt (``CPUKVStore``): at each
-filter layer the chosen tokens of every sparse layer of its group are gathered and copied to the device in one
-packed asynchronous copy while the wait layers run. The device then holds the fully attending layers' KV, the
+``offload=True`` keeps the sparse layers' prompt KV in host memory after the prompt (``HostKVStore``): at each
+filter layer the chosen tokens of every sparse layer of its group are gathered to the device as packed segments
+(one per token, all layers of the group) by one asynchronous gather while the wait layers run. The device then holds the fully attending layers' KV, the
 decode tokens and the subset buffers. Both modes run the same attention (chosen subset merged with the decode
 tokens), so they give the same outputs.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..cache.cpu_store import CPUKVStore
+from ..cache.host_store import HostKVStore
 from .base import Method, MethodConfig, all_slots, require
 
 SELECTORS = ("last", "uniform", "exponential")
@@ -125,9 +125,9 @@ class OmniKV(Method):
         self.window_q: dict[int, torch.Tensor] = {}
         self.window_pos: dict[int, torch.Tensor] = {}
         self.tokens: dict[int, torch.Tensor] = {}
-        self.stores: dict[int, CPUKVStore] = {}
+        self.stores: dict[int, HostKVStore] = {}
         self.decode_start: dict[int, torch.Tensor] = {}  # sparse layer -> (B,) flat index of the first decode token
-        self.steps = [0] * num_layers
+        self.first_decode: dict[int, int] = {}  # sparse layer -> the smallest of those, on the host
         self.prompt_len: torch.Tensor | None = None
         self.per_row: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
@@ -137,9 +137,11 @@ class OmniKV(Method):
         """The filter layer whose choice layer ``layer_idx`` attends to, or None for a fully attending layer."""
         return self.source[layer_idx]
 
+    def min_prompt_chunk(self):
+        return self.width
+
     def prefill(self, layer_idx, q, layer, plan, scale):
         device = layer.k.device
-        self.steps[layer_idx] = 0
         if layer_idx == 0:
             budget = self.config.token_budget
             lengths = plan.new_len
@@ -154,13 +156,15 @@ class OmniKV(Method):
         if role == "filter":
             self._start_window(layer_idx, q, plan.position)
         elif role == "sparse":
-            start = torch.zeros_like(self.prompt_len)
+            start = [0] * len(plan.new_len)
             if self.config.offload:
                 start = self._offload(layer_idx, layer, plan.new_len)
-            self.decode_start[layer_idx] = self.prompt_len - start
+            self.decode_start[layer_idx] = self.prompt_len - torch.tensor(start, device=device)
+            self.first_decode[layer_idx] = min(n - s for n, s in zip(plan.new_len, start))
 
     def _start_window(self, f: int, q: torch.Tensor, position: torch.Tensor) -> None:
-        """The prompt's last ``width`` queries of each sequence, oldest first, empty entries in front."""
+        """The prompt's last ``width`` queries of each sequence, oldest first, empty entries in front, and an empty
+        choice of tokens: the state a decode step updates in place."""
         b, h, s, d = q.shape
         w = min(self.width, s)
         pos, col = position.topk(w, dim=1)
@@ -169,16 +173,17 @@ class OmniKV(Method):
         pad = self.width - w
         self.window_q[f] = torch.cat([wq.new_zeros(b, h, pad, d), wq], dim=2)
         self.window_pos[f] = torch.cat([pos.new_full((b, pad), -1), pos], dim=1)
+        self.tokens[f] = torch.full((b, self.k_max), -1, dtype=torch.long, device=q.device)
 
-    def _offload(self, layer_idx: int, layer, lengths: list[int]) -> torch.Tensor:
+    def _offload(self, layer_idx: int, layer, lengths: list[int]) -> list[int]:
         """Moves the layer's prompt KV to its group's host store and drops its full prompt pages from the device.
-        Returns (B,) the position of each sequence's first token still on the device."""
+        Returns the position of each sequence's first token still on the device."""
         f = self.source[layer_idx]
         group = self.group[f]
         b, h, _, d = layer.shape
         t = max(lengths)
         if f not in self.stores:
-            self.stores[f] = CPUKVStore(len(group), b, h, t, d, layer.k.dtype, layer.k.device)
+            self.stores[f] = HostKVStore(len(group), b, h, t, d, self.k_max, layer.k.dtype, layer.k.device)
         self.stores[f].put(group.index(layer_idx), layer.k.flatten(2, 3)[:, :, :t], layer.v.flatten(2, 3)[:, :, :t])
         full_pages = [n // layer.page_size for n in lengths]
         full = torch.tensor(full_pages, device=layer.k.device)
@@ -187,10 +192,9 @@ class OmniKV(Method):
         layer.dropped = full_pages
         held_pages = max(-(-n // layer.page_size) - f for n, f in zip(lengths, full_pages))
         layer.compact(min(held_pages + 1, layer.capacity))  # room for the next page without growing
-        return full * layer.page_size
+        return [n * layer.page_size for n in full_pages]
 
     def decode(self, layer_idx, q, layer, seq_len, scale):
-        self.steps[layer_idx] += 1
         if self.role[layer_idx] != "sparse":
             slots = all_slots(layer)
             out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale)
@@ -201,14 +205,17 @@ class OmniKV(Method):
         chosen = self.tokens[f]  # (B, K) positions
         k_flat, v_flat = layer.k.flatten(2, 3), layer.v.flatten(2, 3)
         if self.config.offload:
-            packed = self.stores[f].wait()[self.group[f].index(layer_idx)]  # (2, B, Hkv, K, D)
-            k_sub, v_sub = packed[0], packed[1]
+            k_sub, v_sub = self.stores[f].layer(self.group[f].index(layer_idx))
             listed = torch.arange(chosen.shape[1], device=chosen.device)
             sub = torch.where(chosen >= 0, listed, -1)
         else:
             k_sub, v_sub, sub = k_flat, v_flat, chosen
-        n_dec = self.steps[layer_idx]
-        decoded = self.decode_start[layer_idx].unsqueeze(1) + torch.arange(n_dec, device=q.device)  # (B, n_dec)
+        # Decode tokens sit after the prompt in the flat store; the list has the width of the room the layer has
+        # for them (fixed while the layer does not grow, so a captured step reads a fixed shape), masked to those
+        # written so far.
+        n_dec = (seq_len - self.prompt_len).unsqueeze(1)  # (B, 1)
+        room = torch.arange(k_flat.shape[2] - self.first_decode[layer_idx], device=q.device)
+        decoded = torch.where(room < n_dec, self.decode_start[layer_idx].unsqueeze(1) + room, -1)
         parts = [kernels.sparse_decode_tokens(q, k_sub, v_sub, sub.unsqueeze(1), scale),
                  kernels.sparse_decode_tokens(q, k_flat, v_flat, decoded.unsqueeze(1), scale)]
         attended = (chosen >= 0).sum(dim=1, keepdim=True) + n_dec
@@ -216,14 +223,15 @@ class OmniKV(Method):
 
     def _choose(self, f: int, q: torch.Tensor, layer, seq_len: torch.Tensor, scale: float) -> None:
         """Slides the window over the step's query and chooses the step's prompt tokens for the group of ``f``."""
-        wq = torch.cat([self.window_q[f][:, :, 1:], q.unsqueeze(2).to(self.window_q[f].dtype)], dim=2)
-        wpos = torch.cat([self.window_pos[f][:, 1:], (seq_len - 1).unsqueeze(1)], dim=1)
-        self.window_q[f], self.window_pos[f] = wq, wpos
+        # The state is updated in place: a captured step reads and writes it at the same addresses every replay.
+        wq, wpos = self.window_q[f], self.window_pos[f]
+        wq.copy_(torch.cat([wq[:, :, 1:], q.unsqueeze(2).to(wq.dtype)], dim=2))
+        wpos.copy_(torch.cat([wpos[:, 1:], (seq_len - 1).unsqueeze(1)], dim=1))
         # The layer never evicts, so its flat token index is the position and every KV head holds the same tokens.
         key_pos = layer.token_position()[:, 0].flatten(1)
         scores = kernels.window_token_scores(wq, layer.k.flatten(2, 3), key_pos, wpos, self.prompt_len, self.weight,
                                              scale)
-        self.tokens[f] = top_tokens(scores, self.per_row, self.k_max)
+        self.tokens[f].copy_(top_tokens(scores, self.per_row, self.k_max))
         if self.config.offload and self.group[f]:
             self.stores[f].fetch(self.tokens[f])
 

@@ -89,14 +89,14 @@ class RaaS(Method):
     """Per layer: ``layer.slot_state["raas_stamp"]`` (B, Hkv, C + 1) int64, the decode step each slot's page was
     last refreshed at (it moves with the slots when the cache grows or reorders), and ``layer.max_pages``, the
     largest row limit. Per prompt: ``prompt_pages`` and ``limit`` (B,), the prompt's pages and the pages a row may
-    hold."""
+    hold; ``step`` (L,) int64, each layer's decode steps, on the device so that a captured step advances it."""
 
     config: RaaSConfig
     accepts_chunks = False
 
     def __init__(self, config: RaaSConfig, num_layers: int):
         super().__init__(config, num_layers)
-        self.step = [0] * num_layers
+        self.step: torch.Tensor | None = None
         self.prompt_pages: torch.Tensor | None = None
         self.limit: torch.Tensor | None = None
 
@@ -112,10 +112,12 @@ class RaaS(Method):
         self.limit = torch.tensor(limit, device=device)
         layer.max_pages = max(limit)
         layer.slot_state[STAMP] = torch.zeros(layer.shape[:3], dtype=torch.long, device=device)
-        self.step[layer_idx] = 0
+        if layer_idx == 0:
+            self.step = torch.zeros(self.num_layers, dtype=torch.long, device=device)
 
     def decode(self, layer_idx, q, layer, seq_len, scale):
-        self.step[layer_idx] += 1
+        step = self.step[layer_idx]
+        step.add_(1)
         stamp = layer.slot_state[STAMP]
         scores = kernels.page_scores(q, layer.kmin, layer.kmax, layer.slot_page)  # (B, Hkv, C + 1)
         if self.config.prefill == "keep":
@@ -129,8 +131,7 @@ class RaaS(Method):
 
         slot_ids = torch.arange(stamp.shape[2], device=stamp.device)
         fresh = self._refreshed(scores, layer.slot_page >= 0, scale) | (slot_ids == layer.cur_slot.unsqueeze(-1))
-        stamp = torch.where(fresh, self.step[layer_idx], stamp)
-        layer.slot_state[STAMP] = stamp
+        stamp.copy_(torch.where(fresh, step, stamp))
         self._evict(layer, stamp, seq_len)
         return out, attended
 

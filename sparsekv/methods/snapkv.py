@@ -53,11 +53,14 @@ class SnapKV(EvictionMethod):
     evicts_in_decode = False
     needs_weights = False
 
+    def min_prompt_chunk(self):
+        return self.config.window
+
     def prompt_score(self, layer_idx, q, layer, plan, scale):
         cfg = self.config
         votes = per_kv_head(prompt_attention(q, layer, plan, scale, last=cfg.window), layer.k.shape[1])
         pos = layer.slot_page  # slot j holds position j right after the prompt
-        window = pos >= (plan.valid.sum(dim=1) - cfg.window).view(-1, 1, 1)
+        window = pos >= (plan.seq_len - cfg.window).view(-1, 1, 1)
         votes = votes.masked_fill(window, 0.0)
         b, h, c = votes.shape
         pool = F.max_pool1d if cfg.pooling == "max" else F.avg_pool1d

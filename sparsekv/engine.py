@@ -1,0 +1,301 @@
+"""The decode engine: chunked prefill, then a decode step with no host work, captured once as a CUDA graph and
+replayed for every token.
+
+A generation, as data::
+
+    prompts -> tokenize, left-pad -> chunked prefill (eager; pages and metadata filled chunk by chunk)
+            -> capacity reserved for every decode token (nothing is allocated by a decode step)
+            -> one eager decode step (compiles the kernels, creates lazily made state)
+            -> capture: model.forward(1 token) with the method inside, sampling, stop flags -> CUDA graph
+            -> loop: replay; every ``check_every`` steps read the stop flags (and stream the new tokens)
+
+Everything a decode step reads or writes is a device tensor updated in place: sequence lengths, page tables,
+the method's state, the statistics, the next input token, the output buffer, the stop flags. Host-side counters
+(lengths, step counts) are advanced from the known number of replays, never read back inside the loop. The model
+is the model's own transformers modules and weights, run through ``sparsekv.apply``; ``model.generate`` inside
+``apply`` computes the same tokens, step by step in Python (the slow path).
+
+Without CUDA (or with ``cuda_graph=False``) the same step runs eagerly each time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .integrations import apply
+from .integrations.transformers import _sliding_window
+from .methods.base import MethodConfig
+from .models import synchronize
+
+Step = Callable[[], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How the next token is drawn from the logits. temperature 0: greedy (argmax). Otherwise the logits are divided
+    by ``temperature``, cut to the ``top_k`` most likely tokens (0: all) and to the smallest set whose probability
+    reaches ``top_p`` (1: all), and a token is drawn from what is left."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: no cut), got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: (B, V). Returns (B,) int64 tokens, on the device, with no host sync (draws by the exponential
+        race: argmax of p / E with E ~ Exp(1) picks each token with probability p)."""
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        logits = logits.float() / self.temperature
+        if self.top_k:
+            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1:
+            ordered, order = logits.sort(dim=-1, descending=True)
+            probs = ordered.softmax(dim=-1)
+            beyond = probs.cumsum(dim=-1) - probs >= self.top_p  # the likelier tokens already reach top_p
+            logits = logits.masked_fill(torch.empty_like(beyond).scatter_(-1, order, beyond), float("-inf"))
+        probs = logits.softmax(dim=-1)
+        return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
+@dataclass
+class Generation:
+    """What ``Engine.generate`` returns. tokens: each prompt's new tokens (up to and including a stop token);
+    texts: their decoded text (when the engine has a tokenizer). Timings in seconds: the prefill (up to the first
+    new token) and the decode steps after it. stats: the decode statistics' summary. KV bytes: the tokens held on
+    the device, the device memory allocated for them, and what the method keeps in host memory."""
+
+    tokens: list[list[int]]
+    texts: list[str] | None
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+    captured: bool
+    stats: dict
+    kv_device_bytes: int
+    kv_host_bytes: int
+    peak_device_bytes: int | None
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Decode steps per second (each step makes one token for every prompt of the batch)."""
+        return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def cuda_graph(step: Step) -> Step:
+    """Captures ``step`` into a CUDA graph, replays it once (capture itself runs nothing) and returns the replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    return graph.replay
+
+
+class Engine:
+    """Generation with ``config``'s method on ``model`` (a supported transformers causal LM, see ``apply``).
+
+    max_batch, max_context: the capacity, checked before anything is allocated: prompts per call, and tokens per
+    sequence (prompt plus new tokens; at most the model's ``max_position_embeddings``). prefill_chunk: prompt
+    tokens per forward pass of the prefill, which bounds its activation memory. cuda_graph: capture the decode step
+    (default: on CUDA). check_every: decode steps between two reads of the stop flags (each read waits for the
+    device; a ``stream`` callback reads them at every step). tokenizer: needed for string prompts and texts.
+    """
+
+    def __init__(self, model, config: MethodConfig, *, tokenizer=None, max_batch: int = 1,
+                 max_context: int | None = None, prefill_chunk: int = 4096, cuda_graph: bool | None = None,
+                 check_every: int = 16):
+        if not isinstance(config, MethodConfig):
+            raise TypeError(f"config must be a sparsekv method config (e.g. QuestConfig), got {type(config).__name__}")
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if max_context is None:
+            max_context = limit
+        for name, value in (("max_batch", max_batch), ("max_context", max_context), ("prefill_chunk", prefill_chunk),
+                            ("check_every", check_every)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if limit is not None and max_context > limit:
+            raise ValueError(f"max_context must be at most the model's max_position_embeddings ({limit}), got "
+                             f"{max_context}")
+        window = _sliding_window(model.config)
+        if window is not None and max_context > window:
+            raise ValueError(f"max_context must be at most the model's sliding window ({window}), got {max_context}; "
+                             f"sparsekv supports full-attention models only")
+        need = config.build(model.config.num_hidden_layers).min_prompt_chunk()
+        if prefill_chunk < need:
+            raise ValueError(f"prefill_chunk must be at least {need} for {config.name} (the prompt queries it "
+                             f"reads after the prompt), got {prefill_chunk}")
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
+        self.device = next(model.parameters()).device
+        use_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        if use_graph and self.device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {self.device}")
+        # How a decode step is captured: a function that runs the step once and returns its replay (tests put a
+        # CPU emulation of a CUDA graph here).
+        self.capture: Callable[[Step], Step] | None = cuda_graph if use_graph else None
+        self.check_every = check_every
+
+    def _batch(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded (B, S) input ids and their (B, S) mask from strings or token-id lists."""
+        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        if all(isinstance(p, str) for p in prompts):
+            if self.tokenizer is None:
+                raise ValueError("prompts are strings but the engine has no tokenizer: pass Engine(..., tokenizer=)")
+            rows = [self.tokenizer(p).input_ids for p in prompts]
+        else:
+            rows = [list(p) for p in prompts]
+        if any(len(r) == 0 for r in rows):
+            raise ValueError("prompts: every prompt needs at least one token")
+        if len(rows) > self.max_batch:
+            raise ValueError(f"{len(rows)} prompts exceed max_batch ({self.max_batch})")
+        width = max(len(r) for r in rows)
+        pad = self._pad_id()
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+        return ids.to(self.device), mask.to(self.device)
+
+    def _pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(self.model.generation_config, "pad_token_id", None)
+        return pad if isinstance(pad, int) else 0
+
+    def _stop_ids(self, stop_tokens) -> list[int]:
+        if stop_tokens is None:
+            eos = getattr(self.model.generation_config, "eos_token_id", None)
+            if eos is None and self.tokenizer is not None:
+                eos = self.tokenizer.eos_token_id
+            stop_tokens = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if not all(isinstance(t, int) for t in stop_tokens):
+            raise ValueError(f"stop_tokens must be token ids (ints), got {stop_tokens!r}")
+        return list(stop_tokens)
+
+    def generate(self, prompts, max_new_tokens: int = 64, *, sampling: Sampling | None = None,
+                 stop_tokens: Sequence[int] | None = None, seed: int | None = None,
+                 stream: Callable[[list[list[int]]], None] | None = None) -> Generation:
+        """Generates up to ``max_new_tokens`` tokens for each prompt (strings, or lists of token ids), greedy unless
+        ``sampling`` says otherwise. ``stop_tokens``: ids that end a sequence (default: the model's EOS; ``()``:
+        none); the call ends when every sequence has stopped. ``stream``: called with each sequence's tokens new
+        since its last call, at every step."""
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        sampling = sampling or Sampling()
+        stops = self._stop_ids(stop_tokens)
+        ids, mask = self._batch(prompts)
+        longest = ids.shape[1]
+        if longest + max_new_tokens > self.max_context:
+            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
+                             f"max_context ({self.max_context})")
+        if seed is not None:
+            torch.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with apply(self.model, self.config) as session, torch.no_grad():
+            synchronize(self.device)
+            start = time.perf_counter()
+            cache = session.new_cache(_sliding_window(self.model.config))
+            logits = self._prefill(cache, ids, mask)
+            first = sampling(logits)
+            synchronize(self.device)
+            prefill_s = time.perf_counter() - start
+            tokens, steps, captured, decode_s = self._decode(cache, first, max_new_tokens, sampling, stops, stream)
+            stats = session.stats.summary()
+            kv_device, kv_host = cache.resident_bytes(), cache.offloaded_bytes()
+        rows = [_until_stop(row, stops) for row in tokens.tolist()]
+        texts = None
+        if self.tokenizer is not None:
+            texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        return Generation(tokens=rows, texts=texts, prefill_seconds=prefill_s, decode_seconds=decode_s,
+                          decode_steps=steps, captured=captured, stats=stats, kv_device_bytes=kv_device,
+                          kv_host_bytes=kv_host, peak_device_bytes=peak)
+
+    def _prefill(self, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Runs the prompt through the model chunk by chunk; returns the last column's logits (B, V). The chunks
+        are aligned to the end, so the last one is full (methods read the prompt's last queries from it)."""
+        width = ids.shape[1]
+        position = (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 1)  # transformers' positions for left padding
+        size = self.prefill_chunk
+        bounds = list(range(width, 0, -size))[::-1]
+        starts = [0] + bounds[:-1]
+        for begin, end in zip(starts, bounds):
+            cache.prompt_end = end == width
+            out = self.model(input_ids=ids[:, begin:end], attention_mask=mask[:, :end],
+                             position_ids=position[:, begin:end], past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)
+        return out.logits[:, -1]
+
+    def _decode(self, cache, first: torch.Tensor, max_new: int, sampling: Sampling, stops: list[int],
+                stream) -> tuple[torch.Tensor, int, bool, float]:
+        """Decodes ``max_new - 1`` tokens after ``first`` (B,). Returns the (B, max_new) tokens, the decode steps
+        run, whether they were captured, and their seconds."""
+        b = first.shape[0]
+        pad = self._pad_id()
+        stop = torch.tensor(stops or [-1], device=self.device)
+        out = torch.full((b, max_new), pad, dtype=torch.long, device=self.device)
+        out[:, 0] = first
+        token = first.view(b, 1).clone()
+        done = torch.isin(first, stop)
+        column = torch.ones((), dtype=torch.long, device=self.device)
+        remaining = max_new - 1
+        cache.pages.reserve(remaining)
+        model = self.model
+
+        def step() -> None:
+            position = cache.pages.seq_len.view(b, 1).clone()
+            logits = model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
+            nxt = torch.where(done, pad, sampling(logits[:, -1]))
+            token.copy_(nxt.view(b, 1))
+            out.scatter_(1, column.expand(b, 1), nxt.view(b, 1))
+            done.logical_or_(torch.isin(nxt, stop))
+            column.add_(1)
+
+        synchronize(self.device)
+        start = time.perf_counter()
+        ran, shown = 0, 0
+        run = step
+        captured = self.capture is not None and remaining >= 2
+        while ran < remaining:
+            if captured and ran == 1:
+                rows_before = cache.stats.rows
+                run = self.capture(step)  # runs the step once
+                per_step = cache.stats.rows - rows_before
+            else:
+                run()
+                if run is not step:
+                    cache.replayed(1, per_step)
+            ran += 1
+            if stream is not None or ran % self.check_every == 0 or ran == remaining:
+                if stream is not None:
+                    new = out[:, shown:ran + 1].tolist()
+                    stream(new)
+                    shown = ran + 1
+                if bool(done.all()):
+                    break
+        synchronize(self.device)
+        return out[:, :ran + 1], ran, captured, time.perf_counter() - start
+
+
+def _until_stop(row: list[int], stops: list[int]) -> list[int]:
+    """The tokens up to and including the first stop token."""
+    for i, t in enumerate(row):
+        if t in stops:
+            return row[:i + 1]
+    return row

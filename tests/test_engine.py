@@ -1,0 +1,150 @@
+"""The decode engine: the same tokens as ``apply`` + ``model.generate`` for every method, chunked prefill, a
+decode step that survives capture (checked on the CPU with an emulated CUDA graph), sampling, stop tokens,
+streaming, and the capacity checks."""
+
+import pytest
+import torch
+
+import sparsekv
+from graph_replay import emulated_graph
+from sparsekv import (DenseConfig, H2OConfig, OmniKVConfig, QuestConfig, RaaSConfig, SnapKVConfig,
+                      StreamingLLMConfig, TOVAConfig)
+from sparsekv.engine import Engine, Sampling
+from sparsekv.tiny import tiny_model
+
+NEW = 24
+CONFIGS = {
+    "dense": DenseConfig(),
+    "quest": QuestConfig(token_budget=64, page_size=16, dense_layers=1),
+    "quest-per-query-head": QuestConfig(token_budget=48, page_size=8, dense_layers=0, per_query_head=True),
+    "raas": RaaSConfig(token_budget=64, page_size=8),
+    "raas-quest": RaaSConfig(token_budget=64, page_size=8, prefill="quest"),
+    "omnikv": OmniKVConfig(token_budget=32, window=4, selector="uniform", filter_layers=(1,), wait_layers=0),
+    "omnikv-offload": OmniKVConfig(token_budget=0.2, window=4, filter_layers=(0, 2), wait_layers=0, offload=True),
+    "streamingllm": StreamingLLMConfig(token_budget=64),
+    "h2o": H2OConfig(token_budget=64),
+    "tova": TOVAConfig(token_budget=64),
+    "snapkv": SnapKVConfig(token_budget=64, window=8),
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request):
+    m = tiny_model(request.param, seed=1)
+    m.generation_config.eos_token_id = None  # random weights may emit EOS: keep every run NEW tokens long
+    return m
+
+
+def prompts(lengths=(200, 131)):
+    return [torch.randint(3, 259, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+
+
+def reference(model, config, rows):
+    """``apply`` + ``model.generate``, one prompt at a time (so no padding is involved)."""
+    out = []
+    for row in rows:
+        ids = torch.tensor([row])
+        with sparsekv.apply(model, config), torch.no_grad():
+            seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                                 pad_token_id=0)
+        out.append(seq[0, len(row):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_engine_equals_generate_chunked_batched_and_captured(model, name):
+    config = CONFIGS[name]
+    rows = prompts()
+    expected = reference(model, config, rows)
+    engine = Engine(model, config, max_batch=2, max_context=512, prefill_chunk=64)
+    eager = engine.generate(rows, NEW, stop_tokens=())
+    assert eager.tokens == expected
+    assert not eager.captured and eager.decode_steps == NEW - 1
+    engine.capture = emulated_graph
+    replayed = engine.generate(rows, NEW, stop_tokens=())
+    assert replayed.captured
+    assert replayed.tokens == expected
+    assert replayed.stats == eager.stats
+    assert replayed.kv_device_bytes == eager.kv_device_bytes and replayed.kv_host_bytes == eager.kv_host_bytes
+
+
+@pytest.mark.parametrize("name", ["quest", "raas", "omnikv", "h2o", "snapkv"])
+def test_budget_covering_the_context_is_dense(model, name):
+    rows = prompts((90,))
+    dense = Engine(model, DenseConfig(), max_context=256).generate(rows, NEW, stop_tokens=())
+    big = {"quest": QuestConfig(token_budget=128, dense_layers=0), "raas": RaaSConfig(token_budget=128),
+           "omnikv": OmniKVConfig(token_budget=128, window=4), "h2o": H2OConfig(token_budget=128),
+           "snapkv": SnapKVConfig(token_budget=128, window=8)}[name]
+    out = Engine(model, big, max_context=256, prefill_chunk=32).generate(rows, NEW, stop_tokens=())
+    assert out.tokens == dense.tokens
+    assert out.stats["fraction"] == 1.0
+
+
+def test_chunked_prefill_gives_the_one_pass_logits(model):
+    ids = torch.randint(3, 259, (2, 150), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    with torch.no_grad():
+        dense = model(ids, attention_mask=mask).logits[:, -1]
+    engine = Engine(model, QuestConfig(token_budget=16, dense_layers=0), max_batch=2, prefill_chunk=32)
+    with sparsekv.apply(model, engine.config) as session, torch.no_grad():
+        logits = engine._prefill(session.new_cache(None), ids, mask)
+    torch.testing.assert_close(logits, dense, rtol=1e-4, atol=1e-4)
+
+
+def test_sampling_is_seeded_and_respects_top_k(model):
+    engine = Engine(model, QuestConfig(token_budget=32, dense_layers=0))
+    rows = prompts((60,))
+    sampling = Sampling(temperature=1.5, top_k=1)  # top_k 1 leaves one token: greedy whatever the draw
+    assert engine.generate(rows, 12, sampling=sampling, stop_tokens=()).tokens == \
+        engine.generate(rows, 12, stop_tokens=()).tokens
+    hot = Sampling(temperature=2.0, top_p=0.9)
+    a = engine.generate(rows, 12, sampling=hot, seed=4, stop_tokens=()).tokens
+    assert a == engine.generate(rows, 12, sampling=hot, seed=4, stop_tokens=()).tokens
+    assert a != engine.generate(rows, 12, sampling=hot, seed=5, stop_tokens=()).tokens
+
+
+def test_top_p_keeps_the_smallest_set_reaching_it():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    drawn = {int(Sampling(temperature=1.0, top_p=0.8)(logits)) for _ in range(200)}
+    assert drawn == {0, 1}
+
+
+def test_stop_tokens_end_each_sequence_and_streaming_sees_every_token(model):
+    engine = Engine(model, DenseConfig(), max_batch=2, check_every=4)
+    rows = prompts((40, 50))
+    free = engine.generate(rows, 16, stop_tokens=()).tokens
+    stop = free[0][5]
+    seen = [[], []]
+    out = engine.generate(rows, 16, stop_tokens=[stop],
+                          stream=lambda new: [s.extend(n) for s, n in zip(seen, new)])
+    assert out.tokens[0] == free[0][:free[0].index(stop) + 1]
+    for row, got in zip(out.tokens, seen):
+        assert got[:len(row)] == row
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_batch=0), "max_batch must be an int >= 1"),
+    (dict(max_context=10**6), "max_context must be at most the model's max_position_embeddings"),
+    (dict(prefill_chunk=4), "prefill_chunk must be at least 8 for snapkv"),
+    (dict(cuda_graph=True), "cuda_graph=True needs the model on a CUDA device"),
+])
+def test_bad_engine_arguments_are_refused(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(model, SnapKVConfig(token_budget=64, window=8), **kwargs)
+
+
+def test_capacity_is_checked_before_running(model):
+    engine = Engine(model, DenseConfig(), max_batch=1, max_context=100)
+    with pytest.raises(ValueError, match=r"exceeds max_context \(100\)"):
+        engine.generate(prompts((90,)), 20)
+    with pytest.raises(ValueError, match=r"2 prompts exceed max_batch \(1\)"):
+        engine.generate(prompts((10, 10)), 5)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        engine.generate(prompts((10,)), 0)
+    with pytest.raises(ValueError, match="prompts are strings but the engine has no tokenizer"):
+        engine.generate(["hello"], 5)
+    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+        Sampling(temperature=-1)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        Sampling(top_p=2)

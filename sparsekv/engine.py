@@ -20,6 +20,7 @@ Without CUDA (or with ``cuda_graph=False``) the same step runs eagerly each time
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -78,8 +79,9 @@ class Sampling:
 class Generation:
     """What ``Engine.generate`` returns. tokens: each prompt's new tokens (up to and including a stop token);
     texts: their decoded text (when the engine has a tokenizer). Timings in seconds: the prefill (up to the first
-    new token) and the decode steps after it. stats: the decode statistics' summary. KV bytes: the tokens held on
-    the device, the device memory allocated for them, and what the method keeps in host memory."""
+    new token) and the decode steps after it; ``step_seconds``: each decode step's time when asked for (CUDA events
+    on the GPU). stats: the decode statistics' summary. KV bytes: what the cache allocated on the device (pages,
+    metadata and the method's buffers) and what the method keeps in host memory."""
 
     tokens: list[list[int]]
     texts: list[str] | None
@@ -91,6 +93,7 @@ class Generation:
     kv_device_bytes: int
     kv_host_bytes: int
     peak_device_bytes: int | None
+    step_seconds: list[float] | None = None
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -98,7 +101,7 @@ class Generation:
         return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def cuda_graph(step: Step) -> Step:
+def capture_graph(step: Step) -> Step:
     """Captures ``step`` into a CUDA graph, replays it once (capture itself runs nothing) and returns the replay."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -113,13 +116,16 @@ class Engine:
     max_batch, max_context: the capacity, checked before anything is allocated: prompts per call, and tokens per
     sequence (prompt plus new tokens; at most the model's ``max_position_embeddings``). prefill_chunk: prompt
     tokens per forward pass of the prefill, which bounds its activation memory. cuda_graph: capture the decode step
-    (default: on CUDA). check_every: decode steps between two reads of the stop flags (each read waits for the
-    device; a ``stream`` callback reads them at every step). tokenizer: needed for string prompts and texts.
+    (default: on CUDA). compile: fuse the model's own layer code (norms, rotary embedding, MLP) with torch.compile,
+    around the method's attention, which stays eager; this compiles the model's decoder layers in place
+    (``Module.compile``), costs a compilation on first use and leaves fewer, larger kernels in the captured step.
+    check_every: decode steps between two reads of the stop flags (each read waits for the device; a ``stream``
+    callback reads them at every step). tokenizer: needed for string prompts and texts.
     """
 
     def __init__(self, model, config: MethodConfig, *, tokenizer=None, max_batch: int = 1,
                  max_context: int | None = None, prefill_chunk: int = 4096, cuda_graph: bool | None = None,
-                 check_every: int = 16):
+                 compile: bool = False, check_every: int = 16):
         if not isinstance(config, MethodConfig):
             raise TypeError(f"config must be a sparsekv method config (e.g. QuestConfig), got {type(config).__name__}")
         limit = getattr(model.config, "max_position_embeddings", None)
@@ -148,8 +154,13 @@ class Engine:
             raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {self.device}")
         # How a decode step is captured: a function that runs the step once and returns its replay (tests put a
         # CPU emulation of a CUDA graph here).
-        self.capture: Callable[[Step], Step] | None = cuda_graph if use_graph else None
+        self.capture: Callable[[Step], Step] | None = capture_graph if use_graph else None
         self.check_every = check_every
+        self.compile = compile
+        if compile:
+            for layer in model.get_decoder().layers:
+                if getattr(layer, "_compiled_call_impl", None) is None:  # compiled once, whatever the engines
+                    layer.compile()
 
     def _batch(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded (B, S) input ids and their (B, S) mask from strings or token-id lists."""
@@ -189,11 +200,14 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens: int = 64, *, sampling: Sampling | None = None,
                  stop_tokens: Sequence[int] | None = None, seed: int | None = None,
-                 stream: Callable[[list[list[int]]], None] | None = None) -> Generation:
+                 stream: Callable[[list[list[int]]], None] | None = None, time_steps: bool = False,
+                 prefill: Callable | None = None) -> Generation:
         """Generates up to ``max_new_tokens`` tokens for each prompt (strings, or lists of token ids), greedy unless
         ``sampling`` says otherwise. ``stop_tokens``: ids that end a sequence (default: the model's EOS; ``()``:
         none); the call ends when every sequence has stopped. ``stream``: called with each sequence's tokens new
-        since its last call, at every step."""
+        since its last call, at every step. ``time_steps``: time every decode step. ``prefill``: replaces the
+        model's prefill, ``prefill(cache, ids, mask) -> logits (B, V)`` (benchmarks fill the cache with random keys
+        and values where a real prefill would take too long)."""
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         sampling = sampling or Sampling()
@@ -207,15 +221,16 @@ class Engine:
             torch.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        with apply(self.model, self.config) as session, torch.no_grad():
+        with apply(self.model, self.config) as session, torch.no_grad(), self._compiling():
             synchronize(self.device)
             start = time.perf_counter()
             cache = session.new_cache(_sliding_window(self.model.config))
-            logits = self._prefill(cache, ids, mask)
+            logits = (prefill or self._prefill)(cache, ids, mask)
             first = sampling(logits)
             synchronize(self.device)
             prefill_s = time.perf_counter() - start
-            tokens, steps, captured, decode_s = self._decode(cache, first, max_new_tokens, sampling, stops, stream)
+            tokens, steps, captured, decode_s, step_s = self._decode(cache, first, max_new_tokens, sampling, stops,
+                                                                     stream, time_steps)
             stats = session.stats.summary()
             kv_device, kv_host = cache.resident_bytes(), cache.offloaded_bytes()
         rows = [_until_stop(row, stops) for row in tokens.tolist()]
@@ -225,7 +240,14 @@ class Engine:
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         return Generation(tokens=rows, texts=texts, prefill_seconds=prefill_s, decode_seconds=decode_s,
                           decode_steps=steps, captured=captured, stats=stats, kv_device_bytes=kv_device,
-                          kv_host_bytes=kv_host, peak_device_bytes=peak)
+                          kv_host_bytes=kv_host, peak_device_bytes=peak, step_seconds=step_s)
+
+    def _compiling(self):
+        """With ``compile``: the layer index becomes an input of the compiled layer code rather than a constant,
+        so that one compilation serves every layer."""
+        if not self.compile:
+            return contextlib.nullcontext()
+        return torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
 
     def _prefill(self, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Runs the prompt through the model chunk by chunk; returns the last column's logits (B, V). The chunks
@@ -242,10 +264,10 @@ class Engine:
                              logits_to_keep=1)
         return out.logits[:, -1]
 
-    def _decode(self, cache, first: torch.Tensor, max_new: int, sampling: Sampling, stops: list[int],
-                stream) -> tuple[torch.Tensor, int, bool, float]:
+    def _decode(self, cache, first: torch.Tensor, max_new: int, sampling: Sampling, stops: list[int], stream,
+                time_steps: bool) -> tuple[torch.Tensor, int, bool, float, list[float] | None]:
         """Decodes ``max_new - 1`` tokens after ``first`` (B,). Returns the (B, max_new) tokens, the decode steps
-        run, whether they were captured, and their seconds."""
+        run, whether they were captured, their seconds, and each step's seconds (``time_steps``)."""
         b = first.shape[0]
         pad = self._pad_id()
         stop = torch.tensor(stops or [-1], device=self.device)
@@ -272,7 +294,10 @@ class Engine:
         ran, shown = 0, 0
         run = step
         captured = self.capture is not None and remaining >= 2
+        timer = _StepTimer(self.device) if time_steps else None
         while ran < remaining:
+            if timer is not None:
+                timer.start()
             if captured and ran == 1:
                 rows_before = cache.stats.rows
                 run = self.capture(step)  # runs the step once
@@ -281,6 +306,8 @@ class Engine:
                 run()
                 if run is not step:
                     cache.replayed(1, per_step)
+            if timer is not None:
+                timer.stop()
             ran += 1
             if stream is not None or ran % self.check_every == 0 or ran == remaining:
                 if stream is not None:
@@ -290,7 +317,36 @@ class Engine:
                 if bool(done.all()):
                     break
         synchronize(self.device)
-        return out[:, :ran + 1], ran, captured, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        return out[:, :ran + 1], ran, captured, seconds, None if timer is None else timer.seconds()
+
+
+class _StepTimer:
+    """Seconds of each of a series of regions: CUDA events on the GPU (read once at the end), the host clock on
+    the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.marks.append([self._mark()])
+
+    def stop(self) -> None:
+        self.marks[-1].append(self._mark())
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in self.marks]
+        return [b - a for a, b in self.marks]
 
 
 def _until_stop(row: list[int], stops: list[int]) -> list[int]:

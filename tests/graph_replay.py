@@ -40,7 +40,7 @@ class _Recorder(TorchDispatchMode):
 
 
 def emulated_graph(step):
-    """Records ``step`` (running it once) and returns its replay, with the semantics of ``engine.cuda_graph``."""
+    """Records ``step`` (running it once) and returns its replay, with the semantics of ``engine.capture_graph``."""
     recorder = _Recorder()
     with recorder:
         step()

@@ -9,6 +9,7 @@ import sparsekv
 from graph_replay import emulated_graph
 from sparsekv import (DenseConfig, H2OConfig, OmniKVConfig, QuestConfig, RaaSConfig, SnapKVConfig,
                       StreamingLLMConfig, TOVAConfig)
+from sparsekv import engine as engine_module
 from sparsekv.engine import Engine, Sampling
 from sparsekv.tiny import tiny_model
 
@@ -148,3 +149,19 @@ def test_capacity_is_checked_before_running(model):
         Sampling(temperature=-1)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         Sampling(top_p=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", CONFIGS)
+def test_cuda_graph_replays_the_eager_tokens(name):
+    """On the GPU (bf16): the captured decode step gives the eager engine's tokens, batched and chunked."""
+    model = tiny_model("llama", seed=1, dtype=torch.bfloat16).cuda()
+    model.generation_config.eos_token_id = None
+    rows = prompts((300, 211))
+    engine = Engine(model, CONFIGS[name], max_batch=2, max_context=512, prefill_chunk=64, cuda_graph=False)
+    eager = engine.generate(rows, 40, stop_tokens=())
+    assert Engine(model, CONFIGS[name]).capture is engine_module.capture_graph  # the default on CUDA
+    engine.capture = engine_module.capture_graph
+    captured = engine.generate(rows, 40, stop_tokens=())
+    assert captured.captured and captured.tokens == eager.tokens
+    assert captured.stats == pytest.approx(eager.stats)

@@ -1,14 +1,18 @@
-"""End-to-end decoding through transformers with each method: prefill time, decode ms per token, tokens/s, KV
-tokens attended, KV cache and peak device memory, compared with dense in the same run.
+"""End-to-end decoding through the engine (``sparsekv.engine``: chunked prefill, CUDA-graph decode step) with each
+method, against dense through the same engine and against transformers' own decode loops, in one run.
 
-    python -m sparsekv.bench.e2e --model shape:llama3-8b --contexts 8192 32768 --methods dense quest --budget 2048
-    python -m sparsekv.bench.e2e --model PATH --contexts 4096                   # a local model directory
-    python -m sparsekv.bench.e2e --model tiny:llama --contexts 512 --device cpu  # smoke test
+    python -m sparsekv.bench.e2e --contexts 32768 131072 524288 --batches 1 4 --methods dense quest omnikv raas
+    python -m sparsekv.bench.e2e --model tiny:llama --contexts 512 --device cpu --new-tokens 8   # smoke test
 
-``shape:<name>`` builds a random-weight model of that published shape directly on the device (speed does not depend
-on the weights). The decode loop is transformers' eager forward, one token per step, timed with CUDA events (host
-clock on CPU) after a warm-up; the median over steps is reported. Writes ``e2e.json`` and ``e2e.md`` under
-``--out`` (default benchmarks/results/).
+``shape:<name>`` (the default, Llama-3-8B) builds a random-weight model of that published shape on the device: speed
+does not depend on the weights. Per row: prefill tokens/s, decode ms per step (CUDA events around each replay,
+median over the steps after the eager warm-up and the capture), tokens/s (batch / step time), peak device memory,
+KV bytes on the device and in host memory, the bandwidth floor of the method's step ((weights + KV and page
+metadata the step reads) / the copy bandwidth measured in the same run) and the ratio to it, and the speedup over
+dense through the engine and over transformers' eager loop (``DynamicCache``) and, with ``--compiled``, its
+``StaticCache`` + ``torch.compile(mode="reduce-overhead")`` loop. Where batch x context exceeds ``--max-prefill``
+the cache is filled with random keys and values instead of a real prefill (column ``fill``); the transformers loops
+run at batch 1 from a random cache. Writes ``<tag>.json``, ``<tag>.md`` and ``<tag>.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -16,23 +20,28 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from .. import apply
-from ..methods import METHODS
+from ..engine import Engine
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
+from ..methods import METHODS
+from ..methods.omnikv import OmniKVConfig
+from ..methods.quest import QuestConfig
+from ..methods.raas import RaaSConfig
 from ..models import load_model, resolve_device, resolve_dtype
+from .attention import Timer, copy_bandwidth
 
 # Published shapes: hidden, layers, query heads, KV heads, MLP, vocab, RoPE theta.
 SHAPES = {"llama3-8b": (4096, 32, 32, 8, 14336, 128256, 500000.0),
           "llama2-7b": (4096, 32, 32, 32, 11008, 32000, 10000.0)}
+FILL_CHUNK = 16384  # tokens of random keys and values written per pass
 
 
 def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int):
@@ -49,83 +58,178 @@ def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
     return model.eval()
 
 
-class Timer:
-    """Elapsed seconds of a region: CUDA events on the GPU, the host clock on the CPU."""
+def random_fill(model):
+    """An engine ``prefill`` that writes random keys and values instead of running the model: the same appends
+    and method hooks as a real chunked prefill (random queries stand for the prompt's), without its compute."""
+    cfg = model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dtype = next(model.parameters()).dtype
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    def fill(cache, ids, mask):
+        b, s = ids.shape
+        scale = head_dim ** -0.5
+        for start in range(0, s, FILL_CHUNK):
+            n = min(FILL_CHUNK, s - start)
+            cache.prompt_end = start + n == s
+            for layer in range(cfg.num_hidden_layers):
+                k = torch.randn(b, kv_heads, n, head_dim, dtype=dtype, device=ids.device)
+                cache.update(k, torch.randn_like(k), layer)
+                pages, q = cache.pages, torch.randn(b, heads, n, head_dim, dtype=dtype, device=ids.device)
+                cache.method.prefill_chunk(layer, q, pages.layers[layer], pages.plan, scale)
+                if pages.plan.prompt_end:
+                    cache.method.prefill(layer, q, pages.layers[layer], pages.plan, scale)
+        return torch.zeros(b, cfg.vocab_size, device=ids.device)
 
-    def __enter__(self):
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            self.seconds = self.start.elapsed_time(self.end) / 1e3
-        else:
-            self.seconds = time.perf_counter() - self.t0
+    return fill
 
 
-def run_one(model, config, context: int, new_tokens: int, device: torch.device, seed: int) -> dict:
-    """Prefill ``context`` random tokens, then decode ``new_tokens`` greedily one at a time."""
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    steps = []
-    with apply(model, config) as session, torch.no_grad():
-        with Timer(device) as prefill:
-            out = model(ids, use_cache=True, logits_to_keep=1)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        for _ in range(new_tokens):
-            with Timer(device) as step:
-                out = model(token, past_key_values=cache, use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
-            steps.append(step.seconds)
-    warm = steps[2:] or steps  # the first steps pay one-time compilation and allocation
-    median = statistics.median(warm)
-    return {"method": config.name, "budget": getattr(config, "token_budget", None), "context": context,
-            "prefill_s": prefill.seconds, "decode_ms_per_token": 1e3 * median, "tokens_per_s": 1 / median,
-            **session.stats.summary(), "kv_device_mib": session.cache.resident_bytes() / 2**20,
-            "kv_offloaded_mib": session.cache.offloaded_bytes() / 2**20,
-            "peak_device_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
+def step_bytes(model, config, stats: dict, context: int, batch: int) -> int:
+    """Bytes a decode step must read: the weights (less the embedding table, of which it reads B rows), the KV
+    tokens it attends (the statistics' mean per layer and KV head), Quest's page bounds where pages are scored,
+    and OmniKV's filter-layer keys, read again to score the prompt."""
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    itemsize = next(model.parameters()).element_size()
+    kv_heads, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    token = kv_heads * head_dim * itemsize  # one token's key (or value) in one layer
+    kv = stats["attended_per_head"] * layers * batch * 2 * token
+    scored = {QuestConfig: layers - getattr(config, "dense_layers", 0), RaaSConfig: layers}.get(type(config), 0)
+    bounds = scored * batch * 2 * math.ceil(context / config.page_size) * token
+    rescored = len(config.layers_for(layers)) * batch * context * token if isinstance(config, OmniKVConfig) else 0
+    return int(weights + kv + bounds + rescored)
+
+
+def engine_row(model, config, label: str, context: int, batch: int, args, device, bandwidth: float) -> dict:
+    rows = torch.randint(0, model.config.vocab_size, (batch, context),
+                         generator=torch.Generator().manual_seed(args.seed)).tolist()
+    real = batch * context <= args.max_prefill
+    engine = Engine(model, config, max_batch=batch, max_context=context + args.new_tokens,
+                    prefill_chunk=args.prefill_chunk, compile=args.compile)
+    out = engine.generate(rows, args.new_tokens, stop_tokens=(), time_steps=True,
+                          prefill=None if real else random_fill(model))
+    ms = 1e3 * statistics.median(out.step_seconds[2:] or out.step_seconds)
+    floor_ms = 1e3 * step_bytes(model, config, out.stats, context, batch) / bandwidth
+    return {"spec": label, "method": config.name, "budget": getattr(config, "token_budget", None),
+            "context": context, "batch": batch, "fill": "prefill" if real else "random",
+            "prefill_tokens_per_s": batch * context / out.prefill_seconds if real else None,
+            "decode_ms": ms, "tokens_per_s": 1e3 * batch / ms, "floor_ms": floor_ms, "x_floor": ms / floor_ms,
+            "captured": out.captured, "attended_per_head": out.stats["attended_per_head"],
+            "kv_device_gib": out.kv_device_bytes / 2**30, "kv_host_gib": out.kv_host_bytes / 2**30,
+            "peak_device_gib": None if out.peak_device_bytes is None else out.peak_device_bytes / 2**30}
+
+
+def transformers_row(model, context: int, batch: int, args, device, compiled: bool) -> dict:
+    """transformers' own decode loop from a random cache of ``context`` tokens: eager with a ``DynamicCache``, or a
+    ``StaticCache`` with the forward compiled in "reduce-overhead" mode (CUDA graphs)."""
+    from transformers import DynamicCache, StaticCache
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    steps = args.new_tokens
+    if compiled:
+        cache = StaticCache(config=cfg, max_cache_len=context + steps + 8)
+    else:
+        cache = DynamicCache()
+    for layer in range(cfg.num_hidden_layers):
+        k = torch.randn(batch, cfg.num_key_value_heads, context, head_dim, dtype=dtype, device=device)
+        cache.update(k, torch.randn_like(k), layer, {"cache_position": torch.arange(context, device=device)})
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compiled else model.forward
+    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    position = torch.full((batch, 1), context, dtype=torch.long, device=device)
+
+    def step():
+        logits = forward(input_ids=token, position_ids=position, cache_position=position[0],
+                         past_key_values=cache, use_cache=True).logits
+        token.copy_(logits[:, -1:].argmax(-1))
+        position.add_(1)
+
+    with torch.no_grad():
+        ms = Timer(device, reps=max(steps - 4, 1), warmup=4).eager(step)
+    return {"spec": "transformers-compiled" if compiled else "transformers-eager", "method": "dense",
+            "budget": None, "context": context, "batch": batch, "fill": "random", "prefill_tokens_per_s": None,
+            "decode_ms": ms, "tokens_per_s": 1e3 * batch / ms, "floor_ms": None, "x_floor": None,
+            "captured": compiled, "attended_per_head": None, "kv_device_gib": None, "kv_host_gib": None,
+            "peak_device_gib": None}
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Speedups over dense through the engine and over transformers' loops, at the same context and batch."""
+    def ref(spec, r):
+        return next((x["decode_ms"] for x in rows if x["spec"] == spec and x["context"] == r["context"]
+                     and x["batch"] == r["batch"]), None)
+
+    for r in rows:
+        for key, spec in (("vs_dense", "dense"), ("vs_transformers", "transformers-eager"),
+                          ("vs_compiled", "transformers-compiled")):
+            base = ref(spec, r)
+            r[key] = base / r["decode_ms"] if base else None
+
+
+def fmt(x, spec="{:.2f}") -> str:
+    return "-" if x is None else spec.format(x)
 
 
 def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
     lines = [f"# End-to-end decode ({meta['model']}, {meta['device_name']}, {meta['dtype']})", "",
-             f"transformers eager forward, batch 1, {meta['new_tokens']} greedy tokens, median over steps after "
-             "warm-up. Command: `" + meta["command"] + "`", "",
-             "| method | budget | context | prefill s | decode ms/token | tokens/s | vs dense | attended/step | "
-             "KV device MiB | KV host MiB | peak device MiB |", "|" + " --- |" * 11]
-    dense = {r["context"]: r["decode_ms_per_token"] for r in rows if r["spec"] == "dense"}
+             f"Engine: chunked prefill, CUDA-graph decode step; {meta['new_tokens']} greedy tokens, median step "
+             f"(CUDA events) after the warm-up and capture. Floor: bytes the step reads / "
+             f"{meta['bandwidth_tbs']:.2f} TB/s (device copy measured in the run). fill = random: the cache was "
+             f"filled with random keys and values instead of a real prefill. Command: `{meta['command']}`", "",
+             "| method | budget | context | batch | fill | prefill tok/s | decode ms/step | tokens/s | floor ms | "
+             "x floor | vs dense | vs transformers eager | vs compiled | peak GiB | KV device GiB | KV host GiB |",
+             "|" + " --- |" * 16]
     for r in rows:
-        speedup = dense[r["context"]] / r["decode_ms_per_token"] if r["context"] in dense else float("nan")
-        peak = "-" if r["peak_device_mib"] is None else f"{r['peak_device_mib']:.0f}"
-        lines.append(f"| {r['spec']} | {r['budget'] or '-'} | {r['context']} | {r['prefill_s']:.2f} | "
-                     f"{r['decode_ms_per_token']:.1f} | {r['tokens_per_s']:.1f} | {speedup:.2f}x | "
-                     f"{r['attended_per_head']:.0f} | {r['kv_device_mib']:.0f} | {r['kv_offloaded_mib']:.0f} | "
-                     f"{peak} |")
+        lines.append(f"| {r['spec']} | {r['budget'] or '-'} | {r['context']} | {r['batch']} | {r['fill']} | "
+                     f"{fmt(r['prefill_tokens_per_s'], '{:.0f}')} | {r['decode_ms']:.2f} | {r['tokens_per_s']:.1f} | "
+                     f"{fmt(r['floor_ms'])} | {fmt(r['x_floor'])} | {fmt(r['vs_dense'], '{:.2f}x')} | "
+                     f"{fmt(r['vs_transformers'], '{:.2f}x')} | {fmt(r['vs_compiled'], '{:.2f}x')} | "
+                     f"{fmt(r['peak_device_gib'], '{:.1f}')} | {fmt(r['kv_device_gib'])} | {fmt(r['kv_host_gib'])} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for spec in dict.fromkeys(r["spec"] for r in rows):
+            pts = sorted((r["context"], r["decode_ms"]) for r in rows if r["spec"] == spec and r["batch"] == batch)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=spec)
+        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode ms per step",
+               title=f"batch {batch}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparsekv.bench.e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="shape:llama3-8b", help="shape:<name>, tiny:<arch> or a model directory")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
-    parser.add_argument("--methods", nargs="+", default=["dense", "quest"],
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1])
+    parser.add_argument("--methods", nargs="+", default=["dense", "quest", "omnikv", "raas"],
                         help=f"NAME or NAME:FIELD=VALUE,... (as sparsekv eval takes them) with NAME in "
                              f"{', '.join(METHODS)}")
     parser.add_argument("--budget", type=int, default=2048)
-    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prefill-chunk", type=int, default=8192)
+    parser.add_argument("--max-prefill", type=int, default=131072,
+                        help="batch x context up to which the prompt is really prefilled (else random keys/values)")
+    parser.add_argument("--compile", action="store_true",
+                        help="Engine(compile=True): the model's layer code fused by torch.compile around the method")
+    parser.add_argument("--transformers", action="store_true", help="also time transformers' eager loop")
+    parser.add_argument("--compiled", type=int, nargs="*", default=[],
+                        help="contexts at which to time transformers' StaticCache + torch.compile loop too")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--seed", type=int, default=0)
@@ -133,7 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default="e2e")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-
     try:
         runs = method_runs(args.methods, [args.budget])
     except EvalError as err:
@@ -141,24 +244,42 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    longest = max(args.contexts) + args.new_tokens
     if args.model.startswith("shape:"):
-        model = shape_model(args.model[len("shape:"):], device, dtype, max(args.contexts) + args.new_tokens)
+        model = shape_model(args.model[len("shape:"):], device, dtype, longest)
     else:
         model, _ = load_model(args.model, device, dtype)
+    bandwidth = copy_bandwidth(device, Timer(device, reps=30))
     rows = []
+
+    def done(row: dict) -> None:
+        rows.append(row)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"{row['spec']:>24} ctx {row['context']:>7} b {row['batch']}: {row['decode_ms']:.2f} ms/step "
+              f"({row['tokens_per_s']:.1f} tok/s, x floor {fmt(row['x_floor'])}, fill {row['fill']}), "
+              f"peak {fmt(row['peak_device_gib'], '{:.1f}')} GiB", flush=True)
+
+    # transformers' loops first (the engine's compile option compiles the model's layers in place), at batch 1:
+    # their caches grow by copying, which needs twice the KV memory.
     for context in args.contexts:
-        for run in runs:
-            rows.append(run_one(model, run.config, context, args.new_tokens, device, args.seed))
-            rows[-1]["spec"] = spec = run.label
-            r = rows[-1]
-            print(f"{spec:>20} ctx {context:>7}: prefill {r['prefill_s']:.2f} s, decode {r['decode_ms_per_token']:.1f} "
-                  f"ms/token, attended {r['attended_per_head']:.0f}/step, KV {r['kv_device_mib']:.0f} MiB", flush=True)
+        modes = ([False] if args.transformers else []) + ([True] if context in args.compiled else [])
+        for compiled in modes:
+            done(transformers_row(model, context, 1, args, device, compiled))
+    for context in args.contexts:
+        for batch in args.batches:
+            for run in runs:
+                done(engine_row(model, run.config, run.label, context, batch, args, device, bandwidth))
+    add_ratios(rows)
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-            "torch": torch.__version__, "command": "python -m sparsekv.bench.e2e " + " ".join(argv)}
+            "torch": torch.__version__, "bandwidth_tbs": bandwidth / 1e12,
+            "command": "python -m sparsekv.bench.e2e " + " ".join(argv)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     write_markdown(args.out / f"{args.tag}.md", meta, rows)
+    plot(args.out / f"{args.tag}.png", rows)
     print((args.out / f"{args.tag}.md").read_text())
     return 0
 

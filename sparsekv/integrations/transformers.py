@@ -36,29 +36,32 @@ class DecodeStats:
     """KV tokens attended in decode steps, summed over layers, sequences and KV heads (selection rows for
     per-query-head methods are normalised to KV heads). ``context`` is what dense attention would have read.
 
-    The sums are device tensors updated in place, so a captured decode step keeps adding to them at every replay;
-    the host counters (``steps``, ``rows``) are advanced for replays by ``replayed``."""
+    The sums are device tensors updated in place, so a captured decode step keeps adding to them at every replay
+    (two small kernels per layer: statistics must not cost the step); the host counters (``steps``, ``rows``) are
+    advanced for replays by ``replayed``."""
 
     steps: int = 0
-    attended: torch.Tensor | None = None
     context: torch.Tensor | None = None
     rows: int = 0  # (layer, sequence, KV head) triples summed per step
     per_layer: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def add(self, layer_idx: int, attended: torch.Tensor, seq_len: torch.Tensor, kv_heads: int) -> None:
-        """attended: (B, Hs) tokens per selection row; seq_len: (B,)."""
-        per_kv = attended.sum() * kv_heads / attended.shape[1]
-        ctx = seq_len.sum() * kv_heads
-        if self.attended is None:
-            self.attended, self.context = torch.zeros_like(per_kv), torch.zeros_like(ctx)
-        self.attended.add_(per_kv)
-        self.context.add_(ctx)
-        if layer_idx not in self.per_layer:
-            self.per_layer[layer_idx] = torch.zeros_like(per_kv)
-        self.per_layer[layer_idx].add_(per_kv)
-        self.rows += seq_len.shape[0] * kv_heads
+    def add(self, layer_idx: int, attended: torch.Tensor, seq_len: torch.Tensor, kv_heads: int,
+            num_layers: int) -> None:
+        """attended: (B, Hs) tokens per selection row of layer ``layer_idx``; seq_len: (B,). Layer 0 also adds the
+        dense context of all ``num_layers`` layers."""
+        rows = attended.shape[1]
+        total = attended.sum() if rows == kv_heads else attended.sum() * (kv_heads / rows)
+        if layer_idx in self.per_layer:
+            self.per_layer[layer_idx].add_(total)
+        else:
+            self.per_layer[layer_idx] = total.to(torch.float64)
         if layer_idx == 0:
+            ctx = seq_len.sum() * (kv_heads * num_layers)
+            if self.context is None:
+                self.context = torch.zeros_like(ctx)
+            self.context.add_(ctx)
             self.steps += 1
+        self.rows += seq_len.shape[0] * kv_heads
 
     def replayed(self, steps: int, rows_per_step: int) -> None:
         """Counts ``steps`` decode steps that ran as replays of a captured step of ``rows_per_step`` rows."""
@@ -69,7 +72,8 @@ class DecodeStats:
         """Means per decode step and (layer, sequence, KV head): tokens attended, dense context, their ratio."""
         if not self.rows:
             return {"decode_steps": 0, "attended_per_head": 0.0, "context_per_head": 0.0, "fraction": 0.0}
-        att, ctx = float(self.attended) / self.rows, float(self.context) / self.rows
+        attended = float(sum(self.per_layer.values()))
+        att, ctx = attended / self.rows, float(self.context) / self.rows
         return {"decode_steps": self.steps, "attended_per_head": att, "context_per_head": ctx,
                 "fraction": att / ctx if ctx else 0.0}
 
@@ -123,6 +127,7 @@ class SparseKVCache(Cache):
         self.prompt_end = True  # False while a chunked prompt has more chunks to come
         super().__init__(layers=[_PagedLayerView(self) for _ in range(method.num_layers)])
 
+    @torch.compiler.disable  # a compiled model calls into the cache eagerly: its bookkeeping is Python
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Appends the pass's keys/values (B, Hkv, S, D) to ``layer_idx`` and returns them unchanged."""
         if layer_idx == 0:
@@ -243,6 +248,7 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
     return out
 
 
+@torch.compiler.disable  # a compiled model (Engine(compile=True)) runs the method eagerly, between compiled parts
 def sparsekv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                        sparsekv_cache: SparseKVCache | None = None, **kwargs):
     """transformers attention function. query: (B, H, S, D); key, value: (B, Hkv, S, D), this pass's tokens.
@@ -267,7 +273,7 @@ def sparsekv_attention(module, query, key, value, attention_mask, scaling=None, 
     else:
         out, attended = cache.method.decode(module.layer_idx, query[:, :, 0], layer, pages.seq_len, scale)
         out = out.unsqueeze(2)
-        cache.stats.add(module.layer_idx, attended, pages.seq_len, key.shape[1])
+        cache.stats.add(module.layer_idx, attended, pages.seq_len, key.shape[1], len(pages.layers))
     return out.transpose(1, 2), None
 
 

@@ -52,7 +52,29 @@ attend_with_weights = _dispatch("attend_with_weights")
 window_token_scores = _dispatch("window_token_scores")
 sparse_decode_tokens = _dispatch("sparse_decode_tokens")
 append_token = _dispatch("append_token")
-count_attended = reference.count_attended
+
+
+def _compiled_on_cuda(fn: Callable) -> Callable:
+    """``fn`` (a pure composition of torch ops) fused by torch.compile for CUDA tensors, so that a decode step's
+    small bookkeeping costs one kernel instead of a dozen; CPU tensors run ``fn`` as it is."""
+    compiled = None
+
+    def op(first, *args, **kwargs):
+        nonlocal compiled
+        if not first.is_cuda:
+            return fn(first, *args, **kwargs)
+        if compiled is None:
+            import torch
+
+            compiled = torch.compile(fn, fullgraph=True)
+        return compiled(first, *args, **kwargs)
+
+    op.__name__ = fn.__name__
+    op.__doc__ = fn.__doc__
+    return op
+
+
+count_attended = _compiled_on_cuda(reference.count_attended)
 merge_attention = reference.merge_attention
 
 __all__ = ["page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",

@@ -81,7 +81,8 @@ class Generation:
     texts: their decoded text (when the engine has a tokenizer). Timings in seconds: the prefill (up to the first
     new token) and the decode steps after it; ``step_seconds``: each decode step's time when asked for (CUDA events
     on the GPU). stats: the decode statistics' summary. KV bytes: what the cache allocated on the device (pages,
-    metadata and the method's buffers) and what the method keeps in host memory."""
+    metadata and the method's buffers), the keys and values of the tokens it holds at the end (pages in use), and
+    what the method keeps in host memory."""
 
     tokens: list[list[int]]
     texts: list[str] | None
@@ -91,6 +92,7 @@ class Generation:
     captured: bool
     stats: dict
     kv_device_bytes: int
+    kv_held_bytes: int
     kv_host_bytes: int
     peak_device_bytes: int | None
     step_seconds: list[float] | None = None
@@ -232,7 +234,7 @@ class Engine:
             tokens, steps, captured, decode_s, step_s = self._decode(cache, first, max_new_tokens, sampling, stops,
                                                                      stream, time_steps)
             stats = session.stats.summary()
-            kv_device, kv_host = cache.resident_bytes(), cache.offloaded_bytes()
+            kv_device, kv_host, kv_held = cache.resident_bytes(), cache.offloaded_bytes(), cache.pages.held_bytes()
         rows = [_until_stop(row, stops) for row in tokens.tolist()]
         texts = None
         if self.tokenizer is not None:
@@ -240,7 +242,7 @@ class Engine:
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         return Generation(tokens=rows, texts=texts, prefill_seconds=prefill_s, decode_seconds=decode_s,
                           decode_steps=steps, captured=captured, stats=stats, kv_device_bytes=kv_device,
-                          kv_host_bytes=kv_host, peak_device_bytes=peak, step_seconds=step_s)
+                          kv_held_bytes=kv_held, kv_host_bytes=kv_host, peak_device_bytes=peak, step_seconds=step_s)
 
     def _compiling(self):
         """With ``compile``: the layer index becomes an input of the compiled layer code rather than a constant,

@@ -58,9 +58,18 @@ def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
     return model.eval()
 
 
+def bench_model(spec: str, device: torch.device, dtype: torch.dtype, max_positions: int):
+    """``shape:<name>`` (random weights of a published shape, built on the device) or any ``load_model`` spec."""
+    if spec.startswith("shape:"):
+        return shape_model(spec[len("shape:"):], device, dtype, max_positions)
+    return load_model(spec, device, dtype)[0]
+
+
 def random_fill(model):
     """An engine ``prefill`` that writes random keys and values instead of running the model: the same appends
-    and method hooks as a real chunked prefill (random queries stand for the prompt's), without its compute."""
+    and method hooks as a real chunked prefill (random queries stand for the prompt's), without its compute. It
+    fills layer by layer, so a method that moves a layer's prompt to host memory at the layer's last chunk
+    (OmniKV's offload) holds one offloaded layer on the device at a time."""
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -69,13 +78,19 @@ def random_fill(model):
     def fill(cache, ids, mask):
         b, s = ids.shape
         scale = head_dim ** -0.5
-        for start in range(0, s, FILL_CHUNK):
-            n = min(FILL_CHUNK, s - start)
-            cache.prompt_end = start + n == s
-            for layer in range(cfg.num_hidden_layers):
+        pages, plans = cache.pages, []
+        for layer in range(cfg.num_hidden_layers):
+            for c, start in enumerate(range(0, s, FILL_CHUNK)):
+                n = min(FILL_CHUNK, s - start)
+                if layer == 0:  # layer 0 plans each chunk's pass; the other layers replay those plans
+                    cache.prompt_end = start + n == s
+                else:
+                    pages.plan = plans[c]
                 k = torch.randn(b, kv_heads, n, head_dim, dtype=dtype, device=ids.device)
                 cache.update(k, torch.randn_like(k), layer)
-                pages, q = cache.pages, torch.randn(b, heads, n, head_dim, dtype=dtype, device=ids.device)
+                if layer == 0:
+                    plans.append(pages.plan)
+                q = torch.randn(b, heads, n, head_dim, dtype=dtype, device=ids.device)
                 cache.method.prefill_chunk(layer, q, pages.layers[layer], pages.plan, scale)
                 if pages.plan.prompt_end:
                     cache.method.prefill(layer, q, pages.layers[layer], pages.plan, scale)
@@ -187,6 +202,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
                      f"{fmt(r['floor_ms'])} | {fmt(r['x_floor'])} | {fmt(r['vs_dense'], '{:.2f}x')} | "
                      f"{fmt(r['vs_transformers'], '{:.2f}x')} | {fmt(r['vs_compiled'], '{:.2f}x')} | "
                      f"{fmt(r['peak_device_gib'], '{:.1f}')} | {fmt(r['kv_device_gib'])} | {fmt(r['kv_host_gib'])} |")
+    if meta["out_of_memory"]:
+        lines += ["", "Out of device memory: " + "; ".join(meta["out_of_memory"]) + "."]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -245,10 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     longest = max(args.contexts) + args.new_tokens
-    if args.model.startswith("shape:"):
-        model = shape_model(args.model[len("shape:"):], device, dtype, longest)
-    else:
-        model, _ = load_model(args.model, device, dtype)
+    model = bench_model(args.model, device, dtype, longest)
     bandwidth = copy_bandwidth(device, Timer(device, reps=30))
     rows = []
 
@@ -267,14 +281,21 @@ def main(argv: list[str] | None = None) -> int:
         modes = ([False] if args.transformers else []) + ([True] if context in args.compiled else [])
         for compiled in modes:
             done(transformers_row(model, context, 1, args, device, compiled))
+    out_of_memory = []
     for context in args.contexts:
         for batch in args.batches:
             for run in runs:
-                done(engine_row(model, run.config, run.label, context, batch, args, device, bandwidth))
+                try:
+                    done(engine_row(model, run.config, run.label, context, batch, args, device, bandwidth))
+                except torch.OutOfMemoryError:
+                    out_of_memory.append(f"{run.label} at context {context}, batch {batch}")
+                    print(f"{run.label:>24} ctx {context:>7} b {batch}: out of device memory", flush=True)
+                    gc.collect()
+                    torch.cuda.empty_cache()
     add_ratios(rows)
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-            "torch": torch.__version__, "bandwidth_tbs": bandwidth / 1e12,
+            "torch": torch.__version__, "bandwidth_tbs": bandwidth / 1e12, "out_of_memory": out_of_memory,
             "command": "python -m sparsekv.bench.e2e " + " ".join(argv)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -11,7 +11,17 @@ allocation: the whole exchange can be captured in a CUDA graph. On the CPU the s
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def available_host_bytes() -> int:
+    """Physical memory the host has free now (Linux; elsewhere unlimited)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -36,6 +46,12 @@ class HostKVStore:
                  dtype: torch.dtype, device: torch.device):
         self.device = device
         cuda = device.type == "cuda"
+        need = batch * tokens * layers * 2 * kv_heads * head_dim * dtype.itemsize
+        free = available_host_bytes()
+        if need > free:
+            raise ValueError(f"offload: the prompt KV of {layers} layers at context {tokens} (batch {batch}) needs "
+                             f"{need / 2**30:.1f} GiB of host memory, the host has {free / 2**30:.1f} GiB free; use "
+                             f"a shorter context or keep more layers on the device")
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.ready = torch.cuda.Event() if cuda else None
         self._allocate(torch.zeros(batch, tokens, layers, 2, kv_heads, head_dim, dtype=dtype, pin_memory=cuda),

@@ -341,6 +341,16 @@ class PagedKVCache:
             layer.slot_state = {name: t.index_select(0, index.to(t.device)) for name, t in layer.slot_state.items()}
             layer.dropped = [layer.dropped[i] for i in idx]
 
+    def held_bytes(self) -> int:
+        """Bytes of the keys and values of the tokens the layers hold now (pages in use, the current page's unused
+        tail included), without metadata or free slots: what a method's memory policy keeps. Reads the device."""
+        total = 0
+        for layer in self.layers:
+            if layer is not None:
+                pages = int((layer.slot_page >= 0).sum())
+                total += 2 * pages * layer.page_size * layer.k.shape[-1] * layer.k.element_size()
+        return total
+
     def resident_bytes(self) -> int:
         """Bytes held by the pages and their metadata on all layers."""
         total = 0

@@ -1,0 +1,186 @@
+"""Contexts beyond GPU memory and long decodes, through the engine.
+
+    python -m sparsekv.bench.capacity ladder --contexts 262144 524288 1048576 --methods dense omnikv:offload=True
+    python -m sparsekv.bench.capacity long-decode --prompt 512 --decode 16384 --methods dense quest raas
+
+``ladder``: for each method, contexts in increasing order at batch 1 until one fails (out of device memory, or refused
+for lack of host memory): decode tokens/s (median CUDA-event step), peak device memory, KV on the device and pinned
+in host memory. The cache is filled with random keys and values (a real prefill of a million tokens takes longer
+than a run may), except at ``--prefill CONTEXT``, which runs the real chunked prefill and reports its time.
+
+``long-decode``: a short prompt, then ``--decode`` tokens: step time and the KV the cache holds against the tokens
+decoded (RaaS's memory figure). Step times are medians over windows of ``--window`` steps; the KV held by dense and
+Quest grows with every token, RaaS's stops at its budget (measured at the end of the run, and drawn from the rule
+before).
+
+Both write ``<tag>.json``, ``<tag>.md`` (and long-decode ``<tag>.png``) under ``--out``; ``--model`` as in
+``bench.e2e``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from ..engine import Engine
+from ..eval.base import EvalError
+from ..eval.runner import method_runs
+from ..models import resolve_device
+from .e2e import bench_model, random_fill
+
+
+def _free(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def ladder(model, runs, args, device) -> list[dict]:
+    rows = []
+    for run in runs:
+        for context in sorted(args.contexts):
+            row = {"spec": run.label, "context": context}
+            real = context == args.prefill
+            try:
+                engine = Engine(model, run.config, max_context=context + args.new_tokens,
+                                prefill_chunk=args.prefill_chunk, compile=args.compile)
+                ids = [torch.randint(0, model.config.vocab_size, (context,)).tolist()]
+                out = engine.generate(ids, args.new_tokens, stop_tokens=(), time_steps=True,
+                                      prefill=None if real else random_fill(model))
+                ms = 1e3 * statistics.median(out.step_seconds[2:])
+                row.update(status="ok", fill="prefill" if real else "random", decode_ms=ms, tokens_per_s=1e3 / ms,
+                           prefill_s=out.prefill_seconds if real else None,
+                           peak_device_gib=(out.peak_device_bytes or 0) / 2**30,
+                           kv_device_gib=out.kv_device_bytes / 2**30, kv_host_gib=out.kv_host_bytes / 2**30)
+            except torch.OutOfMemoryError:
+                row.update(status="out of device memory")
+            except ValueError as err:
+                row.update(status=f"refused: {err}")
+            rows.append(row)
+            _free(device)
+            print(row, flush=True)
+            if row["status"] != "ok":
+                break
+    return rows
+
+
+def long_decode(model, runs, args, device) -> list[dict]:
+    rows = []
+    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
+        (model.config.hidden_size // model.config.num_attention_heads) * next(model.parameters()).element_size()
+    for run in runs:
+        engine = Engine(model, run.config, max_context=args.prompt + args.decode + 1, compile=args.compile,
+                        check_every=1024)
+        ids = [torch.randint(0, model.config.vocab_size, (args.prompt,)).tolist()]
+        out = engine.generate(ids, args.decode, stop_tokens=(), time_steps=True)
+        steps = out.step_seconds[2:]
+        windows = [1e3 * statistics.median(steps[i:i + args.window]) for i in range(0, len(steps), args.window)]
+        cap = getattr(run.config, "token_budget", None) if run.config.name == "raas" else None
+        held = [(args.prompt + t) * per_token if cap is None else min(args.prompt + t, max(cap, args.prompt))
+                * per_token for t in range(0, args.decode + 1, args.window)]
+        rows.append({"spec": run.label, "window_ms": windows, "held_gib": [h / 2**30 for h in held],
+                     "held_gib_measured_end": out.kv_held_bytes / 2**30, "kv_device_gib": out.kv_device_bytes / 2**30,
+                     "median_ms": 1e3 * statistics.median(steps), "decode_steps": out.decode_steps})
+        _free(device)
+        print({k: v for k, v in rows[-1].items() if k not in ("window_ms", "held_gib")}, flush=True)
+    quest = next((r["median_ms"] for r in rows if r["spec"].startswith("quest")), None)
+    for r in rows:
+        r["vs_quest"] = r["median_ms"] / quest if quest else None
+    return rows
+
+
+def write(args, rows, device) -> None:
+    meta = {"model": args.model, "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "command": "python -m sparsekv.bench.capacity " + " ".join(args.argv)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"# {args.mode} ({args.model}, {meta['device_name']}, bfloat16)", "", f"Command: `{meta['command']}`", ""]
+    if args.mode == "ladder":
+        lines += ["| method | context | status | fill | prefill s | decode ms/step | tokens/s | peak device GiB | "
+                  "KV device GiB | KV host GiB |", "|" + " --- |" * 10]
+        for r in rows:
+            if r["status"] != "ok":
+                lines.append(f"| {r['spec']} | {r['context']} | {r['status']} |" + " - |" * 7)
+                continue
+            prefill = "-" if r["prefill_s"] is None else f"{r['prefill_s']:.1f}"
+            lines.append(f"| {r['spec']} | {r['context']} | ok | {r['fill']} | {prefill} | {r['decode_ms']:.2f} | "
+                         f"{r['tokens_per_s']:.1f} | {r['peak_device_gib']:.1f} | {r['kv_device_gib']:.1f} | "
+                         f"{r['kv_host_gib']:.1f} |")
+    else:
+        lines += [f"Prompt {args.prompt} tokens, {args.decode} decoded; step time = median over windows of "
+                  f"{args.window} steps.", "",
+                  "| method | median ms/step | vs Quest | first window ms | last window ms | KV held at the end GiB | "
+                  "KV allocated GiB |", "|" + " --- |" * 7]
+        for r in rows:
+            vs = "-" if r["vs_quest"] is None else f"{r['vs_quest']:.2f}x"
+            lines.append(f"| {r['spec']} | {r['median_ms']:.2f} | {vs} | {r['window_ms'][0]:.2f} | "
+                         f"{r['window_ms'][-1]:.2f} | {r['held_gib_measured_end']:.3f} | {r['kv_device_gib']:.3f} |")
+    (args.out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if args.mode == "long-decode":
+        _plot(args, rows)
+
+
+def _plot(args, rows) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rows:
+        marks = [i * args.window for i in range(len(r["held_gib"]))]
+        mem.plot(marks, r["held_gib"], label=r["spec"])
+        speed.plot([i * args.window for i in range(len(r["window_ms"]))], r["window_ms"], label=r["spec"])
+    mem.set(xlabel="decoded tokens", ylabel="KV held (GiB)", title="KV memory")
+    speed.set(xlabel="decoded tokens", ylabel="ms per step", title="decode step time")
+    mem.legend()
+    speed.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / f"{args.tag}.png", dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sparsekv.bench.capacity", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["ladder", "long-decode"])
+    parser.add_argument("--model", default="shape:llama3-8b")
+    parser.add_argument("--methods", nargs="+", default=["dense", "omnikv:offload=True"])
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[262144, 524288, 1048576])
+    parser.add_argument("--prefill", type=int, default=None, help="the ladder context that runs a real prefill")
+    parser.add_argument("--prefill-chunk", type=int, default=8192)
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--decode", type=int, default=16384)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--tag", default=None)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    args.argv, args.tag = argv, args.tag or args.mode
+    try:
+        runs = method_runs(args.methods, [args.budget])
+    except EvalError as err:
+        print(f"sparsekv.bench.capacity: error: {err}", file=sys.stderr)
+        return 2
+    device = resolve_device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    longest = max(args.contexts + [args.prompt + args.decode]) + args.new_tokens + 1
+    model = bench_model(args.model, device, dtype, longest)
+    rows = (ladder if args.mode == "ladder" else long_decode)(model, runs, args, device)
+    write(args, rows, device)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -21,7 +21,7 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
 from sparsekv import kernels  # noqa: E402
 from sparsekv.cache import AppendPlan, PagedLayer  # noqa: E402
 from sparsekv.kernels import reference as ref  # noqa: E402
-from sparsekv.kernels import triton_ops as tops  # noqa: E402
+from sparsekv.kernels import triton as tops  # noqa: E402
 
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 # The page-score kernel multiplies free slots' infinite bounds before masking them, and an empty token row takes the

@@ -1,7 +1,7 @@
 """Ops of the decode path. Each name dispatches on the device of its first tensor: a fused Triton kernel for CUDA
 tensors where one is registered, the PyTorch reference otherwise. Both share one signature (see ``reference``).
 
-The Triton kernels (``triton_ops``) are imported the first time an op sees a CUDA tensor, so CPU-only use never
+The Triton kernels (the ``triton`` package) are imported the first time an op sees a CUDA tensor, so CPU-only use never
 imports triton; without triton, CUDA tensors run the reference ops (with a warning)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Callable
 
 from . import reference
 
-# Filled by the Triton module when it imports (CUDA and triton present); name -> op with the reference's signature.
+# Filled from the Triton package when it first imports (CUDA and triton present); name -> op with the reference's signature.
 FAST: dict[str, Callable] = {}
 _tried_fast = False
 
@@ -20,10 +20,12 @@ def _load_fast() -> None:
     global _tried_fast
     _tried_fast = True
     try:
-        from . import triton_ops  # noqa: F401  (registers its ops in FAST)
+        from .triton import OPS
     except ImportError as err:
         warnings.warn(f"sparsekv: triton is not importable ({err}); CUDA tensors use the PyTorch reference ops",
                       stacklevel=3)
+    else:
+        FAST.update(OPS)
 
 
 def _dispatch(name: str) -> Callable:

@@ -54,7 +54,7 @@ def observe(callback: Callable) -> Iterator[None]:
     through its names (``kernels.sparse_decode`` ...; not ``count_attended`` or ``merge_attention``): ``name`` the
     op's name, ``arguments`` a dict from the reference's parameter names to the values passed (defaults included;
     a tensor the op mutates is seen after the call), ``result`` what the op returned. An exception in the callback
-    propagates to the op's caller."""
+    propagates to the op's caller. Eager calls only: a compiled graph or a CUDA-graph replay runs no Python here."""
     _observers.append(callback)
     try:
         yield

@@ -91,6 +91,7 @@ def _register(name: str, fake: Callable, mutates: tuple[str, ...] = ()) -> Calla
                 observer(name, bound.arguments, result)
         return result
 
+    call.__module__ = __name__
     return call
 
 

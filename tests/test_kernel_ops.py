@@ -13,15 +13,15 @@ OPS = ("page_scores", "select_pages", "quest_select", "sparse_decode", "attend",
        "window_token_scores", "sparse_decode_tokens", "append_token")
 
 
-def filled_layer(dtype=torch.float32, lengths=(11, 6), seed=0):
+def filled_layer(dtype=torch.float32, lengths=(11, 6), seed=0, device="cpu"):
     """A one-layer paged cache holding random keys and values (left-padded batch of the given lengths)."""
     g = torch.Generator().manual_seed(seed)
     s = max(lengths)
     valid = torch.arange(s).unsqueeze(0) >= (s - torch.tensor(lengths)).unsqueeze(1)
     cache = PagedKVCache(num_layers=1, page_size=P)
-    cache.begin(s, valid, B, torch.device("cpu"))
-    layer = cache.append(0, torch.randn(B, HKV, s, D, generator=g).to(dtype),
-                         torch.randn(B, HKV, s, D, generator=g).to(dtype))
+    cache.begin(s, valid.to(device), B, torch.device(device))
+    layer = cache.append(0, torch.randn(B, HKV, s, D, generator=g).to(device, dtype),
+                         torch.randn(B, HKV, s, D, generator=g).to(device, dtype))
     return cache, layer
 
 
@@ -88,9 +88,14 @@ def test_meta_tensors_give_shapes_and_dtypes():
                 assert m.device.type == "meta" and (m.shape, m.dtype) == (r.shape, r.dtype), name
 
 
-def test_quest_step_compiles_in_one_graph():
+@pytest.mark.parametrize("device,backend", [
+    ("cpu", "aot_eager"),
+    *([("cuda", "aot_eager"), ("cuda", "inductor")] if torch.cuda.is_available() else []),
+])
+def test_quest_step_compiles_in_one_graph(device, backend):
     """A whole Quest decode step (append, select, attend) traced by torch.compile without a graph break, through
-    AOT autograd (which functionalizes append_token's mutations), the appended state and output equal to eager."""
+    AOT autograd (which functionalizes append_token's mutations), the appended state and output equal to eager (on
+    CUDA, with the Triton kernels)."""
 
     def step(layer_k, layer_v, kmin, kmax, slot_page, cur_slot, seq_len, q, k_new, v_new):
         kernels.append_token(layer_k, layer_v, kmin, kmax, slot_page, cur_slot, seq_len - 1, k_new, v_new, False)
@@ -98,14 +103,15 @@ def test_quest_step_compiles_in_one_graph():
         out = kernels.sparse_decode(q, layer_k, layer_v, slot_page, slots, seq_len, D ** -0.5)
         return out, kernels.count_attended(slot_page, slots, seq_len, P)
 
-    cache, layer = filled_layer()
+    cache, layer = filled_layer(device=device)
     layer.grow(layer.capacity + 1)  # a free slot for the page the token may start
     state = (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot)
     g = torch.Generator().manual_seed(2)
-    inputs = (cache.seq_len + 1, torch.randn(B, H, D, generator=g), *torch.randn(2, B, HKV, D, generator=g))
+    inputs = (cache.seq_len + 1, torch.randn(B, H, D, generator=g).to(device),
+              *torch.randn(2, B, HKV, D, generator=g).to(device))
     eager_state = [t.clone() for t in state]
     eager = step(*eager_state, *inputs)
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*state, *inputs)
+    compiled = torch.compile(step, fullgraph=True, backend=backend)(*state, *inputs)
     for got, want in zip((*state, *compiled), (*eager_state, *eager)):
         assert torch.equal(got, want)
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from sparsekv import kernels
 from sparsekv.cache import PagedKVCache
 from sparsekv.eval.recall import RecallConfig
 from sparsekv.methods import METHODS, QuestConfig
@@ -93,6 +94,26 @@ def test_evicted_tokens_count_as_missed_mass():
     assert abs(recall - sum(expected) / len(expected)) < 1e-9
     assert recall < 1.0  # the method attends all it keeps, but page 0 is gone
 
+
+
+class _AttendAll(Method):
+    """Toy policy that decodes through ``kernels.attend``, an attention op the probe does not read."""
+
+    def decode(self, layer_idx, q, layer, seq_len, scale):
+        slots = all_slots(layer)
+        out = kernels.attend(q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots, (seq_len - 1).unsqueeze(1),
+                             scale).squeeze(2)
+        return out, kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
+
+
+class _AttendAllConfig(QuestConfig):
+    def build(self, num_layers):
+        return _AttendAll(self, num_layers)
+
+
+def test_attention_the_probe_cannot_read_is_refused():
+    with pytest.raises(ValueError, match="cannot observe kernels.attend;"):
+        _run(_AttendAllConfig(page_size=P, token_budget=64, dense_layers=0), steps=1)
 
 SPARSE = [n for n, cls in METHODS.items() if "token_budget" in cls.__dataclass_fields__]
 

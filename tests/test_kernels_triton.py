@@ -18,10 +18,9 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU, and TRITON_INTERPRET=1 (set by tests/conftest.py before triton is imported) is missing",
                 allow_module_level=True)
 
-from sparsekv import kernels  # noqa: E402
 from sparsekv.cache import AppendPlan, PagedLayer  # noqa: E402
 from sparsekv.kernels import reference as ref  # noqa: E402
-from sparsekv.kernels import triton_ops as tops  # noqa: E402
+from sparsekv.kernels import triton as tops  # noqa: E402
 
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 # The page-score kernel multiplies free slots' infinite bounds before masking them, and an empty token row takes the
@@ -322,19 +321,26 @@ def test_refuses_mismatched_dtypes():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="dispatch and CUDA graphs need a GPU")
-def test_dispatch_picks_triton_and_step_replays_in_cuda_graph():
+def test_dispatch_picks_triton_and_step_replays_in_cuda_graph(monkeypatch):
+    """The registered ops run the Triton kernels on CUDA tensors (``tops.OPS``, spied on), and a step of them
+    replays in a CUDA graph."""
     from sparsekv.bench.attention import QuestStep
 
     k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(4, 8, 128, 16, [3000, 2000, 1000, 17],
                                                                 torch.bfloat16, spare=1)
     for name in ("page_scores", "select_pages", "quest_select", "sparse_decode", "sparse_decode_tokens",
                  "append_token"):
-        assert kernels.FAST.get(name) is getattr(tops, name)
+        assert tops.OPS[name] is getattr(tops, name)
     step = QuestStep(k, v, kmin, kmax, slot_page, cur_slot, seq_len, heads=32, num_pages=16, per_query_head=False)
     q = torch.randn(4, 32, 128, device=DEV).to(torch.bfloat16)
     k_new, v_new = torch.randn(2, 4, 8, 128, device=DEV).to(torch.bfloat16)
     state = [t.clone() for t in (k, v, kmin, kmax, slot_page, cur_slot, seq_len)]
-    eager = step.run(q, k_new, v_new)
+    called = []
+    with monkeypatch.context() as patch:
+        for name, fast in list(tops.OPS.items()):
+            patch.setitem(tops.OPS, name, lambda *args, _name=name, _fast=fast: called.append(_name) or _fast(*args))
+        eager = step.run(q, k_new, v_new)
+    assert called == ["append_token", "quest_select", "sparse_decode"]
     for t, s in zip((k, v, kmin, kmax, slot_page, cur_slot, seq_len), state):
         t.copy_(s)
     graph = step.capture(q, k_new, v_new)

@@ -400,9 +400,9 @@ def rotated_copies(shape: str, batch: int, context: int, page_size: int, max_cop
 
 def tune(args, timer, device) -> list[dict]:
     """Times launch-parameter variants of the page-score and attention kernels on a few shapes."""
-    from ..kernels import triton_ops
+    from ..kernels.triton import TUNING
 
-    base = dict(triton_ops.TUNING)
+    base = dict(TUNING)
     page_variants = [dict(page_block=b, page_chunks=ch, page_warps=w, page_stages=st)
                      for b, ch, w, st in [(64, 1, 4, 2), (64, 2, 4, 2), (64, 4, 4, 2), (64, 4, 4, 3), (64, 8, 4, 3),
                                           (32, 4, 4, 3), (128, 2, 8, 3), (128, 4, 8, 3)]]
@@ -425,7 +425,7 @@ def tune(args, timer, device) -> list[dict]:
         slots = [kernels.select_pages(s, c[5], 2048 // p) for s, c in zip(scores, caches)]
         for kind, variants in (("estimate", page_variants), ("top-k", select_variants), ("attention", attn_variants)):
             for var in variants:
-                triton_ops.TUNING.update(base, **var)
+                TUNING.update(base, **var)
                 if kind == "estimate":
                     fn = lambda: [kernels.page_scores(q, c[2], c[3], c[4]) for c, q in zip(caches, qs)]  # noqa: E731
                     floor = batch * kv_heads * (context // p) * (2 * head_dim * 2 + 8)
@@ -444,7 +444,7 @@ def tune(args, timer, device) -> list[dict]:
                       flush=True)
         del caches, qs, scores, slots
         torch.cuda.empty_cache()
-    triton_ops.TUNING.update(base)
+    TUNING.update(base)
     return out
 
 
@@ -453,9 +453,9 @@ def variants(args, timer, device, overrides: list[dict]) -> list[dict]:
     (the first is the baseline) on the --shapes / --batches / --contexts grid, against dense SDPA in the same run.
     Each variant's slots must be the baseline's (as sets) and its output within bf16 rounding of it; a mismatch is
     reported without a time."""
-    from ..kernels import triton_ops
+    from ..kernels.triton import TUNING
 
-    base = dict(triton_ops.TUNING)
+    base = dict(TUNING)
     out = []
     for batch in args.batches:
         for shape in args.shapes:
@@ -469,7 +469,7 @@ def variants(args, timer, device, overrides: list[dict]) -> list[dict]:
                 sweep = lambda: [s.attention(q) for s, q in zip(steps, qs)]  # noqa: E731
                 expected = None
                 for i, var in enumerate(overrides):
-                    triton_ops.TUNING.update(base, **var)
+                    TUNING.update(base, **var)
                     # leaves the last run's slots and output (on the GPU: of the graph replay)
                     us = 1e3 * (timer.graph(sweep) if device.type == "cuda" else timer.eager(sweep)) / copies
                     got = (steps[0].slots.sort(-1).values, steps[0].out.float())
@@ -483,7 +483,7 @@ def variants(args, timer, device, overrides: list[dict]) -> list[dict]:
                           f"x{dense / us:.2f}){'' if same else ' MISMATCH with the baseline'}", flush=True)
                 del caches, qs, steps
                 torch.cuda.empty_cache()
-    triton_ops.TUNING.update(base)
+    TUNING.update(base)
     return out
 
 
@@ -553,13 +553,13 @@ def main(argv=None) -> None:
                                                                    indent=1))
         return
     if args.tuning:
-        from ..kernels import triton_ops
+        from ..kernels.triton import TUNING
 
-        triton_ops.TUNING.update(json.loads(args.tuning.read_text())["best"])
+        TUNING.update(json.loads(args.tuning.read_text())["best"])
     if device.type == "cuda":
-        from ..kernels import triton_ops
+        from ..kernels.triton import TUNING
 
-        meta["tuning"] = dict(triton_ops.TUNING)
+        meta["tuning"] = dict(TUNING)
     if args.variants:
         rows = variants(args, timer, device, args.variants)
         (args.out / f"{args.tag}_variants.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

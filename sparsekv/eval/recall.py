@@ -1,8 +1,8 @@
 """Attention recall: how much of the dense attention mass the tokens a method attends cover, per layer.
 
 ``RecallConfig(inner=config)`` builds the inner method wrapped in a probe. In every decode step of every layer the
-probe lets the inner method decode unchanged while it watches the attention ops the method calls
-(``kernels.sparse_decode``, ``kernels.attend_with_weights``): the slots each call attends, read with the page
+probe lets the inner method decode unchanged while it observes (``kernels.observe``) the attention ops the method
+calls (``kernels.sparse_decode``, ``kernels.attend_with_weights``): the slots each call attends, read with the page
 table as it is at that call, are the tokens the method attends. It then computes, with the same query, the dense
 softmax attention over the layer's whole key history and the share of it that falls on those tokens, averaged
 over query heads. Ops over a packed token store that return their log-sum-exp (``kernels.sparse_decode_tokens``,
@@ -20,8 +20,6 @@ diagnostic only.
 
 from __future__ import annotations
 
-import inspect
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -153,39 +151,19 @@ TOKEN_OPS = ("sparse_decode_tokens",)
 OBSERVED = (*SLOT_OPS, *TOKEN_OPS)
 # Ops of ``kernels`` that attend nothing (scores, selection, bookkeeping); any other op met in a decode step is an
 # attention the probe cannot read, and is refused rather than left out of the recall.
-NOT_ATTENTION = {"page_scores", "select_pages", "quest_select", "count_attended", "window_token_scores",
-                 "merge_attention"}
+NOT_ATTENTION = {"page_scores", "select_pages", "quest_select", "window_token_scores", "append_token"}
 
 
-@contextmanager
 def _observing_attention(calls: list):
-    """Within the block, every call of a ``kernels`` attention op appends what it attends to ``calls``:
+    """A context in which every call of a ``kernels`` attention op appends what it attended to ``calls``:
     ("slots", slot_page, slots, limit) for slot ops, ("lse", lse (B, H)) for token ops."""
-    originals = {name: getattr(kernels, name) for name in kernels.__all__
-                 if name not in NOT_ATTENTION and callable(getattr(kernels, name)) and name != "reference"}
 
-    def wrap(name, op):
-        read = SLOT_OPS.get(name)
-        signature = inspect.signature(getattr(kernels.reference, name)) if read else None
+    def record(name, arguments, result):
+        if name in TOKEN_OPS:
+            calls.append(("lse", result[1].clone()))
+        elif name in SLOT_OPS:
+            calls.append(("slots", *(t.clone() for t in SLOT_OPS[name](arguments))))
+        elif name not in NOT_ATTENTION:
+            raise ValueError(f"attention recall cannot observe kernels.{name}; it reads {', '.join(OBSERVED)} only")
 
-        def observed(*args, **kwargs):
-            if name in TOKEN_OPS:
-                out, lse = op(*args, **kwargs)
-                calls.append(("lse", lse.clone()))
-                return out, lse
-            if read is None:
-                raise ValueError(f"attention recall cannot observe kernels.{name}; it reads "
-                                 f"{', '.join(OBSERVED)} only")
-            slot_page, slots, limit = read(signature.bind(*args, **kwargs).arguments)
-            calls.append(("slots", slot_page.clone(), slots.clone(), limit.clone()))
-            return op(*args, **kwargs)
-
-        return observed
-
-    try:
-        for name, op in originals.items():
-            setattr(kernels, name, wrap(name, op))
-        yield
-    finally:
-        for name, op in originals.items():
-            setattr(kernels, name, op)
+    return kernels.observe(record)

@@ -1,57 +1,154 @@
-"""Ops of the decode path. Each name dispatches on the device of its first tensor: a fused Triton kernel for CUDA
-tensors where one is registered, the PyTorch reference otherwise. Both share one signature (see ``reference``).
+"""Ops of the decode path, each registered with ``torch.library`` as one op ``sparsekv::<name>``: the PyTorch
+reference (``reference``) for CPU tensors (and any device without a kernel of its own), the fused Triton kernel
+(the ``triton`` package) for CUDA tensors where there is one, and a fake implementation that gives the output
+shapes and dtypes without computing them. torch.compile and CUDA-graph capture thus see each op as one unit (its
+Triton launches included), and meta tensors run through it.
 
-The Triton kernels (``triton_ops``) are imported the first time an op sees a CUDA tensor, so CPU-only use never
-imports triton; without triton, CUDA tensors run the reference ops (with a warning)."""
+The names here (``kernels.quest_select`` ...) take the reference's signature, call the registered op and tell the
+observers (``observe``) about the call. ``count_attended`` and ``merge_attention`` are plain compositions of torch
+ops, not registered (``count_attended`` is fused by torch.compile on CUDA: the decode statistics call it every
+layer and step).
+
+The Triton kernels are imported the first time an op sees a CUDA tensor, so CPU-only use never imports triton;
+without triton, CUDA tensors run the reference ops (with a warning)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
-from typing import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
 
 from . import reference
 
-# Filled by the Triton module when it imports (CUDA and triton present); name -> op with the reference's signature.
-FAST: dict[str, Callable] = {}
-_tried_fast = False
+# name -> Triton op: None until an op first sees a CUDA tensor, then empty if triton cannot be imported.
+_fast: dict[str, Callable] | None = None
+# Called after every op call made through this package's names (see ``observe``).
+_observers: list[Callable] = []
 
 
-def _load_fast() -> None:
-    global _tried_fast
-    _tried_fast = True
-    try:
-        from . import triton_ops  # noqa: F401  (registers its ops in FAST)
-    except ImportError as err:
-        warnings.warn(f"sparsekv: triton is not importable ({err}); CUDA tensors use the PyTorch reference ops",
-                      stacklevel=3)
-
-
-def _dispatch(name: str) -> Callable:
+def _cuda_impl(name: str) -> Callable:
+    """The CUDA implementation of op ``name``: its Triton kernel, else the reference."""
     ref = getattr(reference, name)
 
-    def op(first, *args, **kwargs):
-        if first.is_cuda:
-            if not _tried_fast:
-                _load_fast()
-            fast = FAST.get(name)
-            if fast is not None:
-                return fast(first, *args, **kwargs)
-        return ref(first, *args, **kwargs)
+    def impl(*args, **kwargs):
+        global _fast
+        if _fast is None:
+            try:
+                from .triton import OPS
+            except ImportError as err:
+                warnings.warn(f"sparsekv: triton is not importable ({err}); CUDA tensors use the PyTorch reference "
+                              "ops", stacklevel=2)
+                OPS = {}
+            _fast = OPS
+        return _fast.get(name, ref)(*args, **kwargs)
 
-    op.__name__ = name
-    op.__doc__ = ref.__doc__
-    return op
+    return impl
 
 
-page_scores = _dispatch("page_scores")
-select_pages = _dispatch("select_pages")
-quest_select = _dispatch("quest_select")
-sparse_decode = _dispatch("sparse_decode")
-attend = _dispatch("attend")
-attend_with_weights = _dispatch("attend_with_weights")
-window_token_scores = _dispatch("window_token_scores")
-sparse_decode_tokens = _dispatch("sparse_decode_tokens")
-append_token = _dispatch("append_token")
+@contextmanager
+def observe(callback: Callable) -> Iterator[None]:
+    """Within the block, ``callback(name, arguments, result)`` runs after every call of an op of this package made
+    through its names (``kernels.sparse_decode`` ...; not ``count_attended`` or ``merge_attention``): ``name`` the
+    op's name, ``arguments`` a dict from the reference's parameter names to the values passed (defaults included;
+    a tensor the op mutates is seen after the call), ``result`` what the op returned. An exception in the callback
+    propagates to the op's caller. Eager calls only: a compiled graph or a CUDA-graph replay runs no Python here."""
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
+
+
+# The ``sparsekv`` op namespace, defined through the low-level API: a call costs a few us on the host, where
+# torch.library.custom_op's Python autograd and version-counter wrappers measured 25-30 us per op and over 100 us
+# for append_token's six mutated tensors. Nothing differentiates through a decode step: no autograd formula is
+# registered.
+_lib = torch.library.Library("sparsekv", "DEF")
+
+
+def _register(name: str, fake: Callable, mutates: tuple[str, ...] = ()) -> Callable:
+    """Defines ``sparsekv::name`` (schema from the reference's annotations) with the reference for every device,
+    the CUDA implementation and ``fake``, and returns the package's name for it: a function with the reference's
+    signature and docstring that calls the op and then the observers."""
+    ref = getattr(reference, name)
+    _lib.define(name + torch.library.infer_schema(ref, mutates_args=mutates))
+    _lib.impl(name, ref, "CompositeExplicitAutograd")
+    _lib.impl(name, _cuda_impl(name), "CUDA")
+    torch.library.register_fake(f"sparsekv::{name}", fake, lib=_lib)
+    overload = getattr(torch.ops.sparsekv, name).default
+    signature = inspect.signature(ref)
+
+    @functools.wraps(ref)
+    def call(*args, **kwargs):
+        result = overload(*args, **kwargs)
+        if _observers:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            for observer in tuple(_observers):
+                observer(name, bound.arguments, result)
+        return result
+
+    call.__module__ = __name__
+    return call
+
+
+# Fake implementations: outputs of the reference's shapes and dtypes (on CUDA the Triton kernels return the same).
+
+def _page_scores_fake(q, kmin, kmax, slot_page, per_query_head=False):
+    b, h, _ = q.shape
+    return q.new_empty(b, h if per_query_head else kmin.shape[1], kmin.shape[2], dtype=reference.acc_dtype(q.dtype))
+
+
+def _select_pages_fake(scores, cur_slot, num_pages):
+    reference.check_num_pages(num_pages)
+    b, hs, c = scores.shape
+    return scores.new_empty(b, hs, min(num_pages, c), dtype=torch.long)
+
+
+def _quest_select_fake(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_head=False):
+    return _select_pages_fake(_page_scores_fake(q, kmin, kmax, slot_page, per_query_head), cur_slot, num_pages)
+
+
+def _attend_with_weights_fake(q, k, v, slot_page, slots, q_pos, scale):
+    b, h, s, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty(b, h, s, slots.shape[2] * k.shape[3], dtype=reference.acc_dtype(q.dtype))
+
+
+def _attend_fake(q, k, v, slot_page, slots, q_pos, scale):
+    return q.new_empty(q.shape)
+
+
+def _sparse_decode_fake(q, k, v, slot_page, slots, seq_len, scale):
+    return q.new_empty(q.shape)
+
+
+def _window_token_scores_fake(q, k, key_pos, q_pos, limit, weight, scale):
+    return q.new_empty(q.shape[0], k.shape[2], dtype=reference.acc_dtype(q.dtype))
+
+
+def _sparse_decode_tokens_fake(q, k, v, tokens, scale):
+    acc = reference.acc_dtype(q.dtype)
+    return q.new_empty(q.shape, dtype=acc), q.new_empty(q.shape[:2], dtype=acc)
+
+
+def _append_token_fake(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, has_holes):
+    return None
+
+
+page_scores = _register("page_scores", _page_scores_fake)
+select_pages = _register("select_pages", _select_pages_fake)
+quest_select = _register("quest_select", _quest_select_fake)
+sparse_decode = _register("sparse_decode", _sparse_decode_fake)
+attend = _register("attend", _attend_fake)
+attend_with_weights = _register("attend_with_weights", _attend_with_weights_fake)
+window_token_scores = _register("window_token_scores", _window_token_scores_fake)
+sparse_decode_tokens = _register("sparse_decode_tokens", _sparse_decode_tokens_fake)
+append_token = _register("append_token", _append_token_fake,
+                         mutates=("k", "v", "kmin", "kmax", "slot_page", "cur_slot"))
 
 
 def _compiled_on_cuda(fn: Callable) -> Callable:
@@ -64,8 +161,6 @@ def _compiled_on_cuda(fn: Callable) -> Callable:
         if not first.is_cuda:
             return fn(first, *args, **kwargs)
         if compiled is None:
-            import torch
-
             compiled = torch.compile(fn, fullgraph=True)
         return compiled(first, *args, **kwargs)
 
@@ -79,4 +174,4 @@ merge_attention = reference.merge_attention
 
 __all__ = ["page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",
            "window_token_scores", "sparse_decode_tokens", "append_token", "count_attended", "merge_attention",
-           "reference", "FAST"]
+           "observe", "reference"]

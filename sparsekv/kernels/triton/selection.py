@@ -1,20 +1,8 @@
-"""Fused Triton kernels of the decode path, with the signatures of the ops in ``reference``.
+"""Quest's page choice: page scores and their exact top-k selection.
 
-Importing this module registers the ops in ``sparsekv.kernels.FAST``; the package imports it the first time an op
-sees a CUDA tensor (so CPU-only use never imports triton). Tensors are fp16, bf16 or fp32 (fp64 runs the reference,
-which is exact); q must have the cache's dtype. Every op takes fixed shapes and never reads a device value on the
-host, so a whole decode step can be captured in a CUDA graph.
-
-Kernels:
 - ``page_scores``: Quest's bound ``sum_i max(q_i max_i, q_i min_i)`` written as two matrix products,
   ``relu(q) . kmax + min(q, 0) . kmin``, one program per (sequence, KV head, block of slots), all query heads of
   the group at once, so the min/max metadata is read once; the bounds are read in pipelined head-dim slices.
-- ``sparse_decode`` / ``sparse_decode_tokens``: split-K flash decoding. Program (selection row, split) gathers the
-  key/value rows of its share of the selected pages (or of the listed rows of a flat token store), runs an online
-  softmax in fp32 for the row's query heads, and writes an unnormalised partial output with its running max and
-  sum; a second kernel merges the splits (log-sum-exp) and, for the token variant, writes the fp32 output with its
-  log-sum-exp (``merge_attention`` combines such parts). Invalid entries (-1, free slots, positions after the
-  current token) are masked, never branched on.
 - ``select_pages``: exact top-k by radix select, one program per row holding the row's scores in registers as
   order-preserving uint32 keys: 5-bit digit histograms (``tl.histogram``; its cost grows with the bins), from below
   the leading bits that the row's finite keys share, narrow down the k-th largest key until its whole bin is
@@ -26,51 +14,18 @@ Kernels:
   use ``torch.topk`` (benchmarks/results/KERNEL_NOTES.md has the numbers).
 - ``quest_select``: scores and selects in one op. Where the selection takes the group filter (from
   ``select_fused_rows`` rows, e.g. Llama-3-8B at batch 1), the page-score kernel writes the group maxima, which
-  saves a kernel and a pass over the scores; otherwise it is ``select_pages(page_scores(...))``.
-- ``append_token``: writes one decode token's key and value into its page, updates the page's key bounds, and
-  chooses the slot of a page the token starts (the lowest free one, by a scan of the slot table) and the current
-  slot itself, so that a decode step's append is one kernel.
-"""
+  saves a kernel and a pass over the scores; otherwise it is ``select_pages(page_scores(...))``."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
-from . import FAST, reference
-
-LOG2E = 1.4426950408889634
-_MAX_SPLITS = 64
-# Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
-# page_block_k: the page-score kernel reads its block of key bounds in head-dim slices of this many, through a loop
-# of page_stages stages (v10: slices of 64 in 4 stages need ~94 registers instead of ~128 for the whole tile, so
-# twice as many programs fit per multiprocessor).
-# programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
-# multiprocessor, so that enough loads are in flight even for batch 1; with at most attn_few_rows rows it takes the
-# attn_few_* block, stages and programs instead (v12: -0.3 to -0.6 us at Llama-3-8B batch 1).
-# select_warps / select_digit_bits: warps and digit width of the radix select (one program per row); rows of more
-# than select_one_program slots are first cut down, unless more than select_max_k pages are selected: with at
-# least select_group_rows rows, through groups of select_group_scale * sqrt(slots / k) slots (maxima by programs
-# of select_group_block slots; up to select_group_cand * k candidates compacted), else to the top of each segment
-# of select_block slots (select_block_warps); rows of more than select_max_slots slots go to torch.topk.
-# quest_select takes the group filter with at least select_fused_rows rows, groups of select_fused_scale *
-# sqrt(slots / k), the maxima written by the page-score kernel (v14: faster than a separate pass on every grid
-# measured, up to 65536 programs); else select_pages.
-# append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
-# starts a page in a cache with freed slots), with append_warps warps.
-TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
-          "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
-          "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
-          "select_group_rows": 32, "select_group_scale": 2, "select_group_block": 4096, "select_group_cand": 2,
-          "select_fused_rows": 8, "select_fused_scale": 1,
-          "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4,
-          "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8,
-          "append_search": 4096, "append_warps": 4}
+from .. import reference
+from .common import TUNING, block_d, check, group_pad, interpreted_bf16, precision
 
 
 @triton.jit
@@ -388,171 +343,6 @@ def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, cand_ptr, out_ptr
         _emit(out, ckey, tl.where(ckey == _NEG_INF_KEY, -1, slot).to(tl.int64), 0, wdone, wprefix, wleft)
 
 
-@triton.jit
-def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_ptr, stat_ptr,
-                            n_sel, blocks_per_split, n_splits, scale_log2,
-                            sq_b, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, ss_b, ss_h, sl_b, sl_h,
-                            HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                            TOKENS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    b = (row // HS).to(tl.int64)
-    r = row % HS
-    kvh = r // ROWS_PER_KV
-    n_tok = n_sel if TOKENS else n_sel * P
-    if not TOKENS:
-        q_pos = tl.load(seq_ptr + b) - 1
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d[None, :] < D
-    head = r * G + g
-    q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=(g[:, None] < G) & d_ok, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    k_base = k_ptr + b * sk_b + kvh * sk_h
-    v_base = v_ptr + b * sv_b + kvh * sv_h
-    sel_base = sel_ptr + b * sl_b + r * sl_h
-    sp_base = sp_ptr + b * ss_b + kvh * ss_h
-
-    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
-    l_i = tl.zeros((G_PAD,), tl.float32)
-    acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
-    first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, tl.cdiv(n_tok, BLOCK_N))
-    for blk in range(first, last):
-        j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_j = j < n_tok
-        if TOKENS:  # rows of a flat token store; every listed token is attended
-            trow = tl.load(sel_base + j, mask=in_j, other=-1)
-            ok = trow >= 0
-        else:
-            slot = tl.load(sel_base + j // P, mask=in_j, other=-1)
-            off = j % P
-            page = tl.load(sp_base + slot, mask=slot >= 0, other=-1)
-            ok = (slot >= 0) & (page >= 0) & (page * P + off <= q_pos)
-            trow = slot * P + off
-        kt = tl.load(k_base + trow[:, None] * sk_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
-        vt = tl.load(v_base + trow[:, None] * sv_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
-        if UPCAST:
-            kt, vt = kt.to(tl.float32), vt.to(tl.float32)
-        qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # (G_PAD, BLOCK_N)
-        qk = tl.where(ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: keep exp2 finite
-        p = tl.math.exp2(qk - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if TOKENS:  # fp32 outputs that callers merge: the probabilities as two halves, near-fp32 error
-            p_hi = p.to(vt.dtype)
-            p_lo = (p - p_hi.to(tl.float32)).to(vt.dtype)
-            pv = tl.dot(p_hi, vt, input_precision=PRECISION) + tl.dot(p_lo, vt, input_precision=PRECISION)
-        else:
-            pv = tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-
-    out_row = (b * HS * G + head) * n_splits + split  # partials laid out (B, H, splits, ...)
-    g_ok = g < G
-    tl.store(part_ptr + out_row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok)
-    tl.store(stat_ptr + out_row * 2, m_i, mask=g_ok)
-    tl.store(stat_ptr + out_row * 2 + 1, l_i, mask=g_ok)
-
-
-@triton.jit
-def _merge_kernel(part_ptr, stat_ptr, out_ptr, lse_ptr, n_splits, so_b, so_h,
-                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                  WRITE_LSE: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_ok = s < n_splits
-    m = tl.load(stat_ptr + (bh * n_splits + s) * 2, mask=s_ok, other=float("-inf"))
-    l = tl.load(stat_ptr + (bh * n_splits + s) * 2 + 1, mask=s_ok, other=0.0)
-    m_max = tl.max(m, axis=0)
-    w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-    total = tl.sum(w * l, axis=0)
-    part = tl.load(part_ptr + (bh * n_splits + s)[:, None] * D + d[None, :], mask=s_ok[:, None] & (d[None, :] < D),
-                   other=0.0)
-    o = tl.sum(w[:, None] * part, axis=0) / tl.where(total > 0, total, 1.0)  # nothing attended: zeros
-    tl.store(out_ptr + (bh // H) * so_b + (bh % H) * so_h + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
-    if WRITE_LSE:  # natural log; the partial maxima are in log2 units
-        tl.store(lse_ptr + bh, tl.where(total > 0, (m_max + tl.math.log2(total)) * 0.6931471805599453,
-                                        float("-inf")))
-
-
-@triton.jit
-def _append_token_kernel(k_ptr, v_ptr, kmin_ptr, kmax_ptr, sp_ptr, cur_ptr, pos_ptr, kn_ptr, vn_ptr, n_free,
-                         sk_b, sk_h, sk_c, sk_p, sv_b, sv_h, sv_c, sv_p, sm_b, sm_h, sm_c, ss_b, ss_h, sc_b, sc_h,
-                         skn_b, skn_h, svn_b, svn_h,
-                         HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr,
-                         HAS_HOLES: tl.constexpr, SEARCH: tl.constexpr):
-    row = tl.program_id(0)
-    b = (row // HKV).to(tl.int64)
-    h = row % HKV
-    pos = tl.load(pos_ptr + b)
-    if pos >= 0:
-        off = pos % P
-        slot = tl.load(cur_ptr + b * sc_b + h * sc_h)
-        if off == 0:
-            if HAS_HOLES:  # the lowest free slot of the first n_free (slot 0 if none, as argmax), SEARCH at a time
-                found = n_free + tl.zeros((), tl.int64)
-                start = 0
-                while (start < n_free) & (found == n_free):
-                    c = start + tl.arange(0, SEARCH)
-                    page = tl.load(sp_ptr + b * ss_b + h * ss_h + c, mask=c < n_free, other=0)
-                    found = tl.min(tl.where(page < 0, c, n_free), 0).to(tl.int64)
-                    start += SEARCH
-                slot = tl.where(found < n_free, found, 0)
-            else:
-                slot = pos // P
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        kn = tl.load(kn_ptr + b * skn_b + h * skn_h + d, mask=d_ok).to(k_ptr.dtype.element_ty)
-        vn = tl.load(vn_ptr + b * svn_b + h * svn_h + d, mask=d_ok).to(v_ptr.dtype.element_ty)
-        tl.store(k_ptr + b * sk_b + h * sk_h + slot * sk_c + off * sk_p + d, kn, mask=d_ok)
-        tl.store(v_ptr + b * sv_b + h * sv_h + slot * sv_c + off * sv_p + d, vn, mask=d_ok)
-        m_off = b * sm_b + h * sm_h + slot * sm_c + d
-        if off == 0:  # a fresh page: its bounds restart from this key
-            tl.store(kmin_ptr + m_off, kn, mask=d_ok)
-            tl.store(kmax_ptr + m_off, kn, mask=d_ok)
-        else:
-            # Compared in fp32 (exact for every cache dtype; the CPU interpreter cannot compare bf16).
-            k32 = kn.to(tl.float32)
-            lo = tl.minimum(tl.load(kmin_ptr + m_off, mask=d_ok).to(tl.float32), k32)
-            up = tl.maximum(tl.load(kmax_ptr + m_off, mask=d_ok).to(tl.float32), k32)
-            tl.store(kmin_ptr + m_off, lo.to(kmin_ptr.dtype.element_ty), mask=d_ok)
-            tl.store(kmax_ptr + m_off, up.to(kmax_ptr.dtype.element_ty), mask=d_ok)
-        tl.store(sp_ptr + b * ss_b + h * ss_h + slot, pos // P)
-        tl.store(cur_ptr + b * sc_b + h * sc_h, slot)
-
-
-def _check(q: torch.Tensor, k: torch.Tensor, name: str) -> None:
-    if q.dtype != k.dtype:
-        raise ValueError(f"{name}: q ({q.dtype}) must have the cache's dtype ({k.dtype}) on the Triton path")
-    if k.stride(-1) != 1:
-        raise ValueError(f"{name}: the cache's last (head_dim) dimension must be contiguous")
-
-
-def _interpreted_bf16(dtype: torch.dtype) -> bool:
-    """Triton's CPU interpreter computes bf16 products and comparisons on the raw bits and rounds bf16 stores
-    toward zero; there (tests only) bf16 tiles are upcast to fp32 and outputs rounded by torch."""
-    return dtype == torch.bfloat16 and knobs.runtime.interpret
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 tiles keep full fp32 products (a tf32 dot would lose 13 bits); fp16/bf16 products are exact anyway.
-    return "ieee" if dtype == torch.float32 or _interpreted_bf16(dtype) else "tf32"
-
-
-def _block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
-
-
-def _group_pad(g: int) -> int:
-    return max(16, triton.next_power_of_2(g))  # tl.dot wants at least 16 rows
-
-
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
                 per_query_head: bool = False) -> torch.Tensor:
     if q.dtype == torch.float64:
@@ -562,7 +352,7 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
 
 def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0):
     """Scores (B, Hs, C) fp32 and, with gs > 0, the group maxima of their keys (B * Hs, cdiv(C, gs)) int32."""
-    _check(q, kmin, "page_scores")
+    check(q, kmin, "page_scores")
     b, h, d = q.shape
     hkv, c = kmin.shape[1], kmin.shape[2]
     if kmax.stride() != kmin.stride():
@@ -577,9 +367,9 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0):
         q, kmin, kmax, slot_page, out, cur, gmax, c, n_groups,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
         slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1), cur.stride(0), cur.stride(1),
-        HKV=hkv, G=g, G_PAD=_group_pad(g), D=d, BLOCK_D=_block_d(d),
-        BLOCK_K=min(_block_d(d), TUNING["page_block_k"]), BLOCK_C=block_c, CHUNKS=chunks,
-        PER_HEAD=per_query_head, PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype), GS=gs,
+        HKV=hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
+        BLOCK_K=min(block_d(d), TUNING["page_block_k"]), BLOCK_C=block_c, CHUNKS=chunks,
+        PER_HEAD=per_query_head, PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), GS=gs,
         num_warps=TUNING["page_warps"], num_stages=TUNING["page_stages"])
     return out, gmax
 
@@ -685,102 +475,3 @@ def _select_by_groups(scores, cur_slot, out, k, kp, gs, gmax=None):
                                   out.stride(1), HEAD=head, TAIL=tail, KP=kp, CAND=n_cand,
                                   BITS=TUNING["select_digit_bits"], **common, num_warps=TUNING["select_warps"])
 
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # the CPU interpreter: few programs, so small test shapes still split
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _split_attention(q, k, v, slot_page, sel, seq_len, scale):
-    """Page mode (slot_page given): sparse_decode, output in q's dtype. Token mode (slot_page None): k, v are flat
-    (B, Hkv, N, D) stores, sel lists their rows; returns the fp32 output and its log-sum-exp."""
-    tokens = slot_page is None
-    name = "sparse_decode_tokens" if tokens else "sparse_decode"
-    _check(q, k, name)
-    if v.stride(-1) != 1 or (not tokens and (v.stride() != k.stride() or k.stride(2) != k.shape[3] * k.stride(3))):
-        raise ValueError(f"{name}: k and v must be contiguous in head_dim (pages: one layout, each slot's pages "
-                         "stored contiguously)")
-    b, h, d = q.shape
-    hkv = k.shape[1]
-    p = 1 if tokens else k.shape[3]
-    hs, n_sel = sel.shape[1], sel.shape[2]
-    allowed = (1, hkv, h) if tokens else (hkv, h)
-    if hs not in allowed or h % hkv:
-        raise ValueError(f"{name}: selection rows must be one of {allowed} (KV heads {hkv}, query heads {h}), got {hs}")
-    if sel.stride(2) != 1:
-        sel = sel.contiguous()
-    rows_per_b = max(hs, hkv)  # a single token set (hs == 1) is read by every KV head: row stride 0
-    g = h // rows_per_b
-    rows = b * rows_per_b
-    # With few rows (Llama-3-8B at batch 1: 8) the programs are few too: smaller blocks, more of them in flight.
-    keys = ("attn_block_n", "attn_stages", "programs_per_sm")
-    if rows <= TUNING["attn_few_rows"]:
-        keys = ("attn_few_block_n", "attn_few_stages", "attn_few_programs_per_sm")
-    block_n, stages, per_sm = (TUNING[key] for key in keys)
-    if d > 128:
-        block_n //= 2
-    if q.dtype == torch.float32:
-        block_n = 16  # full-precision fp32 products need registers: larger tiles spill (ptxas, sm_90)
-    n_blocks = max(triton.cdiv(n_sel * p, block_n), 1)
-    want = triton.cdiv(per_sm * _num_sms(q.device), rows)
-    splits = max(1, min(want, n_blocks, _MAX_SPLITS))
-    per_split = triton.cdiv(n_blocks, splits)
-    splits = triton.cdiv(n_blocks, per_split)
-    part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
-    stats = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
-    page_args = (sel, sel, 0, 0) if tokens else (slot_page, seq_len, slot_page.stride(0), slot_page.stride(1))
-    _split_attention_kernel[(rows, splits)](
-        q, k, v, page_args[0], sel, page_args[1], part, stats, n_sel, per_split, splits, scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2 if tokens else 3),
-        v.stride(0), v.stride(1), v.stride(2 if tokens else 3), page_args[2], page_args[3],
-        sel.stride(0), 0 if hs == 1 else sel.stride(1),
-        HS=rows_per_b, ROWS_PER_KV=rows_per_b // hkv, G=g, G_PAD=_group_pad(g), D=d, BLOCK_D=_block_d(d),
-        BLOCK_N=block_n, P=p, TOKENS=tokens, PRECISION=_precision(q.dtype), UPCAST=_interpreted_bf16(q.dtype),
-        num_warps=TUNING["attn_warps"], num_stages=stages)
-    fp32_out = tokens or _interpreted_bf16(q.dtype)
-    out = torch.empty(b, h, d, dtype=torch.float32 if fp32_out else q.dtype, device=q.device)
-    lse = torch.empty(b, h, dtype=torch.float32, device=q.device) if tokens else out
-    _merge_kernel[(b * h,)](part, stats, out, lse, splits, out.stride(0), out.stride(1),
-                            H=h, D=d, BLOCK_D=_block_d(d), BLOCK_S=max(2, triton.next_power_of_2(splits)),
-                            WRITE_LSE=tokens, num_warps=4)
-    return (out, lse) if tokens else out.to(q.dtype)
-
-
-def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
-                  seq_len: torch.Tensor, scale: float) -> torch.Tensor:
-    if q.dtype == torch.float64:
-        return reference.sparse_decode(q, k, v, slot_page, slots, seq_len, scale)
-    return _split_attention(q, k, v, slot_page, slots, seq_len, scale)
-
-
-def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if q.dtype == torch.float64:
-        return reference.sparse_decode_tokens(q, k, v, tokens, scale)
-    return _split_attention(q, k, v, None, tokens, None, scale)
-
-
-def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
-                 cur_slot: torch.Tensor, position: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                 has_holes: bool) -> None:
-    if k.dtype == torch.float64:
-        return reference.append_token(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, has_holes)
-    b, hkv, c, p, d = k.shape
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or kmin.stride() != kmax.stride() or kmin.stride(-1) != 1:
-        raise ValueError("append_token: k, v, kmin and kmax must be contiguous in head_dim, kmin/kmax alike")
-    if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
-        k_new, v_new = k_new.contiguous(), v_new.contiguous()
-    _append_token_kernel[(b * hkv,)](
-        k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, c - 1,
-        k.stride(0), k.stride(1), k.stride(2), k.stride(3), v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-        kmin.stride(0), kmin.stride(1), kmin.stride(2), slot_page.stride(0), slot_page.stride(1),
-        cur_slot.stride(0), cur_slot.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), P=p, HAS_HOLES=has_holes,
-        SEARCH=TUNING["append_search"], num_warps=TUNING["append_warps"])
-
-
-OPS = {"page_scores": page_scores, "select_pages": select_pages, "quest_select": quest_select,
-       "sparse_decode": sparse_decode, "sparse_decode_tokens": sparse_decode_tokens, "append_token": append_token}
-FAST.update(OPS)

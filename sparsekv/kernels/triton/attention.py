@@ -1,0 +1,189 @@
+"""Split-K flash decoding: ``sparse_decode`` over selected pages, ``sparse_decode_tokens`` over listed rows of a
+flat token store. Program (selection row, split) gathers the key/value rows of its share of the selected pages (or
+of the listed rows), runs an online softmax in fp32 for the row's query heads, and writes an unnormalised partial
+output with its running max and sum; a second kernel merges the splits (log-sum-exp) and, for the token variant,
+writes the fp32 output with its log-sum-exp (``merge_attention`` combines such parts). Invalid entries (-1, free
+slots, positions after the current token) are masked, never branched on."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from .common import TUNING, block_d, check, group_pad, interpreted_bf16, precision
+
+LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_ptr, stat_ptr,
+                            n_sel, blocks_per_split, n_splits, scale_log2,
+                            sq_b, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, ss_b, ss_h, sl_b, sl_h,
+                            HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                            TOKENS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (row // HS).to(tl.int64)
+    r = row % HS
+    kvh = r // ROWS_PER_KV
+    n_tok = n_sel if TOKENS else n_sel * P
+    if not TOKENS:
+        q_pos = tl.load(seq_ptr + b) - 1
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d[None, :] < D
+    head = r * G + g
+    q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=(g[:, None] < G) & d_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = k_ptr + b * sk_b + kvh * sk_h
+    v_base = v_ptr + b * sv_b + kvh * sv_h
+    sel_base = sel_ptr + b * sl_b + r * sl_h
+    sp_base = sp_ptr + b * ss_b + kvh * ss_h
+
+    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(n_tok, BLOCK_N))
+    for blk in range(first, last):
+        j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_j = j < n_tok
+        if TOKENS:  # rows of a flat token store; every listed token is attended
+            trow = tl.load(sel_base + j, mask=in_j, other=-1)
+            ok = trow >= 0
+        else:
+            slot = tl.load(sel_base + j // P, mask=in_j, other=-1)
+            off = j % P
+            page = tl.load(sp_base + slot, mask=slot >= 0, other=-1)
+            ok = (slot >= 0) & (page >= 0) & (page * P + off <= q_pos)
+            trow = slot * P + off
+        kt = tl.load(k_base + trow[:, None] * sk_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
+        vt = tl.load(v_base + trow[:, None] * sv_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
+        if UPCAST:
+            kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+        qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # (G_PAD, BLOCK_N)
+        qk = tl.where(ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: keep exp2 finite
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if TOKENS:  # fp32 outputs that callers merge: the probabilities as two halves, near-fp32 error
+            p_hi = p.to(vt.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(vt.dtype)
+            pv = tl.dot(p_hi, vt, input_precision=PRECISION) + tl.dot(p_lo, vt, input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out_row = (b * HS * G + head) * n_splits + split  # partials laid out (B, H, splits, ...)
+    g_ok = g < G
+    tl.store(part_ptr + out_row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok)
+    tl.store(stat_ptr + out_row * 2, m_i, mask=g_ok)
+    tl.store(stat_ptr + out_row * 2 + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, stat_ptr, out_ptr, lse_ptr, n_splits, so_b, so_h,
+                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                  WRITE_LSE: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < n_splits
+    m = tl.load(stat_ptr + (bh * n_splits + s) * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(stat_ptr + (bh * n_splits + s) * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    total = tl.sum(w * l, axis=0)
+    part = tl.load(part_ptr + (bh * n_splits + s)[:, None] * D + d[None, :], mask=s_ok[:, None] & (d[None, :] < D),
+                   other=0.0)
+    o = tl.sum(w[:, None] * part, axis=0) / tl.where(total > 0, total, 1.0)  # nothing attended: zeros
+    tl.store(out_ptr + (bh // H) * so_b + (bh % H) * so_h + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
+    if WRITE_LSE:  # natural log; the partial maxima are in log2 units
+        tl.store(lse_ptr + bh, tl.where(total > 0, (m_max + tl.math.log2(total)) * 0.6931471805599453,
+                                        float("-inf")))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the CPU interpreter: few programs, so small test shapes still split
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_attention(q, k, v, slot_page, sel, seq_len, scale):
+    """Page mode (slot_page given): sparse_decode, output in q's dtype. Token mode (slot_page None): k, v are flat
+    (B, Hkv, N, D) stores, sel lists their rows; returns the fp32 output and its log-sum-exp."""
+    tokens = slot_page is None
+    name = "sparse_decode_tokens" if tokens else "sparse_decode"
+    check(q, k, name)
+    if v.stride(-1) != 1 or (not tokens and (v.stride() != k.stride() or k.stride(2) != k.shape[3] * k.stride(3))):
+        raise ValueError(f"{name}: k and v must be contiguous in head_dim (pages: one layout, each slot's pages "
+                         "stored contiguously)")
+    b, h, d = q.shape
+    hkv = k.shape[1]
+    p = 1 if tokens else k.shape[3]
+    hs, n_sel = sel.shape[1], sel.shape[2]
+    allowed = (1, hkv, h) if tokens else (hkv, h)
+    if hs not in allowed or h % hkv:
+        raise ValueError(f"{name}: selection rows must be one of {allowed} (KV heads {hkv}, query heads {h}), got {hs}")
+    if sel.stride(2) != 1:
+        sel = sel.contiguous()
+    rows_per_b = max(hs, hkv)  # a single token set (hs == 1) is read by every KV head: row stride 0
+    g = h // rows_per_b
+    rows = b * rows_per_b
+    # With few rows (Llama-3-8B at batch 1: 8) the programs are few too: smaller blocks, more of them in flight.
+    keys = ("attn_block_n", "attn_stages", "programs_per_sm")
+    if rows <= TUNING["attn_few_rows"]:
+        keys = ("attn_few_block_n", "attn_few_stages", "attn_few_programs_per_sm")
+    block_n, stages, per_sm = (TUNING[key] for key in keys)
+    if d > 128:
+        block_n //= 2
+    if q.dtype == torch.float32:
+        block_n = 16  # full-precision fp32 products need registers: larger tiles spill (ptxas, sm_90)
+    n_blocks = max(triton.cdiv(n_sel * p, block_n), 1)
+    want = triton.cdiv(per_sm * _num_sms(q.device), rows)
+    splits = max(1, min(want, n_blocks, _MAX_SPLITS))
+    per_split = triton.cdiv(n_blocks, splits)
+    splits = triton.cdiv(n_blocks, per_split)
+    part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
+    stats = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
+    page_args = (sel, sel, 0, 0) if tokens else (slot_page, seq_len, slot_page.stride(0), slot_page.stride(1))
+    _split_attention_kernel[(rows, splits)](
+        q, k, v, page_args[0], sel, page_args[1], part, stats, n_sel, per_split, splits, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2 if tokens else 3),
+        v.stride(0), v.stride(1), v.stride(2 if tokens else 3), page_args[2], page_args[3],
+        sel.stride(0), 0 if hs == 1 else sel.stride(1),
+        HS=rows_per_b, ROWS_PER_KV=rows_per_b // hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
+        BLOCK_N=block_n, P=p, TOKENS=tokens, PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype),
+        num_warps=TUNING["attn_warps"], num_stages=stages)
+    fp32_out = tokens or interpreted_bf16(q.dtype)
+    out = torch.empty(b, h, d, dtype=torch.float32 if fp32_out else q.dtype, device=q.device)
+    lse = torch.empty(b, h, dtype=torch.float32, device=q.device) if tokens else out
+    _merge_kernel[(b * h,)](part, stats, out, lse, splits, out.stride(0), out.stride(1),
+                            H=h, D=d, BLOCK_D=block_d(d), BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                            WRITE_LSE=tokens, num_warps=4)
+    return (out, lse) if tokens else out.to(q.dtype)
+
+
+def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
+                  seq_len: torch.Tensor, scale: float) -> torch.Tensor:
+    if q.dtype == torch.float64:
+        return reference.sparse_decode(q, k, v, slot_page, slots, seq_len, scale)
+    return _split_attention(q, k, v, slot_page, slots, seq_len, scale)
+
+
+def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.dtype == torch.float64:
+        return reference.sparse_decode_tokens(q, k, v, tokens, scale)
+    return _split_attention(q, k, v, None, tokens, None, scale)

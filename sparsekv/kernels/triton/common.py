@@ -1,0 +1,61 @@
+"""What the Triton kernel families share: the launch parameters (``TUNING``), the checks of the cache's layout and
+dtype, and how a dtype's products are computed (including in Triton's CPU interpreter, where the tests run)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton import knobs
+
+# Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
+# page_block_k: the page-score kernel reads its block of key bounds in head-dim slices of this many, through a loop
+# of page_stages stages (v10: slices of 64 in 4 stages need ~94 registers instead of ~128 for the whole tile, so
+# twice as many programs fit per multiprocessor).
+# programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
+# multiprocessor, so that enough loads are in flight even for batch 1; with at most attn_few_rows rows it takes the
+# attn_few_* block, stages and programs instead (v12: -0.3 to -0.6 us at Llama-3-8B batch 1).
+# select_warps / select_digit_bits: warps and digit width of the radix select (one program per row); rows of more
+# than select_one_program slots are first cut down, unless more than select_max_k pages are selected: with at
+# least select_group_rows rows, through groups of select_group_scale * sqrt(slots / k) slots (maxima by programs
+# of select_group_block slots; up to select_group_cand * k candidates compacted), else to the top of each segment
+# of select_block slots (select_block_warps); rows of more than select_max_slots slots go to torch.topk.
+# quest_select takes the group filter with at least select_fused_rows rows, groups of select_fused_scale *
+# sqrt(slots / k), the maxima written by the page-score kernel (v14: faster than a separate pass on every grid
+# measured, up to 65536 programs); else select_pages.
+# append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
+# starts a page in a cache with freed slots), with append_warps warps.
+TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
+          "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
+          "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
+          "select_group_rows": 32, "select_group_scale": 2, "select_group_block": 4096, "select_group_cand": 2,
+          "select_fused_rows": 8, "select_fused_scale": 1,
+          "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4,
+          "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8,
+          "append_search": 4096, "append_warps": 4}
+
+
+def check(q: torch.Tensor, k: torch.Tensor, name: str) -> None:
+    if q.dtype != k.dtype:
+        raise ValueError(f"{name}: q ({q.dtype}) must have the cache's dtype ({k.dtype}) on the Triton path")
+    if k.stride(-1) != 1:
+        raise ValueError(f"{name}: the cache's last (head_dim) dimension must be contiguous")
+
+
+def interpreted_bf16(dtype: torch.dtype) -> bool:
+    """Triton's CPU interpreter computes bf16 products and comparisons on the raw bits and rounds bf16 stores
+    toward zero; there (tests only) bf16 tiles are upcast to fp32 and outputs rounded by torch."""
+    return dtype == torch.bfloat16 and knobs.runtime.interpret
+
+
+def precision(dtype: torch.dtype) -> str:
+    # fp32 tiles keep full fp32 products (a tf32 dot would lose 13 bits); fp16/bf16 products are exact anyway.
+    return "ieee" if dtype == torch.float32 or interpreted_bf16(dtype) else "tf32"
+
+
+def block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def group_pad(g: int) -> int:
+    return max(16, triton.next_power_of_2(g))  # tl.dot wants at least 16 rows
+

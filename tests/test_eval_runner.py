@@ -7,7 +7,9 @@ import pytest
 
 from sparsekv.eval import EvalError, EvalSpec, TaskOptions, run_eval
 from sparsekv.eval.cli import main
-from sparsekv.eval.engine import Engine, LoadedModel
+from sparsekv.errors import ConfigError
+from sparsekv.eval.engine import Engine
+from sparsekv.models import LoadedModel
 from sparsekv.eval.runner import RESULTS, method_runs, read_results
 from sparsekv.methods import METHODS
 from sparsekv.tiny import byte_tokenizer, tiny_model
@@ -126,13 +128,13 @@ def test_recall_probe_leaves_outputs_unchanged(loaded):
 
 
 def test_errors_are_clear_and_keep_results(tmp_path, loaded):
-    with pytest.raises(EvalError, match="unknown method 'nope'"):
+    with pytest.raises(ConfigError, match="method must be one of dense, quest.*, got 'nope'"):
         run_eval(_spec(tmp_path, "passkey", methods=["nope"]), loaded=loaded)
     with pytest.raises(EvalError, match="needs --budgets"):
         run_eval(_spec(tmp_path, "passkey", budgets=None), loaded=loaded)
-    with pytest.raises(EvalError, match="token_budget must be a positive multiple"):
+    with pytest.raises(ConfigError, match="token_budget must be a positive multiple"):
         run_eval(_spec(tmp_path, "passkey", budgets=[20]), loaded=loaded)
-    with pytest.raises(EvalError, match="is not field=value"):
+    with pytest.raises(ConfigError, match="method field must be FIELD=VALUE with a field of quest"):
         run_eval(_spec(tmp_path, "passkey", methods=["quest:bogus=1"]), loaded=loaded)
     with pytest.raises(EvalError, match="exceeds the model's maximum of 512"):
         run_eval(_spec(tmp_path, "passkey", lengths=[600]), loaded=loaded)

@@ -26,7 +26,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from sparsekv.eval.engine import load_model
+from sparsekv.models import load_model
 from sparsekv.eval.report import group_by, mean_of
 from sparsekv.eval.runner import RESULTS, EvalSpec, read_results, run_eval
 from sparsekv.methods import METHODS
@@ -267,7 +267,7 @@ def write_readme(args, specs: dict[str, EvalSpec], argv: list[str]) -> Path:
 
 def _run_part(spec: EvalSpec) -> str:
     """One (grid, method) part in a process of its own (``--jobs``)."""
-    run_eval(spec, loaded=load_model(spec.model, spec.dtype, spec.device), log=lambda *_: None, progress=False)
+    run_eval(spec, loaded=load_model(spec.model, spec.device, spec.dtype), log=lambda *_: None, progress=False)
     return spec.out
 
 
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     specs = grid_specs(args)
     if args.jobs > 1:
         run_parallel(specs, args.jobs)
-    loaded = load_model(args.model, args.dtype, args.device)
+    loaded = load_model(args.model, args.device, args.dtype)
     for name, spec in specs.items():
         print(f"== {name}: {eval_command(spec)}", flush=True)
         run_eval(spec, loaded=loaded)  # after --jobs: every run is done, this writes the grid's report

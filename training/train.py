@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsekv.eval.base import REPO_ROOT
-from sparsekv.eval.engine import LoadedModel
+from sparsekv.models import LoadedModel
 from sparsekv.eval.report import group_by, mean_of
 from sparsekv.eval.runner import RESULTS, EvalSpec, read_results, run_eval
 from sparsekv.models import resolve_device

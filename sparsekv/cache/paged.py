@@ -21,13 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from ..errors import ConfigError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_page_size(page_size: int) -> None:
     if not isinstance(page_size, int) or page_size < 1 or page_size > 256 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two from 1 to 256, got {page_size!r}")
+        raise ConfigError("page_size", "a power of two from 1 to 256", page_size)
 
 
 @dataclass

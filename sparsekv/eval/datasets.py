@@ -161,7 +161,12 @@ class LongBench(Task):
         for name in self.datasets:
             template = self.prompts[name]
             head, tail = template.split("{context}", 1)
-            for i, row in enumerate(read_jsonl(self.folder / f"{name}.jsonl")[:count]):
+            path = self.folder / f"{name}.jsonl"
+            for i, row in enumerate(read_jsonl(path)[:count]):
+                missing = [k for k in ("context", "answers") if k not in row]
+                if missing:
+                    raise EvalError(f"{path}: row {i + 1} has no field {', '.join(missing)} (LongBench rows hold "
+                                    f"context, input, answers, all_classes); got {', '.join(row)}")
                 fields = {"context": row["context"], "input": row.get("input", "")}
                 question = tail.format(**fields)
                 q_tokens = len(tokenizer(question, add_special_tokens=False)["input_ids"])
@@ -169,7 +174,7 @@ class LongBench(Task):
                                            length - q_tokens - specials)
                 answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
                 out.append(Sample(context, question, {"answers": answers, "classes": row.get("all_classes")},
-                                  self.options.max_new_tokens or self.maxlens[name],
+                                  self.options.new_tokens(self.maxlens[name]),
                                   {"dataset": name, "row": i}))
         return out
 

@@ -1,4 +1,4 @@
-"""Loading the evaluated model and running one sample through it under a method.
+"""Running one sample through the evaluated model under a method.
 
 Batch size 1, greedy decoding in our own loop (not ``generate``), so that the question can be fed token by token
 through the decode path and each phase is timed separately.
@@ -8,38 +8,15 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 
 from .. import models
 from ..integrations import apply
 from ..methods.base import MethodConfig
+from ..models import LoadedModel
 from .base import EvalError, Sample, encode
 from .recall import RecallConfig
-
-@dataclass
-class LoadedModel:
-    model: object
-    tokenizer: object
-    name: str
-
-    @property
-    def max_positions(self) -> int | None:
-        return getattr(self.model.config, "max_position_embeddings", None)
-
-
-def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", log=print) -> LoadedModel:
-    """``spec``: a local model folder (``from_pretrained``, no downloads) or ``tiny:<arch>`` (a random-weight model
-    from ``sparsekv.tiny`` with the byte tokenizer). None: the project's trained model (``models.DEFAULT_MODEL``)."""
-    try:
-        if spec is None:
-            spec = models.default_model()
-            log(f"no --model given: using the project's trained model {spec}")
-        model, tokenizer = models.load_model(spec, models.resolve_device(device), models.resolve_dtype(dtype))
-    except (ValueError, FileNotFoundError) as err:
-        raise EvalError(f"--model {spec}: {err}") from None
-    return LoadedModel(model, tokenizer, spec)
 
 
 class Engine:

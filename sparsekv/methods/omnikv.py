@@ -80,8 +80,11 @@ class OmniKVConfig(MethodConfig):
             return self.filter_layers
         return tuple(sorted({min(round(i * num_layers / PAPER_LAYERS), num_layers - 1) for i in PAPER_FILTER_LAYERS}))
 
-    def build(self, num_layers: int) -> "OmniKV":
-        return OmniKV(self, num_layers)
+    def check_model(self, num_layers: int) -> None:
+        self.layers_for(num_layers)
+
+    def method_class(self):
+        return OmniKV
 
 
 def selector_weights(selector: str, window: int, device=None) -> torch.Tensor:

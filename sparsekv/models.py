@@ -53,6 +53,15 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
     return device
 
 
+def check_context(model, tokens: int, hint: str) -> None:
+    """Refuses a context of ``tokens`` (prompt plus new tokens) beyond the positions the model was built for;
+    ``hint`` says which option to change."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and tokens > limit:
+        raise ValueError(f"context of {tokens} tokens (prompt plus new tokens) exceeds the model's maximum of "
+                         f"{limit} positions (max_position_embeddings); {hint}")
+
+
 def synchronize(device: torch.device) -> None:
     """Waits for the device's queued work (CUDA), so that host timings cover it."""
     if device.type == "cuda":

@@ -132,8 +132,8 @@ def build_config(spec: str, budget: int | float | None = None, options: Iterable
         raise ConfigError(err.field, err.allowed, err.value, where=spec) from None
 
 
-def takes_budget(spec: str) -> bool:
-    """Whether the spec's method has a ``token_budget`` and the spec leaves it to the budget axis."""
+def takes_budget(spec: str, options: Iterable[str] = ()) -> bool:
+    """Whether the spec's method has a ``token_budget`` that neither the spec nor ``options`` set."""
     name, items = parse_spec(spec)
     return "token_budget" in METHODS[name].__dataclass_fields__ and not any(
-        item.partition("=")[0].strip() == "token_budget" for item in items)
+        item.partition("=")[0].strip() == "token_budget" for item in [*items, *options])

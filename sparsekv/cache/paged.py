@@ -303,8 +303,19 @@ class PagedKVCache:
             layer.slot_state = {name: t.index_select(0, index.to(t.device)) for name, t in layer.slot_state.items()}
             layer.dropped = [layer.dropped[i] for i in idx]
 
+    def held_bytes(self) -> int:
+        """Bytes of the keys and values of the tokens the pages hold, on all layers: without the slots allocated
+        ahead for growth, the scratch slot and the page metadata (``resident_bytes`` counts those)."""
+        total = 0
+        for layer in self.layers:
+            if layer is not None:
+                pos = layer.token_position()  # (B, Hkv, C + 1, P)
+                held = ((pos >= 0) & (pos < self.seq_len.view(-1, 1, 1, 1))).sum()
+                total += int(held) * 2 * layer.k.shape[-1] * layer.k.element_size()
+        return total
+
     def resident_bytes(self) -> int:
-        """Bytes held by the pages and their metadata on all layers."""
+        """Bytes allocated for the pages and their metadata on all layers."""
         total = 0
         for layer in self.layers:
             if layer is not None:

@@ -52,10 +52,7 @@ class Engine:
         return encode(self.tokenizer, text[:cut], text[cut:], special=False)
 
     def check_length(self, tokens: int) -> None:
-        limit = self.loaded.max_positions
-        if limit is not None and tokens > limit:
-            raise EvalError(f"context of {tokens} tokens (prompt plus new tokens) exceeds the model's maximum of "
-                            f"{limit} (max_position_embeddings); use smaller --lengths or --max-new-tokens")
+        models.check_context(self.model, tokens, "use smaller --lengths or --max-new-tokens")
 
     def _step(self, ids: list[int], cache):
         x = torch.tensor([ids], device=self.device)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..methods.base import MethodConfig
-from ..models import LoadedModel, load_model
+from ..models import LoadedModel, check_context, load_model
 from ..spec import build_config, takes_budget
 from .base import EvalError, Sample, TaskOptions
 from .engine import Engine
@@ -154,10 +154,8 @@ def run_eval(spec: EvalSpec, log=print, progress: bool = True, loaded: LoadedMod
             loaded = load_model(spec.model, spec.device, spec.dtype, log)
         except FileNotFoundError as err:
             raise EvalError(f"--model {spec.model}: {err}") from None
-    limit = loaded.max_positions
-    if limit is not None and lengths[0] is not None and max(lengths) + task.new_tokens() > limit:
-        raise EvalError(f"length {max(lengths)} plus {task.new_tokens()} new tokens exceeds the model's maximum of "
-                        f"{limit} tokens (max_position_embeddings); use smaller --lengths")
+    if lengths[0] is not None:
+        check_context(loaded.model, max(lengths) + task.new_tokens(), "use smaller --lengths or --max-new-tokens")
     chat = spec.chat == "on" or (spec.chat == "auto" and bool(getattr(loaded.tokenizer, "chat_template", None)))
     settings = {"question_mode": spec.question_mode, "chat": chat, "recall": spec.recall,
                 "max_new_tokens": spec.options.max_new_tokens, "dtype": spec.dtype}

@@ -164,8 +164,13 @@ class SparseKVCache(Cache):
         self.pages = PagedKVCache(self.method.num_layers, self.method.config.page_size, self.method.max_pages)
         self.columns = 0
 
+    def held_bytes(self) -> int:
+        """KV bytes of the tokens the pages hold (``PagedKVCache.held_bytes``)."""
+        return self.pages.held_bytes()
+
     def resident_bytes(self) -> int:
-        """KV bytes on the cache's device: the pages plus the method's own state (e.g. OmniKV's subset buffers)."""
+        """KV bytes allocated on the cache's device: the pages with their growth room and metadata, plus the
+        method's own state (e.g. OmniKV's subset buffers)."""
         return self.pages.resident_bytes() + self.method.resident_bytes()
 
     def offloaded_bytes(self) -> int:

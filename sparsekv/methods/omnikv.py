@@ -20,7 +20,6 @@ tokens), so they give the same outputs.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +86,13 @@ class OmniKVConfig(MethodConfig):
         return OmniKV
 
 
+def prompt_budget(budget: int | float, prompt: int) -> int:
+    """Prompt tokens a sparse layer attends for a prompt of ``prompt`` tokens: ``budget`` tokens, or a float
+    fraction of the prompt rounded down (``int(fraction * prompt)``, as the official code does), at most the
+    prompt."""
+    return min(prompt, int(budget * prompt) if isinstance(budget, float) else budget)
+
+
 def selector_weights(selector: str, window: int, device=None) -> torch.Tensor:
     """alpha_j for the window entries, oldest first: (W,) with W = 1 for "last"."""
     if selector == "last":
@@ -146,7 +152,7 @@ class OmniKV(Method):
         if layer_idx == 0:
             budget = self.config.token_budget
             lengths = plan.new_len
-            rows = [min(n, math.ceil(budget * n) if isinstance(budget, float) else budget) for n in lengths]
+            rows = [prompt_budget(budget, n) for n in lengths]
             self.prompt_len = torch.tensor(lengths, device=device)
             self.per_row = torch.tensor(rows, device=device)
             self.k_max = max(max(rows), 1)

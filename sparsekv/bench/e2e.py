@@ -15,62 +15,20 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from .. import apply
-from ..methods import METHODS
+from ..errors import ConfigError
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
+from ..methods import METHODS
 from ..models import load_model, resolve_device, resolve_dtype
-
-# Published shapes: hidden, layers, query heads, KV heads, MLP, vocab, RoPE theta.
-SHAPES = {"llama3-8b": (4096, 32, 32, 8, 14336, 128256, 500000.0),
-          "llama2-7b": (4096, 32, 32, 32, 11008, 32000, 10000.0)}
-
-
-def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if name not in SHAPES:
-        raise ValueError(f"--model shape:<name>: name must be one of {', '.join(SHAPES)}, got {name!r}")
-    hidden, layers, heads, kv, mlp, vocab, theta = SHAPES[name]
-    config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv, intermediate_size=mlp, vocab_size=vocab,
-                         max_position_embeddings=max_positions, rope_theta=theta)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
-    return model.eval()
-
-
-class Timer:
-    """Elapsed seconds of a region: CUDA events on the GPU, the host clock on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            self.seconds = self.start.elapsed_time(self.end) / 1e3
-        else:
-            self.seconds = time.perf_counter() - self.t0
-
+from ..spec import budget_arg
+from .common import Timer, device_name, markdown_table, shape_model, write_results
 
 def run_one(model, config, context: int, new_tokens: int, device: torch.device, seed: int) -> dict:
     """Prefill ``context`` random tokens, then decode ``new_tokens`` greedily one at a time."""
@@ -81,12 +39,13 @@ def run_one(model, config, context: int, new_tokens: int, device: torch.device, 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     steps = []
+    timer = Timer(device)
     with apply(model, config) as session, torch.no_grad():
-        with Timer(device) as prefill:
+        with timer.region() as prefill:
             out = model(ids, use_cache=True, logits_to_keep=1)
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         for _ in range(new_tokens):
-            with Timer(device) as step:
+            with timer.region() as step:
                 out = model(token, past_key_values=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
             steps.append(step.seconds)
@@ -99,21 +58,17 @@ def run_one(model, config, context: int, new_tokens: int, device: torch.device, 
             "peak_device_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
 
 
-def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
-    lines = [f"# End-to-end decode ({meta['model']}, {meta['device_name']}, {meta['dtype']})", "",
-             f"transformers eager forward, batch 1, {meta['new_tokens']} greedy tokens, median over steps after "
-             "warm-up. Command: `" + meta["command"] + "`", "",
-             "| method | budget | context | prefill s | decode ms/token | tokens/s | vs dense | attended/step | "
-             "KV device MiB | KV host MiB | peak device MiB |", "|" + " --- |" * 11]
+def markdown(meta: dict, rows: list[dict]) -> list[str]:
     dense = {r["context"]: r["decode_ms_per_token"] for r in rows if r["spec"] == "dense"}
-    for r in rows:
-        speedup = dense[r["context"]] / r["decode_ms_per_token"] if r["context"] in dense else float("nan")
-        peak = "-" if r["peak_device_mib"] is None else f"{r['peak_device_mib']:.0f}"
-        lines.append(f"| {r['spec']} | {r['budget'] or '-'} | {r['context']} | {r['prefill_s']:.2f} | "
-                     f"{r['decode_ms_per_token']:.1f} | {r['tokens_per_s']:.1f} | {speedup:.2f}x | "
-                     f"{r['attended_per_head']:.0f} | {r['kv_device_mib']:.0f} | {r['kv_offloaded_mib']:.0f} | "
-                     f"{peak} |")
-    path.write_text("\n".join(lines) + "\n")
+    cols = [("method", "spec", "{}"), ("budget", "budget", "{}"), ("context", "context", "{}"),
+            ("prefill s", "prefill_s", "{:.2f}"), ("decode ms/token", "decode_ms_per_token", "{:.1f}"),
+            ("tokens/s", "tokens_per_s", "{:.1f}"),
+            ("vs dense", lambda r: dense.get(r["context"], float("nan")) / r["decode_ms_per_token"], "{:.2f}x"),
+            ("attended/step", "attended_per_head", "{:.0f}"), ("KV device MiB", "kv_device_mib", "{:.0f}"),
+            ("KV host MiB", "kv_offloaded_mib", "{:.0f}"), ("peak device MiB", "peak_device_mib", "{:.0f}")]
+    return [f"# End-to-end decode ({meta['model']}, {meta['device_name']}, {meta['dtype']})", "",
+            f"transformers eager forward, batch 1, {meta['new_tokens']} greedy tokens, median over steps after "
+            "warm-up. Command: `" + meta["command"] + "`", "", *markdown_table(cols, rows)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=["dense", "quest"],
                         help=f"NAME or NAME:FIELD=VALUE,... (as sparsekv eval takes them) with NAME in "
                              f"{', '.join(METHODS)}")
-    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--budget", type=budget_arg, default=2048,
+                        help="token budget of the methods that take one (OmniKV also a fraction such as 0.1)")
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -136,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         runs = method_runs(args.methods, [args.budget])
-    except EvalError as err:
+    except (ConfigError, EvalError) as err:
         print(f"sparsekv.bench.e2e: error: {err}", file=sys.stderr)
         return 2
     device = resolve_device(args.device)
@@ -144,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model.startswith("shape:"):
         model = shape_model(args.model[len("shape:"):], device, dtype, max(args.contexts) + args.new_tokens)
     else:
-        model, _ = load_model(args.model, device, dtype)
+        model = load_model(args.model, device, dtype).model
     rows = []
     for context in args.contexts:
         for run in runs:
@@ -154,11 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{spec:>20} ctx {context:>7}: prefill {r['prefill_s']:.2f} s, decode {r['decode_ms_per_token']:.1f} "
                   f"ms/token, attended {r['attended_per_head']:.0f}/step, KV {r['kv_device_mib']:.0f} MiB", flush=True)
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-            "torch": torch.__version__, "command": "python -m sparsekv.bench.e2e " + " ".join(argv)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    write_markdown(args.out / f"{args.tag}.md", meta, rows)
+            "device_name": device_name(device), "torch": torch.__version__,
+            "command": "python -m sparsekv.bench.e2e " + " ".join(argv)}
+    write_results(args.out, args.tag, meta, rows, markdown(meta, rows))
     print((args.out / f"{args.tag}.md").read_text())
     return 0
 

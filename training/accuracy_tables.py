@@ -1,4 +1,4 @@
-"""The accuracy tables of issue 6: every method at budgets 32..1024 on the trained model, with the harness.
+"""The accuracy tables: every method at budgets 32..1024 on the trained model, with the harness.
 
     python -m training.accuracy_tables --model models/sparsekv-llama-16m            # every grid
     python -m training.accuracy_tables --model models/sparsekv-llama-16m --grids passkey recall
@@ -231,7 +231,7 @@ def memory_table(records) -> list[str]:
 def write_readme(args, specs: dict[str, EvalSpec], argv: list[str]) -> Path:
     out = Path(args.out)
     records = {name: read_results(Path(spec.out) / RESULTS) for name, spec in specs.items()}
-    lines = ["# Accuracy tables (issue 6)", "",
+    lines = ["# Accuracy tables", "",
              f"Model `{args.model}`, seed {args.seed}, dtype {args.dtype}. Made with:", "", "```",
              shlex.join(["python", "-m", "training.accuracy_tables", *argv]), "```", "",
              "Each grid is the harness run below (its folder holds results.jsonl, the markdown table and plots; "

@@ -1,7 +1,7 @@
 """Attention micro-benchmark of one decode step of one layer: dense PyTorch SDPA vs the fused Quest kernels vs naive
 torch Quest (the reference ops), on paged caches of random bf16 keys and values.
 
-    python -m sparsekv.bench.attention                  # the full grid of the issue (H200: about 3 minutes)
+    python -m sparsekv.bench.attention                  # the full grid (H200: about 3 minutes)
     python -m sparsekv.bench.attention --quick          # Llama-3-8B shape, batch 1, budget 2048, 32K and 128K
     python -m sparsekv.bench.attention --shapes llama2-7b --contexts 32768 --budgets 2048 --batches 1
     python -m sparsekv.bench.attention --tune           # launch-parameter sweep of the two main kernels
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -30,7 +31,7 @@ from .. import kernels
 from ..kernels import reference
 from .common import SHAPES, Timer, device_name, markdown_table, write_results
 
-CEILING = 4.2e12  # bytes/s: the issue's floor uses this; the measured copy bandwidth is reported beside it
+CEILING = 4.2e12  # bytes/s: the H200's nominal bandwidth, for the floor; the measured copy bandwidth is reported too
 L2_BYTES = 60 * 2**20
 TARGETS = [  # (shape, context, minimum speedup over dense) at budget 2048, batch 1
     ("llama3-8b", 32768, 1.5), ("llama3-8b", 131072, 4.0), ("llama3-8b", 524288, 8.0), ("llama2-7b", 32768, 5.0)]
@@ -284,7 +285,7 @@ def markdown(meta: dict, rows: list[dict], targets: list[dict], notes: list[str]
              f"{meta['page_size']}, {'per query head' if meta['per_query_head'] else 'per KV head'} selection. "
              f"Measured copy bandwidth {meta['copy_tbps']:.2f} TB/s; floor = bytes that must be read / "
              f"{CEILING / 1e12:.1f} TB/s. Times are medians per layer in microseconds; speedup and TB/s use "
-             "CUDA-graph replay of dense and Quest alike.", "", "## Targets (budget 2048, batch 1)", "",
+             "CUDA-graph replay of dense and Quest alike. Command: `" + meta["command"] + "`", "", "## Targets (budget 2048, batch 1)", "",
              "| target | measured | met |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'NO'} |" for t in targets]
     cols = [("shape", "shape", "{}"), ("B", "batch", "{}"), ("context", "context", "{}"), ("budget", "budget", "{}"),
@@ -490,7 +491,8 @@ def main(argv=None) -> None:
     except ImportError:
         triton_version = "not installed"
     meta = {"device": device_name(device), "torch": torch.__version__, "triton": triton_version, "page_size": args.page_size,
-            "per_query_head": args.per_query_head, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "per_query_head": args.per_query_head, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": " ".join(["python -m sparsekv.bench.attention", *(sys.argv[1:] if argv is None else argv)])}
     meta["copy_tbps"] = copy_bandwidth(device, timer) / 1e12
     print(f"{meta['device']}: copy {meta['copy_tbps']:.2f} TB/s", flush=True)
     if args.tune:

@@ -48,18 +48,18 @@ LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
 # page_block_k: the page-score kernel reads its block of key bounds in head-dim slices of this many, through a loop
-# of page_stages stages (v10: slices of 64 in 4 stages need ~94 registers instead of ~128 for the whole tile, so
+# of page_stages stages (slices of 64 in 4 stages need ~94 registers instead of ~128 for the whole tile, so
 # twice as many programs fit per multiprocessor).
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor, so that enough loads are in flight even for batch 1; with at most attn_few_rows rows it takes the
-# attn_few_* block, stages and programs instead (v12: -0.3 to -0.6 us at Llama-3-8B batch 1).
+# attn_few_* block, stages and programs instead (-0.3 to -0.6 us at Llama-3-8B batch 1).
 # select_warps / select_digit_bits: warps and digit width of the radix select (one program per row); rows of more
 # than select_one_program slots are first cut down, unless more than select_max_k pages are selected: with at
 # least select_group_rows rows, through groups of select_group_scale * sqrt(slots / k) slots (maxima by programs
 # of select_group_block slots; up to select_group_cand * k candidates compacted), else to the top of each segment
 # of select_block slots (select_block_warps); rows of more than select_max_slots slots go to torch.topk.
 # quest_select takes the group filter with at least select_fused_rows rows, groups of select_fused_scale *
-# sqrt(slots / k), the maxima written by the page-score kernel (v14: faster than a separate pass on every grid
+# sqrt(slots / k), the maxima written by the page-score kernel (faster than a separate pass on every grid
 # measured, up to 65536 programs); else select_pages.
 # append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
 # starts a page in a cache with freed slots), with append_warps warps.
@@ -211,7 +211,7 @@ def _above_equal(key, done, prefix):
 def _ranked(key, done, prefix, left):
     """Which keys are selected (those above ``prefix`` on the ``done`` bits, and the first ``left`` of those equal
     to it by index), the place of each among the selected in index order, how many are selected and how many are
-    equal: one scan and one reduction of ``_above_equal`` (v13: in place of two of each, ~0.4 us per 2K keys)."""
+    equal: one scan and one reduction of ``_above_equal`` (in place of two of each: ~0.4 us less per 2K keys)."""
     left = tl.maximum(left, 0)
     both = _above_equal(key, done, prefix)
     run = tl.cumsum(both, 0)
@@ -244,7 +244,7 @@ def _radix_bin(key, tail, k, BITS: tl.constexpr):
     below bit 0 is taken at bit 0, overlapping known bits (the same for every key in the bin).
 
     The scores of a row share their sign and exponent bits, so that the first digits would put every key in one bin
-    (v12: 0.5-1.2 us per select): the digits start below the leading bits that the finite keys (not the forced
+    (0.5-1.2 us per select): the digits start below the leading bits that the finite keys (not the forced
     current page, free slots or padding) share, the keys above those bits taken, unless the k-th key lies outside
     them (then from the top)."""
     bins = tl.arange(0, 1 << BITS)

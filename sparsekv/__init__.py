@@ -8,6 +8,6 @@ from .spec import build_config
 
 __version__ = "0.1.0"
 
-__all__ = ["apply", "build_config", "ConfigError", "DecodeStats", "Session", "SparseKVCache", "METHODS", "MethodConfig", "DenseConfig",
-           "QuestConfig", "StreamingLLMConfig", "H2OConfig", "TOVAConfig", "SnapKVConfig", "OmniKVConfig", "RaaSConfig",
-           "__version__"]
+__all__ = ["apply", "build_config", "ConfigError", "DecodeStats", "Session", "SparseKVCache", "METHODS",
+           "MethodConfig", "DenseConfig", "QuestConfig", "StreamingLLMConfig", "H2OConfig", "TOVAConfig",
+           "SnapKVConfig", "OmniKVConfig", "RaaSConfig", "__version__"]

@@ -19,7 +19,6 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 
 from sparsekv import kernels  # noqa: E402
-from sparsekv.cache import AppendPlan, PagedLayer  # noqa: E402
 from sparsekv.kernels import reference as ref  # noqa: E402
 from sparsekv.kernels import triton_ops as tops  # noqa: E402
 

@@ -212,8 +212,10 @@ def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> 
                    speedup_graph=row["dense_graph_us"] / row["quest_graph_us"])
         print(format_row(row), flush=True)
         out.append(row)
-        del steps, scores, slots, tokens
-    del caches, qs
+        for held in (steps, scores, slots, tokens):  # frees this budget's tensors before the next
+            held.clear()
+    caches.clear()
+    qs.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -285,7 +287,8 @@ def markdown(meta: dict, rows: list[dict], targets: list[dict], notes: list[str]
              f"{meta['page_size']}, {'per query head' if meta['per_query_head'] else 'per KV head'} selection. "
              f"Measured copy bandwidth {meta['copy_tbps']:.2f} TB/s; floor = bytes that must be read / "
              f"{CEILING / 1e12:.1f} TB/s. Times are medians per layer in microseconds; speedup and TB/s use "
-             "CUDA-graph replay of dense and Quest alike. Command: `" + meta["command"] + "`", "", "## Targets (budget 2048, batch 1)", "",
+             "CUDA-graph replay of dense and Quest alike. Command: `" + meta["command"] + "`", "",
+             "## Targets (budget 2048, batch 1)", "",
              "| target | measured | met |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'NO'} |" for t in targets]
     cols = [("shape", "shape", "{}"), ("B", "batch", "{}"), ("context", "context", "{}"), ("budget", "budget", "{}"),
@@ -393,7 +396,8 @@ def tune(args, timer, device) -> list[dict]:
                             "tbps": floor / (us * 1e-6) / 1e12})
                 print(f"tune {shape} B={batch} ctx={context} {kind} {var}: {us:.1f} us, {out[-1]['tbps']:.2f} TB/s",
                       flush=True)
-        del caches, qs, scores, slots
+        for held in (caches, qs, scores, slots):
+            held.clear()
         torch.cuda.empty_cache()
     triton_ops.TUNING.update(base)
     return out
@@ -432,7 +436,8 @@ def variants(args, timer, device, overrides: list[dict]) -> list[dict]:
                                 "speedup": dense / us if same else None, "same_as_baseline": same})
                     print(f"variant {i} {shape} B={batch} ctx={context} {var}: {us:.1f} us (dense {dense:.1f}, "
                           f"x{dense / us:.2f}){'' if same else ' MISMATCH with the baseline'}", flush=True)
-                del caches, qs, steps
+                for held in (caches, qs, steps):
+                    held.clear()
                 torch.cuda.empty_cache()
     triton_ops.TUNING.update(base)
     return out
@@ -490,8 +495,9 @@ def main(argv=None) -> None:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    meta = {"device": device_name(device), "torch": torch.__version__, "triton": triton_version, "page_size": args.page_size,
-            "per_query_head": args.per_query_head, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    meta = {"device": device_name(device), "torch": torch.__version__, "triton": triton_version,
+            "page_size": args.page_size, "per_query_head": args.per_query_head,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(["python -m sparsekv.bench.attention", *(sys.argv[1:] if argv is None else argv)])}
     meta["copy_tbps"] = copy_bandwidth(device, timer) / 1e12
     print(f"{meta['device']}: copy {meta['copy_tbps']:.2f} TB/s", flush=True)

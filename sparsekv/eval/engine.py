@@ -111,12 +111,13 @@ class Engine:
                 **self._measures(session, t1 - t0, t2 - t1, len(ids) - prefill - 1, after_prompt)}
 
     def _measures(self, session, prefill_s: float, decode_s: float, steps: int, after_prompt: int) -> dict:
-        """Timings, decode statistics and memory. ``kv_resident_bytes``: the paged cache's resident bytes after the
-        prompt pass or at the end, whichever is larger (a prompt compressed within its own pass counts
+        """Timings, decode statistics and memory. ``kv_held_bytes``: keys and values of the tokens the cache holds
+        at the end; ``kv_resident_bytes``: the bytes it has allocated after the prompt pass or at the end, whichever
+        is larger (a prompt compressed within its own pass counts
         compressed; ``cuda_peak_bytes`` sees that transient too)."""
         out = {"prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
                "decode_tokens_per_s": round(steps / decode_s, 2) if steps > 0 and decode_s > 0 else None,
-               "kv": session.stats.summary(),
+               "kv": session.stats.summary(), "kv_held_bytes": session.cache.held_bytes(),
                "kv_resident_bytes": max(after_prompt, session.cache.resident_bytes())}
         if self.device.type == "cuda":
             out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)

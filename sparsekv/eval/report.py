@@ -67,9 +67,9 @@ def markdown(records: list[dict], task: str) -> str:
                                 for n in lengths]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Per run means: KV tokens attended per decode step and (layer, KV head), its share of the dense "
-              "context, resident KV cache bytes, decode tokens/s" + ", attention recall" * any(
+              "context, KV cache bytes of the tokens held and allocated, decode tokens/s" + ", attention recall" * any(
                   r.get("recall") for r in records) + ".", ""]
-    head = ["method", "runs", metric, "attended/step", "fraction", "KV MiB", "decode tok/s"]
+    head = ["method", "runs", metric, "attended/step", "fraction", "KV MiB held", "KV MiB allocated", "decode tok/s"]
     with_recall = any(r.get("recall") for r in records)
     head += ["recall"] if with_recall else []
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -79,6 +79,7 @@ def markdown(records: list[dict], task: str) -> str:
         row = [_label(m, b), str(len(rs)), _fmt_score(mean_of(r["score"] for r in rs), metric),
                _fmt(mean_of(r["kv"]["attended_per_head"] for r in rs), 4),
                _fmt(mean_of(r["kv"]["fraction"] for r in rs)),
+               _fmt(mean_of(r["kv_held_bytes"] / 2**20 if "kv_held_bytes" in r else None for r in rs)),
                _fmt(mean_of(r["kv_resident_bytes"] / 2**20 for r in rs)),
                _fmt(mean_of(r.get("decode_tokens_per_s") for r in rs))]
         if with_recall:

@@ -111,10 +111,9 @@ def read_results(path: Path) -> list[dict]:
     return records
 
 
-def repair_results(path: Path, log=print) -> list[dict]:
-    """The whole records of a results file, which is rewritten without the lines a crash cut short (said once)
-    and with every record ending its line, so that appends start on a line of their own."""
-    records, torn = _parse_lines(path)
+def repair_results(path: Path, records: list[dict], torn: list[int], log=print) -> None:
+    """Rewrites a results file as its whole ``records``, without the lines ``torn`` that a crash cut short (said
+    once) and with every record ending its line, so that appends start on a line of their own."""
     if torn or (path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n")):
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in records), encoding="utf-8")
@@ -122,7 +121,6 @@ def repair_results(path: Path, log=print) -> list[dict]:
         if torn:
             log(f"{path}: removed {len(torn)} incomplete line(s) (line {', '.join(map(str, torn))}, a write cut "
                 f"short); those runs are redone")
-    return records
 
 
 def check_out(out: Path) -> None:
@@ -163,11 +161,12 @@ def run_eval(spec: EvalSpec, log=print, progress: bool = True, loaded: LoadedMod
         settings["prefill_tokens"] = spec.options.prefill_tokens
 
     path = out / RESULTS
-    previous = repair_results(path, log)
+    previous, torn = _parse_lines(path)
     for rec in previous:
         if rec.get("task") == task.name and rec.get("settings") != settings:
             raise EvalError(f"{path} holds {task.name} runs made with settings {rec.get('settings')}, not "
                             f"{settings}; use another --out or the same options")
+    repair_results(path, previous, torn, log)
     done = {rec["key"] for rec in previous}
 
     count = spec.limit if spec.limit is not None else task.default_samples

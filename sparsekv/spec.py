@@ -119,7 +119,10 @@ def build_config(spec: str, budget: int | float | None = None, options: Iterable
                               where=spec)
         if key in values:
             raise ConfigError(key, "given once", item, where=spec)
-        values[key] = _parse_value(raw.strip(), kinds[key], key)
+        try:
+            values[key] = _parse_value(raw.strip(), kinds[key], key)
+        except ConfigError as err:
+            raise ConfigError(err.field, err.allowed, err.value, where=spec) from None
     if budget is not None:
         if "token_budget" not in fields:
             raise ConfigError("token_budget", f"unset: method {name} takes no budget", budget, where=spec)

@@ -11,19 +11,28 @@ from pathlib import Path
 import torch
 
 from . import apply
+from .errors import ConfigError
 from .eval import cli as eval_cli
+from .eval.base import EvalError
 from .methods import METHODS, MethodConfig
-from .models import (default_model, load_model, make_config, parse_options, resolve_device, resolve_dtype,
-                     synchronize)
+from .models import check_context, default_model, load_model, resolve_device, resolve_dtype, synchronize
+from .spec import budget_arg, build_config, parse_spec, takes_budget
 
 
 @dataclass
 class GenerationResult:
+    """One generation. ``prefill_seconds``: the prompt's pass up to the first new token; ``decode_seconds``: the
+    steps after it. ``kv_held_bytes``: keys and values of the tokens the cache holds; ``kv_allocated_bytes``: what
+    the cache has allocated on the device (growth room, page metadata and the method's state included)."""
+
     text: str
     tokens: list[int]
-    seconds: float
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
     stats: dict
-    kv_bytes: int
+    kv_held_bytes: int
+    kv_allocated_bytes: int
     offloaded_bytes: int
 
     @property
@@ -31,48 +40,113 @@ class GenerationResult:
         return len(self.tokens)
 
     @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second of the decode steps (the first new token comes out of the prefill)."""
+        return (self.new_tokens - 1) / self.decode_seconds if self.new_tokens > 1 and self.decode_seconds else 0.0
+
+
+class _Progress:
+    """A ``generate`` streamer: marks the end of the prefill (the first new token arrives) and, where enabled,
+    shows the prefill and the decode progress on stderr."""
+
+    def __init__(self, device: torch.device, label: str, prompt_tokens: int, max_new_tokens: int, enabled: bool):
+        self.device, self.label, self.enabled = device, label, enabled
+        self.prompt_tokens, self.max_new_tokens = prompt_tokens, max_new_tokens
+        self.start = self.first_token = None
+        self.bar = None
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.start is None:  # generate hands over the prompt first
+            self.start = time.perf_counter()
+            if self.enabled:
+                print(f"[{self.label}] prefill of {self.prompt_tokens} tokens ...", end="", file=sys.stderr,
+                      flush=True)
+            return
+        if self.first_token is None:
+            synchronize(self.device)
+            self.first_token = time.perf_counter()
+            if self.enabled:
+                from tqdm.auto import tqdm
+
+                print(f" {self.first_token - self.start:.2f} s", file=sys.stderr, flush=True)
+                self.bar = tqdm(total=self.max_new_tokens, desc=f"[{self.label}] decode", unit="token",
+                                file=sys.stderr, dynamic_ncols=True, leave=False)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def end(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def generate(model, tokenizer, config: MethodConfig, prompt: str, max_new_tokens: int, sample: bool = False,
-             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> GenerationResult:
-    """Generates from ``prompt`` with ``config``'s method; times the whole ``generate`` call (prefill included)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, progress: bool = False) -> GenerationResult:
+    """Generates from ``prompt`` with ``config``'s method; times the prefill and the decode steps apart.
+    ``progress``: show both on stderr."""
+    check_sampling(max_new_tokens, temperature, top_p)
     device = next(model.parameters()).device
     enc = tokenizer(prompt, return_tensors="pt").to(device)
+    prompt_tokens = enc.input_ids.shape[1]
+    check_context(model, prompt_tokens + max_new_tokens, "shorten the prompt or --max-new-tokens")
     extra = dict(do_sample=True, temperature=temperature, top_p=top_p) if sample else dict(do_sample=False)
     torch.manual_seed(seed)
+    clock = _Progress(device, config.name, prompt_tokens, max_new_tokens, progress)
     with apply(model, config) as session, torch.no_grad():
         synchronize(device)
-        start = time.perf_counter()
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **extra)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             streamer=clock, **extra)
         synchronize(device)
-        seconds = time.perf_counter() - start
-    new = out[0, enc.input_ids.shape[1]:]
+        end = time.perf_counter()
+    new = out[0, prompt_tokens:]
     return GenerationResult(text=tokenizer.decode(new, skip_special_tokens=True), tokens=new.tolist(),
-                            seconds=seconds, stats=session.stats.summary(),
-                            kv_bytes=session.cache.resident_bytes(), offloaded_bytes=session.cache.offloaded_bytes())
+                            prompt_tokens=prompt_tokens, prefill_seconds=clock.first_token - clock.start,
+                            decode_seconds=end - clock.first_token, stats=session.stats.summary(),
+                            kv_held_bytes=session.cache.held_bytes(),
+                            kv_allocated_bytes=session.cache.resident_bytes(),
+                            offloaded_bytes=session.cache.offloaded_bytes())
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens", "an integer >= 1", max_new_tokens)
+    if not temperature > 0:
+        raise ConfigError("--temperature", "a number > 0", temperature)
+    if not 0 < top_p <= 1:
+        raise ConfigError("--top-p", "a number in (0, 1]", top_p)
 
 
 def _describe(name: str, result: GenerationResult) -> str:
     s = result.stats
-    return (f"[{name}] {result.new_tokens} tokens in {result.seconds:.2f} s ({result.tokens_per_second:.1f} tokens/s, "
-            f"prefill included); KV tokens attended per layer-head per decode step: "
-            f"{s['attended_per_head']:.1f} of {s['context_per_head']:.1f} ({100 * s['fraction']:.1f}%); "
-            f"KV cache on the device: {result.kv_bytes / 2**20:.1f} MiB, offloaded to host memory: "
+    return (f"[{name}] prefill of {result.prompt_tokens} tokens: {result.prefill_seconds:.2f} s; "
+            f"{result.new_tokens} new tokens, decode {result.decode_seconds:.2f} s "
+            f"({result.decode_tokens_per_second:.1f} tokens/s after the first); KV tokens attended per layer-head "
+            f"per decode step: {s['attended_per_head']:.1f} of {s['context_per_head']:.1f} "
+            f"({100 * s['fraction']:.1f}%); KV cache on the device: {result.kv_held_bytes / 2**20:.1f} MiB of "
+            f"tokens held, {result.kv_allocated_bytes / 2**20:.1f} MiB allocated; offloaded to host memory: "
             f"{result.offloaded_bytes / 2**20:.1f} MiB")
 
 
+def _method_spec(extra: tuple[str, ...]):
+    def check(text: str) -> str:
+        if text not in extra:
+            try:
+                parse_spec(text)
+            except ConfigError as err:
+                raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+    return check
+
+
 def _method_args(parser: argparse.ArgumentParser, default_method: str, extra_choices: tuple[str, ...] = ()) -> None:
-    parser.add_argument("--method", default=default_method, choices=[*sorted(METHODS), *extra_choices],
-                        help="sparsity method")
-    parser.add_argument("--budget", type=_budget, default=None,
+    parser.add_argument("--method", default=default_method, type=_method_spec(extra_choices), metavar="SPEC",
+                        help=f"sparsity method: NAME or NAME:FIELD=VALUE,... with NAME one of "
+                             f"{', '.join([*METHODS, *extra_choices])} (default: {default_method})")
+    parser.add_argument("--budget", type=budget_arg, default=None,
                         help="token budget: KV tokens attended (or kept) per layer and KV head per decode step "
                              "(OmniKV also takes a fraction of the prompt, e.g. 0.1); default: the method's own")
     parser.add_argument("--opt", action="append", default=[], metavar="FIELD=VALUE",
-                        help="any other field of the method's config, e.g. --opt page_size=32 (repeatable)")
+                        help="another field of the method's config, as in the spec, e.g. --opt page_size=32 "
+                             "--opt per_query_head=false (repeatable)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default=None, help="float32, float16, bfloat16 (default: bfloat16 on CUDA, "
@@ -81,30 +155,23 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str, extra_cho
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress of the prefill and decode on stderr")
 
 
-def _budget(text: str) -> int | float:
-    """Budgets are token counts; a value with a decimal point is a fraction (OmniKV)."""
-    try:
-        return float(text) if "." in text or "e" in text.lower() else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be a number of tokens (or a fraction), got {text!r}")
-
-
-def _setup(args, default_budget: int | None = None) -> tuple[torch.device, torch.dtype, MethodConfig]:
-    """Device, dtype and method config from the options; ``default_budget`` applies to methods with a budget when
-    neither --budget nor --opt token_budget is given."""
+def _setup(args, method: str, default_budget: int | None = None) -> tuple[torch.device, torch.dtype, MethodConfig]:
+    """Device, dtype and the config of ``method`` (a spec) from the options; ``default_budget`` applies to methods
+    with a budget when neither --budget nor the spec or --opt set token_budget."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    options = parse_options(args.opt)
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p)
     budget = args.budget
-    if budget is None and "token_budget" not in options and args.method != "dense":
+    if budget is None and takes_budget(method, args.opt):
         budget = default_budget
-    return device, dtype, make_config(args.method, budget, **options)
+    return device, dtype, build_config(method, budget, args.opt)
 
 
 def cmd_generate(args) -> int:
-    device, dtype, config = _setup(args)
+    device, dtype, config = _setup(args, args.method)
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
         if not path.is_file():
@@ -112,9 +179,9 @@ def cmd_generate(args) -> int:
         prompt = path.read_text()
     else:
         prompt = args.prompt
-    model, tokenizer = load_model(args.model, device, dtype)
-    result = generate(model, tokenizer, config, prompt, args.max_new_tokens, args.sample, args.temperature,
-                      args.top_p, args.seed)
+    loaded = load_model(args.model, device, dtype)
+    result = generate(loaded.model, loaded.tokenizer, config, prompt, args.max_new_tokens, args.sample,
+                      args.temperature, args.top_p, args.seed, progress=not args.no_progress)
     print(result.text)
     print(_describe(config.name, result), file=sys.stderr)
     return 0
@@ -123,35 +190,49 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from .eval import TaskOptions, get_task
 
-    names = [n for n in METHODS if n != "dense"] if args.method == "all" else [args.method]
+    specs = [n for n in METHODS if n != "dense"] if args.method == "all" else [args.method]
     configs = []
-    for name in names:
-        args.method = name
-        device, dtype, config = _setup(args, default_budget=256)
+    for spec in specs:
+        device, dtype, config = _setup(args, spec, default_budget=256)
         configs.append(config)
-    model, tokenizer = load_model(args.model or default_model(), device, dtype)
-    sample = get_task("passkey", TaskOptions()).samples(tokenizer, args.prompt_tokens, 0.5, args.seed, 1)[0]
+    if args.prompt_tokens < 1:
+        raise ConfigError("--prompt-tokens", "an integer >= 1", args.prompt_tokens)
+    loaded = load_model(args.model or default_model(), device, dtype)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    try:
+        sample = get_task("passkey", TaskOptions()).samples(tokenizer, args.prompt_tokens, 0.5, args.seed, 1)[0]
+    except EvalError as err:
+        raise EvalError(f"--prompt-tokens {args.prompt_tokens}: {err}") from None
     prompt = sample.context + sample.question
+    prompt_tokens = len(tokenizer(prompt).input_ids)
+    check_context(model, prompt_tokens + args.max_new_tokens, "use a smaller --prompt-tokens")
+    how = (f"sampled (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})" if args.sample
+           else "greedy")
     print(f"sparsekv demo: model {args.model or 'sparsekv-llama-16m (the project-trained default)'}; a pass key "
-          f"hidden mid-way in {len(tokenizer(prompt).input_ids)} prompt tokens (the answer is {sample.answer}); "
-          f"up to {args.max_new_tokens} new tokens; {device}, {dtype}. Each method decodes the same prompt: its "
-          f"answer, speed, KV tokens attended per step and cache memory against dense.\n")
-    generate(model, tokenizer, make_config("dense"), "Warm up.", 2)  # so that timings compare fairly
-    dense = generate(model, tokenizer, make_config("dense"), prompt, args.max_new_tokens, seed=args.seed)
-    print("| method | budget | answer | tokens/s | KV tokens attended per layer-head per step | of dense "
-          "| KV on device (MiB) | same tokens as dense |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for config in [make_config("dense"), *configs]:
-        result = dense if config.name == "dense" else generate(
-            model, tokenizer, config, prompt, args.max_new_tokens, args.sample, args.temperature, args.top_p,
-            args.seed)
+          f"hidden mid-way in {prompt_tokens} prompt tokens (the answer is {sample.answer}); up to "
+          f"{args.max_new_tokens} new tokens, {how}; {device}, {dtype}. Each method decodes the same prompt: its "
+          f"answer, prefill time and decode speed, KV tokens attended per step and cache memory against dense.\n")
+    generate(model, tokenizer, build_config("dense"), "Warm up.", 2)  # so that timings compare fairly
+    sampling = dict(sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                    progress=not args.no_progress)
+    dense_config = build_config("dense")
+    dense = generate(model, tokenizer, dense_config, prompt, args.max_new_tokens, **sampling)
+    print("| method | budget | answer | prefill s | decode tokens/s | KV tokens attended per layer-head per step "
+          "| of dense | KV held (MiB) | KV allocated (MiB) | same tokens as dense |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for config in [dense_config, *(c for c in configs if c != dense_config)]:
+        result = dense if config == dense_config else generate(model, tokenizer, config, prompt, args.max_new_tokens,
+                                                               **sampling)
         agree = next((i for i, (a, b) in enumerate(zip(dense.tokens, result.tokens)) if a != b), len(dense.tokens))
         s = result.stats
         answer = " ".join(result.text.split())[:24]
-        print(f"| {config.name} | {getattr(config, 'token_budget', '-')} | {answer} | "
-              f"{result.tokens_per_second:.1f} | {s['attended_per_head']:.0f} | {100 * s['fraction']:.0f}% | "
-              f"{result.kv_bytes / 2**20:.1f} | first {agree} of {len(dense.tokens)} |")
-    print("\nOther fields are each method's defaults (see README, Methods); --method X --opt FIELD=VALUE sets them.")
+        print(f"| {config.name} | {getattr(config, 'token_budget', '-')} | {answer} | {result.prefill_seconds:.2f} | "
+              f"{result.decode_tokens_per_second:.1f} | {s['attended_per_head']:.0f} | {100 * s['fraction']:.0f}% | "
+              f"{result.kv_held_bytes / 2**20:.1f} | {result.kv_allocated_bytes / 2**20:.1f} | "
+              f"first {agree} of {len(dense.tokens)} |", flush=True)
+    print("\nOther fields are each method's defaults (see README, Methods); --method NAME:FIELD=VALUE or --opt "
+          "FIELD=VALUE sets them. KV held: keys and values of the tokens the cache holds; allocated: with the room "
+          "for growth, page metadata and the method's state.")
     return 0
 
 
@@ -160,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt with a sparsity method")
-    gen.add_argument("--model", required=True, help="local model directory (or a hub id where there is network)")
+    gen.add_argument("--model", required=True, help="local model directory, tiny:<arch>, or a hub id (the local "
+                                                    "cache, then the hub where it is reachable)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
@@ -172,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     _method_args(demo, "all", ("all",))
     demo.add_argument("--prompt-tokens", type=int, default=4000)
     demo.add_argument("--model", help="model folder or tiny:<arch> (default: the project's trained model)")
-    demo.set_defaults(func=cmd_demo, opt=[], max_new_tokens=48)
+    demo.set_defaults(func=cmd_demo, max_new_tokens=48)
 
     eval_cli.add_parser(sub)
     return parser
@@ -180,11 +262,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "no_progress", False):
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()  # its weight-loading bar
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, EvalError) as err:
         print(f"sparsekv {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\nsparsekv {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,20 +1,21 @@
-"""Loading models and building method configs from user-facing options (shared by the CLI, eval and benches)."""
+"""Loading models, devices and dtypes from user-facing options (shared by the CLI, eval and benches)."""
 
 from __future__ import annotations
 
-import ast
-import dataclasses
+import socket
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
-from .methods import METHODS, MethodConfig
+from .errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 TINY_PREFIX = "tiny:"
-# The project's trained model (issue 6), shipped in the repository (not in a wheel): the default of `sparsekv demo`
+# The project's trained model, shipped in the repository (not in a wheel): the default of `sparsekv demo`
 # and `sparsekv eval`.
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "sparsekv-llama-16m")
 
@@ -28,23 +29,37 @@ def default_model() -> str:
     return DEFAULT_MODEL
 
 
-def resolve_dtype(name: str | None) -> torch.dtype | None:
+def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     """A dtype by name; None or "auto" keeps the model's own (float32 for tiny models)."""
-    if name in (None, "auto"):
-        return None
+    if name in (None, "auto") or isinstance(name, torch.dtype):
+        return name if isinstance(name, torch.dtype) else None
     if name not in DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {name!r}")
+        raise ConfigError("dtype", f"one of auto, {', '.join(DTYPES)}", name)
     return DTYPES[name]
 
 
-def resolve_device(name: str | None) -> torch.device:
+def resolve_device(name: str | torch.device | None) -> torch.device:
     """``None`` or "auto": CUDA when available, else CPU."""
     if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError("device", "auto, cpu, cuda or cuda:N", name) from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+        raise ConfigError("device", "auto or cpu (CUDA is not available here)", name)
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError("device", "auto, cpu, cuda or cuda:N", name)
     return device
+
+
+def check_context(model, tokens: int, hint: str) -> None:
+    """Refuses a context of ``tokens`` (prompt plus new tokens) beyond the positions the model was built for;
+    ``hint`` says which option to change."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and tokens > limit:
+        raise ValueError(f"context of {tokens} tokens (prompt plus new tokens) exceeds the model's maximum of "
+                         f"{limit} positions (max_position_embeddings); {hint}")
 
 
 def synchronize(device: torch.device) -> None:
@@ -53,59 +68,78 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def load_model(spec: str, device: torch.device, dtype: torch.dtype | None = None):
-    """A causal LM and its tokenizer: ``tiny:<arch>`` (a random-weight model from ``sparsekv.tiny`` with the byte
-    tokenizer), a local directory, or a hub id where the machine has network.
+@dataclass
+class LoadedModel:
+    """A causal LM in eval mode, its tokenizer (left padding, a pad token) and the name it was loaded by."""
 
-    Returns (model in eval mode on ``device``, tokenizer with left padding)."""
+    model: object
+    tokenizer: object
+    name: str
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub's host answers within ``timeout`` seconds (its client retries for about a minute)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def load_model(spec: str | None = None, device: str | torch.device | None = "auto",
+               dtype: str | torch.dtype | None = "auto", log=None) -> LoadedModel:
+    """The one model loader of the CLI, eval and benches. ``spec``: ``tiny:<arch>`` (a random-weight model from
+    ``sparsekv.tiny`` with the byte tokenizer), a local directory, or a hub id (the local Hugging Face cache, then
+    the hub where it is reachable); None: the project's trained model, announced through ``log``. ``dtype``: a
+    name or dtype, "auto" keeps the model's own."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    if spec is None:
+        spec = default_model()
+        if log is not None:
+            log(f"no --model given: using the project's trained model {spec}")
     if spec.startswith(TINY_PREFIX):
         from .tiny import byte_tokenizer, tiny_model
 
-        model, tokenizer = tiny_model(spec[len(TINY_PREFIX):], dtype=dtype or torch.float32), byte_tokenizer()
-        return model.to(device), tokenizer
+        model = tiny_model(spec[len(TINY_PREFIX):], dtype=dtype or torch.float32)
+        return LoadedModel(model.to(device), byte_tokenizer(), spec)
     local = Path(spec).is_dir()
     if not local and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
         raise FileNotFoundError(f"model: no model directory at {spec!r}")
+
+    def load(local_files_only: bool):
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=local_files_only)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype or "auto", local_files_only=local_files_only)
+        return model, tokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=local)
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype or "auto", local_files_only=local)
+        model, tokenizer = load(local_files_only=True)
     except OSError as err:
-        where = "the local directory" if local else "the hub (no local directory of that name)"
-        raise FileNotFoundError(f"model: could not load {spec!r} from {where}: {err}") from err
+        if local:
+            raise FileNotFoundError(f"model: could not load the local directory {spec!r}: {err}") from err
+        if not _hub_reachable():
+            raise FileNotFoundError(f"model: {spec!r} is neither a local directory nor in the Hugging Face cache, "
+                                    f"and the hub is not reachable from here") from None
+        try:
+            model, tokenizer = load(local_files_only=False)
+        except OSError as err:
+            raise FileNotFoundError(f"model: {spec!r} is not a local directory, and the hub could not provide it: "
+                                    f"{err}") from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return model.to(device).eval(), tokenizer
-
-
-def parse_options(items: list[str]) -> dict:
-    """``["selector=uniform", "window=16"]`` -> {"selector": "uniform", "window": 16} (Python literals where they
-    parse, strings otherwise)."""
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--opt takes FIELD=VALUE, got {item!r}")
-        key, raw = item.split("=", 1)
-        try:
-            out[key] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            out[key] = raw
-    return out
-
-
-def make_config(method: str, budget: int | float | None = None, **options) -> MethodConfig:
-    """The config of ``method`` (a METHODS name) with ``token_budget=budget`` where the method has a budget."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    cls = METHODS[method]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(f"{method} has no option {', '.join(unknown)}; its fields: {', '.join(sorted(fields))}")
-    if budget is not None:
-        if "token_budget" not in fields:
-            raise ValueError(f"method {method} takes no budget; drop --budget")
-        options["token_budget"] = budget
-    return cls(**options)
+    return LoadedModel(model.to(device).eval(), tokenizer, spec)

@@ -265,7 +265,7 @@ def test_chunk_after_the_prompt_is_refused_by_an_evicting_method():
 def test_compact_keeps_held_tokens_in_order_and_moves_state():
     cache = PagedKVCache(1, 2)
     k = torch.arange(2 * 1 * 9 * 1, dtype=torch.float32).view(2, 1, 9, 1)
-    plan = cache.begin(9, torch.tensor([[True] * 9, [False] * 4 + [True] * 5]), 2, torch.device("cpu"))
+    cache.begin(9, torch.tensor([[True] * 9, [False] * 4 + [True] * 5]), 2, torch.device("cpu"))
     layer = cache.append(0, k, -k)
     layer.free(torch.tensor([[[0, 2]], [[1, 0]]]), torch.tensor([[[True, True]], [[True, False]]]))
     layer.slot_state["s"] = layer.slot_page.double()

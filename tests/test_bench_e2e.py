@@ -16,4 +16,17 @@ def test_e2e_bench_smoke(tmp_path):
 
 def test_e2e_bench_rejects_unknown_methods(tmp_path, capsys):
     assert main(["--model", "tiny:llama", "--methods", "magic", "--device", "cpu", "--out", str(tmp_path)]) == 2
-    assert "unknown method 'magic'" in capsys.readouterr().err
+    assert "method must be one of dense, quest" in capsys.readouterr().err
+
+
+def test_e2e_bench_reads_specs_as_eval_does(tmp_path):
+    """The same spec parser: 'false' is False, a fractional budget is a fraction (OmniKV)."""
+    assert main(["--model", "shape:tiny", "--contexts", "64", "--methods", "quest:per_query_head=false",
+                 "omnikv:filter_layers=[0]", "--budget", "0.5", "--new-tokens", "3", "--device", "cpu",
+                 "--out", str(tmp_path)]) == 2
+    assert main(["--model", "shape:tiny", "--contexts", "64", "--methods", "quest:per_query_head=false,token_budget=32",
+                 "omnikv:filter_layers=[0]", "--budget", "0.5", "--new-tokens", "3", "--device", "cpu",
+                 "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    assert [(r["spec"], r["budget"]) for r in rows] == [("quest:per_query_head=false,token_budget=32", 32),
+                                                        ("omnikv:filter_layers=[0]", 0.5)]

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from sparsekv.cache import AppendPlan, PagedKVCache
+from sparsekv.cache import PagedKVCache
 
 
 def stored_tokens(layer, b, h, length):

@@ -22,8 +22,8 @@ class _DropFirstPage(Method):
 
 
 class _DropConfig(QuestConfig):
-    def build(self, num_layers):
-        return _DropFirstPage(self, num_layers)
+    def method_class(self):
+        return _DropFirstPage
 
 
 def _brute_recall(q, keys, positions_per_row, scale):
@@ -125,7 +125,8 @@ def test_recall_of_every_registered_method(name):
     method does and every layer's recall lies in (0, 1], below 1 in some layer (evicted or skipped tokens count as
     missed)."""
     from sparsekv.eval.base import Sample
-    from sparsekv.eval.engine import Engine, LoadedModel
+    from sparsekv.eval.engine import Engine
+    from sparsekv.models import LoadedModel
     from sparsekv.tiny import byte_tokenizer, tiny_model
 
     # 8 layers so that OmniKV has sparse layers; 40 new tokens so that RaaS's decode tokens outgrow the budget.
@@ -139,3 +140,16 @@ def test_recall_of_every_registered_method(name):
     assert probed["prediction"] == plain["prediction"] and probed["kv"] == plain["kv"]
     assert all(0.0 < r <= 1.0 + 1e-9 for r in probed["recall"])
     assert plain["kv"]["fraction"] < 1.0 and min(probed["recall"]) < 1.0
+
+
+def test_probe_hands_every_method_hook_to_the_inner_method():
+    """The probe is a Method built like any other (config.build); every hook of Method is its own, so that none
+    falls back to Method's default instead of reaching the inner method."""
+    from sparsekv.eval.recall import RecallProbe
+
+    hooks = [n for n, v in vars(Method).items() if callable(v) and not n.startswith("_")]
+    assert hooks and all(n in vars(RecallProbe) for n in hooks), [n for n in hooks if n not in vars(RecallProbe)]
+    probe = RecallConfig(inner=METHODS["omnikv"](token_budget=8)).build(8)
+    assert isinstance(probe, Method) and probe.accepts_chunks is False
+    with pytest.raises(ValueError, match="filter_layers must be layer indices below the model's 2 layers"):
+        RecallConfig(inner=METHODS["omnikv"](filter_layers=(1, 4))).build(2)

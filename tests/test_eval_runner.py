@@ -7,7 +7,9 @@ import pytest
 
 from sparsekv.eval import EvalError, EvalSpec, TaskOptions, run_eval
 from sparsekv.eval.cli import main
-from sparsekv.eval.engine import Engine, LoadedModel
+from sparsekv.errors import ConfigError
+from sparsekv.eval.engine import Engine
+from sparsekv.models import LoadedModel
 from sparsekv.eval.runner import RESULTS, method_runs, read_results
 from sparsekv.methods import METHODS
 from sparsekv.tiny import byte_tokenizer, tiny_model
@@ -71,20 +73,26 @@ def test_passkey_grid_resumes_after_interruption(tmp_path, loaded, monkeypatch):
     monkeypatch.setattr(Engine, "generate", real)
     messages = []
     run_eval(spec, log=messages.append, progress=False, loaded=loaded)
+    # The torn line is removed from the file once, said once, and the file holds whole records only.
+    assert sum("removed 1 incomplete line(s) (line 4" in m for m in messages) == 1
+    lines = (tmp_path / RESULTS).read_text().splitlines()
+    assert all(json.loads(line) for line in lines) and len(lines) == total
     records = read_results(tmp_path / RESULTS)
     assert len(records) == total and len({r["key"] for r in records}) == total
     assert records[:3] == first  # finished runs kept, not redone
     assert any("resuming: 3 runs" in m for m in messages)
     for r in records:
         assert r["seed"] == 0 and r["prompt_tokens"] == pytest.approx(300, rel=0.01)
-        assert r["new_tokens"] <= 3 and r["kv"]["decode_steps"] > 0 and r["kv_resident_bytes"] > 0
+        assert r["new_tokens"] <= 3 and r["kv"]["decode_steps"] > 0 and 0 < r["kv_held_bytes"] < r["kv_resident_bytes"]
         assert r["decode_tokens_per_s"] > 0 and r["score"] in (0.0, 1.0)
     dense = [r for r in records if r["method"] == "dense"]
     assert all(r["budget"] is None and r["kv"]["fraction"] == 1.0 for r in dense)
     sparse = [r for r in records if r["budget"] == 32]
     assert all(r["kv"]["fraction"] < 1.0 for r in sparse)
-    # A third run has nothing left to do.
-    run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)
+    # A third run has nothing left to do, and nothing to repair.
+    messages.clear()
+    run_eval(spec, log=messages.append, progress=False, loaded=loaded)
+    assert not any("incomplete" in m for m in messages)
     assert len(read_results(tmp_path / RESULTS)) == total
     table = (tmp_path / "passkey.md").read_text()
     assert "| dense |" in table and "quest:dense_layers=1 @32" in table
@@ -126,15 +134,15 @@ def test_recall_probe_leaves_outputs_unchanged(loaded):
 
 
 def test_errors_are_clear_and_keep_results(tmp_path, loaded):
-    with pytest.raises(EvalError, match="unknown method 'nope'"):
+    with pytest.raises(ConfigError, match="method must be one of dense, quest.*, got 'nope'"):
         run_eval(_spec(tmp_path, "passkey", methods=["nope"]), loaded=loaded)
     with pytest.raises(EvalError, match="needs --budgets"):
         run_eval(_spec(tmp_path, "passkey", budgets=None), loaded=loaded)
-    with pytest.raises(EvalError, match="token_budget must be a positive multiple"):
+    with pytest.raises(ConfigError, match="token_budget must be a positive multiple"):
         run_eval(_spec(tmp_path, "passkey", budgets=[20]), loaded=loaded)
-    with pytest.raises(EvalError, match="is not field=value"):
+    with pytest.raises(ConfigError, match="method field must be FIELD=VALUE with a field of quest"):
         run_eval(_spec(tmp_path, "passkey", methods=["quest:bogus=1"]), loaded=loaded)
-    with pytest.raises(EvalError, match="exceeds the model's maximum of 512"):
+    with pytest.raises(ValueError, match="exceeds the model's maximum of 512 positions"):
         run_eval(_spec(tmp_path, "passkey", lengths=[600]), loaded=loaded)
     with pytest.raises(EvalError, match="has no depth axis"):
         run_eval(_spec(tmp_path, "vartrack", depths=[0.5]), loaded=loaded)
@@ -177,3 +185,45 @@ def test_chat_template_keeps_the_question_for_the_decode_path():
     tok.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
     with pytest.raises(EvalError, match="chat template changed the question"):
         engine._ids(Sample("Hello. ", "\nWhat is it?", None, 2))
+
+
+EVAL_ARGS = ["--task", "passkey", "--methods", "dense", "--lengths", "300", "--depths", "0.5", "--limit", "1",
+             "--model", "tiny:llama", "--no-progress", "--no-plots"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1 (or unset: the task's own), got 0"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be an integer >= 1"),
+    (["--limit", "0"], "--limit must be an integer >= 1"),
+    (["--methods", "omnikv:window=x"], "window must be an integer, got 'x'"),
+])
+def test_cli_refuses_counts_that_would_run_nothing(tmp_path, capsys, argv, message):
+    assert main([*EVAL_ARGS, "--out", str(tmp_path), *argv]) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / RESULTS).exists()
+
+
+def test_cli_checks_out_before_loading_the_model(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    args = [*EVAL_ARGS[:-4], "--model", "/nonexistent/model"]
+    assert main([*args, "--out", str(afile)]) == 1
+    assert f"--out {afile}: is a file, not a folder" in capsys.readouterr().err
+    assert main([*args, "--out", str(afile / "sub")]) == 1
+    assert f"--out {afile / 'sub'}: cannot create the folder" in capsys.readouterr().err
+
+
+def test_cli_runs_omnikv_at_a_fraction_of_the_prompt(tmp_path, capsys):
+    assert main([*EVAL_ARGS, "--out", str(tmp_path), "--max-new-tokens", "2", "--methods",
+                 "omnikv:filter_layers=[0],token_budget=0.1", "omnikv:filter_layers=[0]", "--budgets", "0.25"]) == 0
+    records = read_results(tmp_path / RESULTS)
+    assert [(r["method"], r["budget"]) for r in records] == [("omnikv:filter_layers=[0],token_budget=0.1", 0.1),
+                                                             ("omnikv:filter_layers=[0]", 0.25)]
+    assert records[0]["kv"]["attended_per_head"] < records[1]["kv"]["attended_per_head"]
+
+
+def test_eval_help_names_the_methods(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "NAME one of: dense, quest, streamingllm, h2o, tova, snapkv, omnikv, raas" in out

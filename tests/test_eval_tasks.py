@@ -1,6 +1,7 @@
 """Task generators and readers of the evaluation harness: determinism, token lengths, formats, errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +128,29 @@ def test_longbench_templates_truncation_and_scores(tok, tmp_path):
     assert task.score(trec, "Number\nLocation") == 1.0  # first line only, as LongBench scores trec
     with pytest.raises(EvalError, match="not supported"):
         get_task("longbench", TaskOptions(data=str(data), longbench_dir=str(templates), datasets=("dureader",)))
+    (data / "trec.jsonl").write_text(json.dumps({"input": "How many?", "answers": ["Number"]}) + "\n")
+    with pytest.raises(EvalError, match="trec.jsonl: row 1 has no field context"):
+        task.samples(tok, 500, None, seed=0, count=None)
+
+
+def test_perplexity_defaults_to_the_essays_the_model_did_not_train_on():
+    from sparsekv.models import DEFAULT_MODEL
+
+    held = json.loads((Path(DEFAULT_MODEL) / "training_args.json").read_text())["held_out"]
+    if not (data_dir() / "haystack" / "paul_graham_essays").exists():
+        pytest.skip("shared data not present")
+    task = get_task("perplexity", TaskOptions())
+    assert [f.name for f in task.files] == held and len(held) == 4
+
+
+def test_perplexity_table_keeps_its_digits():
+    from sparsekv.eval.report import markdown
+
+    records = [{"metric": "perplexity", "method": m, "budget": None, "length": 2048, "model": "m", "seed": 0,
+                "score": s, "kv": {"attended_per_head": 1.0, "fraction": 1.0}, "kv_resident_bytes": 2**20}
+               for m, s in (("dense", 1.004), ("quest", 4770.3))]
+    table = markdown(records, "perplexity")
+    assert "| dense | 1.00 |" in table and "| quest | 4770.30 |" in table
 
 
 def test_shared_reasoning_data_reads(tok):

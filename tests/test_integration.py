@@ -179,6 +179,25 @@ def test_sliding_window_beyond_window_is_refused():
             model(prompt(33))
 
 
+def test_generate_without_a_cache_is_refused():
+    """use_cache=False would prefill the whole sequence densely at every step and decode nothing sparsely."""
+    model = tiny_model("llama", layers=2)
+    with sparsekv.apply(model, QuestConfig(token_budget=16, dense_layers=0)) as session, torch.no_grad():
+        with pytest.raises(ValueError, match="use_cache=False: sparsekv runs every pass through its cache"):
+            model.generate(prompt(40).cpu(), max_new_tokens=3, do_sample=False, pad_token_id=0, use_cache=False)
+        assert session.stats.steps == 0
+
+
+def test_nested_apply_is_refused_at_entry():
+    model = tiny_model("llama", layers=2)
+    with sparsekv.apply(model, QuestConfig(token_budget=16, dense_layers=0)):
+        with pytest.raises(ValueError, match="sparsekv.apply is already active on this model"):
+            with sparsekv.apply(model, DenseConfig()):
+                pass
+        model(prompt(20).cpu())  # the outer block still runs
+    assert model.config._attn_implementation != "sparsekv"
+
+
 def test_config_must_be_a_method_config():
     with pytest.raises(TypeError, match="config must be a sparsekv method config"):
         with sparsekv.apply(tiny_model("llama", layers=1), {"token_budget": 64}):
@@ -218,10 +237,8 @@ def test_finished_cache_is_freed_without_the_garbage_collector(name):
     import gc
     import weakref
 
-    from sparsekv.models import make_config
-
     model = tiny_model("llama", layers=3)
-    config = make_config(name, None if name == "dense" else 32)
+    config = sparsekv.build_config(name, None if name == "dense" else 32)
     gc.collect()
     gc.disable()  # reference cycles would keep the cache (and its device memory) alive until a collection
     try:

@@ -18,7 +18,6 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU, and TRITON_INTERPRET=1 (set by tests/conftest.py before triton is imported) is missing",
                 allow_module_level=True)
 
-from sparsekv.cache import AppendPlan, PagedLayer  # noqa: E402
 from sparsekv.kernels import reference as ref  # noqa: E402
 from sparsekv.kernels import triton as tops  # noqa: E402
 

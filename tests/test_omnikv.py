@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import sparsekv
 from sparsekv import DenseConfig, OmniKVConfig, kernels
 from sparsekv.cache import PagedKVCache
 from sparsekv.kernels import reference
+from sparsekv.methods.omnikv import prompt_budget
 from sparsekv.tiny import ARCHITECTURES, tiny_model
 
 
@@ -97,7 +97,7 @@ def test_selection_matches_brute_force(selector, budget):
         method.decode(0, q, layer, cache.seq_len, scale)
         for row, n in enumerate(lengths):
             row_keys = torch.cat([keys[row, :, s - n:]] + [dk[row] for dk in decode_keys], dim=1)
-            rows = min(n, math.ceil(budget * n) if isinstance(budget, float) else budget)
+            rows = prompt_budget(budget, n)
             want = _brute_force_choice(row_keys, prompt_q[row, :, s - n:], [dq[row] for dq in decode_q], n, rows,
                                        selector, window, scale)
             got = set(method.tokens[0][row].tolist()) - {-1}
@@ -186,6 +186,19 @@ def test_token_attention_merges_to_attention_over_the_union(hs):
             kv = head // (h // hkv)
             w = torch.softmax(k[bi, kv, idx] @ q[bi, head] * 0.4, dim=0)
             torch.testing.assert_close(out[bi, head], w @ v[bi, kv, idx])
+
+
+def test_fractional_budget_rounds_down_as_the_official_code():
+    """int(fraction * prompt): a 97-token prompt at 0.1 attends 9 prompt tokens (not 10), 7 tokens at 0.5 attend 3."""
+    assert prompt_budget(0.1, 97) == 9 and prompt_budget(0.5, 7) == 3 and prompt_budget(1.0, 97) == 97
+    assert prompt_budget(64, 97) == 64 and prompt_budget(128, 97) == 97
+    config = OmniKVConfig(page_size=4, token_budget=0.1, filter_layers=(0,))
+    method = config.build(1)
+    cache = PagedKVCache(1, page_size=4)
+    plan = cache.begin(97, None, 1, torch.device("cpu"))
+    layer = cache.append(0, torch.randn(1, 2, 97, 8), torch.randn(1, 2, 97, 8))
+    method.prefill(0, torch.randn(1, 4, 97, 8), layer, plan, 0.3)
+    assert method.per_row.tolist() == [9]
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -1,4 +1,4 @@
-"""The accuracy tables of issue 6: every method at budgets 32..1024 on the trained model, with the harness.
+"""The accuracy tables: every method at budgets 32..1024 on the trained model, with the harness.
 
     python -m training.accuracy_tables --model models/sparsekv-llama-16m            # every grid
     python -m training.accuracy_tables --model models/sparsekv-llama-16m --grids passkey recall
@@ -26,7 +26,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from sparsekv.eval.engine import load_model
+from sparsekv.models import load_model
 from sparsekv.eval.report import group_by, mean_of
 from sparsekv.eval.runner import RESULTS, EvalSpec, read_results, run_eval
 from sparsekv.methods import METHODS
@@ -231,7 +231,7 @@ def memory_table(records) -> list[str]:
 def write_readme(args, specs: dict[str, EvalSpec], argv: list[str]) -> Path:
     out = Path(args.out)
     records = {name: read_results(Path(spec.out) / RESULTS) for name, spec in specs.items()}
-    lines = ["# Accuracy tables (issue 6)", "",
+    lines = ["# Accuracy tables", "",
              f"Model `{args.model}`, seed {args.seed}, dtype {args.dtype}. Made with:", "", "```",
              shlex.join(["python", "-m", "training.accuracy_tables", *argv]), "```", "",
              "Each grid is the harness run below (its folder holds results.jsonl, the markdown table and plots; "
@@ -267,7 +267,7 @@ def write_readme(args, specs: dict[str, EvalSpec], argv: list[str]) -> Path:
 
 def _run_part(spec: EvalSpec) -> str:
     """One (grid, method) part in a process of its own (``--jobs``)."""
-    run_eval(spec, loaded=load_model(spec.model, spec.dtype, spec.device), log=lambda *_: None, progress=False)
+    run_eval(spec, loaded=load_model(spec.model, spec.device, spec.dtype), log=lambda *_: None, progress=False)
     return spec.out
 
 
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     specs = grid_specs(args)
     if args.jobs > 1:
         run_parallel(specs, args.jobs)
-    loaded = load_model(args.model, args.dtype, args.device)
+    loaded = load_model(args.model, args.device, args.dtype)
     for name, spec in specs.items():
         print(f"== {name}: {eval_command(spec)}", flush=True)
         run_eval(spec, loaded=loaded)  # after --jobs: every run is done, this writes the grid's report

@@ -1,4 +1,4 @@
-"""Trains the project's small long-context Llama from scratch (issue 6) and ships it in HF format with a model card.
+"""Trains the project's small long-context Llama from scratch and ships it in HF format with a model card.
 
     python -m training.train --out models/sparsekv-llama-16m          # the default run, ~12 H200-minutes
     python -m training.train --out /tmp/dry --dry-run --device cpu     # tiny config, a minute on a CPU
@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsekv.eval.base import REPO_ROOT
-from sparsekv.eval.engine import LoadedModel
+from sparsekv.models import LoadedModel
 from sparsekv.eval.report import group_by, mean_of
 from sparsekv.eval.runner import RESULTS, EvalSpec, read_results, run_eval
 from sparsekv.models import resolve_device
@@ -160,7 +160,7 @@ def parse_mix(items: list[str] | None) -> dict[str, float]:
 
 
 def build_model(args, vocab_size: int):
-    """The LlamaForCausalLM of ``args``; refuses a config outside the issue's limits."""
+    """The LlamaForCausalLM of ``args``; refuses a config outside the project's limits (MAX_PARAMS, MAX_BYTES)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if args.hidden % args.heads or args.heads % args.kv_heads or args.heads // args.kv_heads < 2:
@@ -420,9 +420,8 @@ def main(argv=None) -> int:
     final.generation_config.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     final.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    # The in-training evaluations' scores are in the log; their records stay in the checkpoint folder.
     shutil.copy(ckpt.log_path, out / "train_log.jsonl")
-    if ckpt.eval_dir.exists():
-        shutil.copytree(ckpt.eval_dir, out / "eval", dirs_exist_ok=True)
     weights = out / "model.safetensors"
     size = weights.stat().st_size
     if size > MAX_BYTES:
@@ -610,7 +609,7 @@ def model_card(rec: dict, config) -> str:
     budget = f" (the count that fit --train-minutes {a['train_minutes']:g})" if a["train_minutes"] else ""
     lines = [
         f"# {Path(a['out']).name}", "",
-        "A small long-context Llama trained from scratch by sparsekv's `training/train.py` (issue 6), so that the "
+        "A small long-context Llama trained from scratch by sparsekv's `training/train.py`, so that the "
         "sparse KV methods can be judged on a model whose attention is genuinely sparse and query-dependent. It is "
         "a test model, not a general language model: it knows the harness's tasks and the style of the essays.", "",
         "## Model", "",

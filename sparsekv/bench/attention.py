@@ -1,7 +1,7 @@
 """Attention micro-benchmark of one decode step of one layer: dense PyTorch SDPA vs the fused Quest kernels vs naive
 torch Quest (the reference ops), on paged caches of random bf16 keys and values.
 
-    python -m sparsekv.bench.attention                  # the full grid of the issue (H200: about 3 minutes)
+    python -m sparsekv.bench.attention                  # the full grid (H200: about 3 minutes)
     python -m sparsekv.bench.attention --quick          # Llama-3-8B shape, batch 1, budget 2048, 32K and 128K
     python -m sparsekv.bench.attention --shapes llama2-7b --contexts 32768 --budgets 2048 --batches 1
     python -m sparsekv.bench.attention --tune           # launch-parameter sweep of the two main kernels
@@ -19,8 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
-import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -30,10 +29,9 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels import reference
+from .common import SHAPES, Timer, copy_bandwidth, device_name, markdown_table, write_results
 
-# name -> (query heads, KV heads, head dim)
-SHAPES = {"llama3-8b": (32, 8, 128), "llama2-7b": (32, 32, 128), "tiny": (4, 2, 64)}
-CEILING = 4.2e12  # bytes/s: the issue's floor uses this; the measured copy bandwidth is reported beside it
+CEILING = 4.2e12  # bytes/s: the H200's nominal bandwidth, for the floor; the measured copy bandwidth is reported too
 L2_BYTES = 60 * 2**20
 TARGETS = [  # (shape, context, minimum speedup over dense) at budget 2048, batch 1
     ("llama3-8b", 32768, 1.5), ("llama3-8b", 131072, 4.0), ("llama3-8b", 524288, 8.0), ("llama2-7b", 32768, 5.0)]
@@ -99,59 +97,6 @@ def make_copy(batch, kv_heads, head_dim, context, page_size, spare, dtype, devic
     return k, v, kmin, kmax, slot_page, cur_slot, seq_len
 
 
-class Timer:
-    """Median milliseconds of a callable: CUDA events on the GPU (eager or graph replay), a host clock on the CPU."""
-
-    def __init__(self, device: torch.device, reps: int, warmup: int = 3):
-        self.cuda = device.type == "cuda"
-        self.reps, self.warmup = reps, warmup
-
-    def eager(self, fn: Callable[[], object], reps: int | None = None) -> float:
-        for _ in range(self.warmup):
-            fn()
-        return self._median(fn, reps or self.reps)
-
-    def graph(self, fn: Callable[[], object], reps: int | None = None) -> float:
-        if not self.cuda:
-            return float("nan")
-        for _ in range(2):  # compiles and autotunes outside the capture
-            fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        ms = self._median(graph.replay, reps or self.reps)
-        del graph
-        return ms
-
-    def _median(self, fn, reps: int) -> float:
-        if not self.cuda:
-            times = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t) * 1e3)
-            return statistics.median(times)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        torch.cuda.synchronize()
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def copy_bandwidth(device: torch.device, timer: Timer) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
-    n = 2**30 if device.type == "cuda" else 2**22
-    src = torch.randn(n // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = timer.eager(lambda: dst.copy_(src), reps=30)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
-
-
 def dense_attention(caches, qs, context: int) -> Callable[[], None]:
     """Dense SDPA decode over the first ``context`` tokens of each cache copy (make_copy's tuples) with its query
     q: (B, H, D)."""
@@ -177,7 +122,7 @@ def dense_bytes(batch, kv_heads, head_dim, context, itemsize) -> int:
 
 
 def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> list[dict]:
-    heads, kv_heads, head_dim = SHAPES[shape]
+    heads, kv_heads, head_dim = SHAPES[shape].attention
     p, dtype, itemsize = args.page_size, torch.bfloat16, 2
     rows = heads if args.per_query_head else kv_heads
     spare = -(-(args.reps + 8) // p) + 1
@@ -258,8 +203,10 @@ def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> 
                    speedup_graph=row["dense_graph_us"] / row["quest_graph_us"])
         print(format_row(row), flush=True)
         out.append(row)
-        del steps, scores, slots, tokens
-    del caches, qs
+        for held in (steps, scores, slots, tokens):  # frees this budget's tensors before the next
+            held.clear()
+    caches.clear()
+    qs.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -325,13 +272,14 @@ def check_targets(rows: list[dict]) -> list[dict]:
     return found
 
 
-def write_markdown(path: Path, meta: dict, rows: list[dict], targets: list[dict], notes: list[str]) -> None:
+def markdown(meta: dict, rows: list[dict], targets: list[dict], notes: list[str]) -> list[str]:
     lines = ["# Attention benchmark: one decode step of one layer", "",
              f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, bf16, page size "
              f"{meta['page_size']}, {'per query head' if meta['per_query_head'] else 'per KV head'} selection. "
              f"Measured copy bandwidth {meta['copy_tbps']:.2f} TB/s; floor = bytes that must be read / "
              f"{CEILING / 1e12:.1f} TB/s. Times are medians per layer in microseconds; speedup and TB/s use "
-             "CUDA-graph replay of dense and Quest alike.", "", "## Targets (budget 2048, batch 1)", "",
+             "CUDA-graph replay of dense and Quest alike. Command: `" + meta["command"] + "`", "",
+             "## Targets (budget 2048, batch 1)", "",
              "| target | measured | met |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'NO'} |" for t in targets]
     cols = [("shape", "shape", "{}"), ("B", "batch", "{}"), ("context", "context", "{}"), ("budget", "budget", "{}"),
@@ -343,13 +291,10 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], targets: list[dict]
             ("token-index attention", "token_attention_us", "{:.1f}"), ("step incl. append", "step_graph_us", "{:.1f}"),
             ("speedup", "speedup_graph", "{:.2f}x"), ("Quest TB/s", "quest_tbps", "{:.2f}"),
             ("floor us", "quest_floor_us", "{:.1f}"), ("x floor", "quest_floor_ratio", "{:.2f}")]
-    lines += ["", "## All rows", "", "| " + " | ".join(c[0] for c in cols) + " |",
-              "|" + " --- |" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(c[2].format(r[c[1]]) if c[1] in r else "-" for c in cols) + " |")
+    lines += ["", "## All rows", "", *markdown_table(cols, rows)]
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
-    path.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def plot(path: Path, rows: list[dict]) -> None:
@@ -390,7 +335,7 @@ def plot(path: Path, rows: list[dict]) -> None:
 def rotated_copies(shape: str, batch: int, context: int, page_size: int, max_copies: int, device):
     """bf16 cache copies (``make_copy``, one spare slot) and a query (B, H, D) for each: enough copies (at most
     max_copies) that a sweep of Quest steps at budget 2048 reads 4x the L2. Returns (caches, qs)."""
-    heads, kv_heads, head_dim = SHAPES[shape]
+    heads, kv_heads, head_dim = SHAPES[shape].attention
     touched = quest_bytes(batch, kv_heads, kv_heads, head_dim, context, page_size, 2048, 2)
     copies = max(1, min(max_copies, math.ceil(4 * L2_BYTES / touched)))
     caches = [make_copy(batch, kv_heads, head_dim, context, page_size, 1, torch.bfloat16, device)
@@ -417,7 +362,7 @@ def tune(args, timer, device) -> list[dict]:
     cases = [("llama3-8b", 1, 131072), ("llama3-8b", 1, 524288), ("llama2-7b", 1, 32768), ("llama3-8b", 16, 32768)]
     out = []
     for shape, batch, context in cases:
-        heads, kv_heads, head_dim = SHAPES[shape]
+        heads, kv_heads, head_dim = SHAPES[shape].attention
         p = args.page_size
         caches, qs = rotated_copies(shape, batch, context, p, args.max_copies, device)
         copies = len(caches)
@@ -442,7 +387,8 @@ def tune(args, timer, device) -> list[dict]:
                             "tbps": floor / (us * 1e-6) / 1e12})
                 print(f"tune {shape} B={batch} ctx={context} {kind} {var}: {us:.1f} us, {out[-1]['tbps']:.2f} TB/s",
                       flush=True)
-        del caches, qs, scores, slots
+        for held in (caches, qs, scores, slots):
+            held.clear()
         torch.cuda.empty_cache()
     TUNING.update(base)
     return out
@@ -463,7 +409,7 @@ def variants(args, timer, device, overrides: list[dict]) -> list[dict]:
                 p = args.page_size
                 caches, qs = rotated_copies(shape, batch, context, p, args.max_copies, device)
                 copies = len(caches)
-                steps = [QuestStep(*c, heads=SHAPES[shape][0], num_pages=2048 // p, per_query_head=False)
+                steps = [QuestStep(*c, heads=SHAPES[shape].heads, num_pages=2048 // p, per_query_head=False)
                          for c in caches]
                 dense = 1e3 * timer.graph(dense_attention(caches, qs, context)) / copies
                 sweep = lambda: [s.attention(q) for s, q in zip(steps, qs)]  # noqa: E731
@@ -481,7 +427,8 @@ def variants(args, timer, device, overrides: list[dict]) -> list[dict]:
                                 "speedup": dense / us if same else None, "same_as_baseline": same})
                     print(f"variant {i} {shape} B={batch} ctx={context} {var}: {us:.1f} us (dense {dense:.1f}, "
                           f"x{dense / us:.2f}){'' if same else ' MISMATCH with the baseline'}", flush=True)
-                del caches, qs, steps
+                for held in (caches, qs, steps):
+                    held.clear()
                 torch.cuda.empty_cache()
     TUNING.update(base)
     return out
@@ -534,23 +481,22 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     torch.manual_seed(0)
     timer = Timer(device, args.reps)
-    args.out.mkdir(parents=True, exist_ok=True)
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "triton": triton_version, "page_size": args.page_size,
-            "per_query_head": args.per_query_head, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    meta = {"device": device_name(device), "torch": torch.__version__, "triton": triton_version,
+            "page_size": args.page_size, "per_query_head": args.per_query_head,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": " ".join(["python -m sparsekv.bench.attention", *(sys.argv[1:] if argv is None else argv)])}
     meta["copy_tbps"] = copy_bandwidth(device, timer) / 1e12
     print(f"{meta['device']}: copy {meta['copy_tbps']:.2f} TB/s", flush=True)
     if args.tune:
         rows = tune(args, timer, device)
         best = best_tuning(rows)
         print(f"best: {best}")
-        (args.out / f"{args.tag}_tune.json").write_text(json.dumps({"meta": meta, "best": best, "rows": rows},
-                                                                   indent=1))
+        write_results(args.out, f"{args.tag}_tune", meta, rows, best=best)
         return
     if args.tuning:
         from ..kernels.triton import TUNING
@@ -562,7 +508,7 @@ def main(argv=None) -> None:
         meta["tuning"] = dict(TUNING)
     if args.variants:
         rows = variants(args, timer, device, args.variants)
-        (args.out / f"{args.tag}_variants.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        write_results(args.out, f"{args.tag}_variants", meta, rows)
         return
     rows, notes, targets = [], [], []
     for batch in args.batches:  # batch 1 of every shape first: the targets' rows
@@ -570,9 +516,8 @@ def main(argv=None) -> None:
             for context in args.contexts:
                 rows += bench_config(shape, batch, context, sorted(args.budgets), args, timer, device, notes)
                 targets = check_targets(rows)  # written after every configuration, so a cut-short run keeps its rows
-                (args.out / f"{args.tag}.json").write_text(json.dumps(
-                    {"meta": meta, "rows": rows, "targets": targets, "notes": notes}, indent=1))
-                write_markdown(args.out / f"{args.tag}.md", meta, rows, targets, notes)
+                write_results(args.out, args.tag, meta, rows, markdown(meta, rows, targets, notes), targets=targets,
+                              notes=notes)
     if rows:
         plot(args.out / f"{args.tag}.png", rows)
     for t in targets:

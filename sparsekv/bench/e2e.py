@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -29,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..engine import Engine
+from ..errors import ConfigError
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
 from ..methods import METHODS
@@ -36,33 +35,17 @@ from ..methods.omnikv import OmniKVConfig
 from ..methods.quest import QuestConfig
 from ..methods.raas import RaaSConfig
 from ..models import load_model, resolve_device, resolve_dtype
-from .attention import Timer, copy_bandwidth
+from ..spec import budget_arg
+from .common import Timer, copy_bandwidth, device_name, shape_model, write_results
 
-# Published shapes: hidden, layers, query heads, KV heads, MLP, vocab, RoPE theta.
-SHAPES = {"llama3-8b": (4096, 32, 32, 8, 14336, 128256, 500000.0),
-          "llama2-7b": (4096, 32, 32, 32, 11008, 32000, 10000.0)}
 FILL_CHUNK = 16384  # tokens of random keys and values written per pass
-
-
-def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if name not in SHAPES:
-        raise ValueError(f"--model shape:<name>: name must be one of {', '.join(SHAPES)}, got {name!r}")
-    hidden, layers, heads, kv, mlp, vocab, theta = SHAPES[name]
-    config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv, intermediate_size=mlp, vocab_size=vocab,
-                         max_position_embeddings=max_positions, rope_theta=theta)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
-    return model.eval()
 
 
 def bench_model(spec: str, device: torch.device, dtype: torch.dtype, max_positions: int):
     """``shape:<name>`` (random weights of a published shape, built on the device) or any ``load_model`` spec."""
     if spec.startswith("shape:"):
         return shape_model(spec[len("shape:"):], device, dtype, max_positions)
-    return load_model(spec, device, dtype)[0]
+    return load_model(spec, device, dtype).model
 
 
 def random_fill(model):
@@ -187,7 +170,7 @@ def fmt(x, spec="{:.2f}") -> str:
     return "-" if x is None else spec.format(x)
 
 
-def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
+def markdown(meta: dict, rows: list[dict]) -> list[str]:
     lines = [f"# End-to-end decode ({meta['model']}, {meta['device_name']}, {meta['dtype']})", "",
              f"Engine: chunked prefill, CUDA-graph decode step; {meta['new_tokens']} greedy tokens, median step "
              f"(CUDA events) after the warm-up and capture. Floor: bytes the step reads / "
@@ -204,7 +187,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
                      f"{fmt(r['peak_device_gib'], '{:.1f}')} | {fmt(r['kv_device_gib'])} | {fmt(r['kv_host_gib'])} |")
     if meta["out_of_memory"]:
         lines += ["", "Out of device memory: " + "; ".join(meta["out_of_memory"]) + "."]
-    path.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def plot(path: Path, rows: list[dict]) -> None:
@@ -237,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=["dense", "quest", "omnikv", "raas"],
                         help=f"NAME or NAME:FIELD=VALUE,... (as sparsekv eval takes them) with NAME in "
                              f"{', '.join(METHODS)}")
-    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--budget", type=budget_arg, default=2048,
+                        help="token budget of the methods that take one (OmniKV also a fraction such as 0.1)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill-chunk", type=int, default=8192)
     parser.add_argument("--max-prefill", type=int, default=131072,
@@ -256,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         runs = method_runs(args.methods, [args.budget])
-    except EvalError as err:
+    except (ConfigError, EvalError) as err:
         print(f"sparsekv.bench.e2e: error: {err}", file=sys.stderr)
         return 2
     device = resolve_device(args.device)
@@ -294,12 +278,10 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.empty_cache()
     add_ratios(rows)
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+            "device_name": device_name(device),
             "torch": torch.__version__, "bandwidth_tbs": bandwidth / 1e12, "out_of_memory": out_of_memory,
             "command": "python -m sparsekv.bench.e2e " + " ".join(argv)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    write_markdown(args.out / f"{args.tag}.md", meta, rows)
+    write_results(args.out, args.tag, meta, rows, markdown(meta, rows))
     plot(args.out / f"{args.tag}.png", rows)
     print((args.out / f"{args.tag}.md").read_text())
     return 0

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from ..errors import ConfigError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_page_size(page_size: int) -> None:
     if not isinstance(page_size, int) or page_size < 1 or page_size > 256 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two from 1 to 256, got {page_size!r}")
+        raise ConfigError("page_size", "a power of two from 1 to 256", page_size)
 
 
 @dataclass
@@ -342,17 +343,18 @@ class PagedKVCache:
             layer.dropped = [layer.dropped[i] for i in idx]
 
     def held_bytes(self) -> int:
-        """Bytes of the keys and values of the tokens the layers hold now (pages in use, the current page's unused
-        tail included), without metadata or free slots: what a method's memory policy keeps. Reads the device."""
+        """Bytes of the keys and values of the tokens the pages hold, on all layers: without the slots allocated
+        ahead for growth, the scratch slot and the page metadata (``resident_bytes`` counts those)."""
         total = 0
         for layer in self.layers:
             if layer is not None:
-                pages = int((layer.slot_page >= 0).sum())
-                total += 2 * pages * layer.page_size * layer.k.shape[-1] * layer.k.element_size()
+                pos = layer.token_position()  # (B, Hkv, C + 1, P)
+                held = ((pos >= 0) & (pos < self.seq_len.view(-1, 1, 1, 1))).sum()
+                total += int(held) * 2 * layer.k.shape[-1] * layer.k.element_size()
         return total
 
     def resident_bytes(self) -> int:
-        """Bytes held by the pages and their metadata on all layers."""
+        """Bytes allocated for the pages and their metadata on all layers."""
         total = 0
         for layer in self.layers:
             if layer is not None:

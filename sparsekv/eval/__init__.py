@@ -4,10 +4,10 @@ Run it as ``sparsekv eval ...`` or ``python -m sparsekv.eval ...``; see docs/eva
 """
 
 from .base import EvalError, Sample, Task, TaskOptions
-from .engine import Engine, load_model
+from .engine import Engine
 from .recall import RecallConfig
 from .runner import EvalSpec, method_runs, run_eval
 from .tasks import TASKS, get_task
 
-__all__ = ["EvalError", "Sample", "Task", "TaskOptions", "Engine", "load_model", "RecallConfig", "EvalSpec",
+__all__ = ["EvalError", "Sample", "Task", "TaskOptions", "Engine", "RecallConfig", "EvalSpec",
            "method_runs", "run_eval", "TASKS", "get_task"]

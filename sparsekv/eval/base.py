@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..errors import ConfigError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DATA_ENV = "SPARSEKV_DATA_DIR"
 HAYSTACK_ENV = "SPARSEKV_HAYSTACK_DIR"
@@ -54,6 +56,16 @@ class TaskOptions:
     max_new_tokens: int | None = None
     prefill_tokens: int = 1024
 
+    def __post_init__(self):
+        if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
+            raise ConfigError("--max-new-tokens", "an integer >= 1 (or unset: the task's own)", self.max_new_tokens)
+        if not isinstance(self.prefill_tokens, int) or self.prefill_tokens < 1:
+            raise ConfigError("--prefill-tokens", "an integer >= 1", self.prefill_tokens)
+
+    def new_tokens(self, default: int) -> int:
+        """Tokens to generate: ``--max-new-tokens`` where given, else the task's ``default``."""
+        return default if self.max_new_tokens is None else self.max_new_tokens
+
 
 class Task:
     """A benchmark. ``lengths``/``depths`` say whether those grid axes mean something for it (None: the task
@@ -71,7 +83,7 @@ class Task:
         self.options = options
 
     def new_tokens(self) -> int:
-        return self.options.max_new_tokens or self.max_new_tokens
+        return self.options.new_tokens(self.max_new_tokens)
 
     def samples(self, tokenizer, length: int | None, depth: float | None, seed: int, count: int | None) -> list[Sample]:
         raise NotImplementedError

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..spec import budget_arg
+from ..methods import METHODS
 from .base import EvalError, TaskOptions
 from .runner import RESULTS, EvalSpec, run_eval
 from .tasks import TASKS
@@ -26,10 +28,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", required=True, help=f"one of: {', '.join(TASKS)}")
     p.add_argument("--methods", nargs="+", default=["dense", "quest"], metavar="SPEC",
-                   help="methods to compare: NAME or NAME:field=value,... (e.g. quest:per_query_head=true); "
-                        "default: dense quest")
-    p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS),
-                   help="token budgets for methods that take one (default: %(default)s)")
+                   help=f"methods to compare: NAME or NAME:FIELD=VALUE,... (e.g. quest:per_query_head=true) with "
+                        f"NAME one of: {', '.join(METHODS)}; default: dense quest")
+    p.add_argument("--budgets", nargs="+", type=budget_arg, default=list(DEFAULT_BUDGETS),
+                   help="token budgets for methods that take one: token counts, or fractions of the prompt such as "
+                        "0.1 (OmniKV) (default: %(default)s)")
     p.add_argument("--lengths", nargs="+", type=int, help="prompt lengths in tokens (generated tasks), window "
                    "length (perplexity) or truncation length (longbench); default: the task's")
     p.add_argument("--depths", nargs="+", type=float, help="needle depths in [0, 1] (passkey, niah)")
@@ -62,25 +65,26 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs ``sparsekv eval`` from parsed arguments; returns the exit status."""
-    options = TaskOptions(haystack_dir=args.haystack_dir, data=args.data, datasets=tuple(args.datasets),
-                          longbench_dir=args.longbench_dir, max_new_tokens=args.max_new_tokens,
-                          prefill_tokens=args.prefill_tokens)
-    spec = EvalSpec(task=args.task, methods=args.methods, budgets=args.budgets, lengths=args.lengths,
-                    depths=args.depths, seed=args.seed, limit=args.limit, model=args.model, dtype=args.dtype,
-                    device=args.device, out=args.out or f"eval_results/{args.task}", question_mode=args.question_mode,
-                    chat=args.chat, recall=args.recall, plots=not args.no_plots, options=options)
+    out = args.out or f"eval_results/{args.task}"
     try:
-        out = run_eval(spec, progress=not args.no_progress)
+        options = TaskOptions(haystack_dir=args.haystack_dir, data=args.data, datasets=tuple(args.datasets),
+                              longbench_dir=args.longbench_dir, max_new_tokens=args.max_new_tokens,
+                              prefill_tokens=args.prefill_tokens)
+        spec = EvalSpec(task=args.task, methods=args.methods, budgets=args.budgets, lengths=args.lengths,
+                        depths=args.depths, seed=args.seed, limit=args.limit, model=args.model, dtype=args.dtype,
+                        device=args.device, out=out, question_mode=args.question_mode, chat=args.chat,
+                        recall=args.recall, plots=not args.no_plots, options=options)
+        folder = run_eval(spec, progress=not args.no_progress)
     except (EvalError, ValueError) as e:
         print(f"sparsekv eval: error: {e}", file=sys.stderr)
-        if (Path(spec.out) / RESULTS).exists():
-            print(f"(finished runs are kept in {spec.out}/{RESULTS}; rerun to resume)", file=sys.stderr)
+        if (Path(out) / RESULTS).is_file():
+            print(f"(finished runs are kept in {out}/{RESULTS}; rerun to resume)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"\nsparsekv eval: interrupted; finished runs are kept in {spec.out}/{RESULTS}, rerun the same "
+        print(f"\nsparsekv eval: interrupted; finished runs are kept in {out}/{RESULTS}, rerun the same "
               f"command to resume", file=sys.stderr)
         return 130
-    table = out / f"{args.task}.md"
+    table = folder / f"{args.task}.md"
     if table.exists():
         print(table.read_text())
     return 0

@@ -70,10 +70,24 @@ class AIME(_Reasoning):
     name, folder, max_new_tokens = "aime", "aime24", 4096
 
 
+def held_out_essays() -> list[Path]:
+    """The essays the project's model was not trained on (``held_out`` in its ``training_args.json``), in the
+    haystack folder: the default text of the perplexity task, so that it measures language modelling rather than
+    memory."""
+    from ..models import DEFAULT_MODEL
+
+    record = require_path(Path(DEFAULT_MODEL) / "training_args.json", "the project's model's training record",
+                          "--data")
+    folder = data_dir() / "haystack" / "paul_graham_essays"
+    return [require_path(folder / name, "held-out essay", "--data") for name in json.loads(record.read_text())
+            ["held_out"]]
+
+
 class Perplexity(Task):
-    """Perplexity of windows of a text file (or of a folder of .txt files, joined; default: the haystack essays).
-    The first ``--prefill-tokens`` of each window are prefilled; every later token is fed through the decode path,
-    one per step, as PG19-style evaluations of sparse decoding do. Length = tokens per window."""
+    """Perplexity of windows of a text file (or of a folder of .txt files, joined; default: the essays the
+    project's model held out from training). The first ``--prefill-tokens`` of each window are prefilled; every
+    later token is fed through the decode path, one per step, as PG19-style evaluations of sparse decoding do.
+    Length = tokens per window."""
 
     name = "perplexity"
     metric = "perplexity"
@@ -82,16 +96,18 @@ class Perplexity(Task):
 
     def __init__(self, options):
         super().__init__(options)
-        self.path = require_path(options.data or data_dir() / "haystack" / "paul_graham_essays",
-                                 "perplexity text", "--data")
+        if options.data:
+            path = require_path(options.data, "perplexity text", "--data")
+            self.files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
+            if not self.files:
+                raise EvalError(f"perplexity: no .txt files in {path}")
+            self.path = str(path)
+        else:
+            self.files = held_out_essays()
+            self.path = f"the held-out essays ({', '.join(f.name for f in self.files)})"
 
     def _text(self) -> str:
-        if self.path.is_dir():
-            files = sorted(self.path.glob("*.txt"))
-            if not files:
-                raise EvalError(f"perplexity: no .txt files in {self.path}")
-            return "\n\n".join(f.read_text(errors="replace") for f in files)
-        return self.path.read_text(errors="replace")
+        return "\n\n".join(f.read_text(errors="replace") for f in self.files)
 
     def samples(self, tokenizer, length, depth, seed, count):
         prefill = self.options.prefill_tokens
@@ -161,7 +177,12 @@ class LongBench(Task):
         for name in self.datasets:
             template = self.prompts[name]
             head, tail = template.split("{context}", 1)
-            for i, row in enumerate(read_jsonl(self.folder / f"{name}.jsonl")[:count]):
+            path = self.folder / f"{name}.jsonl"
+            for i, row in enumerate(read_jsonl(path)[:count]):
+                missing = [k for k in ("context", "answers") if k not in row]
+                if missing:
+                    raise EvalError(f"{path}: row {i + 1} has no field {', '.join(missing)} (LongBench rows hold "
+                                    f"context, input, answers, all_classes); got {', '.join(row)}")
                 fields = {"context": row["context"], "input": row.get("input", "")}
                 question = tail.format(**fields)
                 q_tokens = len(tokenizer(question, add_special_tokens=False)["input_ids"])
@@ -169,7 +190,7 @@ class LongBench(Task):
                                            length - q_tokens - specials)
                 answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
                 out.append(Sample(context, question, {"answers": answers, "classes": row.get("all_classes")},
-                                  self.options.max_new_tokens or self.maxlens[name],
+                                  self.options.new_tokens(self.maxlens[name]),
                                   {"dataset": name, "row": i}))
         return out
 

@@ -1,4 +1,4 @@
-"""Loading the evaluated model and running one sample through it under a method.
+"""Running one sample through the evaluated model under a method.
 
 Batch size 1, greedy decoding in our own loop (not ``generate``), so that the question can be fed token by token
 through the decode path and each phase is timed separately.
@@ -8,38 +8,15 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 
 from .. import models
 from ..integrations import apply
 from ..methods.base import MethodConfig
+from ..models import LoadedModel
 from .base import EvalError, Sample, encode
 from .recall import RecallConfig
-
-@dataclass
-class LoadedModel:
-    model: object
-    tokenizer: object
-    name: str
-
-    @property
-    def max_positions(self) -> int | None:
-        return getattr(self.model.config, "max_position_embeddings", None)
-
-
-def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", log=print) -> LoadedModel:
-    """``spec``: a local model folder (``from_pretrained``, no downloads) or ``tiny:<arch>`` (a random-weight model
-    from ``sparsekv.tiny`` with the byte tokenizer). None: the project's trained model (``models.DEFAULT_MODEL``)."""
-    try:
-        if spec is None:
-            spec = models.default_model()
-            log(f"no --model given: using the project's trained model {spec}")
-        model, tokenizer = models.load_model(spec, models.resolve_device(device), models.resolve_dtype(dtype))
-    except (ValueError, FileNotFoundError) as err:
-        raise EvalError(f"--model {spec}: {err}") from None
-    return LoadedModel(model, tokenizer, spec)
 
 
 class Engine:
@@ -75,10 +52,7 @@ class Engine:
         return encode(self.tokenizer, text[:cut], text[cut:], special=False)
 
     def check_length(self, tokens: int) -> None:
-        limit = self.loaded.max_positions
-        if limit is not None and tokens > limit:
-            raise EvalError(f"context of {tokens} tokens (prompt plus new tokens) exceeds the model's maximum of "
-                            f"{limit} (max_position_embeddings); use smaller --lengths or --max-new-tokens")
+        models.check_context(self.model, tokens, "use smaller --lengths or --max-new-tokens")
 
     def _step(self, ids: list[int], cache):
         x = torch.tensor([ids], device=self.device)
@@ -137,12 +111,13 @@ class Engine:
                 **self._measures(session, t1 - t0, t2 - t1, len(ids) - prefill - 1, after_prompt)}
 
     def _measures(self, session, prefill_s: float, decode_s: float, steps: int, after_prompt: int) -> dict:
-        """Timings, decode statistics and memory. ``kv_resident_bytes``: the paged cache's resident bytes after the
-        prompt pass or at the end, whichever is larger (a prompt compressed within its own pass counts
+        """Timings, decode statistics and memory. ``kv_held_bytes``: keys and values of the tokens the cache holds
+        at the end; ``kv_resident_bytes``: the bytes it has allocated after the prompt pass or at the end, whichever
+        is larger (a prompt compressed within its own pass counts
         compressed; ``cuda_peak_bytes`` sees that transient too)."""
         out = {"prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
                "decode_tokens_per_s": round(steps / decode_s, 2) if steps > 0 and decode_s > 0 else None,
-               "kv": session.stats.summary(),
+               "kv": session.stats.summary(), "kv_held_bytes": session.cache.held_bytes(),
                "kv_resident_bytes": max(after_prompt, session.cache.resident_bytes())}
         if self.device.type == "cuda":
             out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)

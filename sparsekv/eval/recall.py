@@ -26,7 +26,7 @@ import torch
 
 from .. import kernels
 from ..cache import PagedLayer
-from ..methods.base import MethodConfig
+from ..methods.base import Method, MethodConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,28 +45,44 @@ class RecallConfig(MethodConfig):
     def name(self) -> str:
         return self.inner.name
 
-    def build(self, num_layers: int) -> "RecallProbe":
-        return RecallProbe(self, num_layers)
+    def check_model(self, num_layers: int) -> None:
+        self.inner.check_model(num_layers)
+
+    def method_class(self):
+        return RecallProbe
 
 
-class RecallProbe:
-    """The inner method plus the recall bookkeeping. Not a ``Method`` subclass on purpose: every hook other than
-    ``prefill`` and ``decode`` (including ones added to ``Method`` later) reaches the inner method unchanged."""
+class RecallProbe(Method):
+    """The inner method plus the recall bookkeeping. Every hook of ``Method`` is handed to the inner method,
+    ``prefill`` and ``decode`` with the bookkeeping around them (a test checks that none is left out)."""
 
     def __init__(self, config: RecallConfig, num_layers: int):
-        self.config = config
-        self.num_layers = num_layers
+        super().__init__(config, num_layers)
         self.inner = config.inner.build(num_layers)
+        self.max_pages = self.inner.max_pages
+        self.accepts_chunks = self.inner.accepts_chunks
         self.keys: dict[int, torch.Tensor] = {}  # layer -> (B, Hkv, T, D) every key seen, by position
         self.seen: dict[int, torch.Tensor] = {}  # layer -> (B, Hkv, T) bool
         self.total = torch.zeros(num_layers, dtype=torch.float64)
         self.steps = torch.zeros(num_layers, dtype=torch.long)
 
-    def __getattr__(self, name):
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
+    def reorder(self, index):
+        self.inner.reorder(index)
+
+    def resident_bytes(self):
+        return self.inner.resident_bytes()
+
+    def offloaded_bytes(self):
+        return self.inner.offloaded_bytes()
+
+    def select(self, layer_idx, q, layer, seq_len):
+        return self.inner.select(layer_idx, q, layer, seq_len)
+
+    def prefill_chunk(self, layer_idx, q, layer, plan, scale):
+        self.inner.prefill_chunk(layer_idx, q, layer, plan, scale)
+
+    def min_prompt_chunk(self):
+        return self.inner.min_prompt_chunk()
 
     def prefill(self, layer_idx, q, layer, plan, scale):
         self._remember(layer_idx, layer, int(max(plan.new_len)))  # before a compressing method drops any

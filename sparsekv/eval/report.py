@@ -23,6 +23,12 @@ def _fmt(v, digits: int = 3) -> str:
     return "-" if v is None else f"{v:.{digits}g}" if isinstance(v, float) else str(v)
 
 
+def _fmt_score(v, metric: str) -> str:
+    """Perplexities with two decimals whatever their size (3 significant digits would show 1.004 as "1" and
+    4770 as "4.77e+03"); other metrics as ``_fmt``."""
+    return f"{v:.2f}" if metric == "perplexity" and v is not None else _fmt(v)
+
+
 def group_by(records, *keys) -> dict:
     """Records grouped by the tuple of their values at ``keys``, in order of appearance within each group."""
     out = defaultdict(list)
@@ -57,21 +63,23 @@ def markdown(records: list[dict], task: str) -> str:
     head = ["method", *(("length " + str(n)) if n is not None else "all" for n in lengths)]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m, b in _order(records):
-        row = [_label(m, b)] + [_fmt(mean_of(r["score"] for r in cells.get((m, b, n), []))) for n in lengths]
+        row = [_label(m, b)] + [_fmt_score(mean_of(r["score"] for r in cells.get((m, b, n), [])), metric)
+                                for n in lengths]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Per run means: KV tokens attended per decode step and (layer, KV head), its share of the dense "
-              "context, resident KV cache bytes, decode tokens/s" + ", attention recall" * any(
+              "context, KV cache bytes of the tokens held and allocated, decode tokens/s" + ", attention recall" * any(
                   r.get("recall") for r in records) + ".", ""]
-    head = ["method", "runs", metric, "attended/step", "fraction", "KV MiB", "decode tok/s"]
+    head = ["method", "runs", metric, "attended/step", "fraction", "KV MiB held", "KV MiB allocated", "decode tok/s"]
     with_recall = any(r.get("recall") for r in records)
     head += ["recall"] if with_recall else []
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     by_method = group_by(records, "method", "budget")
     for m, b in _order(records):
         rs = by_method[(m, b)]
-        row = [_label(m, b), str(len(rs)), _fmt(mean_of(r["score"] for r in rs)),
+        row = [_label(m, b), str(len(rs)), _fmt_score(mean_of(r["score"] for r in rs), metric),
                _fmt(mean_of(r["kv"]["attended_per_head"] for r in rs), 4),
                _fmt(mean_of(r["kv"]["fraction"] for r in rs)),
+               _fmt(mean_of(r["kv_held_bytes"] / 2**20 if "kv_held_bytes" in r else None for r in rs)),
                _fmt(mean_of(r["kv_resident_bytes"] / 2**20 for r in rs)),
                _fmt(mean_of(r.get("decode_tokens_per_s") for r in rs))]
         if with_recall:

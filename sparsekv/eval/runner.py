@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..methods import METHODS
+from ..errors import ConfigError
 from ..methods.base import MethodConfig
+from ..models import LoadedModel, check_context, load_model
+from ..spec import build_config, takes_budget
 from .base import EvalError, Sample, TaskOptions
-from .engine import Engine, LoadedModel, load_model
+from .engine import Engine
 from .report import write_report
 from .tasks import get_task
 
@@ -29,57 +32,22 @@ class MethodRun:
     """One point of the method axis: the spec as the user wrote it, the budget (None if the method has none)."""
 
     label: str
-    budget: int | None
+    budget: int | float | None
     config: MethodConfig
 
 
-def _parse_value(raw: str, default, where: str):
-    if isinstance(default, bool):
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise EvalError(f"{where}: expected true or false, got {raw!r}")
-    for kind in (int, float):
-        if isinstance(default, kind):
-            try:
-                return kind(raw)
-            except ValueError:
-                raise EvalError(f"{where}: expected {kind.__name__}, got {raw!r}") from None
-    return raw
-
-
-def method_runs(specs: list[str], budgets: list[int] | None) -> list[MethodRun]:
-    """Configs for every method spec and budget. A spec is ``name`` or ``name:field=value,field=value`` (e.g.
-    ``quest:per_query_head=true,dense_layers=0``); methods with a ``token_budget`` field run once per budget."""
+def method_runs(specs: list[str], budgets: list[int | float] | None) -> list[MethodRun]:
+    """Configs for every method spec (``spec.build_config``'s syntax, e.g. ``quest:per_query_head=true``) and
+    budget: a method with a ``token_budget`` the spec leaves unset runs once per budget."""
     runs = []
     for spec in specs:
-        name, _, rest = spec.partition(":")
-        if name not in METHODS:
-            raise EvalError(f"unknown method {name!r}; methods: {', '.join(METHODS)}")
-        cls = METHODS[name]
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        overrides = {}
-        for item in filter(None, rest.split(",")):
-            key, eq, raw = item.partition("=")
-            if not eq or key not in fields:
-                raise EvalError(f"method spec {spec!r}: {item!r} is not field=value with a field of {name} "
-                                f"({', '.join(fields)})")
-            default = fields[key].default
-            overrides[key] = _parse_value(raw, None if default is dataclasses.MISSING else default,
-                                          f"{spec!r} field {key}")
-        if "token_budget" in fields and "token_budget" not in overrides:
-            if not budgets:
-                raise EvalError(f"method {name} needs --budgets (KV tokens attended per layer and KV head)")
-            points = [(b, {"token_budget": b}) for b in budgets]
-        else:
-            points = [(overrides.get("token_budget"), {})]
-        for budget, extra in points:
-            try:
-                config = cls(**overrides, **extra)
-            except (ValueError, TypeError) as e:
-                raise EvalError(f"method {spec!r} at budget {budget}: {e}") from None
-            runs.append(MethodRun(spec, budget, config))
+        if not takes_budget(spec):
+            config = build_config(spec)
+            runs.append(MethodRun(spec, getattr(config, "token_budget", None), config))
+            continue
+        if not budgets:
+            raise EvalError(f"method {spec} needs --budgets (KV tokens attended per layer and KV head)")
+        runs += [MethodRun(spec, budget, build_config(spec, budget)) for budget in budgets]
     return runs
 
 
@@ -89,7 +57,7 @@ class EvalSpec:
 
     task: str
     methods: list[str] = field(default_factory=lambda: ["dense", "quest"])
-    budgets: list[int] | None = None
+    budgets: list[int | float] | None = None
     lengths: list[int] | None = None
     depths: list[float] | None = None
     seed: int = 0
@@ -104,6 +72,14 @@ class EvalSpec:
     plots: bool = True
     options: TaskOptions = field(default_factory=TaskOptions)
 
+    def __post_init__(self):
+        if self.question_mode not in ("decode", "prefill"):
+            raise ConfigError("--question-mode", "decode or prefill", self.question_mode)
+        if self.chat not in ("auto", "on", "off"):
+            raise ConfigError("--chat", "auto, on or off", self.chat)
+        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
+            raise ConfigError("--limit", "an integer >= 1 (or unset: the task's default)", self.limit)
+
 
 def _axis(given, default, name: str, task: str, option: str) -> list:
     if default is None:
@@ -113,26 +89,55 @@ def _axis(given, default, name: str, task: str, option: str) -> list:
     return list(given) if given else list(default)
 
 
-def read_results(path: Path) -> list[dict]:
+def _parse_lines(path: Path) -> tuple[list[dict], list[int]]:
+    """The records of a results file and the numbers of its lines that are not whole records."""
     if not path.exists():
-        return []
-    records = []
+        return [], []
+    records, torn = [], []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
-                # A crash mid-write can leave a partial last line; that run is simply redone.
-                print(f"warning: {path}:{n} is not a complete record; ignoring it", file=sys.stderr)
+                torn.append(n)
+    return records, torn
+
+
+def read_results(path: Path) -> list[dict]:
+    """The whole records of a results file; lines cut short by a crash are warned about and skipped."""
+    records, torn = _parse_lines(path)
+    for n in torn:
+        print(f"warning: {path}:{n} is not a complete record; ignoring it", file=sys.stderr)
     return records
+
+
+def repair_results(path: Path, records: list[dict], torn: list[int], log=print) -> None:
+    """Rewrites a results file as its whole ``records``, without the lines ``torn`` that a crash cut short (said
+    once) and with every record ending its line, so that appends start on a line of their own."""
+    if torn or (path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n")):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in records), encoding="utf-8")
+        os.replace(tmp, path)
+        if torn:
+            log(f"{path}: removed {len(torn)} incomplete line(s) (line {', '.join(map(str, torn))}, a write cut "
+                f"short); those runs are redone")
+
+
+def check_out(out: Path) -> None:
+    """Refuses an output folder that cannot be written (a file of that name, no permission) before any work."""
+    if out.exists() and not out.is_dir():
+        raise EvalError(f"--out {out}: is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise EvalError(f"--out {out}: cannot create the folder ({err.strerror})") from None
+    target = out / RESULTS
+    if not os.access(out, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise EvalError(f"--out {out}: not writable")
 
 
 def run_eval(spec: EvalSpec, log=print, progress: bool = True, loaded: LoadedModel | None = None) -> Path:
     """Runs the grid of ``spec`` (skipping finished runs), writes the report; returns the output folder."""
-    if spec.question_mode not in ("decode", "prefill"):
-        raise EvalError(f"--question-mode must be decode or prefill, got {spec.question_mode!r}")
-    if spec.chat not in ("auto", "on", "off"):
-        raise EvalError(f"--chat must be auto, on or off, got {spec.chat!r}")
     task = get_task(spec.task, spec.options)
     lengths = _axis(spec.lengths, task.lengths, "length", task.name, "--lengths")
     depths = _axis(spec.depths, task.depths, "depth", task.name, "--depths")
@@ -140,25 +145,28 @@ def run_eval(spec: EvalSpec, log=print, progress: bool = True, loaded: LoadedMod
         if d is not None and not 0.0 <= d <= 1.0:
             raise EvalError(f"--depths must lie in [0, 1], got {d}")
     runs = method_runs(spec.methods, spec.budgets)
-    loaded = loaded or load_model(spec.model, spec.dtype, spec.device, log)
-    limit = loaded.max_positions
-    if limit is not None and lengths[0] is not None and max(lengths) + task.new_tokens() > limit:
-        raise EvalError(f"length {max(lengths)} plus {task.new_tokens()} new tokens exceeds the model's maximum of "
-                        f"{limit} tokens (max_position_embeddings); use smaller --lengths")
+    out = Path(spec.out)
+    check_out(out)
+    if loaded is None:
+        try:
+            loaded = load_model(spec.model, spec.device, spec.dtype, log)
+        except FileNotFoundError as err:
+            raise EvalError(f"--model {spec.model}: {err}") from None
+    if lengths[0] is not None:
+        check_context(loaded.model, max(lengths) + task.new_tokens(), "use smaller --lengths or --max-new-tokens")
     chat = spec.chat == "on" or (spec.chat == "auto" and bool(getattr(loaded.tokenizer, "chat_template", None)))
     settings = {"question_mode": spec.question_mode, "chat": chat, "recall": spec.recall,
                 "max_new_tokens": spec.options.max_new_tokens, "dtype": spec.dtype}
     if task.name == "perplexity":
         settings["prefill_tokens"] = spec.options.prefill_tokens
 
-    out = Path(spec.out)
-    out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS
-    previous = read_results(path)
+    previous, torn = _parse_lines(path)
     for rec in previous:
         if rec.get("task") == task.name and rec.get("settings") != settings:
             raise EvalError(f"{path} holds {task.name} runs made with settings {rec.get('settings')}, not "
                             f"{settings}; use another --out or the same options")
+    repair_results(path, previous, torn, log)
     done = {rec["key"] for rec in previous}
 
     count = spec.limit if spec.limit is not None else task.default_samples
@@ -181,8 +189,6 @@ def run_eval(spec: EvalSpec, log=print, progress: bool = True, loaded: LoadedMod
         engine.generate(Sample("Warm up. " * 16, " Go", None, 2))
     bar = _progress(len(todo), task.name, progress)
     with open(path, "a", encoding="utf-8") as f:
-        if f.tell() and not path.read_bytes().endswith(b"\n"):
-            f.write("\n")  # end a line cut by a crash, so the next record starts on its own line
         for key, length, depth, i, sample, run, engine in todo:
             result = task.run(engine, sample)
             record = {"key": key, "task": task.name, "model": loaded.name, "method": run.label,

@@ -221,7 +221,7 @@ class ArithChain(Task):
             context = (f"Compute step by step, modulo 100. rj is the result of step j. x = {x}.\nSteps:\n"
                        + "\n".join(ops))
             budget = len(tokenizer(solution, add_special_tokens=False)["input_ids"])
-            out.append(Sample(context, "\nWork:\n", results[-1], self.options.max_new_tokens or budget + budget // 5,
+            out.append(Sample(context, "\nWork:\n", results[-1], self.options.new_tokens(budget + budget // 5),
                               {"steps": length, "solution": solution}))
         return out
 

@@ -187,8 +187,13 @@ class SparseKVCache(Cache):
         self.pages = PagedKVCache(self.method.num_layers, self.method.config.page_size, self.method.max_pages)
         self.columns = 0
 
+    def held_bytes(self) -> int:
+        """KV bytes of the tokens the pages hold (``PagedKVCache.held_bytes``)."""
+        return self.pages.held_bytes()
+
     def resident_bytes(self) -> int:
-        """KV bytes on the cache's device: the pages plus the method's own state (e.g. OmniKV's subset buffers)."""
+        """KV bytes allocated on the cache's device: the pages with their growth room and metadata, plus the
+        method's own state (e.g. OmniKV's subset buffers)."""
         return self.pages.resident_bytes() + self.method.resident_bytes()
 
     def offloaded_bytes(self) -> int:
@@ -315,6 +320,9 @@ def apply(model, config: MethodConfig) -> Iterator[Session]:
     if not isinstance(config, MethodConfig):
         raise TypeError(f"config must be a sparsekv method config (e.g. QuestConfig), got {type(config).__name__}")
     _check_model(model)
+    if model.config._attn_implementation == ATTENTION_NAME:
+        raise ValueError("sparsekv.apply is already active on this model: nested apply is not supported; leave the "
+                         "outer with-block before applying another config")
     decoder = model.get_decoder()
     method = config.build(model.config.num_hidden_layers)
     session = Session(method, DecodeStats())
@@ -323,6 +331,11 @@ def apply(model, config: MethodConfig) -> Iterator[Session]:
 
     def pre_hook(module, args, kwargs):
         kwargs = dict(kwargs, **dict(zip(params, args)))
+        use_cache = kwargs.get("use_cache")
+        if use_cache is False or (use_cache is None and getattr(module.config, "use_cache", True) is False):
+            # Without a cache every generation step would be a dense prefill of the whole sequence.
+            raise ValueError("use_cache=False: sparsekv runs every pass through its cache; call with use_cache=True "
+                             "(set model.config.use_cache = True)")
         cache = kwargs.get("past_key_values")
         if not isinstance(cache, SparseKVCache) or cache.method is not method:
             if cache is not None and cache.get_seq_length() > 0:

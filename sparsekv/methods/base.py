@@ -12,12 +12,13 @@ import torch
 
 from .. import kernels
 from ..cache import AppendPlan, PagedLayer, check_page_size
+from ..errors import ConfigError
 
 
 def require(ok: bool, field: str, allowed: str, value) -> None:
-    """Raises the library's standard config error: the field, what is allowed, and what was given."""
+    """Raises ``ConfigError`` unless ``ok``: the field, what is allowed, and what was given."""
     if not ok:
-        raise ValueError(f"{field} must be {allowed}, got {value!r}")
+        raise ConfigError(field, allowed, value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,8 +34,17 @@ class MethodConfig:
     def name(self) -> str:
         return type(self).__name__.removesuffix("Config").lower()
 
+    def method_class(self) -> type["Method"]:
+        """The policy this config builds."""
+        raise NotImplementedError(f"{type(self).__name__} does not define method_class()")
+
+    def check_model(self, num_layers: int) -> None:
+        """Refuses fields that do not fit a model of ``num_layers`` layers (e.g. more dense layers than it has)."""
+
     def build(self, num_layers: int) -> "Method":
-        raise NotImplementedError(f"{type(self).__name__} does not define build()")
+        """The policy for a model of ``num_layers`` layers: the one way every config becomes its method."""
+        self.check_model(num_layers)
+        return self.method_class()(self, num_layers)
 
 
 class Method:

@@ -12,8 +12,8 @@ from .base import Method, MethodConfig, all_slots
 class DenseConfig(MethodConfig):
     """Attend to every cached token at every step."""
 
-    def build(self, num_layers: int) -> "Dense":
-        return Dense(self, num_layers)
+    def method_class(self):
+        return Dense
 
 
 class Dense(Method):

@@ -50,13 +50,9 @@ class EvictionConfig(MethodConfig):
     def min_budget(self) -> int:
         return 1
 
-    def method_class(self) -> type["EvictionMethod"]:
-        raise NotImplementedError(f"{type(self).__name__} does not define method_class()")
-
-    def build(self, num_layers: int) -> "EvictionMethod":
+    def check_model(self, num_layers: int) -> None:
         require(self.dense_layers <= num_layers, "dense_layers",
                 f"at most the model's {num_layers} layers", self.dense_layers)
-        return self.method_class()(self, num_layers)
 
 
 class EvictionMethod(Method):

@@ -13,14 +13,13 @@ tokens. Nothing is evicted: a token passed over now can be chosen at the next st
 
 ``offload=True`` keeps the sparse layers' prompt KV in host memory after the prompt (``HostKVStore``): at each
 filter layer the chosen tokens of every sparse layer of its group are gathered to the device as packed segments
-(one per token, all layers of the group) by one asynchronous gather while the wait layers run. The device then holds the fully attending layers' KV, the
-decode tokens and the subset buffers. Both modes run the same attention (chosen subset merged with the decode
-tokens), so they give the same outputs.
+(one per token, all layers of the group) by one asynchronous gather while the wait layers run. The device then
+holds the fully attending layers' KV, the decode tokens and the subset buffers. Both modes run the same attention
+(chosen subset merged with the decode tokens), so they give the same outputs.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -80,8 +79,18 @@ class OmniKVConfig(MethodConfig):
             return self.filter_layers
         return tuple(sorted({min(round(i * num_layers / PAPER_LAYERS), num_layers - 1) for i in PAPER_FILTER_LAYERS}))
 
-    def build(self, num_layers: int) -> "OmniKV":
-        return OmniKV(self, num_layers)
+    def check_model(self, num_layers: int) -> None:
+        self.layers_for(num_layers)
+
+    def method_class(self):
+        return OmniKV
+
+
+def prompt_budget(budget: int | float, prompt: int) -> int:
+    """Prompt tokens a sparse layer attends for a prompt of ``prompt`` tokens: ``budget`` tokens, or a float
+    fraction of the prompt rounded down (``int(fraction * prompt)``, as the official code does), at most the
+    prompt."""
+    return min(prompt, int(budget * prompt) if isinstance(budget, float) else budget)
 
 
 def selector_weights(selector: str, window: int, device=None) -> torch.Tensor:
@@ -145,7 +154,7 @@ class OmniKV(Method):
         if layer_idx == 0:
             budget = self.config.token_budget
             lengths = plan.new_len
-            rows = [min(n, math.ceil(budget * n) if isinstance(budget, float) else budget) for n in lengths]
+            rows = [prompt_budget(budget, n) for n in lengths]
             self.prompt_len = torch.tensor(lengths, device=device)
             self.per_row = torch.tensor(rows, device=device)
             self.k_max = max(max(rows), 1)

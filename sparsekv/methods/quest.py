@@ -35,10 +35,12 @@ class QuestConfig(MethodConfig):
         require(isinstance(self.dense_layers, int) and self.dense_layers >= 0,
                 "dense_layers", "an integer >= 0", self.dense_layers)
 
-    def build(self, num_layers: int) -> "Quest":
+    def check_model(self, num_layers: int) -> None:
         require(self.dense_layers <= num_layers, "dense_layers",
                 f"at most the model's {num_layers} layers", self.dense_layers)
-        return Quest(self, num_layers)
+
+    def method_class(self):
+        return Quest
 
 
 class Quest(Method):

@@ -74,8 +74,8 @@ class RaaSConfig(MethodConfig):
         """Pages of the budget reserved for prompt pages under ``prefill="quest"``."""
         return int(self.prefill_share * self.budget_pages)
 
-    def build(self, num_layers: int) -> "RaaS":
-        return RaaS(self, num_layers)
+    def method_class(self):
+        return RaaS
 
 
 def _is_real(x) -> bool:

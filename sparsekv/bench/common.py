@@ -1,0 +1,162 @@
+"""What the benchmarks share: published model shapes, one timer, and the JSON + markdown writer of their results."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder's shape: all a random-weight stand-in needs (speed does not depend on the weights)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    vocab: int
+    rope_theta: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def attention(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head dim)."""
+        return self.heads, self.kv_heads, self.head_dim
+
+
+SHAPES = {"llama3-8b": ModelShape(4096, 32, 32, 8, 14336, 128256, 500000.0),
+          "llama2-7b": ModelShape(4096, 32, 32, 32, 11008, 32000, 10000.0),
+          "tiny": ModelShape(256, 2, 4, 2, 512, 512, 10000.0)}
+
+
+def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int):
+    """A random-weight ``LlamaForCausalLM`` of ``SHAPES[name]``, built directly on ``device``, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if name not in SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {name!r}")
+    s = SHAPES[name]
+    config = LlamaConfig(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                         num_key_value_heads=s.kv_heads, intermediate_size=s.mlp, vocab_size=s.vocab,
+                         max_position_embeddings=max_positions, rope_theta=s.rope_theta)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.eval()
+
+
+@dataclass
+class Elapsed:
+    seconds: float = math.nan
+
+
+class Timer:
+    """Times on the device: CUDA events on the GPU, the host clock on the CPU. ``region`` times one block;
+    ``eager`` and ``graph`` give the median milliseconds of a callable over ``reps`` runs after ``warmup``."""
+
+    def __init__(self, device: torch.device, reps: int = 30, warmup: int = 3):
+        self.cuda = device.type == "cuda"
+        self.reps, self.warmup = reps, warmup
+
+    @contextmanager
+    def region(self) -> Iterator[Elapsed]:
+        """``with timer.region() as t: ...`` sets ``t.seconds`` when the block and its device work are done."""
+        elapsed = Elapsed()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield elapsed
+            end.record()
+            end.synchronize()
+            elapsed.seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            yield elapsed
+            elapsed.seconds = time.perf_counter() - t0
+
+    def eager(self, fn: Callable[[], object], reps: int | None = None) -> float:
+        for _ in range(self.warmup):
+            fn()
+        return self._median(fn, reps or self.reps)
+
+    def graph(self, fn: Callable[[], object], reps: int | None = None) -> float:
+        """Median of CUDA-graph replays of ``fn`` (NaN on the CPU)."""
+        if not self.cuda:
+            return math.nan
+        for _ in range(2):  # compiles and autotunes outside the capture
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        ms = self._median(graph.replay, reps or self.reps)
+        del graph
+        return ms
+
+    def _median(self, fn, reps: int) -> float:
+        if not self.cuda:
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
+            return statistics.median(times)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        torch.cuda.synchronize()
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def copy_bandwidth(device: torch.device, timer: Timer) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    n = 2**30 if device.type == "cuda" else 2**22
+    src = torch.randn(n // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = timer.eager(lambda: dst.copy_(src), reps=30)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+# A markdown column: header, the row's key or a function of the row, and the format of a value (None prints "-").
+Column = tuple[str, "str | Callable[[dict], object]", str]
+
+
+def markdown_table(columns: list[Column], rows: list[dict]) -> list[str]:
+    """The lines of a markdown table of ``rows``; a missing key or a None value prints "-"."""
+    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + " --- |" * len(columns)]
+    for r in rows:
+        cells = []
+        for _, get, fmt in columns:
+            value = get(r) if callable(get) else r.get(get)
+            cells.append("-" if value is None else fmt.format(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_results(out: Path, tag: str, meta: dict, rows: list[dict], markdown: list[str] | None = None,
+                  **extra) -> None:
+    """Writes ``out/tag.json`` ({"meta", "rows", **extra}) and, given its lines, ``out/tag.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows, **extra}, indent=1))
+    if markdown is not None:
+        (out / f"{tag}.md").write_text("\n".join(markdown) + "\n")

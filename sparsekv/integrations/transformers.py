@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .. import kernels
+from .. import kernels, parallel
 from ..cache import PagedKVCache
 from ..methods.base import Method, MethodConfig, all_slots
 
@@ -35,13 +35,16 @@ SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"
 @dataclass
 class DecodeStats:
     """KV tokens attended in decode steps, summed over layers, sequences and KV heads (selection rows for
-    per-query-head methods are normalised to KV heads). ``context`` is what dense attention would have read."""
+    per-query-head methods are normalised to KV heads). ``context`` is what dense attention would have read.
+    Under tensor parallelism the sums and ``per_layer`` cover this process's KV heads; ``summary`` adds up those of
+    every process of ``tp_group``."""
 
     steps: int = 0
     attended: torch.Tensor | None = None
     context: torch.Tensor | None = None
     rows: int = 0  # (layer, sequence, KV head) triples summed per step
     per_layer: dict[int, torch.Tensor] = field(default_factory=dict)
+    tp_group: object = None  # the process group sharing the heads (sparsekv.parallel), None when not split
 
     def add(self, layer_idx: int, attended: torch.Tensor, seq_len: torch.Tensor, kv_heads: int) -> None:
         """attended: (B, Hs) tokens per selection row; seq_len: (B,)."""
@@ -55,10 +58,15 @@ class DecodeStats:
             self.steps += 1
 
     def summary(self) -> dict:
-        """Means per decode step and (layer, sequence, KV head): tokens attended, dense context, their ratio."""
+        """Means per decode step and (layer, sequence, KV head): tokens attended, dense context, their ratio.
+        Under tensor parallelism the means run over every process's heads: a collective, which every process of
+        ``tp_group`` calls."""
         if not self.rows:
             return {"decode_steps": 0, "attended_per_head": 0.0, "context_per_head": 0.0, "fraction": 0.0}
-        att, ctx = float(self.attended) / self.rows, float(self.context) / self.rows
+        sums = torch.tensor([float(self.attended), float(self.context), self.rows], dtype=torch.float64,
+                            device=self.attended.device)
+        attended, context, rows = parallel.all_reduce_sum(sums, self.tp_group).tolist()
+        att, ctx = attended / rows, context / rows
         return {"decode_steps": self.steps, "attended_per_head": att, "context_per_head": ctx,
                 "fraction": att / ctx if ctx else 0.0}
 
@@ -252,7 +260,8 @@ def apply(model, config: MethodConfig) -> Iterator[Session]:
     _check_model(model)
     decoder = model.get_decoder()
     method = config.build(model.config.num_hidden_layers)
-    session = Session(method, DecodeStats())
+    method.tp_group = parallel.head_group(model)
+    session = Session(method, DecodeStats(tp_group=method.tp_group))
     window = _sliding_window(model.config)
     params = list(inspect.signature(decoder.forward).parameters)
 

@@ -49,12 +49,13 @@ quest_select = _dispatch("quest_select")
 sparse_decode = _dispatch("sparse_decode")
 attend = _dispatch("attend")
 attend_with_weights = _dispatch("attend_with_weights")
-window_token_scores = _dispatch("window_token_scores")
+window_token_maxima = _dispatch("window_token_maxima")
 sparse_decode_tokens = _dispatch("sparse_decode_tokens")
 append_token = _dispatch("append_token")
 count_attended = reference.count_attended
 merge_attention = reference.merge_attention
+weigh_window = reference.weigh_window
 
 __all__ = ["page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",
-           "window_token_scores", "sparse_decode_tokens", "append_token", "count_attended", "merge_attention",
-           "reference", "FAST"]
+           "window_token_maxima", "weigh_window", "sparse_decode_tokens", "append_token", "count_attended",
+           "merge_attention", "reference", "FAST"]

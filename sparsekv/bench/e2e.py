@@ -35,12 +35,14 @@ SHAPES = {"llama3-8b": (4096, 32, 32, 8, 14336, 128256, 500000.0),
           "llama2-7b": (4096, 32, 32, 32, 11008, 32000, 10000.0)}
 
 
-def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int):
+def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int, layers: int | None = None):
+    """A random-weight model of the published shape ``name``, with its first ``layers`` layers only if given."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if name not in SHAPES:
         raise ValueError(f"--model shape:<name>: name must be one of {', '.join(SHAPES)}, got {name!r}")
-    hidden, layers, heads, kv, mlp, vocab, theta = SHAPES[name]
+    hidden, all_layers, heads, kv, mlp, vocab, theta = SHAPES[name]
+    layers = all_layers if layers is None else layers
     config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv, intermediate_size=mlp, vocab_size=vocab,
                          max_position_embeddings=max_positions, rope_theta=theta)

@@ -25,10 +25,13 @@ import shutil
 import sys
 import tempfile
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
 
 from .. import apply
 from ..methods import (DenseConfig, H2OConfig, MethodConfig, OmniKVConfig, QuestConfig, RaaSConfig, SnapKVConfig,
@@ -77,14 +80,17 @@ def prompts(vocab: int, batch: int, context: int, seed: int, device: torch.devic
 
 
 def generate_all(model, configs: dict[str, MethodConfig], ids, mask, new_tokens: int) -> dict[str, dict]:
-    """Per run, the model's own attention (``CONTROL``) and each config: greedy ``tokens`` (B, new_tokens) as lists
-    and the decode statistics' ``summary`` (None for the control)."""
+    """Per run, the model's own attention (``CONTROL``) and each config: greedy ``tokens`` (B, new_tokens) as lists,
+    ``margins`` (B, new_tokens), the gap between the two highest logits at each step (how near a tie the choice
+    was), and the decode statistics' ``summary`` (None for the control)."""
     out = {}
     for name, config in {CONTROL: None, **configs}.items():
         with torch.no_grad(), (nullcontext() if config is None else apply(model, config)) as session:
-            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                    do_sample=False)
-        out[name] = {"tokens": tokens[:, ids.shape[1]:].tolist(),
+            result = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                    do_sample=False, return_dict_in_generate=True, output_logits=True)
+        top2 = torch.stack(result.logits, dim=1).float().topk(2, dim=-1).values  # (B, new_tokens, 2)
+        out[name] = {"tokens": result.sequences[:, ids.shape[1]:].tolist(),
+                     "margins": (top2[..., 0] - top2[..., 1]).tolist(),
                      "stats": None if session is None else session.stats.summary()}
     return out
 
@@ -109,20 +115,35 @@ def build_model(spec: str, layers: int | None, dtype: torch.dtype, max_positions
     model.save_pretrained(folder)
 
 
+def near_tie(a: dict, b: dict) -> str:
+    """Where two runs' tokens first part, per row: the step and both runs' gaps between their two highest logits
+    there (a gap near the logits' rounding error means that the arithmetic, not the selection, decided)."""
+    parts = []
+    for row, (x, y) in enumerate(zip(a["tokens"], b["tokens"])):
+        step = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None)
+        if step is not None:
+            parts.append(f"row {row} from step {step}, top-2 logit gaps {a['margins'][row][step]:.3g} and "
+                         f"{b['margins'][row][step]:.3g}")
+    return "; ".join(parts)
+
+
 def check(reference: dict[str, dict], ranks: list[dict[str, dict]]) -> list[str]:
     """Mismatches of the tensor-parallel runs (one dict per process) against one process (tokens and decode
     statistics), and of the budgets covering the context against dense in the same layout."""
-    errors = [f"process {r} generated other tokens than process 0" for r, got in enumerate(ranks) if got != ranks[0]]
+    errors = [f"process {r}: {name} generated other tokens than on process 0" for r, runs in enumerate(ranks)
+              for name, run in runs.items() if run["tokens"] != ranks[0][name]["tokens"]]
     got = ranks[0]
     for name, run in got.items():
-        for key in ("tokens", "stats"):
-            if run[key] != reference[name][key]:
-                errors.append(f"{name}: {key} {run[key]} under tensor parallelism, {reference[name][key]} in one "
-                              "process")
+        if run["tokens"] != reference[name]["tokens"]:
+            errors.append(f"{name}: tokens {run['tokens']} under tensor parallelism, {reference[name]['tokens']} in "
+                          f"one process ({near_tie(reference[name], run)})")
+        if run["stats"] != reference[name]["stats"]:
+            errors.append(f"{name}: statistics {run['stats']} under tensor parallelism, {reference[name]['stats']} "
+                          "in one process")
         for layout, runs in (("one process", reference), ("tensor parallelism", got)):
             if name.endswith("-full") and runs[name]["tokens"] != runs["dense"]["tokens"]:
                 errors.append(f"{name}: {runs[name]['tokens']} differs from dense {runs['dense']['tokens']} in "
-                              f"{layout}")
+                              f"{layout} ({near_tie(runs['dense'], runs[name])})")
     return errors
 
 
@@ -150,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    # transformers would start the process group itself; it is started first here to share the model folder.
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    # transformers would start the process group itself; it is started first here to share the model folder. The
+    # other processes wait while the first runs alone: longer than the default timeout at long contexts.
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+                            timeout=timedelta(hours=1))
     dtype = resolve_dtype(args.dtype or ("bfloat16" if cuda else "float32"))
     batch = args.batch or (1 if cuda else 2)
     new_tokens = args.new_tokens or (16 if cuda else 6)
@@ -166,9 +189,6 @@ def main(argv: list[str] | None = None) -> int:
         if built and rank == 0:
             build_model(args.model, args.layers, dtype, args.context + new_tokens, device, Path(folder))
         dist.barrier()
-        from transformers import AutoModelForCausalLM
-        from transformers.distributed import DistributedConfig
-
         reference = None
         if rank == 0:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
@@ -178,14 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
                                                      distributed_config=DistributedConfig(tp_plan="auto")).eval()
-        ids, mask = prompts(model.config.vocab_size, batch, args.context, args.seed, device)
-        got = generate_all(model, configs, ids, mask, new_tokens)
-        ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, got)
+        dist.barrier()  # every process has read the folder
     finally:
-        dist.barrier()
         if built and rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
+    ids, mask = prompts(model.config.vocab_size, batch, args.context, args.seed, device)
+    got = generate_all(model, configs, ids, mask, new_tokens)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, got)
     if rank != 0:
         dist.destroy_process_group()
         return 0

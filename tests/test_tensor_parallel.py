@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
+from sparsekv import parallel
 from sparsekv.bench.tp import CONTROL
+from sparsekv.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +26,7 @@ def test_two_processes_give_the_one_process_tokens(tmp_path):
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "sparsekv.bench.tp", "--model", "tiny:llama", "--context", "48", "--new-tokens", "6",
-           "--device", "cpu", "--out", str(out)]
+           "--out", str(out)]
     run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -35,3 +38,11 @@ def test_two_processes_give_the_one_process_tokens(tmp_path):
             # The small budgets change the tokens, so the equality above covers real selections.
             assert run["tokens"] != runs["dense"]["tokens"], name
             assert run["stats"]["fraction"] < 1.0, name
+
+
+def test_one_process_has_no_head_group():
+    assert parallel.head_group(tiny_model()) is None
+    assert parallel.size(None) == 1
+    t = torch.tensor([1.0, -2.0])
+    assert parallel.all_reduce_sum(t, None) is t and parallel.all_reduce_max(t, None) is t
+    assert t.tolist() == [1.0, -2.0]

@@ -1,15 +1,16 @@
 """Tokens under transformers' tensor parallelism against one process, for every method.
 
-    torchrun --nproc-per-node 2 -m sparsekv.bench.tp --model tiny:llama --context 48 --device cpu
+    torchrun --nproc-per-node 2 -m sparsekv.bench.tp --model tiny:llama --context 48
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         torchrun --nproc-per-node 2 -m sparsekv.bench.tp --model shape:llama3-8b --layers 4 --context 8192
 
-Every process loads the model with ``tp_plan="auto"`` (each holds 1/N of every layer's heads) and generates greedily
-with every method, each at a budget below the context and at one covering it; the first process also runs the
-unsharded model alone on its device. Each run's tokens must equal the one-process run's, and a budget covering the
-context must give the dense tokens of the same run. ``transformers`` (the model's own attention, no sparsekv) is the
-control: where it differs from one process, so does the arithmetic of the sharded model itself (in bf16 the
-row-parallel projections' partial sums are rounded before their all-reduce), and the other rows can differ for that
+One process per GPU (NCCL), or CPU processes on a machine without one (gloo). Every process loads the model with
+``tp_plan="auto"`` (each holds 1/N of every layer's heads) and generates greedily with every method, each at a budget
+below the context and at one covering it; the first process also runs the unsharded model alone on its device. Each
+run's tokens and decode statistics must equal the one-process run's, and a budget covering the context must give
+the dense tokens of the same layout. ``transformers`` (the model's own attention, no sparsekv) is the control: where
+it differs from one process, so does the arithmetic of the sharded model itself (in bf16 the row-parallel
+projections' partial sums are rounded before their all-reduce), and the other rows can differ for that
 reason alone. Exits 1 on a mismatch; ``--out`` gets the tokens as JSON.
 
 ``tiny:<arch>`` and ``shape:<name>`` models get random weights (seeded) and are saved to a temporary folder that
@@ -157,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 6 on CPU, 16 on CUDA")
     parser.add_argument("--page-size", type=int, default=None, help="default: 4 below 1024 tokens of context, "
                                                                     "else 16")
-    parser.add_argument("--device", default="auto", help="cpu (gloo) or cuda (NCCL); auto: cuda when available")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the tokens as JSON here (process 0)")
@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("start it with torchrun --nproc-per-node N (N >= 2)")
     check_spec(args.model)
 
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    # transformers shards the model over the machine's accelerator whenever there is one.
+    cuda = torch.cuda.is_available()
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:

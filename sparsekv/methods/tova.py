@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .. import parallel
 from .eviction import EvictionConfig, EvictionMethod, prompt_attention
 
@@ -32,7 +34,9 @@ class TOVA(EvictionMethod):
         """(B, H, C + 1) weights -> (B, Hkv, C + 1), their mean over all heads of the layer (those of every process
         under tensor parallelism) for every KV head. Slot ``j`` holds the same token in every head, because every
         head has dropped the same tokens."""
-        total = parallel.all_reduce_sum(weights.sum(dim=1, keepdim=True), self.tp_group)
+        # Summed in float64, where the sum of a few dozen weights is (almost always) exact: the mean then does not
+        # depend on how the heads are split over processes, and neither do the near ties among evicted tokens.
+        total = parallel.all_reduce_sum(weights.sum(dim=1, keepdim=True, dtype=torch.float64), self.tp_group)
         return (total / (weights.shape[1] * parallel.size(self.tp_group))).expand(-1, kv_heads, -1)
 
     def prompt_score(self, layer_idx, q, layer, plan, scale):

@@ -10,7 +10,7 @@ from sparsekv.kernels import reference as ref
 
 B, H, HKV, D, P = 2, 4, 2, 8, 4
 OPS = ("page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",
-       "window_token_scores", "sparse_decode_tokens", "append_token")
+       "window_token_maxima", "sparse_decode_tokens", "append_token")
 
 
 def filled_layer(dtype=torch.float32, lengths=(11, 6), seed=0, device="cpu"):
@@ -45,9 +45,8 @@ def op_args(dtype=torch.float32):
         "sparse_decode": (q, layer.k, layer.v, layer.slot_page, slots, seq_len, 0.3),
         "attend": (q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots, q_pos, 0.3),
         "attend_with_weights": (q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots, q_pos, 0.3),
-        "window_token_scores": (torch.randn(B, H, 3, D, generator=g).to(dtype), k_flat, key_pos,
-                                torch.stack([seq_len - 3, seq_len - 2, seq_len - 1], 1), seq_len - 1,
-                                torch.tensor([0.2, 0.3, 0.5]), 0.3),
+        "window_token_maxima": (torch.randn(B, H, 3, D, generator=g).to(dtype), k_flat, key_pos,
+                                torch.stack([seq_len - 3, seq_len - 2, seq_len - 1], 1), seq_len - 1, 0.3),
         "sparse_decode_tokens": (q, k_flat, v_flat, tokens, 0.3),
         "append_token": (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot, seq_len,
                          k_new, v_new, False),

@@ -42,16 +42,17 @@ SHAPES = {"llama3-8b": ModelShape(4096, 32, 32, 8, 14336, 128256, 500000.0),
           "tiny": ModelShape(256, 2, 4, 2, 512, 512, 10000.0)}
 
 
-def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int):
-    """A random-weight ``LlamaForCausalLM`` of ``SHAPES[name]``, built directly on ``device``, in eval mode."""
+def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int, layers: int | None = None):
+    """A random-weight ``LlamaForCausalLM`` of ``SHAPES[name]`` (its first ``layers`` layers only, if given), built
+    directly on ``device``, in eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if name not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {name!r}")
     s = SHAPES[name]
-    config = LlamaConfig(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-                         num_key_value_heads=s.kv_heads, intermediate_size=s.mlp, vocab_size=s.vocab,
-                         max_position_embeddings=max_positions, rope_theta=s.rope_theta)
+    config = LlamaConfig(hidden_size=s.hidden, num_hidden_layers=s.layers if layers is None else layers,
+                         num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, intermediate_size=s.mlp,
+                         vocab_size=s.vocab, max_position_embeddings=max_positions, rope_theta=s.rope_theta)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
     return model.eval()

@@ -23,7 +23,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .. import kernels
+from .. import kernels, parallel
 from ..cache import AppendPlan, PagedKVCache, PagedLayer
 from ..methods.base import Method, MethodConfig, all_slots
 
@@ -38,12 +38,14 @@ class DecodeStats:
 
     The sums are device tensors updated in place, so a captured decode step keeps adding to them at every replay
     (two small kernels per layer: statistics must not cost the step); the host counters (``steps``, ``rows``) are
-    advanced for replays by ``replayed``."""
+    advanced for replays by ``replayed``. Under tensor parallelism the sums and ``per_layer`` cover this process's
+    KV heads; ``summary`` adds up those of every process of ``tp_group``."""
 
     steps: int = 0
     context: torch.Tensor | None = None
     rows: int = 0  # (layer, sequence, KV head) triples summed per step
     per_layer: dict[int, torch.Tensor] = field(default_factory=dict)
+    tp_group: object = None  # the process group sharing the heads (sparsekv.parallel), None when not split
 
     def add(self, layer_idx: int, attended: torch.Tensor, seq_len: torch.Tensor, kv_heads: int,
             num_layers: int) -> None:
@@ -69,11 +71,15 @@ class DecodeStats:
         self.rows += steps * rows_per_step
 
     def summary(self) -> dict:
-        """Means per decode step and (layer, sequence, KV head): tokens attended, dense context, their ratio."""
+        """Means per decode step and (layer, sequence, KV head): tokens attended, dense context, their ratio.
+        Under tensor parallelism the means run over every process's heads: a collective, which every process of
+        ``tp_group`` calls."""
         if not self.rows:
             return {"decode_steps": 0, "attended_per_head": 0.0, "context_per_head": 0.0, "fraction": 0.0}
-        attended = float(sum(self.per_layer.values()))
-        att, ctx = attended / self.rows, float(self.context) / self.rows
+        sums = torch.tensor([float(sum(self.per_layer.values())), float(self.context), self.rows],
+                            dtype=torch.float64, device=self.context.device)
+        attended, context, rows = parallel.all_reduce_sum(sums, self.tp_group).tolist()
+        att, ctx = attended / rows, context / rows
         return {"decode_steps": self.steps, "attended_per_head": att, "context_per_head": ctx,
                 "fraction": att / ctx if ctx else 0.0}
 
@@ -325,7 +331,8 @@ def apply(model, config: MethodConfig) -> Iterator[Session]:
                          "outer with-block before applying another config")
     decoder = model.get_decoder()
     method = config.build(model.config.num_hidden_layers)
-    session = Session(method, DecodeStats())
+    method.tp_group = parallel.head_group(model)
+    session = Session(method, DecodeStats(tp_group=method.tp_group))
     window = _sliding_window(model.config)
     params = list(inspect.signature(decoder.forward).parameters)
 

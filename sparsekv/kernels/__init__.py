@@ -126,8 +126,8 @@ def _sparse_decode_fake(q, k, v, slot_page, slots, seq_len, scale):
     return q.new_empty(q.shape)
 
 
-def _window_token_scores_fake(q, k, key_pos, q_pos, limit, weight, scale):
-    return q.new_empty(q.shape[0], k.shape[2], dtype=reference.acc_dtype(q.dtype))
+def _window_token_maxima_fake(q, k, key_pos, q_pos, limit, scale):
+    return q.new_empty(q.shape[0], q.shape[2], k.shape[2], dtype=reference.acc_dtype(q.dtype))
 
 
 def _sparse_decode_tokens_fake(q, k, v, tokens, scale):
@@ -145,7 +145,7 @@ quest_select = _register("quest_select", _quest_select_fake)
 sparse_decode = _register("sparse_decode", _sparse_decode_fake)
 attend = _register("attend", _attend_fake)
 attend_with_weights = _register("attend_with_weights", _attend_with_weights_fake)
-window_token_scores = _register("window_token_scores", _window_token_scores_fake)
+window_token_maxima = _register("window_token_maxima", _window_token_maxima_fake)
 sparse_decode_tokens = _register("sparse_decode_tokens", _sparse_decode_tokens_fake)
 append_token = _register("append_token", _append_token_fake,
                          mutates=("k", "v", "kmin", "kmax", "slot_page", "cur_slot"))
@@ -171,7 +171,9 @@ def _compiled_on_cuda(fn: Callable) -> Callable:
 
 count_attended = _compiled_on_cuda(reference.count_attended)
 merge_attention = reference.merge_attention
+weigh_window = reference.weigh_window
+weigh_window = reference.weigh_window
 
 __all__ = ["page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",
-           "window_token_scores", "sparse_decode_tokens", "append_token", "count_attended", "merge_attention",
-           "observe", "reference"]
+           "window_token_maxima", "weigh_window", "sparse_decode_tokens", "append_token", "count_attended",
+           "merge_attention", "observe", "reference"]

@@ -127,17 +127,17 @@ def count_attended(slot_page: torch.Tensor, slots: torch.Tensor, seq_len: torch.
     return torch.where(page >= 0, n, 0).sum(-1)
 
 
-def window_token_scores(q: torch.Tensor, k: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor,
-                        limit: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
-    """OmniKV's token scores: for each stored token, the weighted sum over a window of queries of the max over
-    query heads of its softmax attention probability.
+def window_token_maxima(q: torch.Tensor, k: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor,
+                        limit: torch.Tensor, scale: float) -> torch.Tensor:
+    """OmniKV's per-query token scores: for each window query and stored token, the max over query heads of the
+    query's softmax attention probability (``weigh_window`` sums them into the token scores; heads split over
+    processes take the max over all of them first).
 
     q: (B, H, W, D) window queries; k: (B, Hkv, N, D) a flat token store (a paged layer's ``k.flatten(2, 3)``);
     key_pos: (B, N) position of each stored token, -1 where none (the same for every KV head: layers that never
     evict); q_pos: (B, W) position of each window query, -1 for an empty entry; limit: (B,) the candidates are the
-    tokens at positions < limit (the prompt); weight: (W,) the weight of each window entry.
-    A query's softmax runs over the candidates at positions <= its own. Returns (B, N) float32 (float64 for float64
-    inputs), -inf for tokens that are not candidates.
+    tokens at positions < limit (the prompt). A query's softmax runs over the candidates at positions <= its own.
+    Returns (B, W, N) float32 (float64 for float64 inputs), -inf for tokens that are not candidates.
     """
     b, h, w, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
@@ -146,8 +146,14 @@ def window_token_scores(q: torch.Tensor, k: torch.Tensor, key_pos: torch.Tensor,
     cand = (key_pos >= 0) & (key_pos < limit.view(b, 1))  # (B, N)
     ok = cand.view(b, 1, 1, 1, n) & (key_pos.view(b, 1, 1, 1, n) <= q_pos.view(b, 1, 1, w, 1))
     probs = torch.softmax(logits.masked_fill(~ok, float("-inf")), dim=-1).nan_to_num(0.0)
-    score = (probs.flatten(1, 2).amax(dim=1) * weight.to(acc).view(1, w, 1)).sum(dim=1)  # (B, N)
-    return score.masked_fill(~cand, float("-inf"))
+    return probs.flatten(1, 2).amax(dim=1).masked_fill(~cand.view(b, 1, n), float("-inf"))
+
+
+def weigh_window(maxima: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """OmniKV's token scores from the window maxima (B, W, N) of ``window_token_maxima``: the sum over the window
+    of ``weight`` (W,) (positive) times each query's maxima. Returns (B, N), -inf for tokens that are not
+    candidates."""
+    return (maxima * weight.to(maxima.dtype).view(1, -1, 1)).sum(dim=1)
 
 
 def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor,

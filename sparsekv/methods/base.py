@@ -53,10 +53,14 @@ class Method:
     ``max_pages``: cap on page slots per (sequence, KV head) the cache may hold (None: grows with the context).
     ``accepts_chunks``: False for methods whose state follows every token after the prompt, so that a multi-token
     pass after it is refused rather than attended without them.
+    ``tp_group``: the process group over which tensor parallelism splits every layer's heads (``apply`` sets it from
+    the model, see ``sparsekv.parallel``), None when they are not split. The tensors a method sees hold this
+    process's heads only; a decision over all heads of a layer reduces over ``tp_group``.
     """
 
     max_pages: int | None = None
     accepts_chunks: bool = True
+    tp_group = None
 
     def __init__(self, config: MethodConfig, num_layers: int):
         self.config = config

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kernels
+from .. import kernels, parallel
 from ..cache.host_store import HostKVStore
 from .base import Method, MethodConfig, all_slots, require
 
@@ -238,8 +238,9 @@ class OmniKV(Method):
         wpos.copy_(torch.cat([wpos[:, 1:], (seq_len - 1).unsqueeze(1)], dim=1))
         # The layer never evicts, so its flat token index is the position and every KV head holds the same tokens.
         key_pos = layer.token_position()[:, 0].flatten(1)
-        scores = kernels.window_token_scores(wq, layer.k.flatten(2, 3), key_pos, wpos, self.prompt_len, self.weight,
-                                             scale)
+        maxima = kernels.window_token_maxima(wq, layer.k.flatten(2, 3), key_pos, wpos, self.prompt_len, scale)
+        # The max over heads spans every process's heads, and comes before the window's weighted sum.
+        scores = kernels.weigh_window(parallel.all_reduce_max(maxima, self.tp_group), self.weight)
         self.tokens[f].copy_(top_tokens(scores, self.per_row, self.k_max))
         if self.config.offload and self.group[f]:
             self.stores[f].fetch(self.tokens[f])

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from .. import parallel
 from .eviction import EvictionConfig, EvictionMethod, prompt_attention
 
 
@@ -27,11 +30,14 @@ class TOVAConfig(EvictionConfig):
 class TOVA(EvictionMethod):
     config: TOVAConfig
 
-    @staticmethod
-    def head_mean(weights, kv_heads: int):
-        """(B, H, C + 1) weights -> (B, Hkv, C + 1), their mean over all heads for every KV head. Slot ``j`` holds
-        the same token in every head, because every head has dropped the same tokens."""
-        return weights.mean(dim=1, keepdim=True).expand(-1, kv_heads, -1)
+    def head_mean(self, weights, kv_heads: int):
+        """(B, H, C + 1) weights -> (B, Hkv, C + 1), their mean over all heads of the layer (those of every process
+        under tensor parallelism) for every KV head. Slot ``j`` holds the same token in every head, because every
+        head has dropped the same tokens."""
+        # Summed in float64, where the sum of a few dozen weights is (almost always) exact: the mean then does not
+        # depend on how the heads are split over processes, and neither do the near ties among evicted tokens.
+        total = parallel.all_reduce_sum(weights.sum(dim=1, keepdim=True, dtype=torch.float64), self.tp_group)
+        return (total / (weights.shape[1] * parallel.size(self.tp_group))).expand(-1, kv_heads, -1)
 
     def prompt_score(self, layer_idx, q, layer, plan, scale):
         return self.head_mean(prompt_attention(q, layer, plan, scale, last=1), layer.k.shape[1])

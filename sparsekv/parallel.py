@@ -1,0 +1,54 @@
+"""Collectives for the decisions that combine attention heads across the processes of tensor parallelism.
+
+A model loaded with transformers' tensor parallelism (``from_pretrained(..., tp_plan="auto")`` under ``torchrun
+--nproc-per-node N``) holds a contiguous slice of every layer's query and KV heads in each process; its attention
+function, paged cache and method see only those, so every size comes from the local tensors. Per-KV-head decisions
+(Quest, RaaS, H2O, SnapKV, StreamingLLM) need nothing more. A decision over all heads of a layer (TOVA's head mean,
+OmniKV's max over heads) reduces each process's part over the head group with these helpers, so that every process
+takes the decision of the one-process run. With ``group=None`` (heads not split) every helper returns its input.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
+
+
+def head_group(model) -> dist.ProcessGroup | None:
+    """The process group over which transformers' tensor parallelism splits ``model``'s attention heads (the mesh
+    of its sharded ``q_proj`` weight), or None when the heads are not split."""
+    weight = model.get_decoder().layers[0].self_attn.q_proj.weight
+    mesh = getattr(weight, "device_mesh", None)  # set on DTensor parameters only
+    if mesh is None:
+        tp_size = getattr(model, "_tp_size", None) or 1
+        if tp_size > 1:
+            raise ValueError(f"model: loaded with tensor parallelism of size {tp_size} but its q_proj weight is a "
+                             f"{type(weight).__name__}; sparsekv supports transformers' DTensor tensor parallelism "
+                             "only (from_pretrained(..., tp_plan='auto') in transformers >= 5.17)")
+        return None
+    if mesh.size() == 1:
+        return None
+    if mesh.ndim != 1 or weight.placements != (Shard(0),):
+        raise ValueError(f"model: q_proj weight must be split by output rows (heads) over a 1D mesh, got placements "
+                         f"{weight.placements} over {mesh}")
+    return mesh.get_group()
+
+
+def size(group: dist.ProcessGroup | None) -> int:
+    """Processes sharing a layer's heads: 1 for ``group=None``."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``tensor`` summed over the group's processes, in place (any shape, the same on every process)."""
+    if group is not None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The element-wise maximum of ``tensor`` over the group's processes, in place."""
+    if group is not None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor

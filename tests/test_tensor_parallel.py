@@ -1,0 +1,48 @@
+"""Tensor parallelism on the CPU: two processes (gloo) holding half of a tiny model's heads each give exactly the
+one-process tokens and decode statistics for every method, and budgets covering the context give the dense tokens.
+``sparsekv.bench.tp`` runs both layouts and compares them; this starts it with torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from sparsekv import parallel
+from sparsekv.bench.tp import CONTROL
+from sparsekv.tiny import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_two_processes_give_the_one_process_tokens(tmp_path):
+    assert dist.is_gloo_available()
+    out = tmp_path / "tp.json"
+    # The worktree first, so that the processes import this checkout's sparsekv; one thread each on a small CPU.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "sparsekv.bench.tp", "--model", "tiny:llama", "--context", "48", "--new-tokens", "6",
+           "--out", str(out)]
+    run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["errors"] == []
+    runs = result["tensor_parallel"]
+    assert {"dense", "quest", "omnikv", "raas", "streamingllm", "h2o", "tova", "snapkv"} < set(runs)
+    for name, run in runs.items():
+        if name not in (CONTROL, "dense") and not name.endswith("-full"):
+            # The small budgets change the tokens, so the equality above covers real selections.
+            assert run["tokens"] != runs["dense"]["tokens"], name
+            assert run["stats"]["fraction"] < 1.0, name
+
+
+def test_one_process_has_no_head_group():
+    assert parallel.head_group(tiny_model()) is None
+    assert parallel.size(None) == 1
+    t = torch.tensor([1.0, -2.0])
+    assert parallel.all_reduce_sum(t, None) is t and parallel.all_reduce_max(t, None) is t
+    assert t.tolist() == [1.0, -2.0]

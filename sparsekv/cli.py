@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import apply
+from .engine import Engine, Sampling
 from .errors import ConfigError
 from .eval import cli as eval_cli
 from .eval.base import EvalError
 from .methods import METHODS, MethodConfig
-from .models import check_context, default_model, load_model, resolve_device, resolve_dtype, synchronize
+from .models import check_context, default_model, load_model, resolve_device, resolve_dtype
 from .spec import budget_arg, build_config, parse_spec, takes_budget
 
 
@@ -46,33 +45,20 @@ class GenerationResult:
 
 
 class _Progress:
-    """A ``generate`` streamer: marks the end of the prefill (the first new token arrives) and, where enabled,
-    shows the prefill and the decode progress on stderr."""
+    """Progress on stderr: the prefill, then a bar of decoded tokens fed by the engine's ``stream`` callback."""
 
-    def __init__(self, device: torch.device, label: str, prompt_tokens: int, max_new_tokens: int, enabled: bool):
-        self.device, self.label, self.enabled = device, label, enabled
-        self.prompt_tokens, self.max_new_tokens = prompt_tokens, max_new_tokens
-        self.start = self.first_token = None
+    def __init__(self, label: str, prompt_tokens: int, max_new_tokens: int):
+        self.label, self.prompt_tokens, self.max_new_tokens = label, prompt_tokens, max_new_tokens
         self.bar = None
+        print(f"[{label}] prefill of {prompt_tokens} tokens ...", file=sys.stderr, flush=True)
 
-    def put(self, value: torch.Tensor) -> None:
-        if self.start is None:  # generate hands over the prompt first
-            self.start = time.perf_counter()
-            if self.enabled:
-                print(f"[{self.label}] prefill of {self.prompt_tokens} tokens ...", end="", file=sys.stderr,
-                      flush=True)
-            return
-        if self.first_token is None:
-            synchronize(self.device)
-            self.first_token = time.perf_counter()
-            if self.enabled:
-                from tqdm.auto import tqdm
+    def __call__(self, new: list[list[int]]) -> None:
+        if self.bar is None:
+            from tqdm.auto import tqdm
 
-                print(f" {self.first_token - self.start:.2f} s", file=sys.stderr, flush=True)
-                self.bar = tqdm(total=self.max_new_tokens, desc=f"[{self.label}] decode", unit="token",
-                                file=sys.stderr, dynamic_ncols=True, leave=False)
-        if self.bar is not None:
-            self.bar.update(1)
+            self.bar = tqdm(total=self.max_new_tokens, desc=f"[{self.label}] decode", unit="token", file=sys.stderr,
+                            dynamic_ncols=True, leave=False)
+        self.bar.update(len(new[0]))
 
     def end(self) -> None:
         if self.bar is not None:
@@ -81,29 +67,24 @@ class _Progress:
 
 def generate(model, tokenizer, config: MethodConfig, prompt: str, max_new_tokens: int, sample: bool = False,
              temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, progress: bool = False) -> GenerationResult:
-    """Generates from ``prompt`` with ``config``'s method; times the prefill and the decode steps apart.
+    """Generates from ``prompt`` with ``config``'s method through the engine (``sparsekv.engine``: chunked prefill,
+    and on CUDA a decode step captured as a CUDA graph); times the prefill and the decode steps apart.
     ``progress``: show both on stderr."""
     check_sampling(max_new_tokens, temperature, top_p)
-    device = next(model.parameters()).device
-    enc = tokenizer(prompt, return_tensors="pt").to(device)
-    prompt_tokens = enc.input_ids.shape[1]
-    check_context(model, prompt_tokens + max_new_tokens, "shorten the prompt or --max-new-tokens")
-    extra = dict(do_sample=True, temperature=temperature, top_p=top_p) if sample else dict(do_sample=False)
-    torch.manual_seed(seed)
-    clock = _Progress(device, config.name, prompt_tokens, max_new_tokens, progress)
-    with apply(model, config) as session, torch.no_grad():
-        synchronize(device)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                             streamer=clock, **extra)
-        synchronize(device)
-        end = time.perf_counter()
-    new = out[0, prompt_tokens:]
-    return GenerationResult(text=tokenizer.decode(new, skip_special_tokens=True), tokens=new.tolist(),
-                            prompt_tokens=prompt_tokens, prefill_seconds=clock.first_token - clock.start,
-                            decode_seconds=end - clock.first_token, stats=session.stats.summary(),
-                            kv_held_bytes=session.cache.held_bytes(),
-                            kv_allocated_bytes=session.cache.resident_bytes(),
-                            offloaded_bytes=session.cache.offloaded_bytes())
+    prompt_ids = tokenizer(prompt).input_ids
+    check_context(model, len(prompt_ids) + max_new_tokens, "shorten the prompt or --max-new-tokens")
+    engine = Engine(model, config, tokenizer=tokenizer, max_context=len(prompt_ids) + max_new_tokens)
+    sampling = Sampling(temperature=temperature, top_p=top_p) if sample else Sampling()
+    clock = _Progress(config.name, len(prompt_ids), max_new_tokens) if progress else None
+    try:
+        out = engine.generate([prompt_ids], max_new_tokens, sampling=sampling, seed=seed, stream=clock)
+    finally:
+        if clock is not None:
+            clock.end()
+    return GenerationResult(text=out.texts[0], tokens=out.tokens[0], prompt_tokens=len(prompt_ids),
+                            prefill_seconds=out.prefill_seconds, decode_seconds=out.decode_seconds,
+                            stats=out.stats, kv_held_bytes=out.kv_held_bytes, kv_allocated_bytes=out.kv_device_bytes,
+                            offloaded_bytes=out.kv_host_bytes)
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:

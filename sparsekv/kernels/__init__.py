@@ -151,7 +151,7 @@ append_token = _register("append_token", _append_token_fake,
                          mutates=("k", "v", "kmin", "kmax", "slot_page", "cur_slot"))
 
 
-def _compiled_on_cuda(fn: Callable) -> Callable:
+def fused(fn: Callable) -> Callable:
     """``fn`` (a pure composition of torch ops) fused by torch.compile for CUDA tensors, so that a decode step's
     small bookkeeping costs one kernel instead of a dozen; CPU tensors run ``fn`` as it is."""
     compiled = None
@@ -169,11 +169,11 @@ def _compiled_on_cuda(fn: Callable) -> Callable:
     return op
 
 
-count_attended = _compiled_on_cuda(reference.count_attended)
+count_attended = fused(reference.count_attended)
 merge_attention = reference.merge_attention
 weigh_window = reference.weigh_window
 weigh_window = reference.weigh_window
 
 __all__ = ["page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",
            "window_token_maxima", "weigh_window", "sparse_decode_tokens", "append_token", "count_attended",
-           "merge_attention", "observe", "reference"]
+           "merge_attention", "observe", "fused", "reference"]

@@ -129,36 +129,51 @@ class RaaS(Method):
         out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale)
         attended = kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
 
-        slot_ids = torch.arange(stamp.shape[2], device=stamp.device)
-        fresh = self._refreshed(scores, layer.slot_page >= 0, scale) | (slot_ids == layer.cur_slot.unsqueeze(-1))
-        stamp.copy_(torch.where(fresh, step, stamp))
-        self._evict(layer, stamp, seq_len)
-        return out, attended
-
-    def _refreshed(self, scores: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
-        """Pages the step uses by the refresh rule. scores: (B, Hkv, C + 1), -inf for free slots. Returns bool."""
         cfg = self.config
-        if cfg.alpha is not None:
-            return valid & (torch.softmax(scores.float() * scale, dim=-1) >= cfg.alpha)
-        count = valid.sum(dim=-1, keepdim=True)
-        take = (count * cfg.top_fraction).ceil().long().clamp(min=1)
-        kth = scores.sort(dim=-1, descending=True).values.gather(-1, take - 1)
-        return valid & (scores >= kth)
-
-    def _evict(self, layer, stamp: torch.Tensor, seq_len: torch.Tensor) -> None:
-        """Frees the oldest decode page of each row whose next token starts a page while the row holds its limit."""
-        cap = layer.capacity
-        page = layer.slot_page[:, :, :cap]  # (B, Hkv, C)
-        starts_page = (seq_len % layer.page_size == 0).view(-1, 1)
-        full = (page >= 0).sum(dim=-1) >= self.limit.view(-1, 1)
-        candidate = page >= self.prompt_pages.view(-1, 1, 1)
-        # Oldest stamp first; among equal stamps the older page (stamps and pages both fit in 31 bits).
-        key = torch.where(candidate, stamp[:, :, :cap] * (1 << 31) + page, torch.iinfo(torch.long).max)
-        victim = key.argmin(dim=-1, keepdim=True)
-        evict = starts_page & full & candidate.any(dim=-1)
-        layer.free(victim, evict.unsqueeze(-1))
+        new_stamp, victim, evict = _bookkeeping(scores, layer.slot_page, layer.cur_slot, stamp, step, seq_len,
+                                                self.limit, self.prompt_pages, layer.page_size, layer.capacity,
+                                                cfg.top_fraction, cfg.alpha, scale)
+        stamp.copy_(new_stamp)  # in place: a captured step reads and writes the stamps at the same address
+        layer.free(victim, evict)
+        return out, attended
 
     def reorder(self, index):
         if self.prompt_pages is not None:
             self.prompt_pages = self.prompt_pages.index_select(0, index.to(self.prompt_pages.device))
             self.limit = self.limit.index_select(0, index.to(self.limit.device))
+
+
+@kernels.fused
+def _bookkeeping(scores: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.Tensor, stamp: torch.Tensor,
+                 step: torch.Tensor, seq_len: torch.Tensor, limit: torch.Tensor, prompt_pages: torch.Tensor,
+                 page_size: int, capacity: int, top_fraction: float | None, alpha: float | None,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step's timestamps and eviction, as one fused function (a few kernels on CUDA instead of dozens).
+
+    scores: (B, Hkv, C + 1) the step's Quest bounds, -inf for free slots; slot_page, stamp: (B, Hkv, C + 1);
+    cur_slot: (B, Hkv); step: () this layer's step; seq_len, limit, prompt_pages: (B,).
+    The refreshed pages (top ``top_fraction`` of the row's pages by score, or estimated probability >= ``alpha``,
+    and the page being written) take the step as their stamp. Then, in each row whose next token starts a page
+    while it holds its limit, the decode page with the oldest stamp (ties: the older page) is the victim.
+    Returns the new stamps (B, Hkv, C + 1), the victim slots (B, Hkv, 1) and whether to free them (B, Hkv, 1).
+    """
+    valid = slot_page >= 0
+    if alpha is not None:
+        used = valid & (torch.softmax(scores.float() * scale, dim=-1) >= alpha)
+    else:
+        count = valid.sum(dim=-1, keepdim=True)
+        take = (count * top_fraction).ceil().long().clamp(min=1)
+        kth = scores.sort(dim=-1, descending=True).values.gather(-1, take - 1)
+        used = valid & (scores >= kth)
+    slot_ids = torch.arange(stamp.shape[2], device=stamp.device)
+    stamp = torch.where(used | (slot_ids == cur_slot.unsqueeze(-1)), step, stamp)
+
+    page = slot_page[:, :, :capacity]  # (B, Hkv, C)
+    starts_page = (seq_len % page_size == 0).view(-1, 1)
+    full = (page >= 0).sum(dim=-1) >= limit.view(-1, 1)
+    candidate = page >= prompt_pages.view(-1, 1, 1)
+    # Oldest stamp first; among equal stamps the older page (stamps and pages both fit in 31 bits).
+    key = torch.where(candidate, stamp[:, :, :capacity] * (1 << 31) + page, torch.iinfo(torch.long).max)
+    victim = key.argmin(dim=-1, keepdim=True)
+    evict = starts_page & full & candidate.any(dim=-1)
+    return stamp, victim, evict.unsqueeze(-1)

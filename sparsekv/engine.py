@@ -227,6 +227,7 @@ class Engine:
             synchronize(self.device)
             start = time.perf_counter()
             cache = session.new_cache(_sliding_window(self.model.config))
+            cache.pages.planned_tokens = longest + max_new_tokens
             logits = (prefill or self._prefill)(cache, ids, mask)
             first = sampling(logits)
             synchronize(self.device)
@@ -252,19 +253,32 @@ class Engine:
         return torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
 
     def _prefill(self, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Runs the prompt through the model chunk by chunk; returns the last column's logits (B, V). The chunks
-        are aligned to the end, so the last one is full (methods read the prompt's last queries from it)."""
+        """Runs the prompt through the model layer by layer, each layer chunk by chunk; returns the last column's
+        logits (B, V). Layer-major order keeps one layer's prompt KV in flight: a method that moves a layer's
+        prompt to host memory after its last chunk (OmniKV's offload) never holds the whole prompt's KV on the
+        device. Activations are one chunk's, plus the (B, S, hidden) hidden states between layers. The chunks are
+        aligned to the end, so the last one is full (methods read the prompt's last queries from it)."""
+        decoder = self.model.get_decoder()
         width = ids.shape[1]
         position = (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 1)  # transformers' positions for left padding
-        size = self.prefill_chunk
-        bounds = list(range(width, 0, -size))[::-1]
-        starts = [0] + bounds[:-1]
-        for begin, end in zip(starts, bounds):
-            cache.prompt_end = end == width
-            out = self.model(input_ids=ids[:, begin:end], attention_mask=mask[:, :end],
-                             position_ids=position[:, begin:end], past_key_values=cache, use_cache=True,
-                             logits_to_keep=1)
-        return out.logits[:, -1]
+        bounds = list(range(width, 0, -self.prefill_chunk))[::-1]
+        chunks = list(zip([0] + bounds[:-1], bounds))
+        hidden = decoder.embed_tokens(ids)
+        rotary = [decoder.rotary_emb(hidden[:, :1], position[:, begin:end]) for begin, end in chunks]
+        plans = []
+        for index, layer in enumerate(decoder.layers):
+            for (begin, end), embedding in zip(chunks, rotary):
+                if index == 0:  # layer 0 plans each chunk's pass; the layers above take the same plans
+                    cache.prompt_end = end == width
+                    cache.pending_mask = mask[:, :end]
+                else:
+                    cache.pages.plan = plans.pop(0)
+                out = layer(hidden[:, begin:end], attention_mask=None, position_ids=position[:, begin:end],
+                            past_key_values=cache, use_cache=True, position_embeddings=embedding,
+                            sparsekv_cache=cache)
+                hidden[:, begin:end] = out[0] if isinstance(out, tuple) else out
+                plans.append(cache.pages.plan)
+        return self.model.lm_head(decoder.norm(hidden[:, -1:]))[:, -1]
 
     def _decode(self, cache, first: torch.Tensor, max_new: int, sampling: Sampling, stops: list[int], stream,
                 time_steps: bool) -> tuple[torch.Tensor, int, bool, float, list[float] | None]:

@@ -224,7 +224,8 @@ class PagedKVCache:
     advances the same tensor at every replay); ``lengths`` the same on the host, so that page allocation never
     waits for the device. The host copy is advanced by whoever replays a captured step (``advance``).
     ``in_prompt``: the next pass belongs to the prompt, which may come in several chunks (the last one is marked
-    by ``begin(prompt_end=True)``).
+    by ``begin(prompt_end=True)``). ``planned_tokens``: tokens per row the caller expects to store (prompt and
+    new tokens), so that layers are allocated once at that size rather than grown by doubling.
     """
 
     def __init__(self, num_layers: int, page_size: int = 16, max_pages: int | None = None):
@@ -236,6 +237,7 @@ class PagedKVCache:
         self.seq_len: torch.Tensor | None = None
         self.plan: AppendPlan | None = None
         self.in_prompt = True
+        self.planned_tokens: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -305,6 +307,15 @@ class PagedKVCache:
         pages = max(-(-n // self.page_size) - d for n, d in zip(self.lengths, dropped))
         return min([pages] + self._caps(layer))
 
+    def _size(self, need: int, layer: PagedLayer | None) -> int:
+        """Slots to allocate for a layer that needs ``need``: without a plan, doubling (amortised growth); with
+        ``planned_tokens``, the plan at once (no copy later, and no doubling past it at long contexts)."""
+        if self.planned_tokens is None:
+            size = need if layer is None else max(need, 2 * layer.capacity)
+        else:
+            size = max(need, -(-self.planned_tokens // self.page_size))
+        return max(need, min([size] + self._caps(layer)))
+
     def _caps(self, layer: PagedLayer | None) -> list[int]:
         return [c for c in (self.max_pages, None if layer is None else layer.max_pages) if c is not None]
 
@@ -321,10 +332,10 @@ class PagedKVCache:
         need = max(self.needed_pages(layer), 1)
         if layer is None:
             b, h, _, d = k.shape
-            layer = PagedLayer(b, h, d, self.page_size, need, k.dtype, k.device)
+            layer = PagedLayer(b, h, d, self.page_size, self._size(need, None), k.dtype, k.device)
             self.layers[layer_idx] = layer
         elif layer.capacity < need:
-            layer.grow(min([max(need, 2 * layer.capacity)] + self._caps(layer)))
+            layer.grow(self._size(need, layer))
         layer.append(k, v, self.plan)
         return layer
 

@@ -12,8 +12,12 @@ allocation: the whole exchange can be captured in a CUDA graph. On the CPU the s
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
+
+# cudaHostRegisterPortable | cudaHostRegisterMapped: page-locked for every device, mapped into their address space.
+_REGISTER_FLAGS = 3
 
 
 def available_host_bytes() -> int:
@@ -22,6 +26,18 @@ def available_host_bytes() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 1 << 62
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor, page-locked and mapped for the GPU by registering its memory as it is. PyTorch's
+    pinned allocator rounds a request up to a power of two (a 96 GiB store would take 128 GiB of host memory);
+    registering ordinary memory costs exactly the bytes asked for. Unregistered when the tensor is freed."""
+    host = torch.empty(shape, dtype=dtype)
+    ptr, size = host.data_ptr(), host.numel() * host.element_size()
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(ptr, size, _REGISTER_FLAGS))
+    weakref.finalize(host.untyped_storage(), cudart.cudaHostUnregister, ptr)
+    return host
 
 
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -54,8 +70,8 @@ class HostKVStore:
                              f"a shorter context or keep more layers on the device")
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.ready = torch.cuda.Event() if cuda else None
-        self._allocate(torch.zeros(batch, tokens, layers, 2, kv_heads, head_dim, dtype=dtype, pin_memory=cuda),
-                       max_tokens)
+        shape = (batch, tokens, layers, 2, kv_heads, head_dim)
+        self._allocate(pinned_empty(shape, dtype) if cuda else torch.empty(shape, dtype=dtype), max_tokens)
 
     def _allocate(self, host: torch.Tensor, max_tokens: int) -> None:
         b, t = host.shape[:2]
@@ -93,8 +109,13 @@ class HostKVStore:
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keeps the sequences ``index``; the next ``fetch`` refills the buffer."""
-        host = self.host.index_select(0, index.cpu())
-        self._allocate(host.pin_memory() if self.stream is not None else host, self.buffer.shape[1])
+        index = index.cpu()
+        if self.stream is not None:
+            host = pinned_empty((len(index), *self.host.shape[1:]), self.host.dtype)
+            torch.index_select(self.host, 0, index, out=host)
+        else:
+            host = self.host.index_select(0, index)
+        self._allocate(host, self.buffer.shape[1])
 
     def host_bytes(self) -> int:
         return self.host.numel() * self.host.element_size()

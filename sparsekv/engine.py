@@ -31,6 +31,7 @@ from .integrations import apply
 from .integrations.transformers import _sliding_window
 from .methods.base import MethodConfig
 from .models import synchronize
+from .timing import Timer
 
 Step = Callable[[], None]
 
@@ -80,9 +81,9 @@ class Generation:
     """What ``Engine.generate`` returns. tokens: each prompt's new tokens (up to and including a stop token);
     texts: their decoded text (when the engine has a tokenizer). Timings in seconds: the prefill (up to the first
     new token) and the decode steps after it; ``step_seconds``: each decode step's time when asked for (CUDA events
-    on the GPU). stats: the decode statistics' summary. KV bytes: what the cache allocated on the device (pages,
-    metadata and the method's buffers), the keys and values of the tokens it holds at the end (pages in use), and
-    what the method keeps in host memory."""
+    on the GPU, each step waited for). stats: the decode statistics' summary. KV bytes: what the cache allocated on
+    the device (pages, metadata and the method's buffers), the keys and values of the tokens it holds at the end,
+    and what the method keeps in host memory."""
 
     tokens: list[list[int]]
     texts: list[str] | None
@@ -310,20 +311,20 @@ class Engine:
         ran, shown = 0, 0
         run = step
         captured = self.capture is not None and remaining >= 2
-        timer = _StepTimer(self.device) if time_steps else None
+        timer = Timer(self.device) if time_steps else None
+        step_seconds = []
         while ran < remaining:
+            with timer.region() if timer is not None else contextlib.nullcontext() as elapsed:
+                if captured and ran == 1:
+                    rows_before = cache.stats.rows
+                    run = self.capture(step)  # runs the step once
+                    per_step = cache.stats.rows - rows_before
+                else:
+                    run()
+                    if run is not step:
+                        cache.replayed(1, per_step)
             if timer is not None:
-                timer.start()
-            if captured and ran == 1:
-                rows_before = cache.stats.rows
-                run = self.capture(step)  # runs the step once
-                per_step = cache.stats.rows - rows_before
-            else:
-                run()
-                if run is not step:
-                    cache.replayed(1, per_step)
-            if timer is not None:
-                timer.stop()
+                step_seconds.append(elapsed.seconds)
             ran += 1
             if stream is not None or ran % self.check_every == 0 or ran == remaining:
                 if stream is not None:
@@ -334,35 +335,7 @@ class Engine:
                     break
         synchronize(self.device)
         seconds = time.perf_counter() - start
-        return out[:, :ran + 1], ran, captured, seconds, None if timer is None else timer.seconds()
-
-
-class _StepTimer:
-    """Seconds of each of a series of regions: CUDA events on the GPU (read once at the end), the host clock on
-    the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def _mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def start(self) -> None:
-        self.marks.append([self._mark()])
-
-    def stop(self) -> None:
-        self.marks[-1].append(self._mark())
-
-    def seconds(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in self.marks]
-        return [b - a for a, b in self.marks]
+        return out[:, :ran + 1], ran, captured, seconds, step_seconds if timer is not None else None
 
 
 def _until_stop(row: list[int], stops: list[int]) -> list[int]:

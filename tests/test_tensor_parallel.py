@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU: two processes (gloo) holding half of a tiny model's heads each give exactly the
-one-process tokens and decode statistics for every method, and budgets covering the context give the dense tokens.
+one-process tokens and decode statistics for every method, through ``generate`` and through the decode engine, and
+budgets covering the context give the dense tokens.
 ``sparsekv.bench.tp`` runs both layouts and compares them; this starts it with torchrun."""
 
 import json
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from sparsekv import parallel
-from sparsekv.bench.tp import CONTROL
+from sparsekv.bench.tp import CONTROL, ENGINE
 from sparsekv.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,9 +33,11 @@ def test_two_processes_give_the_one_process_tokens(tmp_path):
     result = json.loads(out.read_text())
     assert result["errors"] == []
     runs = result["tensor_parallel"]
-    assert {"dense", "quest", "omnikv", "raas", "streamingllm", "h2o", "tova", "snapkv"} < set(runs)
+    methods = {"dense", "quest", "omnikv", "raas", "streamingllm", "h2o", "tova", "snapkv"}
+    assert methods | {ENGINE + name for name in methods} < set(runs)  # generate and the engine (eager here)
     for name, run in runs.items():
-        if name not in (CONTROL, "dense") and not name.endswith("-full"):
+        method = name.removeprefix(ENGINE)
+        if method not in (CONTROL, "dense") and not method.endswith("-full"):
             # The small budgets change the tokens, so the equality above covers real selections.
             assert run["tokens"] != runs["dense"]["tokens"], name
             assert run["stats"]["fraction"] < 1.0, name

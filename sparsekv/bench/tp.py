@@ -6,7 +6,9 @@
 
 One process per GPU (NCCL), or CPU processes on a machine without one (gloo). Every process loads the model with
 ``tp_plan="auto"`` (each holds 1/N of every layer's heads) and generates greedily with every method, each at a budget
-below the context and at one covering it; the first process also runs the unsharded model alone on its device. Each
+below the context and at one covering it, through ``model.generate`` and through the decode engine (``engine:<name>``;
+on CUDA its decode step is a CUDA graph with the collectives inside); the first process also runs the unsharded
+model alone on its device. Each
 run's tokens and decode statistics must equal the one-process run's, and a budget covering the context must give
 the dense tokens of the same layout. ``transformers`` (the model's own attention, no sparsekv) is the control: where
 it differs from one process, so does the arithmetic of the sharded model itself (in bf16 the row-parallel
@@ -35,6 +37,7 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 from .. import apply
+from ..engine import Engine
 from ..methods import (DenseConfig, H2OConfig, MethodConfig, OmniKVConfig, QuestConfig, RaaSConfig, SnapKVConfig,
                        StreamingLLMConfig, TOVAConfig)
 from ..models import resolve_dtype
@@ -93,6 +96,13 @@ def generate_all(model, configs: dict[str, MethodConfig], ids, mask, new_tokens:
         out[name] = {"tokens": result.sequences[:, ids.shape[1]:].tolist(),
                      "margins": (top2[..., 0] - top2[..., 1]).tolist(),
                      "stats": None if session is None else session.stats.summary()}
+        if config is not None:
+            # The decode engine (chunked prefill; on CUDA the decode step captured, collectives inside the graph).
+            rows = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+            engine = Engine(model, config, max_batch=len(rows), max_context=ids.shape[1] + new_tokens,
+                            prefill_chunk=max(16, ids.shape[1] // 2))
+            result = engine.generate(rows, new_tokens, stop_tokens=())
+            out[ENGINE + name] = {"tokens": result.tokens, "margins": None, "stats": result.stats}
     return out
 
 
@@ -116,13 +126,18 @@ def build_model(spec: str, layers: int | None, dtype: torch.dtype, max_positions
     model.save_pretrained(folder)
 
 
+ENGINE = "engine:"  # the runs through the decode engine, named by this prefix and the method's name
+
+
 def near_tie(a: dict, b: dict) -> str:
     """Where two runs' tokens first part, per row: the step and both runs' gaps between their two highest logits
     there (a gap near the logits' rounding error means that the arithmetic, not the selection, decided)."""
     parts = []
     for row, (x, y) in enumerate(zip(a["tokens"], b["tokens"])):
         step = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None)
-        if step is not None:
+        if step is not None and (a["margins"] is None or b["margins"] is None):
+            parts.append(f"row {row} from step {step}")
+        elif step is not None:
             parts.append(f"row {row} from step {step}, top-2 logit gaps {a['margins'][row][step]:.3g} and "
                          f"{b['margins'][row][step]:.3g}")
     return "; ".join(parts)
@@ -141,10 +156,11 @@ def check(reference: dict[str, dict], ranks: list[dict[str, dict]]) -> list[str]
         if run["stats"] != reference[name]["stats"]:
             errors.append(f"{name}: statistics {run['stats']} under tensor parallelism, {reference[name]['stats']} "
                           "in one process")
+        dense = ENGINE + "dense" if name.startswith(ENGINE) else "dense"
         for layout, runs in (("one process", reference), ("tensor parallelism", got)):
-            if name.endswith("-full") and runs[name]["tokens"] != runs["dense"]["tokens"]:
-                errors.append(f"{name}: {runs[name]['tokens']} differs from dense {runs['dense']['tokens']} in "
-                              f"{layout} ({near_tie(runs['dense'], runs[name])})")
+            if name.endswith("-full") and runs[name]["tokens"] != runs[dense]["tokens"]:
+                errors.append(f"{name}: {runs[name]['tokens']} differs from {dense} {runs[dense]['tokens']} in "
+                              f"{layout} ({near_tie(runs[dense], runs[name])})")
     return errors
 
 

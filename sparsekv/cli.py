@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from . import parallel
 from .engine import Engine, Sampling
 from .errors import ConfigError
 from .eval import cli as eval_cli
@@ -161,10 +162,12 @@ def cmd_generate(args) -> int:
     else:
         prompt = args.prompt
     loaded = load_model(args.model, device, dtype)
+    first = parallel.is_first()  # under torchrun every process generates the same tokens; the first one prints
     result = generate(loaded.model, loaded.tokenizer, config, prompt, args.max_new_tokens, args.sample,
-                      args.temperature, args.top_p, args.seed, progress=not args.no_progress)
-    print(result.text)
-    print(_describe(config.name, result), file=sys.stderr)
+                      args.temperature, args.top_p, args.seed, progress=first and not args.no_progress)
+    if first:
+        print(result.text)
+        print(_describe(config.name, result), file=sys.stderr)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +10,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from . import parallel
 from .errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -104,10 +106,16 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     """The one model loader of the CLI, eval and benches. ``spec``: ``tiny:<arch>`` (a random-weight model from
     ``sparsekv.tiny`` with the byte tokenizer), a local directory, or a hub id (the local Hugging Face cache, then
     the hub where it is reachable); None: the project's trained model, announced through ``log``. ``dtype``: a
-    name or dtype, "auto" keeps the model's own."""
+    name or dtype, "auto" keeps the model's own. Started by torchrun (several processes), a model folder is loaded
+    with transformers' tensor parallelism: each process holds 1/N of every layer's heads, on its own GPU
+    (``cuda:LOCAL_RANK``) or on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device, dtype = resolve_device(device), resolve_dtype(dtype)
+    sharded = parallel.launched()
+    if sharded and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if spec is None:
         spec = default_model()
         if log is not None:
@@ -115,6 +123,9 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     if spec.startswith(TINY_PREFIX):
         from .tiny import byte_tokenizer, tiny_model
 
+        if sharded:
+            raise ConfigError("--model", "a model folder under torchrun (tensor parallelism loads saved weights)",
+                              spec)
         model = tiny_model(spec[len(TINY_PREFIX):], dtype=dtype or torch.float32)
         return LoadedModel(model.to(device), byte_tokenizer(), spec)
     local = Path(spec).is_dir()
@@ -123,7 +134,13 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
 
     def load(local_files_only: bool):
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=local_files_only)
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype or "auto", local_files_only=local_files_only)
+        extra = {}
+        if sharded:
+            from transformers.distributed import DistributedConfig
+
+            extra["distributed_config"] = DistributedConfig(tp_plan="auto")
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype or "auto", local_files_only=local_files_only,
+                                                     **extra)
         return model, tokenizer
 
     try:
@@ -142,4 +159,4 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return LoadedModel(model.to(device).eval(), tokenizer, spec)
+    return LoadedModel((model if sharded else model.to(device)).eval(), tokenizer, spec)

@@ -10,9 +10,21 @@ takes the decision of the one-process run. With ``group=None`` (heads not split)
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
+
+
+def launched() -> bool:
+    """Whether this process is one of several started by torchrun (which sets WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def is_first() -> bool:
+    """Whether this process prints: the first of a torchrun launch, or the only one."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def head_group(model) -> dist.ProcessGroup | None:

@@ -43,6 +43,27 @@ def test_two_processes_give_the_one_process_tokens(tmp_path):
             assert run["stats"]["fraction"] < 1.0, name
 
 
+def test_generate_under_torchrun_prints_the_one_process_text(tmp_path):
+    """``sparsekv generate`` started by torchrun loads the folder with tensor parallelism; the first process prints
+    the one-process text."""
+    from sparsekv.tiny import byte_tokenizer
+
+    model = tiny_model("llama", vocab_size=264)  # transformers shards the vocabulary: divisible by 2
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path / "model")
+    byte_tokenizer().save_pretrained(tmp_path / "model")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    args = ["-m", "sparsekv.cli", "generate", "--model", str(tmp_path / "model"), "--method",
+            "quest:dense_layers=0", "--budget", "16", "--prompt", "The pass key is 4312. " * 6, "--max-new-tokens",
+            "8", "--no-progress"]
+    one = subprocess.run([sys.executable, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    assert one.stdout and two.stdout == one.stdout
+
+
 def test_one_process_has_no_head_group():
     assert parallel.head_group(tiny_model()) is None
     assert parallel.size(None) == 1

@@ -83,7 +83,9 @@ class Generation:
     new token) and the decode steps after it; ``step_seconds``: each decode step's time when asked for (CUDA events
     on the GPU, each step waited for). stats: the decode statistics' summary. KV bytes: what the cache allocated on
     the device (pages, metadata and the method's buffers), the keys and values of the tokens it holds at the end,
-    and what the method keeps in host memory."""
+    and what the method keeps in host memory. ``forced_nll``: with ``forced`` tokens, each sequence's summed
+    negative log-likelihood of them. ``method``: the method object the generation ran (its state, e.g. the
+    attention-recall probe's measurements)."""
 
     tokens: list[list[int]]
     texts: list[str] | None
@@ -97,6 +99,8 @@ class Generation:
     kv_host_bytes: int
     peak_device_bytes: int | None
     step_seconds: list[float] | None = None
+    forced_nll: list[float] | None = None
+    method: object = None
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -185,6 +189,16 @@ class Engine:
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
         return ids.to(self.device), mask.to(self.device)
 
+    def _forced(self, forced, batch: int) -> torch.Tensor:
+        """(B, F) the forced tokens, -1 after a row's own (F = 0 without any)."""
+        if forced is None:
+            return torch.full((batch, 0), -1, dtype=torch.long, device=self.device)
+        rows = [list(f) for f in forced]
+        if len(rows) != batch or not all(isinstance(t, int) and t >= 0 for r in rows for t in r):
+            raise ValueError(f"forced must hold one list of token ids per prompt ({batch}), got {forced!r}")
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
+
     def _pad_id(self) -> int:
         pad = getattr(self.tokenizer, "pad_token_id", None)
         if pad is None:
@@ -204,22 +218,29 @@ class Engine:
     def generate(self, prompts, max_new_tokens: int = 64, *, sampling: Sampling | None = None,
                  stop_tokens: Sequence[int] | None = None, seed: int | None = None,
                  stream: Callable[[list[list[int]]], None] | None = None, time_steps: bool = False,
-                 prefill: Callable | None = None) -> Generation:
+                 prefill: Callable | None = None, forced: Sequence[Sequence[int]] | None = None) -> Generation:
         """Generates up to ``max_new_tokens`` tokens for each prompt (strings, or lists of token ids), greedy unless
         ``sampling`` says otherwise. ``stop_tokens``: ids that end a sequence (default: the model's EOS; ``()``:
         none); the call ends when every sequence has stopped. ``stream``: called with each sequence's tokens new
         since its last call, at every step. ``time_steps``: time every decode step. ``prefill``: replaces the
         model's prefill, ``prefill(cache, ids, mask) -> logits (B, V)`` (benchmarks fill the cache with random keys
-        and values where a real prefill would take too long)."""
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        and values where a real prefill would take too long). ``forced``: per prompt, tokens fed through the decode
+        steps after the prompt before generation starts (a question that goes through the method's decode path, as
+        Quest evaluates the pass key; or a text to score, see ``forced_nll``, with ``max_new_tokens=0``); the new
+        tokens come after them."""
+        ids, mask = self._batch(prompts)
+        forced = self._forced(forced, ids.shape[0])
+        least = 0 if forced.shape[1] else 1  # scoring forced tokens alone draws none
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < least:
+            raise ValueError(f"max_new_tokens must be an int >= {least}{' with forced tokens' if least == 0 else ''}"
+                             f", got {max_new_tokens!r}")
         sampling = sampling or Sampling()
         stops = self._stop_ids(stop_tokens)
-        ids, mask = self._batch(prompts)
         longest = ids.shape[1]
-        if longest + max_new_tokens > self.max_context:
-            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
-                             f"max_context ({self.max_context})")
+        total = forced.shape[1] + max_new_tokens  # decoded columns: the forced tokens, then the new ones
+        if longest + total > self.max_context:
+            raise ValueError(f"a prompt of {longest} tokens plus {forced.shape[1]} forced tokens plus "
+                             f"max_new_tokens={max_new_tokens} exceeds max_context ({self.max_context})")
         if seed is not None:
             torch.manual_seed(seed)
         if self.device.type == "cuda":
@@ -228,23 +249,24 @@ class Engine:
             synchronize(self.device)
             start = time.perf_counter()
             cache = session.new_cache(_sliding_window(self.model.config))
-            cache.pages.planned_tokens = longest + max_new_tokens
+            cache.pages.planned_tokens = longest + total
             logits = (prefill or self._prefill)(cache, ids, mask)
-            first = sampling(logits)
             synchronize(self.device)
             prefill_s = time.perf_counter() - start
-            tokens, steps, captured, decode_s, step_s = self._decode(cache, first, max_new_tokens, sampling, stops,
-                                                                     stream, time_steps)
+            tokens, nll, steps, captured, decode_s, step_s = self._decode(cache, logits, forced, total, sampling,
+                                                                          stops, stream, time_steps)
             stats = session.stats.summary()
             kv_device, kv_host, kv_held = cache.resident_bytes(), cache.offloaded_bytes(), cache.pages.held_bytes()
-        rows = [_until_stop(row, stops) for row in tokens.tolist()]
+        starts = (forced >= 0).sum(dim=1).tolist()
+        rows = [_until_stop(row[n:n + max_new_tokens], stops) for row, n in zip(tokens.tolist(), starts)]
         texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         return Generation(tokens=rows, texts=texts, prefill_seconds=prefill_s, decode_seconds=decode_s,
                           decode_steps=steps, captured=captured, stats=stats, kv_device_bytes=kv_device,
-                          kv_held_bytes=kv_held, kv_host_bytes=kv_host, peak_device_bytes=peak, step_seconds=step_s)
+                          kv_held_bytes=kv_held, kv_host_bytes=kv_host, peak_device_bytes=peak, step_seconds=step_s,
+                          forced_nll=nll.tolist() if forced.shape[1] else None, method=session.method)
 
     def _compiling(self):
         """With ``compile``: the layer index becomes an input of the compiled layer code rather than a constant,
@@ -281,29 +303,47 @@ class Engine:
                 plans.append(cache.pages.plan)
         return self.model.lm_head(decoder.norm(hidden[:, -1:]))[:, -1]
 
-    def _decode(self, cache, first: torch.Tensor, max_new: int, sampling: Sampling, stops: list[int], stream,
-                time_steps: bool) -> tuple[torch.Tensor, int, bool, float, list[float] | None]:
-        """Decodes ``max_new - 1`` tokens after ``first`` (B,). Returns the (B, max_new) tokens, the decode steps
-        run, whether they were captured, their seconds, and each step's seconds (``time_steps``)."""
-        b = first.shape[0]
+    def _decode(self, cache, logits: torch.Tensor, forced: torch.Tensor, total: int, sampling: Sampling,
+                stops: list[int], stream, time_steps: bool):
+        """Decodes ``total`` columns after the prompt: the forced tokens (B, F) (-1: a row's own are over), then
+        sampled ones; the first column comes from the prefill's ``logits`` (B, V). Returns the (B, total) tokens, the
+        forced tokens' summed negative log-likelihood (B,), the decode steps run, whether they were captured, their
+        seconds, and each step's seconds (``time_steps``)."""
+        b = logits.shape[0]
         pad = self._pad_id()
         stop = torch.tensor(stops or [-1], device=self.device)
-        out = torch.full((b, max_new), pad, dtype=torch.long, device=self.device)
+        scoring = forced.shape[1] > 0
+        forced = torch.cat([forced, forced.new_full((b, 1), -1)], dim=1)  # a last -1: columns past it are drawn
+        nll = torch.zeros(b, dtype=torch.float64, device=self.device)
+        out = torch.full((b, total), pad, dtype=torch.long, device=self.device)
+        column = torch.zeros((), dtype=torch.long, device=self.device)
+
+        def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """The token of ``column``: the forced one while a row has one (its likelihood added up), else drawn."""
+            want = forced.gather(1, column.clamp(max=forced.shape[1] - 1).expand(b, 1)).squeeze(1)
+            inside = want >= 0
+            if scoring:
+                logp = torch.log_softmax(logits.float(), dim=-1).gather(1, want.clamp(min=0).unsqueeze(1))
+                nll.sub_(torch.where(inside, logp.squeeze(1).double(), 0.0))
+            return torch.where(inside, want, sampling(logits)), inside
+
+        first, inside = pick(logits)
         out[:, 0] = first
         token = first.view(b, 1).clone()
-        done = torch.isin(first, stop)
-        column = torch.ones((), dtype=torch.long, device=self.device)
-        remaining = max_new - 1
+        done = torch.isin(first, stop) & ~inside
+        column.add_(1)
+        remaining = total - 1
         cache.pages.reserve(remaining)
         model = self.model
 
         def step() -> None:
             position = cache.pages.seq_len.view(b, 1).clone()
             logits = model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
-            nxt = torch.where(done, pad, sampling(logits[:, -1]))
+            nxt, inside = pick(logits[:, -1])
+            nxt = torch.where(done, pad, nxt)
             token.copy_(nxt.view(b, 1))
             out.scatter_(1, column.expand(b, 1), nxt.view(b, 1))
-            done.logical_or_(torch.isin(nxt, stop))
+            done.logical_or_(torch.isin(nxt, stop) & ~inside)
             column.add_(1)
 
         synchronize(self.device)
@@ -335,7 +375,7 @@ class Engine:
                     break
         synchronize(self.device)
         seconds = time.perf_counter() - start
-        return out[:, :ran + 1], ran, captured, seconds, step_seconds if timer is not None else None
+        return out[:, :ran + 1], nll, ran, captured, seconds, step_seconds if timer is not None else None
 
 
 def _until_stop(row: list[int], stops: list[int]) -> list[int]:

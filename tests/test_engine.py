@@ -165,3 +165,33 @@ def test_cuda_graph_replays_the_eager_tokens(name):
     captured = engine.generate(rows, 40, stop_tokens=())
     assert captured.captured and captured.tokens == eager.tokens
     assert captured.stats == pytest.approx(eager.stats)
+
+
+@pytest.mark.parametrize("name", ["quest", "raas", "h2o", "omnikv"])
+def test_forced_tokens_go_through_the_decode_path(model, name):
+    """Forced tokens are fed one per decode step after the prompt (the question of a pass-key sample), as a plain
+    loop of ``model`` calls inside ``apply`` does; the new tokens follow them, also captured."""
+    config = CONFIGS[name]
+    prompt, question = prompts((150,))[0], [5, 77, 31, 200, 9]
+    expected = []
+    with sparsekv.apply(model, config), torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for tok in question:
+            out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+        for _ in range(8):
+            expected.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[expected[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    engine = Engine(model, config, max_context=512, prefill_chunk=64)
+    assert engine.generate([prompt], 8, forced=[question], stop_tokens=()).tokens == [expected]
+    engine.capture = emulated_graph
+    assert engine.generate([prompt], 8, forced=[question], stop_tokens=()).tokens == [expected]
+
+
+def test_forced_nll_is_the_dense_log_likelihood(model):
+    rows, texts = prompts((60, 45)), [[7, 8, 9, 10], [11, 12]]
+    out = Engine(model, DenseConfig(), max_batch=2, max_context=128).generate(rows, 1, forced=texts, stop_tokens=())
+    for row, text, nll in zip(rows, texts, out.forced_nll):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([row + text])).logits[0].double(), -1)
+        want = -sum(float(logp[len(row) - 1 + i, t]) for i, t in enumerate(text))
+        assert nll == pytest.approx(want, rel=1e-4)

@@ -1,18 +1,17 @@
 """Running one sample through the evaluated model under a method.
 
-Batch size 1, greedy decoding in our own loop (not ``generate``), so that the question can be fed token by token
-through the decode path and each phase is timed separately.
+Batch size 1, greedy decoding through the decode engine (``sparsekv.engine``: chunked prefill, and on CUDA a decode
+step captured as a CUDA graph), with the question fed token by token through the decode steps and each phase timed
+separately.
 """
 
 from __future__ import annotations
 
 import math
-import time
 
-import torch
 
 from .. import models
-from ..integrations import apply
+from ..engine import Engine as DecodeEngine
 from ..methods.base import MethodConfig
 from ..models import LoadedModel
 from .base import EvalError, Sample, encode
@@ -33,7 +32,6 @@ class Engine:
         self.config = RecallConfig(inner=config) if recall else config
         self.question_mode = question_mode
         self.chat = chat
-        self.device = next(self.model.parameters()).device
 
     def _ids(self, sample: Sample) -> tuple[list[int], list[int]]:
         """Token ids of what is prefilled and of what goes through the decode path one token per step."""
@@ -54,77 +52,45 @@ class Engine:
     def check_length(self, tokens: int) -> None:
         models.check_context(self.model, tokens, "use smaller --lengths or --max-new-tokens")
 
-    def _step(self, ids: list[int], cache):
-        x = torch.tensor([ids], device=self.device)
-        out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float(), out.past_key_values
+    def _decoder(self, tokens: int) -> DecodeEngine:
+        """The decode engine for a sample of ``tokens`` tokens in all; the recall probe syncs with the host in every
+        step, so with it the step is not captured."""
+        return DecodeEngine(self.model, self.config, max_context=tokens,
+                            cuda_graph=False if isinstance(self.config, RecallConfig) else None)
 
-    @torch.inference_mode()
     def generate(self, sample: Sample) -> dict:
-        """Greedy generation; returns the prediction and the run's measurements."""
+        """Greedy generation through the decode engine (the question fed through the decode steps); returns the
+        prediction and the run's measurements."""
         ctx, question = self._ids(sample)
-        self.check_length(len(ctx) + len(question) + sample.max_new_tokens)
+        total = len(ctx) + len(question) + sample.max_new_tokens
+        self.check_length(total)
         eos = self.tokenizer.eos_token_id
-        self._reset_peak()
-        with apply(self.model, self.config) as session:
-            t0 = time.perf_counter()
-            logits, cache = self._step(ctx, None)
-            models.synchronize(self.device)
-            t1 = time.perf_counter()
-            after_prompt = session.cache.resident_bytes()
-            for tok in question:
-                logits, cache = self._step([tok], cache)
-            new: list[int] = []
-            while len(new) < sample.max_new_tokens:
-                tok = int(logits.argmax())
-                new.append(tok)
-                if tok == eos or len(new) == sample.max_new_tokens:
-                    break
-                logits, cache = self._step([tok], cache)
-            models.synchronize(self.device)
-            t2 = time.perf_counter()
+        out = self._decoder(total).generate([ctx], sample.max_new_tokens, forced=[question] if question else None,
+                                            stop_tokens=() if eos is None else [eos])
+        new = out.tokens[0]
         text = self.tokenizer.decode([t for t in new if t != eos], skip_special_tokens=True)
-        steps = len(question) + len(new) - 1
-        return {"prediction": text, "prompt_tokens": len(ctx) + len(question),
-                "new_tokens": len(new), **self._measures(session, t1 - t0, t2 - t1, steps, after_prompt)}
+        return {"prediction": text, "prompt_tokens": len(ctx) + len(question), "new_tokens": len(new),
+                **self._measures(out)}
 
-    @torch.inference_mode()
     def perplexity(self, ids: list[int], prefill: int) -> dict:
         """Perplexity of ``ids[prefill:]``: the first ``prefill`` tokens are prefilled, each later token is fed
-        through the decode path to predict the next."""
+        through the decode steps, scored by the logits before it."""
         self.check_length(len(ids))
-        self._reset_peak()
-        nll = 0.0
-        with apply(self.model, self.config) as session:
-            t0 = time.perf_counter()
-            logits, cache = self._step(ids[:prefill], None)
-            models.synchronize(self.device)
-            t1 = time.perf_counter()
-            after_prompt = session.cache.resident_bytes()
-            for i in range(prefill, len(ids)):
-                nll -= float(torch.log_softmax(logits, -1)[ids[i]])
-                if i + 1 < len(ids):
-                    logits, cache = self._step([ids[i]], cache)
-            t2 = time.perf_counter()
-        ppl = math.exp(nll / (len(ids) - prefill))
-        return {"score": ppl, "prompt_tokens": len(ids),
-                **self._measures(session, t1 - t0, t2 - t1, len(ids) - prefill - 1, after_prompt)}
+        out = self._decoder(len(ids)).generate([ids[:prefill]], 0, forced=[ids[prefill:]], stop_tokens=())
+        ppl = math.exp(out.forced_nll[0] / (len(ids) - prefill))
+        return {"score": ppl, "prompt_tokens": len(ids), **self._measures(out)}
 
-    def _measures(self, session, prefill_s: float, decode_s: float, steps: int, after_prompt: int) -> dict:
-        """Timings, decode statistics and memory. ``kv_held_bytes``: keys and values of the tokens the cache holds
-        at the end; ``kv_resident_bytes``: the bytes it has allocated after the prompt pass or at the end, whichever
-        is larger (a prompt compressed within its own pass counts
-        compressed; ``cuda_peak_bytes`` sees that transient too)."""
-        out = {"prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
-               "decode_tokens_per_s": round(steps / decode_s, 2) if steps > 0 and decode_s > 0 else None,
-               "kv": session.stats.summary(), "kv_held_bytes": session.cache.held_bytes(),
-               "kv_resident_bytes": max(after_prompt, session.cache.resident_bytes())}
-        if self.device.type == "cuda":
-            out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+    def _measures(self, out) -> dict:
+        """Timings, decode statistics and memory of a generation (``sparsekv.engine.Generation``).
+        ``kv_held_bytes``: keys and values of the tokens the cache holds at the end; ``kv_resident_bytes``: the bytes
+        it has allocated (room for every decode token is reserved after the prompt, a compressed prompt counts
+        compressed; ``cuda_peak_bytes`` sees the transient before)."""
+        steps, decode_s = out.decode_steps, out.decode_seconds
+        measures = {"prefill_s": round(out.prefill_seconds, 4), "decode_s": round(decode_s, 4),
+                    "decode_tokens_per_s": round(steps / decode_s, 2) if steps > 0 and decode_s > 0 else None,
+                    "kv": out.stats, "kv_held_bytes": out.kv_held_bytes, "kv_resident_bytes": out.kv_device_bytes}
+        if out.peak_device_bytes is not None:
+            measures["cuda_peak_bytes"] = out.peak_device_bytes
         if isinstance(self.config, RecallConfig):
-            out["recall"] = session.method.recall()
-        return out
-
-    def _reset_peak(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+            measures["recall"] = out.method.recall()
+        return measures

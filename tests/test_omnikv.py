@@ -153,17 +153,23 @@ def test_offload_matches_on_device_and_holds_less_on_the_device():
     model = tiny_model("mistral", layers=8, seed=7).to(DEVICE)
     ids, mask = padded_prompts([301, 250], seed=8)
     results = {}
-    for offload in (False, True):
+    for offload, device_layers in ((False, None), (True, 0), (True, 2)):
         config = OmniKVConfig(page_size=16, token_budget=32, filter_layers=(2,), wait_layers=1, selector="uniform",
-                              window=8, offload=offload)
+                              window=8, offload=offload, device_layers=device_layers)
         out, scores, session = generate(model, config, ids, 12, mask)
-        results[offload] = (out, scores, session.cache.resident_bytes(), session.cache.offloaded_bytes())
-    assert torch.equal(results[True][0], results[False][0])
-    torch.testing.assert_close(results[True][1], results[False][1], rtol=1e-6, atol=1e-6)
-    assert results[False][3] == 0
-    # Layers 4-7 of 8 are sparse: their prompt (about half the model's KV) lives in host memory.
-    assert results[True][3] > 0
-    assert results[True][2] < 0.7 * results[False][2]
+        results[offload, device_layers] = (out, scores, session.cache.resident_bytes(),
+                                           session.cache.offloaded_bytes())
+    none, every, some = results[False, None], results[True, 0], results[True, 2]
+    for run in (every, some):
+        assert torch.equal(run[0], none[0])
+        torch.testing.assert_close(run[1], none[1], rtol=1e-6, atol=1e-6)
+    assert none[3] == 0
+    # Layers 4-7 of 8 are sparse: their prompt (about half the model's KV) lives in host memory; with
+    # device_layers=2, layers 4 and 5 keep theirs on the device and 6, 7 go.
+    assert every[3] > 0
+    assert every[2] < 0.7 * none[2]
+    assert some[3] == pytest.approx(every[3] / 2)
+    assert every[2] < some[2] < none[2]
 
 
 @pytest.mark.parametrize("hs", [1, 2, 4])
@@ -215,6 +221,7 @@ def test_fractional_budget_rounds_down_as_the_official_code():
     (dict(window=0), "window"),
     (dict(wait_layers=-1), "wait_layers"),
     (dict(offload="yes"), "offload"),
+    (dict(device_layers=-1), "device_layers"),
 ])
 def test_bad_configs_raise(kwargs, field):
     with pytest.raises(ValueError, match=field):

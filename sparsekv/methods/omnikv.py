@@ -31,6 +31,7 @@ from .base import Method, MethodConfig, all_slots, require
 SELECTORS = ("last", "uniform", "exponential")
 PAPER_LAYERS = 32
 PAPER_FILTER_LAYERS = (2, 8, 18)  # Llama-3-8B (32 layers) in the paper
+DEVICE_MARGIN = 4 << 30  # bytes of device memory left free when placing layers: decode steps, activations
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +40,9 @@ class OmniKVConfig(MethodConfig):
     prompt's length (a float); decode tokens come on top. filter_layers: strictly increasing layer indices (None:
     the paper's {2, 8, 18} scaled from 32 layers to the model's). selector: "last", "uniform" or "exponential".
     window: queries in the observation window ("last" uses only the newest). wait_layers: fully attending layers
-    after each filter layer. offload: keep the sparse layers' prompt KV in host memory."""
+    after each filter layer. offload: keep the sparse layers' prompt KV in host memory. device_layers (with
+    offload): sparse layers whose prompt KV stays on the device, the lowest ones; None: as many as the device's free
+    memory holds once the prompt is in (on CUDA; elsewhere none)."""
 
     token_budget: int | float = 2048
     filter_layers: tuple[int, ...] | None = None
@@ -47,6 +50,7 @@ class OmniKVConfig(MethodConfig):
     window: int = 16
     wait_layers: int = 1
     offload: bool = False
+    device_layers: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -70,6 +74,10 @@ class OmniKVConfig(MethodConfig):
         require(isinstance(self.wait_layers, int) and not isinstance(self.wait_layers, bool)
                 and self.wait_layers >= 0, "wait_layers", "an int >= 0", self.wait_layers)
         require(isinstance(self.offload, bool), "offload", "True or False", self.offload)
+        require(self.device_layers is None or (isinstance(self.device_layers, int)
+                                               and not isinstance(self.device_layers, bool)
+                                               and self.device_layers >= 0),
+                "device_layers", "None (as many as fit) or an int >= 0", self.device_layers)
 
     def layers_for(self, num_layers: int) -> tuple[int, ...]:
         """The filter layers of a model of ``num_layers`` layers."""
@@ -137,6 +145,7 @@ class OmniKV(Method):
         self.stores: dict[int, HostKVStore] = {}
         self.decode_start: dict[int, torch.Tensor] = {}  # sparse layer -> (B,) flat index of the first decode token
         self.first_decode: dict[int, int] = {}  # sparse layer -> the smallest of those, on the host
+        self.offloaded: set[int] = set()  # sparse layers whose prompt KV is in host memory
         self.prompt_len: torch.Tensor | None = None
         self.per_row: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
@@ -161,12 +170,13 @@ class OmniKV(Method):
             self.weight = selector_weights(self.config.selector, self.width, device)
             self.stores.clear()
             self.tokens.clear()
+            self.offloaded = self._placement(layer, lengths) if self.config.offload else set()
         role = self.role[layer_idx]
         if role == "filter":
             self._start_window(layer_idx, q, plan.position)
         elif role == "sparse":
             start = [0] * len(plan.new_len)
-            if self.config.offload:
+            if layer_idx in self.offloaded:
                 start = self._offload(layer_idx, layer, plan.new_len)
             self.decode_start[layer_idx] = self.prompt_len - torch.tensor(start, device=device)
             self.first_decode[layer_idx] = min(n - s for n, s in zip(plan.new_len, start))
@@ -184,11 +194,31 @@ class OmniKV(Method):
         self.window_pos[f] = torch.cat([pos.new_full((b, pad), -1), pos], dim=1)
         self.tokens[f] = torch.full((b, self.k_max), -1, dtype=torch.long, device=q.device)
 
+    def _placement(self, layer, lengths: list[int]) -> set[int]:
+        """The sparse layers whose prompt KV goes to host memory: all but the lowest ``device_layers``, or, with
+        None on CUDA, all but as many as the free device memory holds after the fully attending layers' prompts and
+        one sparse layer's in flight (the prefill runs layer by layer), less a margin for the decode steps."""
+        sparse = [i for i, role in enumerate(self.role) if role == "sparse"]
+        keep = self.config.device_layers
+        if keep is None:
+            keep = 0
+            if layer.k.is_cuda:
+                b, h, _, d = layer.shape
+                per_layer = 2 * b * h * max(lengths) * d * layer.k.element_size()
+                full = sum(role != "sparse" for role in self.role) - 1  # layer 0's prompt is stored already
+                free = torch.cuda.mem_get_info(layer.k.device)[0] - (full + 1) * per_layer - DEVICE_MARGIN
+                keep = max(0, free // per_layer)
+        return set(sparse[keep:])
+
+    def _stored(self, f: int) -> list[int]:
+        """The layers of filter layer ``f``'s group in its host store, in store order."""
+        return [i for i in self.group[f] if i in self.offloaded]
+
     def _offload(self, layer_idx: int, layer, lengths: list[int]) -> list[int]:
         """Moves the layer's prompt KV to its group's host store and drops its full prompt pages from the device.
         Returns the position of each sequence's first token still on the device."""
         f = self.source[layer_idx]
-        group = self.group[f]
+        group = self._stored(f)
         b, h, _, d = layer.shape
         t = max(lengths)
         if f not in self.stores:
@@ -213,8 +243,8 @@ class OmniKV(Method):
         f = self.source[layer_idx]
         chosen = self.tokens[f]  # (B, K) positions
         k_flat, v_flat = layer.k.flatten(2, 3), layer.v.flatten(2, 3)
-        if self.config.offload:
-            k_sub, v_sub = self.stores[f].layer(self.group[f].index(layer_idx))
+        if layer_idx in self.offloaded:
+            k_sub, v_sub = self.stores[f].layer(self._stored(f).index(layer_idx))
             listed = torch.arange(chosen.shape[1], device=chosen.device)
             sub = torch.where(chosen >= 0, listed, -1)
         else:
@@ -242,7 +272,7 @@ class OmniKV(Method):
         # The max over heads spans every process's heads, and comes before the window's weighted sum.
         scores = kernels.weigh_window(parallel.all_reduce_max(maxima, self.tp_group), self.weight)
         self.tokens[f].copy_(top_tokens(scores, self.per_row, self.k_max))
-        if self.config.offload and self.group[f]:
+        if f in self.stores:
             self.stores[f].fetch(self.tokens[f])
 
     def reorder(self, index):

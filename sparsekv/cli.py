@@ -225,8 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt with a sparsity method")
-    gen.add_argument("--model", required=True, help="local model directory, tiny:<arch>, or a hub id (the local "
-                                                    "cache, then the hub where it is reachable)")
+    gen.add_argument("--model", required=True, help="local model directory, GGUF file or folder holding one, "
+                     "tiny:<arch>, or a hub id (the local cache, then the hub where it is reachable)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "model, budget 256 unless --budget")
     _method_args(demo, "all", ("all",))
     demo.add_argument("--prompt-tokens", type=int, default=4000)
-    demo.add_argument("--model", help="model folder or tiny:<arch> (default: the project's trained model)")
+    demo.add_argument("--model", help="model folder, GGUF file or tiny:<arch> (default: the project's trained model)")
     demo.set_defaults(func=cmd_demo, max_new_tokens=48)
 
     eval_cli.add_parser(sub)
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.disable_progress_bar()  # its weight-loading bar
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, EvalError) as err:
+    except (ValueError, FileNotFoundError, EvalError, ImportError) as err:  # ImportError: a missing optional extra
         print(f"sparsekv {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

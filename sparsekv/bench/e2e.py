@@ -214,7 +214,8 @@ def plot(path: Path, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparsekv.bench.e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="shape:llama3-8b", help="shape:<name>, tiny:<arch> or a model directory")
+    parser.add_argument("--model", default="shape:llama3-8b",
+                        help="shape:<name>, tiny:<arch>, a model directory or a GGUF file")
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
     parser.add_argument("--methods", nargs="+", default=["dense", "quest", "omnikv", "raas"],

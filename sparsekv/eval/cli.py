@@ -36,8 +36,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", nargs="+", type=int, help="prompt lengths in tokens (generated tasks), window "
                    "length (perplexity) or truncation length (longbench); default: the task's")
     p.add_argument("--depths", nargs="+", type=float, help="needle depths in [0, 1] (passkey, niah)")
-    p.add_argument("--model", help="local model folder, or tiny:<arch> (random weights); default: the project's "
-                   "trained model, models/sparsekv-llama-16m")
+    p.add_argument("--model", help="local model folder, GGUF file (or a folder holding one), or tiny:<arch> "
+                   "(random weights); default: the project's trained model, models/sparsekv-llama-16m")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--out", help="output folder (default: eval_results/<task>)")

@@ -96,6 +96,12 @@ def string_match(prediction: str, references: list[str]) -> float:
     return sum(ref.lower() in pred for ref in references) / len(references)
 
 
+def string_match_part(prediction: str, references: list[str]) -> float:
+    """1 if any reference occurs in the prediction (case-insensitive), else 0; RULER's string_match_part."""
+    pred = prediction.lower()
+    return float(any(ref.lower() in pred for ref in references))
+
+
 def parse_first_int(text: str) -> int | None:
     """The first integer in ``text`` (how a pass key answer is read), or None."""
     m = re.search(r"\d+", text)

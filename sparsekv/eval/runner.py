@@ -150,7 +150,7 @@ def run_eval(spec: EvalSpec, log=print, progress: bool = True, loaded: LoadedMod
     if loaded is None:
         try:
             loaded = load_model(spec.model, spec.device, spec.dtype, log)
-        except FileNotFoundError as err:
+        except (FileNotFoundError, ImportError) as err:  # ImportError: a missing optional extra (gguf)
             raise EvalError(f"--model {spec.model}: {err}") from None
     if lengths[0] is not None:
         check_context(loaded.model, max(lengths) + task.new_tokens(), "use smaller --lengths or --max-new-tokens")

@@ -89,6 +89,22 @@ _MAGIC_INTRO = ("Some special magic numbers are hidden within the following text
                 "I will quiz you about the numbers afterwards.\n")
 
 
+def haystack_files(options, task: str) -> list[Path]:
+    """The essays' ``.txt`` files: ``--haystack-dir``, else ``$SPARSEKV_HAYSTACK_DIR``, else the shared data."""
+    folder = Path(options.haystack_dir or os.environ.get(HAYSTACK_ENV)
+                  or data_dir() / "haystack" / "paul_graham_essays")
+    files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
+    if not files:
+        raise EvalError(f"{task}: no .txt files in haystack folder {folder} (pass --haystack-dir or set "
+                        f"{HAYSTACK_ENV})")
+    return files
+
+
+def haystack_text(files: list[Path]) -> str:
+    """The files in name order, whitespace collapsed within each, separated by blank lines."""
+    return "\n\n".join(" ".join(f.read_text(errors="replace").split()) for f in files) + "\n\n"
+
+
 class Niah(_Synthetic):
     name = "niah"
     depths = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -96,16 +112,10 @@ class Niah(_Synthetic):
 
     def __init__(self, options):
         super().__init__(options)
-        folder = options.haystack_dir or os.environ.get(HAYSTACK_ENV) or data_dir() / "haystack" / "paul_graham_essays"
-        self.folder = Path(folder)
-        self.files = sorted(self.folder.glob("*.txt")) if self.folder.is_dir() else []
-        if not self.files:
-            raise EvalError(f"niah: no .txt files in haystack folder {self.folder} (pass --haystack-dir or set "
-                            f"{HAYSTACK_ENV})")
+        self.files = haystack_files(options, self.name)
 
     def filler(self, tokenizer):
-        return TokenFiller(tokenizer, lambda: "\n\n".join(" ".join(f.read_text(errors="replace").split())
-                                                           for f in self.files) + "\n\n")
+        return TokenFiller(tokenizer, lambda: haystack_text(self.files))
 
     def render(self, rng, filler, n, depth):
         key, value = rng.choice(KEY_WORDS), rng.randint(1_000_000, 9_999_999)

@@ -1,0 +1,37 @@
+"""The cross-task summary: rows per (task, length, method, budget), the markdown table and the files."""
+
+import json
+
+from sparsekv.eval.summary import main, markdown, summarize
+
+
+def _record(task, method, budget, score, fraction, recall=None, part=None):
+    return {"task": task, "length": 1024, "method": method, "budget": budget, "metric": "accuracy", "score": score,
+            "kv": {"attended_per_head": 1024 * fraction, "fraction": fraction}, "recall": recall, "part_match": part}
+
+
+RECORDS = [_record("niah", "dense", None, 1.0, 1.0), _record("niah", "quest", 128, 0.0, 0.2),
+           _record("niah", "quest", 32, 1.0, 0.1, recall=[0.5, 0.7]), _record("niah", "quest", 32, 0.0, 0.1),
+           _record("ruler_fwe", "dense", None, 0.5, 1.0, part=1.0)]
+
+
+def test_rows_average_runs_and_sort_budgets():
+    rows = summarize(RECORDS)
+    assert [(r["task"], r["method"], r["budget"], r["runs"]) for r in rows] == [
+        ("niah", "dense", None, 1), ("niah", "quest", 32, 2), ("niah", "quest", 128, 1),
+        ("ruler_fwe", "dense", None, 1)]
+    assert rows[1]["score"] == 0.5 and rows[1]["fraction"] == 0.1 and rows[1]["recall"] == 0.6
+    assert rows[3]["part_match"] == 1.0 and rows[0]["part_match"] is None
+
+
+def test_markdown_and_files(tmp_path):
+    text = markdown(summarize(RECORDS))
+    assert "| quest |  | 0.5 (0.1) | 0 (0.2) |" in text and "| quest | 32 | 0.6 |" in text
+    for task in ("niah", "ruler_fwe"):
+        (tmp_path / task).mkdir()
+        (tmp_path / task / "results.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in RECORDS if r["task"] == task))
+    assert main([str(tmp_path)]) == 0
+    assert len(json.loads((tmp_path / "summary.json").read_text())) == 4
+    assert (tmp_path / "summary.md").read_text() == text
+    assert main([str(tmp_path / "niah")]) == 1

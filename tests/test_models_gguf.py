@@ -1,0 +1,127 @@
+"""GGUF checkpoints as models: a tiny random Llama written with the `gguf` package here (no download), loaded through
+`sparsekv.models.load_model`, the CLI and the eval harness; the errors for bad paths and missing packages."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sparsekv import DenseConfig, QuestConfig, apply, models
+from sparsekv.cli import main
+from sparsekv.eval import EvalSpec, TaskOptions, run_eval
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("accelerate")
+
+LAYERS, DIM, HEADS, KV_HEADS, FFN = 2, 64, 4, 2, 128
+
+
+def write_tiny_gguf(path, seed=0):
+    """A 2-layer Llama (4 query / 2 KV heads, head_dim 16) with a byte-level BPE vocabulary of the 256 bytes plus
+    <|endoftext|> (BOS and EOS), float32 tensors of small random values."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    tokens = [byte_chars[i] for i in range(256)] + ["<|endoftext|>"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(1024)
+    writer.add_embedding_length(DIM)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(DIM // HEADS)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(256)
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape):
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    head_dim = DIM // HEADS
+    writer.add_tensor("token_embd.weight", weight(len(tokens), DIM))
+    for i in range(LAYERS):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(DIM, np.float32))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", weight(HEADS * head_dim, DIM))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", weight(KV_HEADS * head_dim, DIM))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", weight(KV_HEADS * head_dim, DIM))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", weight(DIM, HEADS * head_dim))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(DIM, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weight(FFN, DIM))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(FFN, DIM))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(DIM, FFN))
+    writer.add_tensor("output_norm.weight", np.ones(DIM, np.float32))
+    writer.add_tensor("output.weight", weight(len(tokens), DIM))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+
+
+def test_find_gguf_file_and_folder(gguf_file, tmp_path):
+    assert models.find_gguf(str(gguf_file)) == (gguf_file.parent, gguf_file.name)
+    assert models.find_gguf(str(gguf_file.parent)) == (gguf_file.parent, gguf_file.name)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "other.gguf").write_bytes(b"")
+    assert models.find_gguf(str(tmp_path)) is None  # a transformers folder wins over a stray .gguf
+    assert models.find_gguf(str(tmp_path / "missing")) is None
+
+
+def test_find_gguf_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no GGUF file at"):
+        models.find_gguf(str(tmp_path / "absent.gguf"))
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(ValueError, match=r"several GGUF files \(a.gguf, b.gguf\); pass one of them"):
+        models.find_gguf(str(tmp_path))
+
+
+def test_missing_packages_are_named(gguf_file, monkeypatch):
+    real = models.importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None if name == "gguf" else real(name))
+    with pytest.raises(ModuleNotFoundError, match=r"needs the package\(s\) gguf; pip install 'sparsekv\[gguf\]'"):
+        models.load_model(str(gguf_file), torch.device("cpu"))
+
+
+def test_load_gguf_and_decode_under_methods(gguf_file):
+    loaded = models.load_model(str(gguf_file), torch.device("cpu"))
+    model, tokenizer = loaded.model, loaded.tokenizer
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (model.config.num_hidden_layers, model.config.num_key_value_heads) == (LAYERS, KV_HEADS)
+    assert tokenizer.decode(tokenizer("hello world").input_ids) == "hello world"
+    assert tokenizer.padding_side == "left" and tokenizer.pad_token is not None
+    ids = tokenizer("The grass is green. " * 12, return_tensors="pt")
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        plain = model.generate(**ids, **kwargs)
+        with apply(model, DenseConfig()):
+            dense = model.generate(**ids, **kwargs)
+        with apply(model, QuestConfig(token_budget=1024, page_size=16, dense_layers=0)):
+            quest = model.generate(**ids, **kwargs)
+    assert torch.equal(plain, dense) and torch.equal(plain, quest)  # a budget over the context is dense
+
+
+def test_cli_generate_and_eval_take_a_gguf(gguf_file, tmp_path, capsys):
+    assert main(["generate", "--model", str(gguf_file), "--method", "quest", "--budget", "32", "--opt",
+                 "dense_layers=0", "--prompt", "The grass is green. " * 8, "--max-new-tokens", "4"]) == 0
+    assert "4 new tokens, decode" in capsys.readouterr().err
+    out = run_eval(EvalSpec(task="passkey", methods=["dense", "quest"], budgets=[32], lengths=[320], depths=[0.5],
+                            limit=1, model=str(gguf_file.parent), out=str(tmp_path / "out"), plots=False,
+                            options=TaskOptions(max_new_tokens=2)), log=lambda *_: None, progress=False)
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in records] == ["dense", "quest"]
+    assert all(r["model"] == str(gguf_file.parent) and r["prompt_tokens"] > 300 for r in records)

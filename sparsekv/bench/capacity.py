@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from ..engine import Engine
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
 from ..models import resolve_device
+from .common import device_name, markdown_table, write_results
 from .e2e import bench_model, random_fill
 
 
@@ -95,33 +95,29 @@ def long_decode(model, runs, args, device) -> list[dict]:
     return rows
 
 
+LADDER_COLUMNS = [("method", "spec", "{}"), ("context", "context", "{}"), ("status", "status", "{}"),
+                  ("fill", "fill", "{}"), ("prefill s", "prefill_s", "{:.1f}"),
+                  ("decode ms/step", "decode_ms", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
+                  ("peak device GiB", "peak_device_gib", "{:.1f}"), ("KV device GiB", "kv_device_gib", "{:.1f}"),
+                  ("KV host GiB", "kv_host_gib", "{:.1f}")]
+DECODE_COLUMNS = [("method", "spec", "{}"), ("median ms/step", "median_ms", "{:.2f}"),
+                  ("vs Quest", "vs_quest", "{:.2f}x"),
+                  ("first window ms", lambda r: r["window_ms"][0], "{:.2f}"),
+                  ("last window ms", lambda r: r["window_ms"][-1], "{:.2f}"),
+                  ("KV held at the end GiB", "held_gib_measured_end", "{:.3f}"),
+                  ("KV allocated GiB", "kv_device_gib", "{:.3f}")]
+
+
 def write(args, rows, device) -> None:
-    meta = {"model": args.model, "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    meta = {"model": args.model, "device_name": device_name(device),
             "command": "python -m sparsekv.bench.capacity " + " ".join(args.argv)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# {args.mode} ({args.model}, {meta['device_name']}, bfloat16)", "", f"Command: `{meta['command']}`", ""]
+    lines = [f"# {args.mode} ({args.model}, {meta['device_name']})", "", f"Command: `{meta['command']}`", ""]
     if args.mode == "ladder":
-        lines += ["| method | context | status | fill | prefill s | decode ms/step | tokens/s | peak device GiB | "
-                  "KV device GiB | KV host GiB |", "|" + " --- |" * 10]
-        for r in rows:
-            if r["status"] != "ok":
-                lines.append(f"| {r['spec']} | {r['context']} | {r['status']} |" + " - |" * 7)
-                continue
-            prefill = "-" if r["prefill_s"] is None else f"{r['prefill_s']:.1f}"
-            lines.append(f"| {r['spec']} | {r['context']} | ok | {r['fill']} | {prefill} | {r['decode_ms']:.2f} | "
-                         f"{r['tokens_per_s']:.1f} | {r['peak_device_gib']:.1f} | {r['kv_device_gib']:.1f} | "
-                         f"{r['kv_host_gib']:.1f} |")
+        lines += markdown_table(LADDER_COLUMNS, rows)
     else:
         lines += [f"Prompt {args.prompt} tokens, {args.decode} decoded; step time = median over windows of "
-                  f"{args.window} steps.", "",
-                  "| method | median ms/step | vs Quest | first window ms | last window ms | KV held at the end GiB | "
-                  "KV allocated GiB |", "|" + " --- |" * 7]
-        for r in rows:
-            vs = "-" if r["vs_quest"] is None else f"{r['vs_quest']:.2f}x"
-            lines.append(f"| {r['spec']} | {r['median_ms']:.2f} | {vs} | {r['window_ms'][0]:.2f} | "
-                         f"{r['window_ms'][-1]:.2f} | {r['held_gib_measured_end']:.3f} | {r['kv_device_gib']:.3f} |")
-    (args.out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
+                  f"{args.window} steps.", "", *markdown_table(DECODE_COLUMNS, rows)]
+    write_results(args.out, args.tag, meta, rows, lines)
     print("\n".join(lines))
     if args.mode == "long-decode":
         _plot(args, rows)

@@ -20,10 +20,13 @@ from .runner import RESULTS, read_results
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """One row per (task, length, method, budget), in order of first appearance with budgets ascending: runs, mean
+    """One row per (task, length, method, budget), in order of first appearance with budgets ascending (``task``
+    is the record's ``source`` where it has one, e.g. a folder, so that grids of one task made with other settings
+    stay apart): runs, mean
     score, mean part-match (RULER tasks), mean KV tokens attended per step and (layer, KV head), mean fraction of
     the dense context attended, mean attention recall over layers (runs made with ``--recall``)."""
-    groups = group_by(records, "task", "length", "method", "budget")
+    groups = group_by([{**r, "task": r.get("source", r["task"])} for r in records], "task", "length", "method",
+                      "budget")
     first = {key[:3]: i for i, key in reversed(list(enumerate(groups)))}
     rows = []
     for key in sorted(groups, key=lambda k: (first[k[:3]], -1 if k[3] is None else k[3])):
@@ -117,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     if not files:
         print(f"sparsekv.eval.summary: error: no */{RESULTS} under {args.folder}", file=sys.stderr)
         return 1
-    rows = summarize([r for f in files for r in read_results(f)])
+    # A folder holding one task under another name (e.g. recall/) is its own panel.
+    rows = summarize([{**r, "source": r["task"] if f.parent.name == r["task"] else f"{r['task']} ({f.parent.name})"}
+                      for f in files for r in read_results(f)])
     (args.folder / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     (args.folder / "summary.md").write_text(markdown(rows))
     png = plot(rows, args.folder / "summary.png")

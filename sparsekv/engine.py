@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -277,25 +277,16 @@ class Engine:
         device. Activations are one chunk's, plus the (B, S, hidden) hidden states between layers. The chunks are
         aligned to the end, so the last one is full (methods read the prompt's last queries from it)."""
         decoder = self.model.get_decoder()
-        width = ids.shape[1]
         position = (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 1)  # transformers' positions for left padding
-        bounds = list(range(width, 0, -self.prefill_chunk))[::-1]
-        chunks = list(zip([0] + bounds[:-1], bounds))
         hidden = decoder.embed_tokens(ids)
-        rotary = [decoder.rotary_emb(hidden[:, :1], position[:, begin:end]) for begin, end in chunks]
-        plans = []
-        for index, layer in enumerate(decoder.layers):
-            for (begin, end), embedding in zip(chunks, rotary):
-                if index == 0:  # layer 0 plans each chunk's pass; the layers above take the same plans
-                    cache.prompt_end = end == width
-                    cache.pending_mask = mask[:, :end]
-                else:
-                    cache.pages.plan = plans.pop(0)
-                out = layer(hidden[:, begin:end], attention_mask=None, position_ids=position[:, begin:end],
-                            past_key_values=cache, use_cache=True, position_embeddings=embedding,
-                            sparsekv_cache=cache)
-                hidden[:, begin:end] = out[0] if isinstance(out, tuple) else out
-                plans.append(cache.pages.plan)
+        rotary = {}
+        for index, begin, end in prompt_passes(cache, mask, self.prefill_chunk, len(decoder.layers)):
+            if index == 0:
+                rotary[begin] = decoder.rotary_emb(hidden[:, :1], position[:, begin:end])
+            out = decoder.layers[index](hidden[:, begin:end], attention_mask=None, position_ids=position[:, begin:end],
+                                        past_key_values=cache, use_cache=True, position_embeddings=rotary[begin],
+                                        sparsekv_cache=cache)
+            hidden[:, begin:end] = out[0] if isinstance(out, tuple) else out
         return self.model.lm_head(decoder.norm(hidden[:, -1:]))[:, -1]
 
     def _decode(self, cache, logits: torch.Tensor, forced: torch.Tensor, total: int, sampling: Sampling,
@@ -371,6 +362,25 @@ class Engine:
         synchronize(self.device)
         seconds = time.perf_counter() - start
         return out[:, :ran + 1], nll, ran, captured, seconds, step_seconds if timer is not None else None
+
+
+def prompt_passes(cache, mask: torch.Tensor, chunk: int, num_layers: int) -> Iterator[tuple[int, int, int]]:
+    """The prompt's passes in layer-major order: (layer, first column, end column) for every layer, and within it
+    every chunk of ``chunk`` columns (aligned to the end, so the last one is full: methods read the prompt's last
+    queries from it), with ``cache`` set for the pass. Layer 0 plans each chunk's pass (its padding from ``mask``
+    (B, S), the last one ending the prompt); the layers above take the same plans, in the same order."""
+    width = mask.shape[1]
+    bounds = list(range(width, 0, -chunk))[::-1]
+    plans = []
+    for index in range(num_layers):
+        for begin, end in zip([0] + bounds[:-1], bounds):
+            if index == 0:
+                cache.prompt_end = end == width
+                cache.pending_mask = mask[:, :end]
+            else:
+                cache.pages.plan = plans.pop(0)
+            yield index, begin, end
+            plans.append(cache.pages.plan)
 
 
 def _is_count(value, least: int) -> bool:

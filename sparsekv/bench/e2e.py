@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine import Engine
+from ..engine import Engine, prompt_passes
 from ..errors import ConfigError
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
@@ -59,24 +59,16 @@ def random_fill(model):
     dtype = next(model.parameters()).dtype
 
     def fill(cache, ids, mask):
-        b, s = ids.shape
+        b = ids.shape[0]
         scale = head_dim ** -0.5
-        pages, plans = cache.pages, []
-        for layer in range(cfg.num_hidden_layers):
-            for c, start in enumerate(range(0, s, FILL_CHUNK)):
-                n = min(FILL_CHUNK, s - start)
-                if layer == 0:  # layer 0 plans each chunk's pass; the other layers replay those plans
-                    cache.prompt_end = start + n == s
-                else:
-                    pages.plan = plans[c]
-                k = torch.randn(b, kv_heads, n, head_dim, dtype=dtype, device=ids.device)
-                cache.update(k, torch.randn_like(k), layer)
-                if layer == 0:
-                    plans.append(pages.plan)
-                q = torch.randn(b, heads, n, head_dim, dtype=dtype, device=ids.device)
-                cache.method.prefill_chunk(layer, q, pages.layers[layer], pages.plan, scale)
-                if pages.plan.prompt_end:
-                    cache.method.prefill(layer, q, pages.layers[layer], pages.plan, scale)
+        pages = cache.pages
+        for layer, begin, end in prompt_passes(cache, mask, FILL_CHUNK, cfg.num_hidden_layers):
+            k = torch.randn(b, kv_heads, end - begin, head_dim, dtype=dtype, device=ids.device)
+            cache.update(k, torch.randn_like(k), layer)
+            q = torch.randn(b, heads, end - begin, head_dim, dtype=dtype, device=ids.device)
+            cache.method.prefill_chunk(layer, q, pages.layers[layer], pages.plan, scale)
+            if pages.plan.prompt_end:
+                cache.method.prefill(layer, q, pages.layers[layer], pages.plan, scale)
         return torch.zeros(b, cfg.vocab_size, device=ids.device)
 
     return fill

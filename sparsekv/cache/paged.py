@@ -289,22 +289,17 @@ class PagedKVCache:
     def reserve(self, tokens: int) -> None:
         """Gives every layer the slots for each row to grow by ``tokens`` more tokens (within the layers' caps), so
         that the decode steps that follow allocate nothing."""
-        saved = self.lengths
-        self.lengths = [n + tokens for n in saved]
-        try:
-            for layer in self.layers:
-                if layer is not None and layer.capacity < self.needed_pages(layer):
-                    layer.grow(self.needed_pages(layer))
-        finally:
-            self.lengths = saved
+        for layer in self.layers:
+            if layer is not None and layer.capacity < self.needed_pages(layer, tokens):
+                layer.grow(self.needed_pages(layer, tokens))
 
-    def needed_pages(self, layer: PagedLayer | None = None) -> int:
-        """Slots per row the next append needs in ``layer``: each row's pages less those it dropped for good,
-        capped by ``max_pages`` and the layer's own ``max_pages``."""
+    def needed_pages(self, layer: PagedLayer | None = None, extra: int = 0) -> int:
+        """Slots per row the next append needs in ``layer`` (with ``extra`` more tokens per row): each row's pages
+        less those it dropped for good, capped by ``max_pages`` and the layer's own ``max_pages``."""
         if not self.lengths:
             return 0
         dropped = layer.dropped if layer is not None else [0] * self.batch_size
-        pages = max(-(-n // self.page_size) - d for n, d in zip(self.lengths, dropped))
+        pages = max(-(-(n + extra) // self.page_size) - d for n, d in zip(self.lengths, dropped))
         return min([pages] + self._caps(layer))
 
     def _size(self, need: int, layer: PagedLayer | None) -> int:

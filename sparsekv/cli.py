@@ -168,6 +168,7 @@ def cmd_generate(args) -> int:
     if first:
         print(result.text)
         print(_describe(config.name, result), file=sys.stderr)
+    parallel.finish()  # under torchrun: close the process group transformers opened, with every process done
     return 0
 
 

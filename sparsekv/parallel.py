@@ -27,6 +27,14 @@ def is_first() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def finish() -> None:
+    """Ends a torchrun launch's process group once every process is done: a process that exits with the group
+    still open can abort in its teardown while the others finish."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def head_group(model) -> dist.ProcessGroup | None:
     """The process group over which transformers' tensor parallelism splits ``model``'s attention heads (the mesh
     of its sharded ``q_proj`` weight), or None when the heads are not split."""

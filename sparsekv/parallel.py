@@ -11,6 +11,7 @@ takes the decision of the one-process run. With ``group=None`` (heads not split)
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,19 @@ def launched() -> bool:
 def is_first() -> bool:
     """Whether this process prints: the first of a torchrun launch, or the only one."""
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def start() -> torch.device:
+    """Starts the process group of a torchrun launch (NCCL, one GPU a process, where there are GPUs; else gloo on
+    the CPU) and returns this process's device. Its timeout allows the first process to work alone for an hour
+    (building a model the others then load, a long single-process reference run)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+                            timeout=timedelta(hours=1))
+    return device
 
 
 def finish() -> None:
@@ -53,6 +67,14 @@ def head_group(model) -> dist.ProcessGroup | None:
         raise ValueError(f"model: q_proj weight must be split by output rows (heads) over a 1D mesh, got placements "
                          f"{weight.placements} over {mesh}")
     return mesh.get_group()
+
+
+def local_heads(model) -> tuple[int, int]:
+    """(query heads, KV heads) of one of ``model``'s attention layers held by this process: all of them, or this
+    process's slice under tensor parallelism (read from the local projection weights, not the config)."""
+    attn = model.get_decoder().layers[0].self_attn
+    rows = [getattr(p, "to_local", lambda: p)().shape[0] for p in (attn.q_proj.weight, attn.k_proj.weight)]
+    return rows[0] // attn.head_dim, rows[1] // attn.head_dim
 
 
 def size(group: dist.ProcessGroup | None) -> int:

@@ -70,3 +70,19 @@ def test_one_process_has_no_head_group():
     t = torch.tensor([1.0, -2.0])
     assert parallel.all_reduce_sum(t, None) is t and parallel.all_reduce_max(t, None) is t
     assert t.tolist() == [1.0, -2.0]
+
+
+def test_e2e_bench_under_torchrun(tmp_path):
+    """``bench.e2e`` started by torchrun: the first process builds the shape model, both load it sharded, and
+    the first writes the rows (memory per process, floor over both processes' bandwidth)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "sparsekv.bench.e2e", "--model", "shape:tiny", "--contexts", "96", "--device", "cpu",
+           "--new-tokens", "4", "--methods", "dense", "quest", "--budget", "32", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    result = json.loads((tmp_path / "e2e.json").read_text())
+    assert [(r["spec"], r["gpus"]) for r in result["rows"]] == [("dense", 2), ("quest", 2)]
+    assert "tensor parallel" in result["meta"]["device_name"]
+    assert run.stdout.count("| quest | 32 | 96 |") == 1  # printed by the first process only

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import platform
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from ..timing import Timer
 
@@ -54,6 +59,35 @@ def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
     return model.eval()
+
+
+@contextmanager
+def shared_folder(build: Callable[[Path], None]) -> Iterator[Path]:
+    """Under torchrun (process group started): a temporary folder that the first process fills with
+    ``build(folder)`` (a random-weight model saved for every process to load with tensor parallelism), removed on
+    leaving once every process is past the block."""
+    name = [tempfile.mkdtemp(prefix="sparsekv-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    folder = Path(name[0])
+    try:
+        if dist.get_rank() == 0:
+            build(folder)
+        dist.barrier()
+        yield folder
+        dist.barrier()  # every process has read the folder
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def load_sharded(folder: Path, dtype: torch.dtype):
+    """The model saved in ``folder``, loaded with transformers' tensor parallelism over the torchrun processes
+    (each holds 1/N of every layer's heads), in eval mode."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                distributed_config=DistributedConfig(tp_plan="auto")).eval()
 
 
 def copy_bandwidth(device: torch.device, timer: Timer) -> float:

@@ -13,6 +13,14 @@ dense through the engine and over transformers' eager loop (``DynamicCache``) an
 ``StaticCache`` + ``torch.compile(mode="reduce-overhead")`` loop. Where batch x context exceeds ``--max-prefill``
 the cache is filled with random keys and values instead of a real prefill (column ``fill``); the transformers loops
 run at batch 1 from a random cache. Writes ``<tag>.json``, ``<tag>.md`` and ``<tag>.png`` under ``--out``.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+        torchrun --nproc-per-node 2 -m sparsekv.bench.e2e --contexts 131072 524288 --methods dense quest
+
+Started by torchrun, every process loads the model with transformers' tensor parallelism (a ``shape:`` model is
+saved by the first process for all to load) and holds 1/N of every layer's heads and KV on its GPU; the decode
+step, collectives included, is captured on each. Memory columns are one GPU's; the floor divides the step's bytes
+by N GPUs' bandwidth. The transformers loops run in one process only.
 """
 
 from __future__ import annotations
@@ -25,7 +33,9 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from .. import parallel
 from ..engine import Engine, prompt_passes
 from ..errors import ConfigError
 from ..eval.base import EvalError
@@ -36,16 +46,22 @@ from ..methods.quest import QuestConfig
 from ..methods.raas import RaaSConfig
 from ..models import load_model, resolve_device, resolve_dtype
 from ..spec import budget_arg
-from .common import Timer, copy_bandwidth, device_name, shape_model, write_results
+from .common import Timer, copy_bandwidth, device_name, load_sharded, shape_model, shared_folder, write_results
 
 FILL_CHUNK = 16384  # tokens of random keys and values written per pass
 
 
 def bench_model(spec: str, device: torch.device, dtype: torch.dtype, max_positions: int):
-    """``shape:<name>`` (random weights of a published shape, built on the device) or any ``load_model`` spec."""
-    if spec.startswith("shape:"):
+    """``shape:<name>`` (random weights of a published shape, built on the device) or any ``load_model`` spec.
+    Under torchrun (process group started) the model is loaded with tensor parallelism; a ``shape:`` model is
+    built by the first process and saved for all of them to load."""
+    if not spec.startswith("shape:"):
+        return load_model(spec, device, dtype).model
+    if not parallel.launched():
         return shape_model(spec[len("shape:"):], device, dtype, max_positions)
-    return load_model(spec, device, dtype).model
+    with shared_folder(lambda folder: shape_model(spec[len("shape:"):], device, dtype,
+                                                  max_positions).save_pretrained(folder)) as folder:
+        return load_sharded(folder, dtype)
 
 
 def random_fill(model):
@@ -54,8 +70,8 @@ def random_fill(model):
     fills layer by layer, so a method that moves a layer's prompt to host memory at the layer's last chunk
     (OmniKV's offload) holds one offloaded layer on the device at a time."""
     cfg = model.config
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    heads, kv_heads = parallel.local_heads(model)
+    head_dim = model.get_decoder().layers[0].self_attn.head_dim
     dtype = next(model.parameters()).dtype
 
     def fill(cache, ids, mask):
@@ -75,9 +91,9 @@ def random_fill(model):
 
 
 def step_bytes(model, config, stats: dict, context: int, batch: int) -> int:
-    """Bytes a decode step must read: the weights (less the embedding table, of which it reads B rows), the KV
-    tokens it attends (the statistics' mean per layer and KV head), Quest's page bounds where pages are scored,
-    and OmniKV's filter-layer keys, read again to score the prompt."""
+    """Bytes a decode step must read, over all processes of tensor parallelism: the weights (less the embedding
+    table, of which it reads B rows), the KV tokens it attends (the statistics' mean per layer and KV head), Quest's
+    page bounds where pages are scored, and OmniKV's filter-layer keys, read again to score the prompt."""
     cfg = model.config
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     itemsize = next(model.parameters()).element_size()
@@ -100,9 +116,11 @@ def engine_row(model, config, label: str, context: int, batch: int, args, device
     out = engine.generate(rows, args.new_tokens, stop_tokens=(), time_steps=True,
                           prefill=None if real else random_fill(model))
     ms = 1e3 * statistics.median(out.step_seconds[2:] or out.step_seconds)
-    floor_ms = 1e3 * step_bytes(model, config, out.stats, context, batch) / bandwidth
+    # Under tensor parallelism each GPU reads its share of the step's bytes.
+    gpus = dist.get_world_size() if parallel.launched() else 1
+    floor_ms = 1e3 * step_bytes(model, config, out.stats, context, batch) / (gpus * bandwidth)
     return {"spec": label, "method": config.name, "budget": getattr(config, "token_budget", None),
-            "context": context, "batch": batch, "fill": "prefill" if real else "random",
+            "context": context, "batch": batch, "gpus": gpus, "fill": "prefill" if real else "random",
             "prefill_tokens_per_s": batch * context / out.prefill_seconds if real else None,
             "decode_ms": ms, "tokens_per_s": 1e3 * batch / ms, "floor_ms": floor_ms, "x_floor": ms / floor_ms,
             "captured": out.captured, "attended_per_head": out.stats["attended_per_head"],
@@ -236,21 +254,30 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, EvalError) as err:
         print(f"sparsekv.bench.e2e: error: {err}", file=sys.stderr)
         return 2
-    device = resolve_device(args.device)
+    if parallel.launched() and (args.transformers or args.compiled):
+        parser.error("--transformers and --compiled time transformers' loops in one process: run them without "
+                     "torchrun")
+    # Under torchrun the process group is started here (transformers would start it while loading), to share a
+    # shape: model's folder; each process drives its GPU and the first one prints and writes the results.
+    device = parallel.start() if parallel.launched() else resolve_device(args.device)
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     longest = max(args.contexts) + args.new_tokens
     model = bench_model(args.model, device, dtype, longest)
     bandwidth = copy_bandwidth(device, Timer(device, reps=30))
     rows = []
 
+    def say(line: str) -> None:
+        if parallel.is_first():
+            print(line, flush=True)
+
     def done(row: dict) -> None:
         rows.append(row)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        print(f"{row['spec']:>24} ctx {row['context']:>7} b {row['batch']}: {row['decode_ms']:.2f} ms/step "
-              f"({row['tokens_per_s']:.1f} tok/s, x floor {fmt(row['x_floor'])}, fill {row['fill']}), "
-              f"peak {fmt(row['peak_device_gib'], '{:.1f}')} GiB", flush=True)
+        say(f"{row['spec']:>24} ctx {row['context']:>7} b {row['batch']}: {row['decode_ms']:.2f} ms/step "
+            f"({row['tokens_per_s']:.1f} tok/s, x floor {fmt(row['x_floor'])}, fill {row['fill']}), "
+            f"peak {fmt(row['peak_device_gib'], '{:.1f}')} GiB")
 
     # transformers' loops first (the engine's compile option compiles the model's layers in place), at batch 1:
     # their caches grow by copying, which needs twice the KV memory.
@@ -266,17 +293,22 @@ def main(argv: list[str] | None = None) -> int:
                     done(engine_row(model, run.config, run.label, context, batch, args, device, bandwidth))
                 except torch.OutOfMemoryError:
                     out_of_memory.append(f"{run.label} at context {context}, batch {batch}")
-                    print(f"{run.label:>24} ctx {context:>7} b {batch}: out of device memory", flush=True)
+                    say(f"{run.label:>24} ctx {context:>7} b {batch}: out of device memory")
                     gc.collect()
                     torch.cuda.empty_cache()
     add_ratios(rows)
+    if not parallel.is_first():
+        parallel.finish()
+        return 0
+    gpus = dist.get_world_size() if parallel.launched() else 1
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
-            "device_name": device_name(device),
+            "device_name": device_name(device) + (f" x {gpus} (tensor parallel)" if gpus > 1 else ""),
             "torch": torch.__version__, "bandwidth_tbs": bandwidth / 1e12, "out_of_memory": out_of_memory,
             "command": "python -m sparsekv.bench.e2e " + " ".join(argv)}
     write_results(args.out, args.tag, meta, rows, markdown(meta, rows))
     plot(args.out / f"{args.tag}.png", rows)
     print((args.out / f"{args.tag}.md").read_text())
+    parallel.finish()
     return 0
 
 

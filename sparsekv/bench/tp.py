@@ -24,25 +24,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from contextlib import nullcontext
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
-from transformers.distributed import DistributedConfig
 
-from .. import apply
+from .. import apply, parallel
 from ..engine import Engine
 from ..methods import (DenseConfig, H2OConfig, MethodConfig, OmniKVConfig, QuestConfig, RaaSConfig, SnapKVConfig,
                        StreamingLLMConfig, TOVAConfig)
 from ..models import resolve_dtype
 from ..tiny import tiny_model
-from .common import SHAPES, shape_model
+from .common import SHAPES, load_sharded, shape_model, shared_folder
 
 CONTROL = "transformers"
 
@@ -182,30 +178,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("start it with torchrun --nproc-per-node N (N >= 2)")
     check_spec(args.model)
 
-    # transformers shards the model over the machine's accelerator whenever there is one.
-    cuda = torch.cuda.is_available()
-    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    # transformers would start the process group itself; it is started first here to share the model folder. The
-    # other processes wait while the first runs alone: longer than the default timeout at long contexts.
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
-                            timeout=timedelta(hours=1))
+    # transformers shards the model over the machine's accelerator whenever there is one. It would start the process
+    # group itself; it is started first here to share the model folder.
+    device = parallel.start()
+    cuda, rank = device.type == "cuda", dist.get_rank()
     dtype = resolve_dtype(args.dtype or ("bfloat16" if cuda else "float32"))
     batch = args.batch or (1 if cuda else 2)
     new_tokens = args.new_tokens or (16 if cuda else 6)
     page_size = args.page_size or (4 if args.context < 1024 else 16)
     configs = method_configs(args.context, new_tokens, page_size)
 
-    built = not Path(args.model).is_dir()
-    folder = [tempfile.mkdtemp(prefix="sparsekv-tp-") if built and rank == 0 else args.model]
-    dist.broadcast_object_list(folder, src=0)
-    folder = folder[0]
-    try:
-        if built and rank == 0:
-            build_model(args.model, args.layers, dtype, args.context + new_tokens, device, Path(folder))
-        dist.barrier()
+    def both(folder: Path):
         reference = None
         if rank == 0:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
@@ -213,12 +196,14 @@ def main(argv: list[str] | None = None) -> int:
             reference = generate_all(model, configs, ids, mask, new_tokens)
             del model
         dist.barrier()
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
-                                                     distributed_config=DistributedConfig(tp_plan="auto")).eval()
-        dist.barrier()  # every process has read the folder
-    finally:
-        if built and rank == 0:
-            shutil.rmtree(folder, ignore_errors=True)
+        return reference, load_sharded(folder, dtype)
+
+    if Path(args.model).is_dir():
+        reference, model = both(Path(args.model))
+    else:
+        with shared_folder(lambda folder: build_model(args.model, args.layers, dtype, args.context + new_tokens,
+                                                      device, folder)) as folder:
+            reference, model = both(folder)
     ids, mask = prompts(model.config.vocab_size, batch, args.context, args.seed, device)
     got = generate_all(model, configs, ids, mask, new_tokens)
     ranks = [None] * dist.get_world_size()

@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
             "device_name": device_name(device) + (f" x {gpus} (tensor parallel)" if gpus > 1 else ""),
             "torch": torch.__version__, "bandwidth_tbs": bandwidth / 1e12, "out_of_memory": out_of_memory,
-            "command": "python -m sparsekv.bench.e2e " + " ".join(argv)}
+            "command": (f"torchrun --nproc-per-node {gpus}" if gpus > 1 else "python") + " -m sparsekv.bench.e2e "
+                       + " ".join(argv)}
     write_results(args.out, args.tag, meta, rows, markdown(meta, rows))
     plot(args.out / f"{args.tag}.png", rows)
     print((args.out / f"{args.tag}.md").read_text())

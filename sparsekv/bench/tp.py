@@ -41,7 +41,7 @@ from ..methods import (DenseConfig, H2OConfig, MethodConfig, OmniKVConfig, Quest
                        StreamingLLMConfig, TOVAConfig)
 from ..models import resolve_dtype
 from ..tiny import tiny_model
-from .common import SHAPES, load_sharded, shape_model, shared_folder
+from .common import SHAPES, device_name, load_sharded, shape_model, shared_folder
 
 CONTROL = "transformers"
 
@@ -219,6 +219,23 @@ def check(reference: dict[str, dict], ranks: list[dict[str, dict]], exact: bool)
     return errors, notes
 
 
+def markdown(result: dict) -> list[str]:
+    """The lines of a markdown report of a run's ``--out`` JSON: per run, whether its greedy tokens equal the
+    one-process run's and both forced NLLs, then the notes and errors."""
+    one, tp = result["one_process"], result["tensor_parallel"]
+    lines = [f"# Tensor parallelism against one process ({result['processes']} processes, {result['device']}, "
+             f"{result['dtype']})", "", f"Command: `{result['command']}`", "",
+             "| run | greedy tokens | forced NLL/token, tensor parallel | forced NLL/token, one process |",
+             "| --- | --- | --- | --- |"]
+    for name, run in tp.items():
+        same = "equal" if run["tokens"] == one[name]["tokens"] else "differ"
+        lines.append(f"| {name} | {same} | {', '.join(f'{x:.4f}' for x in run['nll'])} | "
+                     f"{', '.join(f'{x:.4f}' for x in one[name]['nll'])} |")
+    lines += ["", f"Errors: {len(result['errors'])}."] + [f"- {e}" for e in result["errors"]]
+    lines += ["", f"Notes (tokens that part, with the near tie where they part): {len(result['notes'])}."]
+    return lines + [f"- {n}" for n in result["notes"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m sparsekv.bench.tp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -284,8 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(errors) if errors else f"all {len(ranks[0])} runs agree with the one-process runs ({what})",
           flush=True)
     if args.out is not None:
-        args.out.write_text(json.dumps({"dtype": str(dtype), "one_process": reference, "tensor_parallel": ranks[0],
-                                        "errors": errors, "notes": notes}, indent=1))
+        result = {"command": "torchrun --nproc-per-node N -m sparsekv.bench.tp " + " ".join(sys.argv[1:] if argv is None
+                                                                                         else argv),
+                  "processes": len(ranks), "device": device_name(device), "dtype": str(dtype).removeprefix("torch."),
+                  "one_process": reference, "tensor_parallel": ranks[0], "errors": errors, "notes": notes}
+        args.out.write_text(json.dumps(result, indent=1))
+        args.out.with_suffix(".md").write_text("\n".join(markdown(result)) + "\n")
     dist.destroy_process_group()
     return 1 if errors else 0
 

@@ -252,6 +252,7 @@ class Engine:
                                                                           stops, stream, time_steps)
             stats = session.stats.summary()
             kv_device, kv_host, kv_held = cache.resident_bytes(), cache.offloaded_bytes(), cache.held_bytes()
+            session.method.release()
         starts = (forced >= 0).sum(dim=1).tolist()
         rows = [_until_stop(row[n:n + max_new_tokens], stops) for row, n in zip(tokens.tolist(), starts)]
         texts = None

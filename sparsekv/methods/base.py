@@ -92,6 +92,10 @@ class Method:
         """Bytes of KV the method keeps off the device (in host memory)."""
         return 0
 
+    def release(self) -> None:
+        """Frees what the method holds for one generation outside the cache's pages (host memory), once the
+        generation is over: a result that keeps the method for inspection must not keep its stores."""
+
     def select(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, seq_len: torch.Tensor) -> torch.Tensor:
         """Slots to attend in one decode step. q: (B, H, D); seq_len: (B,). Returns (B, Hs, K) int64, -1 = none,
         with Hs = Hkv (per KV head) or H (per query head)."""

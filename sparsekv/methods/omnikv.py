@@ -293,3 +293,6 @@ class OmniKV(Method):
 
     def offloaded_bytes(self):
         return sum(store.host_bytes() for store in self.stores.values())
+
+    def release(self):
+        self.stores.clear()

@@ -1,7 +1,10 @@
 """What the Triton kernel families share: the launch parameters (``TUNING``), the checks of the cache's layout and
-dtype, and how a dtype's products are computed (including in Triton's CPU interpreter, where the tests run)."""
+dtype, how a dtype's products are computed (including in Triton's CPU interpreter, where the tests run), and the
+device's multiprocessor count that sizes split-K grids."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -33,6 +36,8 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8,
           "append_search": 4096, "append_warps": 4}
 
+LOG2E = 1.4426950408889634
+
 
 def check(q: torch.Tensor, k: torch.Tensor, name: str) -> None:
     if q.dtype != k.dtype:
@@ -59,3 +64,10 @@ def block_d(d: int) -> int:
 def group_pad(g: int) -> int:
     return max(16, triton.next_power_of_2(g))  # tl.dot wants at least 16 rows
 
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of the device, which size the split-K grids."""
+    if device.type != "cuda":
+        return 2  # the CPU interpreter: few programs, so small test shapes still split
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -25,6 +25,10 @@ from triton import knobs
 # quest_select takes the group filter with at least select_fused_rows rows, groups of select_fused_scale *
 # sqrt(slots / k), the maxima written by the page-score kernel (v14: faster than a separate pass on every grid
 # measured, up to 65536 programs); else select_pages.
+# window_*: OmniKV's window token scores (``scoring``), not yet tuned on a GPU: blocks of window_block_n tokens,
+# halved while a block's logit tile (heads x window queries x tokens) exceeds window_tile entries (registers); the
+# query heads of a group are split into chunks of at most window_rows tile rows (heads x padded window); pass 1
+# splits each row's blocks until rows * splits reaches window_programs_per_sm programs per multiprocessor.
 # append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
 # starts a page in a cache with freed slots), with append_warps warps.
 TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
@@ -34,6 +38,8 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "select_fused_rows": 8, "select_fused_scale": 1,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4,
           "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8,
+          "window_block_n": 64, "window_tile": 8192, "window_rows": 128, "window_warps": 4, "window_stages": 2,
+          "window_programs_per_sm": 4,
           "append_search": 4096, "append_warps": 4}
 
 LOG2E = 1.4426950408889634

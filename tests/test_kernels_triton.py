@@ -131,6 +131,77 @@ def test_decode_tokens(batch, heads, kv_heads, head_dim, store, n_tokens, rows, 
     assert rel_err(lse[fin], exact_lse[fin]) <= 2 * rel_err(torch_lse[fin], exact_lse[fin]) + 1e-5
 
 
+def window_inputs(batch, heads, kv_heads, head_dim, n, window, limits, dtype, seed=0):
+    """OmniKV's filter-layer inputs: a flat store of n tokens whose positions are scattered (a permutation) with
+    -1 holes (position 0 is always there, so limit 1 leaves exactly one candidate), window positions at random
+    (some before candidates, so the causal mask matters; the first entry empty for W > 1). Returns q, k, key_pos,
+    q_pos, limit."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(batch, heads, window, head_dim, generator=g, device=DEV).to(dtype)
+    k = torch.randn(batch, kv_heads, n, head_dim, generator=g, device=DEV).to(dtype)
+    key_pos = torch.stack([torch.randperm(n, generator=g, device=DEV) for _ in range(batch)])
+    holes = (torch.rand(batch, n, generator=g, device=DEV) < 0.2) & (key_pos != 0)
+    key_pos = torch.where(holes, -1, key_pos)
+    q_pos = torch.randint(-1, n + 2, (batch, window), generator=g, device=DEV)
+    if window > 1:
+        q_pos[:, 0] = -1
+    return q, k, key_pos, q_pos, torch.tensor(limits, device=DEV)
+
+
+WINDOW_VARIANTS = {  # TUNING overrides: each shape of the window-scoring tiles
+    "default": {},
+    # query heads in chunks of 16 // padded window rows (several chunks; the last one partial for G = 3 at W = 5,
+    # G = 6 at W = 3)
+    "chunks": {"window_rows": 16},
+    # blocks of 16 tokens, so that pass 1 splits rows of more than one block
+    "block16": {"window_block_n": 16},
+}
+
+
+@pytest.mark.parametrize("variant", WINDOW_VARIANTS)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32], ids=str)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,n,window,limits", [
+    pytest.param(1, 4, 4, 32, 1, 1, [1], id="one-token-mha"),
+    pytest.param(1, 8, 2, 64, 37, 2, [1], id="one-candidate-gqa4"),
+    pytest.param(2, 4, 2, 64, 150, 4, [100, 37], id="gqa2-ragged-limits"),
+    pytest.param(2, 8, 1, 32, 90, 16, [80, 200], id="gqa8-window16"),
+    pytest.param(2, 3, 3, 64, 200, 1, [150, 20], id="mha-w1"),
+    pytest.param(1, 6, 2, 16, 70, 5, [60], id="gqa3-w5-d16"),
+    pytest.param(2, 12, 2, 32, 45, 3, [40, 9], id="gqa6-w3"),
+    *([pytest.param(1, 32, 8, 128, 70000, 1, [65536], id="gpu-llama3-w1"),
+       pytest.param(4, 32, 8, 128, 20000, 16, [20000, 19000, 7, 12345], id="gpu-llama3-b4-w16")] if ON_GPU else []),
+])
+def test_window_token_maxima(batch, heads, kv_heads, head_dim, n, window, limits, dtype, variant, monkeypatch):
+    """OmniKV's filter-layer scores: -inf exactly on non-candidates, 0 exactly where no head's query sees a
+    candidate (empty window entries, tokens after a query), else within the error budget (fp32 outputs on both
+    paths, hence the small floor)."""
+    for key, value in WINDOW_VARIANTS[variant].items():
+        monkeypatch.setitem(tops.TUNING, key, value)
+    q, k, key_pos, q_pos, limit = window_inputs(batch, heads, kv_heads, head_dim, n, window, limits, dtype)
+    scale = 1.5 * head_dim ** -0.5
+    out = tops.window_token_maxima(q, k, key_pos, q_pos, limit, scale)
+    exact = ref.window_token_maxima(*up(q, k), key_pos, q_pos, limit, scale)
+    assert out.dtype == torch.float32 and out.shape == exact.shape
+    assert torch.equal(out.isfinite(), exact.isfinite()) and torch.equal(out == float("-inf"), exact == float("-inf"))
+    assert torch.equal(out[exact == 0], torch.zeros_like(out[exact == 0]))
+    fin = exact.isfinite()
+    torch_err = rel_err(ref.window_token_maxima(q, k, key_pos, q_pos, limit, scale)[fin], exact[fin])
+    assert rel_err(out[fin], exact[fin]) <= 2 * torch_err + 1e-5
+
+
+def test_window_token_maxima_edge_cases():
+    """No candidate at all (limit 0), an empty window, and fp64 (the reference itself)."""
+    q, k, key_pos, q_pos, limit = window_inputs(2, 4, 2, 32, 40, 3, [0, 30], torch.bfloat16)
+    q_pos[1] = -1
+    out = tops.window_token_maxima(q, k, key_pos, q_pos, limit, 0.2)
+    assert torch.equal(out, ref.window_token_maxima(*up(q, k), key_pos, q_pos, limit, 0.2).float())
+    assert out[0].isinf().all() and out[1][out[1].isfinite()].eq(0).all()
+    q, k = up(q, k)
+    q_pos[1] = 35
+    assert torch.equal(tops.window_token_maxima(q, k, key_pos, q_pos, limit, 0.2),
+                       ref.window_token_maxima(q, k, key_pos, q_pos, limit, 0.2))
+
+
 def stable_selection(scores, cur_slot, n_pages):
     """The reference's contract with ties broken to the lower slot (torch.topk leaves that open), as sorted sets."""
     rows = scores.shape[1] // cur_slot.shape[1]
@@ -328,7 +399,7 @@ def test_dispatch_picks_triton_and_step_replays_in_cuda_graph(monkeypatch):
     k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(4, 8, 128, 16, [3000, 2000, 1000, 17],
                                                                 torch.bfloat16, spare=1)
     for name in ("page_scores", "select_pages", "quest_select", "sparse_decode", "sparse_decode_tokens",
-                 "append_token"):
+                 "window_token_maxima", "append_token"):
         assert tops.OPS[name] is getattr(tops, name)
     step = QuestStep(k, v, kmin, kmax, slot_page, cur_slot, seq_len, heads=32, num_pages=16, per_query_head=False)
     q = torch.randn(4, 32, 128, device=DEV).to(torch.bfloat16)
@@ -350,3 +421,23 @@ def test_dispatch_picks_triton_and_step_replays_in_cuda_graph(monkeypatch):
     assert torch.equal(step.out, eager)
     exact = ref.sparse_decode(*up(q, k, v), slot_page, step.slots, seq_len, 128 ** -0.5)
     assert rel_err(step.out, exact) < 1e-2
+
+
+@pytest.mark.skipif(not ON_GPU, reason="dispatch and CUDA graphs need a GPU")
+def test_window_token_maxima_dispatch_and_cuda_graph(monkeypatch):
+    """The registered op runs the Triton kernel on CUDA tensors and replays in a CUDA graph (as in OmniKV's
+    captured decode step), equal to the eager call."""
+    from sparsekv import kernels
+
+    q, k, key_pos, q_pos, limit = window_inputs(2, 32, 8, 128, 5000, 4, [4000, 4990], torch.bfloat16)
+    called = []
+    fast = tops.OPS["window_token_maxima"]
+    monkeypatch.setitem(tops.OPS, "window_token_maxima", lambda *args: called.append(1) or fast(*args))
+    eager = kernels.window_token_maxima(q, k, key_pos, q_pos, limit, 0.1)
+    assert called
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.window_token_maxima(q, k, key_pos, q_pos, limit, 0.1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

@@ -7,16 +7,12 @@ slots, positions after the current token) are masked, never branched on."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .. import reference
-from .common import TUNING, block_d, check, group_pad, interpreted_bf16, precision
-
-LOG2E = 1.4426950408889634
+from .common import LOG2E, TUNING, block_d, check, group_pad, interpreted_bf16, num_sms, precision
 _MAX_SPLITS = 64
 
 
@@ -113,13 +109,6 @@ def _merge_kernel(part_ptr, stat_ptr, out_ptr, lse_ptr, n_splits, so_b, so_h,
                                         float("-inf")))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # the CPU interpreter: few programs, so small test shapes still split
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _split_attention(q, k, v, slot_page, sel, seq_len, scale):
     """Page mode (slot_page given): sparse_decode, output in q's dtype. Token mode (slot_page None): k, v are flat
     (B, Hkv, N, D) stores, sel lists their rows; returns the fp32 output and its log-sum-exp."""
@@ -151,7 +140,7 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale):
     if q.dtype == torch.float32:
         block_n = 16  # full-precision fp32 products need registers: larger tiles spill (ptxas, sm_90)
     n_blocks = max(triton.cdiv(n_sel * p, block_n), 1)
-    want = triton.cdiv(per_sm * _num_sms(q.device), rows)
+    want = triton.cdiv(per_sm * num_sms(q.device), rows)
     splits = max(1, min(want, n_blocks, _MAX_SPLITS))
     per_split = triton.cdiv(n_blocks, splits)
     splits = triton.cdiv(n_blocks, per_split)

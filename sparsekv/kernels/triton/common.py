@@ -1,7 +1,10 @@
 """What the Triton kernel families share: the launch parameters (``TUNING``), the checks of the cache's layout and
-dtype, and how a dtype's products are computed (including in Triton's CPU interpreter, where the tests run)."""
+dtype, how a dtype's products are computed (including in Triton's CPU interpreter, where the tests run), and the
+device's multiprocessor count that sizes split-K grids."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -22,6 +25,10 @@ from triton import knobs
 # quest_select takes the group filter with at least select_fused_rows rows, groups of select_fused_scale *
 # sqrt(slots / k), the maxima written by the page-score kernel (v14: faster than a separate pass on every grid
 # measured, up to 65536 programs); else select_pages.
+# window_*: OmniKV's window token scores (``scoring``), not yet tuned on a GPU: blocks of window_block_n tokens,
+# halved while a block's logit tile (heads x window queries x tokens) exceeds window_tile entries (registers); the
+# query heads of a group are split into chunks of at most window_rows tile rows (heads x padded window); pass 1
+# splits each row's blocks until rows * splits reaches window_programs_per_sm programs per multiprocessor.
 # append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
 # starts a page in a cache with freed slots), with append_warps warps.
 TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
@@ -31,7 +38,11 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "select_fused_rows": 8, "select_fused_scale": 1,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4,
           "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8,
+          "window_block_n": 64, "window_tile": 8192, "window_rows": 128, "window_warps": 4, "window_stages": 2,
+          "window_programs_per_sm": 4,
           "append_search": 4096, "append_warps": 4}
+
+LOG2E = 1.4426950408889634
 
 
 def check(q: torch.Tensor, k: torch.Tensor, name: str) -> None:
@@ -59,3 +70,10 @@ def block_d(d: int) -> int:
 def group_pad(g: int) -> int:
     return max(16, triton.next_power_of_2(g))  # tl.dot wants at least 16 rows
 
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of the device, which size the split-K grids."""
+    if device.type != "cuda":
+        return 2  # the CPU interpreter: few programs, so small test shapes still split
+    return torch.cuda.get_device_properties(device).multi_processor_count

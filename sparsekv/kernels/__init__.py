@@ -172,7 +172,6 @@ def fused(fn: Callable) -> Callable:
 count_attended = fused(reference.count_attended)
 merge_attention = reference.merge_attention
 weigh_window = reference.weigh_window
-weigh_window = reference.weigh_window
 
 __all__ = ["page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",
            "window_token_maxima", "weigh_window", "sparse_decode_tokens", "append_token", "count_attended",

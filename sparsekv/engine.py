@@ -244,7 +244,7 @@ class Engine:
             synchronize(self.device)
             start = time.perf_counter()
             cache = session.new_cache(_sliding_window(self.model.config))
-            cache.pages.planned_tokens = longest + total
+            cache.pages.planned_tokens = session.method.planned_tokens(mask.sum(dim=1).tolist(), longest + total)
             logits = (prefill or self._prefill)(cache, ids, mask)
             synchronize(self.device)
             prefill_s = time.perf_counter() - start

@@ -198,3 +198,15 @@ def test_forced_nll_is_the_dense_log_likelihood(model):
             logp = torch.log_softmax(model(torch.tensor([row + text])).logits[0].double(), -1)
         want = -sum(float(logp[len(row) - 1 + i, t]) for i, t in enumerate(text))
         assert nll == pytest.approx(want, rel=1e-4)
+
+
+def test_raas_allocates_its_budget_not_the_whole_decode(model):
+    """A long decode after a short prompt: RaaS's cache is planned at its row limit, so the KV it allocates stays
+    at the budget (plus the prompt's pages it keeps) while dense's grows with every token."""
+    rows = prompts((40,))
+    raas = Engine(model, RaaSConfig(token_budget=64, page_size=8), max_context=512).generate(rows, 300,
+                                                                                             stop_tokens=())
+    dense = Engine(model, DenseConfig(page_size=8), max_context=512).generate(rows, 300, stop_tokens=())
+    # 64 of the 340 tokens (8 of 43 pages), a page of room and the pages' stamps: under a quarter of dense's.
+    assert raas.kv_device_bytes < dense.kv_device_bytes // 4
+    assert raas.kv_held_bytes < dense.kv_held_bytes // 4

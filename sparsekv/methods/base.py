@@ -81,6 +81,11 @@ class Method:
         """The fewest columns the prompt's last chunk may have: the prompt queries ``prefill`` reads."""
         return 1
 
+    def planned_tokens(self, prompt_lengths: list[int], total: int) -> int:
+        """Tokens per row the cache allocates for up front, given each row's prompt length and ``total`` (the
+        longest prompt plus the tokens to decode): all of them, unless the method caps what a row holds."""
+        return total
+
     def reorder(self, index: torch.Tensor) -> None:
         """Keeps the sequences ``index`` of any per-sequence state (beam search, batch selection)."""
 

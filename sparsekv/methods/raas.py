@@ -100,13 +100,20 @@ class RaaS(Method):
         self.prompt_pages: torch.Tensor | None = None
         self.limit: torch.Tensor | None = None
 
-    def prefill(self, layer_idx, q, layer, plan, scale):
+    def _limits(self, prompt_lengths: list[int]) -> tuple[list[int], list[int]]:
+        """Each row's prompt pages and the pages it may hold."""
         cfg = self.config
-        prompt = [-(-n // cfg.page_size) for n in plan.new_len]
+        prompt = [-(-n // cfg.page_size) for n in prompt_lengths]
         if cfg.prefill == "keep":
-            limit = [max(cfg.budget_pages, p + 1) for p in prompt]
-        else:
-            limit = [p + cfg.budget_pages - cfg.prefill_pages for p in prompt]
+            return prompt, [max(cfg.budget_pages, p + 1) for p in prompt]
+        return prompt, [p + cfg.budget_pages - cfg.prefill_pages for p in prompt]
+
+    def planned_tokens(self, prompt_lengths, total):
+        # The rows never hold more than their limit: a long decode allocates the budget, not the whole decode.
+        return min(total, max(self._limits(prompt_lengths)[1]) * self.config.page_size)
+
+    def prefill(self, layer_idx, q, layer, plan, scale):
+        prompt, limit = self._limits(plan.new_len)
         device = layer.k.device
         self.prompt_pages = torch.tensor(prompt, device=device)
         self.limit = torch.tensor(limit, device=device)

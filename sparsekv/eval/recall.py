@@ -75,6 +75,9 @@ class RecallProbe(Method):
     def offloaded_bytes(self):
         return self.inner.offloaded_bytes()
 
+    def release(self):
+        self.inner.release()
+
     def select(self, layer_idx, q, layer, seq_len):
         return self.inner.select(layer_idx, q, layer, seq_len)
 
@@ -83,6 +86,9 @@ class RecallProbe(Method):
 
     def min_prompt_chunk(self):
         return self.inner.min_prompt_chunk()
+
+    def planned_tokens(self, prompt_lengths, total):
+        return self.inner.planned_tokens(prompt_lengths, total)
 
     def prefill(self, layer_idx, q, layer, plan, scale):
         self._remember(layer_idx, layer, int(max(plan.new_len)))  # before a compressing method drops any

@@ -13,8 +13,8 @@ decoded (RaaS's memory figure). Step times are medians over windows of ``--windo
 Quest grows with every token, RaaS's stops at its budget (measured at the end of the run, and drawn from the rule
 before).
 
-Both write ``<tag>.json``, ``<tag>.md`` (and long-decode ``<tag>.png``) under ``--out``; ``--model`` as in
-``bench.e2e``.
+Both write ``<tag>.json``, ``<tag>.md`` (and long-decode ``<tag>.png``) under ``--out`` after every row, so that a
+run stopped part way keeps what it measured; ``--model`` as in ``bench.e2e``.
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def ladder(model, runs, args, device) -> list[dict]:
-    rows = []
+def ladder(model, runs, args, device, rows: list[dict], save) -> None:
     for run in runs:
         for context in sorted(args.contexts):
             row = {"spec": run.label, "context": context}
@@ -65,13 +64,12 @@ def ladder(model, runs, args, device) -> list[dict]:
             rows.append(row)
             _free(device)
             print(row, flush=True)
+            save()
             if row["status"] != "ok":
                 break
-    return rows
 
 
-def long_decode(model, runs, args, device) -> list[dict]:
-    rows = []
+def long_decode(model, runs, args, device, rows: list[dict], save) -> None:
     per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
         (model.config.hidden_size // model.config.num_attention_heads) * next(model.parameters()).element_size()
     for run in runs:
@@ -89,10 +87,7 @@ def long_decode(model, runs, args, device) -> list[dict]:
                      "median_ms": 1e3 * statistics.median(steps), "decode_steps": out.decode_steps})
         _free(device)
         print({k: v for k, v in rows[-1].items() if k not in ("window_ms", "held_gib")}, flush=True)
-    quest = next((r["median_ms"] for r in rows if r["spec"].startswith("quest")), None)
-    for r in rows:
-        r["vs_quest"] = r["median_ms"] / quest if quest else None
-    return rows
+        save()
 
 
 LADDER_COLUMNS = [("method", "spec", "{}"), ("context", "context", "{}"), ("status", "status", "{}"),
@@ -108,7 +103,12 @@ DECODE_COLUMNS = [("method", "spec", "{}"), ("median ms/step", "median_ms", "{:.
                   ("KV allocated GiB", "kv_device_gib", "{:.3f}")]
 
 
-def write(args, rows, device) -> None:
+def write(args, rows, device, final: bool) -> None:
+    """Writes the rows so far (after every row, so that a run cut short keeps them); ``final`` also prints them."""
+    if args.mode == "long-decode":
+        quest = next((r["median_ms"] for r in rows if r["spec"].startswith("quest")), None)
+        for r in rows:
+            r["vs_quest"] = r["median_ms"] / quest if quest else None
     meta = {"model": args.model, "device_name": device_name(device),
             "command": "python -m sparsekv.bench.capacity " + " ".join(args.argv)}
     lines = [f"# {args.mode} ({args.model}, {meta['device_name']})", "", f"Command: `{meta['command']}`", ""]
@@ -118,9 +118,10 @@ def write(args, rows, device) -> None:
         lines += [f"Prompt {args.prompt} tokens, {args.decode} decoded; step time = median over windows of "
                   f"{args.window} steps.", "", *markdown_table(DECODE_COLUMNS, rows)]
     write_results(args.out, args.tag, meta, rows, lines)
-    print("\n".join(lines))
     if args.mode == "long-decode":
         _plot(args, rows)
+    if final:
+        print("\n".join(lines))
 
 
 def _plot(args, rows) -> None:
@@ -173,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     longest = max(args.contexts + [args.prompt + args.decode]) + args.new_tokens + 1
     model = bench_model(args.model, device, dtype, longest)
-    rows = (ladder if args.mode == "ladder" else long_decode)(model, runs, args, device)
-    write(args, rows, device)
+    rows: list[dict] = []
+    (ladder if args.mode == "ladder" else long_decode)(model, runs, args, device, rows,
+                                                        lambda: write(args, rows, device, final=False))
+    write(args, rows, device, final=True)
     return 0
 
 

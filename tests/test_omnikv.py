@@ -261,3 +261,23 @@ def test_host_store_fetch_gathers_the_listed_positions():
     store.fetch(tokens)
     assert torch.equal(store.layer(2)[1][0], kv[2][1][1][:, tokens[0]])
     assert store.host_bytes() == 3 * 2 * 2 * 2 * 10 * 4 * 4
+
+
+def test_offload_beyond_host_memory_is_refused_before_any_store(monkeypatch):
+    """Every offloaded layer's prompt is counted at once: the refusal names the context and the memory it needs, and
+    no host store was allocated (not the first group's before the second's is refused)."""
+    from sparsekv.cache import host_store
+
+    model = tiny_model("mistral", layers=8, seed=7).to(DEVICE)
+    ids, mask = padded_prompts([301, 250], seed=8)
+    config = OmniKVConfig(page_size=16, token_budget=32, filter_layers=(2, 5), wait_layers=1, selector="uniform",
+                          window=8, offload=True, device_layers=0)
+    one_layer = 2 * 301 * model.config.num_key_value_heads * 2 * \
+        (model.config.hidden_size // model.config.num_attention_heads) * 4
+    # Each group's store fits on its own, both do not.
+    monkeypatch.setattr(host_store, "available_host_bytes", lambda: 3 * one_layer // 2)
+    made = []
+    monkeypatch.setattr(host_store.HostKVStore, "_allocate", lambda self, *a: made.append(a))
+    with pytest.raises(ValueError, match=r"offload: the prompt KV of 2 layers at context 301 \(batch 2\) needs"):
+        generate(model, config, ids, 4, mask)
+    assert made == []

@@ -28,6 +28,17 @@ def available_host_bytes() -> int:
         return 1 << 62
 
 
+def require_host(layers: int, batch: int, kv_heads: int, tokens: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Raises ValueError, naming the context and the memory it needs, unless the host has the memory free for the
+    prompt KV of ``layers`` layers at context ``tokens``."""
+    need = batch * tokens * layers * 2 * kv_heads * head_dim * dtype.itemsize
+    free = available_host_bytes()
+    if need > free:
+        raise ValueError(f"offload: the prompt KV of {layers} layers at context {tokens} (batch {batch}) needs "
+                         f"{need / 2**30:.1f} GiB of host memory, the host has {free / 2**30:.1f} GiB free; use "
+                         f"a shorter context or keep more layers on the device")
+
+
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised host tensor, page-locked and mapped for the GPU by registering its memory as it is. PyTorch's
     pinned allocator rounds a request up to a power of two (a 96 GiB store would take 128 GiB of host memory);
@@ -62,12 +73,7 @@ class HostKVStore:
                  dtype: torch.dtype, device: torch.device):
         self.device = device
         cuda = device.type == "cuda"
-        need = batch * tokens * layers * 2 * kv_heads * head_dim * dtype.itemsize
-        free = available_host_bytes()
-        if need > free:
-            raise ValueError(f"offload: the prompt KV of {layers} layers at context {tokens} (batch {batch}) needs "
-                             f"{need / 2**30:.1f} GiB of host memory, the host has {free / 2**30:.1f} GiB free; use "
-                             f"a shorter context or keep more layers on the device")
+        require_host(layers, batch, kv_heads, tokens, head_dim, dtype)
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.ready = torch.cuda.Event() if cuda else None
         shape = (batch, tokens, layers, 2, kv_heads, head_dim)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels, parallel
-from ..cache.host_store import HostKVStore
+from ..cache.host_store import HostKVStore, require_host
 from .base import Method, MethodConfig, all_slots, require
 
 SELECTORS = ("last", "uniform", "exponential")
@@ -208,7 +208,12 @@ class OmniKV(Method):
                 full = sum(role != "sparse" for role in self.role) - 1  # layer 0's prompt is stored already
                 free = torch.cuda.mem_get_info(layer.k.device)[0] - (full + 1) * per_layer - DEVICE_MARGIN
                 keep = max(0, free // per_layer)
-        return set(sparse[keep:])
+        offloaded = set(sparse[keep:])
+        # All of the host stores at once, before the first is allocated: a context that does not fit is refused
+        # before any host memory is taken.
+        b, h, _, d = layer.shape
+        require_host(len(offloaded), b, h, max(lengths), d, layer.k.dtype)
+        return offloaded
 
     def _stored(self, f: int) -> list[int]:
         """The layers of filter layer ``f``'s group in its host store, in store order."""

@@ -122,7 +122,9 @@ def top_tokens(scores: torch.Tensor, per_row: torch.Tensor, width: int) -> torch
 class OmniKV(Method):
     """Layer roles: "dense" (below the first filter layer, or a wait layer), "filter", "sparse" (``source[i]``, the
     nearest filter layer below). State per prompt, per filter layer f: ``window_q[f]`` (B, H, W, D) and
-    ``window_pos[f]`` (B, W) (-1 = empty), ``tokens[f]`` (B, K) the positions chosen at the latest step."""
+    ``window_pos[f]`` (B, W) (-1 = empty), ``tokens[f]`` (B, K) the positions chosen at the latest step. A sparse layer
+whose prompt is on the device attends once over its group's choice and decode tokens; an offloaded one attends to
+the fetched choice and to its decode tokens, and merges the two."""
 
     config: OmniKVConfig
     accepts_chunks = False
@@ -142,6 +144,9 @@ class OmniKV(Method):
         self.window_q: dict[int, torch.Tensor] = {}
         self.window_pos: dict[int, torch.Tensor] = {}
         self.tokens: dict[int, torch.Tensor] = {}
+        # (f, room) -> this step's token list (B, 1, K + room) and its count (B, 1), shared by the group's layers
+        # that keep their prompt on the device
+        self.listed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.stores: dict[int, HostKVStore] = {}
         self.decode_start: dict[int, torch.Tensor] = {}  # sparse layer -> (B,) flat index of the first decode token
         self.first_decode: dict[int, int] = {}  # sparse layer -> the smallest of those, on the host
@@ -170,6 +175,7 @@ class OmniKV(Method):
             self.weight = selector_weights(self.config.selector, self.width, device)
             self.stores.clear()
             self.tokens.clear()
+            self.listed.clear()
             self.offloaded = self._placement(layer, lengths) if self.config.offload else set()
         role = self.role[layer_idx]
         if role == "filter":
@@ -248,17 +254,24 @@ class OmniKV(Method):
         f = self.source[layer_idx]
         chosen = self.tokens[f]  # (B, K) positions
         k_flat, v_flat = layer.k.flatten(2, 3), layer.v.flatten(2, 3)
-        if layer_idx in self.offloaded:
-            k_sub, v_sub = self.stores[f].layer(self._stored(f).index(layer_idx))
-            listed = torch.arange(chosen.shape[1], device=chosen.device)
-            sub = torch.where(chosen >= 0, listed, -1)
-        else:
-            k_sub, v_sub, sub = k_flat, v_flat, chosen
         # Decode tokens sit after the prompt in the flat store; the list has the width of the room the layer has
         # for them (fixed while the layer does not grow, so a captured step reads a fixed shape), masked to those
         # written so far.
         n_dec = (seq_len - self.prompt_len).unsqueeze(1)  # (B, 1)
         room = torch.arange(k_flat.shape[2] - self.first_decode[layer_idx], device=q.device)
+        if layer_idx not in self.offloaded:
+            # The chosen and the decode tokens are positions of one store: one attention over both, and one list
+            # for every such layer of the group (their decode tokens sit after the whole prompt alike).
+            key = (f, room.shape[0])
+            if key not in self.listed:
+                decoded = torch.where(room < n_dec, self.prompt_len.unsqueeze(1) + room, -1)
+                self.listed[key] = (torch.cat([chosen, decoded], dim=1).unsqueeze(1),
+                                    (chosen >= 0).sum(dim=1, keepdim=True) + n_dec)
+            listed, attended = self.listed[key]
+            out, _ = kernels.sparse_decode_tokens(q, k_flat, v_flat, listed, scale)
+            return out.to(q.dtype), attended
+        k_sub, v_sub = self.stores[f].layer(self._stored(f).index(layer_idx))
+        sub = torch.where(chosen >= 0, torch.arange(chosen.shape[1], device=chosen.device), -1)
         decoded = torch.where(room < n_dec, self.decode_start[layer_idx].unsqueeze(1) + room, -1)
         parts = [kernels.sparse_decode_tokens(q, k_sub, v_sub, sub.unsqueeze(1), scale),
                  kernels.sparse_decode_tokens(q, k_flat, v_flat, decoded.unsqueeze(1), scale)]
@@ -277,6 +290,8 @@ class OmniKV(Method):
         # The max over heads spans every process's heads, and comes before the window's weighted sum.
         scores = kernels.weigh_window(parallel.all_reduce_max(maxima, self.tp_group), self.weight)
         self.tokens[f].copy_(top_tokens(scores, self.per_row, self.k_max))
+        for key in [key for key in self.listed if key[0] == f]:
+            del self.listed[key]  # built again from this step's choice
         if f in self.stores:
             self.stores[f].fetch(self.tokens[f])
 

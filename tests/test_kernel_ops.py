@@ -10,7 +10,7 @@ from sparsekv.kernels import reference as ref
 
 B, H, HKV, D, P = 2, 4, 2, 8, 4
 OPS = ("page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",
-       "window_token_maxima", "sparse_decode_tokens", "append_token")
+       "window_token_maxima", "sparse_decode_tokens", "append_token", "raas_update")
 
 
 def filled_layer(dtype=torch.float32, lengths=(11, 6), seed=0, device="cpu"):
@@ -50,6 +50,9 @@ def op_args(dtype=torch.float32):
         "sparse_decode_tokens": (q, k_flat, v_flat, tokens, 0.3),
         "append_token": (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot, seq_len,
                          k_new, v_new, False),
+        "raas_update": (scores, layer.slot_page, layer.cur_slot, torch.zeros_like(layer.slot_page),
+                        torch.tensor(3), seq_len, torch.tensor([2, 1]), torch.tensor([1, 0]), P, layer.capacity,
+                        0.5, None, 0.3),
     }
 
 
@@ -71,6 +74,8 @@ def test_names_call_the_registered_ops(name):
     want = getattr(ref, name)(*before)
     if name == "append_token":
         got, want = args[name][:6], before[:6]  # the mutated state
+    if name == "raas_update":
+        got, want = args[name][1::2][:2], before[1::2][:2]  # slot_page and stamp
     for g, w in zip(*(t if isinstance(t, (tuple, list)) else (t,) for t in (got, want))):
         assert torch.equal(g, w)
 

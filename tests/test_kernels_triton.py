@@ -441,3 +441,50 @@ def test_window_token_maxima_dispatch_and_cuda_graph(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def raas_state(batch, kv_heads, slots, page_size, ties, seed):
+    """RaaS book-keeping inputs: rows holding different numbers of distinct pages at scattered slots (padded
+    batches, holes; slot C the always free scratch slot), scores -inf where free (with ``ties``: few distinct
+    values, +0.0 and -0.0 among them), stamps up to a large step, and per sequence: the next token starting a page
+    or not, a limit reached or not, prompt pages below some of the held pages or all of them."""
+    g = torch.Generator().manual_seed(seed)
+    slot_page = torch.full((batch, kv_heads, slots + 1), -1, dtype=torch.long)
+    cur_slot = torch.zeros(batch, kv_heads, dtype=torch.long)
+    held = [int(torch.randint(1, slots + 1, (1,), generator=g)) for _ in range(batch)]
+    held[0] = slots  # one full row
+    for b in range(batch):
+        for h in range(kv_heads):
+            where = torch.randperm(slots, generator=g)[:held[b]]
+            slot_page[b, h, where] = torch.randperm(2 * slots, generator=g)[:held[b]]
+            cur_slot[b, h] = where[0]
+    scores = torch.randn(batch, kv_heads, slots + 1, generator=g)
+    if ties:
+        scores = (scores * 2).round() / 2 * torch.where(torch.rand(scores.shape, generator=g) < 0.5, -1.0, 1.0)
+    scores = scores.masked_fill(slot_page < 0, float("-inf"))
+    step = torch.tensor(10**6)
+    stamp = torch.randint(0, 10**6, (batch, kv_heads, slots + 1), generator=g)
+    seq_len = torch.tensor([page_size * (3 + b) + (b % 2) for b in range(batch)])  # odd rows: mid-page
+    limit = torch.tensor([held[b] - b % 3 + (b % 3 == 2) * 2 for b in range(batch)])  # reached, or not
+    prompt_pages = torch.tensor([0 if b % 2 else int(torch.randint(0, 2 * slots, (1,), generator=g))
+                                 for b in range(batch)])
+    return [t.to(DEV) for t in (scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages)]
+
+
+@pytest.mark.parametrize("rule", [(0.1, None), (0.5, None), (1.0, None), (None, 0.01), (None, 0.3)], ids=str)
+@pytest.mark.parametrize("batch, kv_heads, slots, block", [(1, 1, 1, 1024), (2, 2, 7, 1024), (3, 4, 130, 1024),
+                                                           (3, 2, 300, 64), (1, 1, 2500, 1024)])
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_raas_update_matches_reference(batch, kv_heads, slots, block, rule, ties, monkeypatch):
+    """Stamps and evictions exactly as the reference's, rows streamed in one block or several (block 64)."""
+    monkeypatch.setitem(tops.TUNING, "raas_block", block)
+    top_fraction, alpha = rule
+    scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages = raas_state(batch, kv_heads, slots, 4,
+                                                                                        ties, seed=slots + batch)
+    args = (4, slots, top_fraction, alpha, 0.7)
+    want_stamp, want_pages = stamp.clone(), slot_page.clone()
+    ref.raas_update(scores, want_pages, cur_slot, want_stamp, step, seq_len, limit, prompt_pages, *args)
+    tops.raas_update(scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages, *args)
+    assert torch.equal(stamp, want_stamp)
+    assert torch.equal(slot_page, want_pages)
+    assert (want_stamp == step).any()

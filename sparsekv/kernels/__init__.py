@@ -139,6 +139,11 @@ def _append_token_fake(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v
     return None
 
 
+def _raas_update_fake(scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages, page_size, capacity,
+                      top_fraction, alpha, scale):
+    return None
+
+
 page_scores = _register("page_scores", _page_scores_fake)
 select_pages = _register("select_pages", _select_pages_fake)
 quest_select = _register("quest_select", _quest_select_fake)
@@ -149,6 +154,7 @@ window_token_maxima = _register("window_token_maxima", _window_token_maxima_fake
 sparse_decode_tokens = _register("sparse_decode_tokens", _sparse_decode_tokens_fake)
 append_token = _register("append_token", _append_token_fake,
                          mutates=("k", "v", "kmin", "kmax", "slot_page", "cur_slot"))
+raas_update = _register("raas_update", _raas_update_fake, mutates=("slot_page", "stamp"))
 
 
 def fused(fn: Callable) -> Callable:
@@ -174,5 +180,5 @@ merge_attention = reference.merge_attention
 weigh_window = reference.weigh_window
 
 __all__ = ["page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",
-           "window_token_maxima", "weigh_window", "sparse_decode_tokens", "append_token", "count_attended",
-           "merge_attention", "observe", "fused", "reference"]
+           "window_token_maxima", "weigh_window", "sparse_decode_tokens", "append_token", "raas_update",
+           "count_attended", "merge_attention", "observe", "fused", "reference"]

@@ -228,3 +228,40 @@ def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
     kmax[bi, hd, si] = torch.where(ok, torch.where(starts, kn, torch.maximum(up, kn)), up)
     slot_page[bi, hd, si] = torch.where(ok.view(b, 1), pos // p, slot_page[bi, hd, si])
     cur_slot.copy_(torch.where(ok.view(b, 1), si, cur_slot))
+
+
+def raas_update(scores: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.Tensor, stamp: torch.Tensor,
+                step: torch.Tensor, seq_len: torch.Tensor, limit: torch.Tensor, prompt_pages: torch.Tensor,
+                page_size: int, capacity: int, top_fraction: float | None, alpha: float | None,
+                scale: float) -> None:
+    """RaaS's book-keeping of one layer's decode step, in place: the timestamps, then at most one eviction per row.
+
+    scores: (B, Hkv, C + 1) float32 the step's Quest bounds, -inf for free slots; slot_page, stamp: (B, Hkv, C + 1)
+    int64 (slot C the cache's scratch slot, always free); cur_slot: (B, Hkv); step: () int64 this layer's step;
+    seq_len, limit, prompt_pages: (B,) int64; ``capacity`` = C. Exactly one of ``top_fraction`` / ``alpha`` is set.
+    The refreshed pages take ``step`` as their stamp: those in the top ``top_fraction`` of the row's valid pages by
+    score (ceil of the fraction, at least one; every page tied with the last one too), or whose softmax probability
+    over the row (scores times ``scale``) is at least ``alpha``, and the page being written. Then in each row whose
+    next token starts a page while it holds ``limit`` pages, the decode page (page >= ``prompt_pages``) with the
+    oldest stamp (ties: the older page) is freed: its ``slot_page`` becomes -1.
+    """
+    valid = slot_page >= 0
+    if alpha is not None:
+        used = valid & (torch.softmax(scores.float() * scale, dim=-1) >= alpha)
+    else:
+        count = valid.sum(dim=-1, keepdim=True)
+        take = (count * top_fraction).ceil().long().clamp(min=1)
+        kth = scores.sort(dim=-1, descending=True).values.gather(-1, take - 1)
+        used = valid & (scores >= kth)
+    slot_ids = torch.arange(stamp.shape[2], device=stamp.device)
+    stamp.copy_(torch.where(used | (slot_ids == cur_slot.unsqueeze(-1)), step, stamp))
+
+    page = slot_page[:, :, :capacity]  # (B, Hkv, C)
+    starts_page = (seq_len % page_size == 0).view(-1, 1)
+    full = (page >= 0).sum(dim=-1) >= limit.view(-1, 1)
+    candidate = page >= prompt_pages.view(-1, 1, 1)
+    # Oldest stamp first; among equal stamps the older page (stamps and pages both fit in 31 bits).
+    key = torch.where(candidate, stamp[:, :, :capacity] * (1 << 31) + page, torch.iinfo(torch.long).max)
+    victim = key.argmin(dim=-1, keepdim=True)
+    evict = (starts_page & full & candidate.any(dim=-1)).unsqueeze(-1)
+    slot_page.scatter_(2, torch.where(evict, victim, capacity), -1)

@@ -137,11 +137,10 @@ class RaaS(Method):
         attended = kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
 
         cfg = self.config
-        new_stamp, victim, evict = _bookkeeping(scores, layer.slot_page, layer.cur_slot, stamp, step, seq_len,
-                                                self.limit, self.prompt_pages, layer.page_size, layer.capacity,
-                                                cfg.top_fraction, cfg.alpha, scale)
-        stamp.copy_(new_stamp)  # in place: a captured step reads and writes the stamps at the same address
-        layer.free(victim, evict)
+        # Stamps and the eviction in one op: in place, as a captured step reads and writes them at the same address.
+        kernels.raas_update(scores, layer.slot_page, layer.cur_slot, stamp, step, seq_len, self.limit,
+                            self.prompt_pages, layer.page_size, layer.capacity, cfg.top_fraction, cfg.alpha, scale)
+        layer.has_holes = True
         return out, attended
 
     def reorder(self, index):
@@ -149,38 +148,3 @@ class RaaS(Method):
             self.prompt_pages = self.prompt_pages.index_select(0, index.to(self.prompt_pages.device))
             self.limit = self.limit.index_select(0, index.to(self.limit.device))
 
-
-@kernels.fused
-def _bookkeeping(scores: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.Tensor, stamp: torch.Tensor,
-                 step: torch.Tensor, seq_len: torch.Tensor, limit: torch.Tensor, prompt_pages: torch.Tensor,
-                 page_size: int, capacity: int, top_fraction: float | None, alpha: float | None,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One step's timestamps and eviction, as one fused function (a few kernels on CUDA instead of dozens).
-
-    scores: (B, Hkv, C + 1) the step's Quest bounds, -inf for free slots; slot_page, stamp: (B, Hkv, C + 1);
-    cur_slot: (B, Hkv); step: () this layer's step; seq_len, limit, prompt_pages: (B,).
-    The refreshed pages (top ``top_fraction`` of the row's pages by score, or estimated probability >= ``alpha``,
-    and the page being written) take the step as their stamp. Then, in each row whose next token starts a page
-    while it holds its limit, the decode page with the oldest stamp (ties: the older page) is the victim.
-    Returns the new stamps (B, Hkv, C + 1), the victim slots (B, Hkv, 1) and whether to free them (B, Hkv, 1).
-    """
-    valid = slot_page >= 0
-    if alpha is not None:
-        used = valid & (torch.softmax(scores.float() * scale, dim=-1) >= alpha)
-    else:
-        count = valid.sum(dim=-1, keepdim=True)
-        take = (count * top_fraction).ceil().long().clamp(min=1)
-        kth = scores.sort(dim=-1, descending=True).values.gather(-1, take - 1)
-        used = valid & (scores >= kth)
-    slot_ids = torch.arange(stamp.shape[2], device=stamp.device)
-    stamp = torch.where(used | (slot_ids == cur_slot.unsqueeze(-1)), step, stamp)
-
-    page = slot_page[:, :, :capacity]  # (B, Hkv, C)
-    starts_page = (seq_len % page_size == 0).view(-1, 1)
-    full = (page >= 0).sum(dim=-1) >= limit.view(-1, 1)
-    candidate = page >= prompt_pages.view(-1, 1, 1)
-    # Oldest stamp first; among equal stamps the older page (stamps and pages both fit in 31 bits).
-    key = torch.where(candidate, stamp[:, :, :capacity] * (1 << 31) + page, torch.iinfo(torch.long).max)
-    victim = key.argmin(dim=-1, keepdim=True)
-    evict = starts_page & full & candidate.any(dim=-1)
-    return stamp, victim, evict.unsqueeze(-1)

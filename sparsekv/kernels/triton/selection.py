@@ -202,7 +202,6 @@ def _radix_bin(key, tail, k, BITS: tl.constexpr):
     (0.5-1.2 us per select): the digits start below the leading bits that the finite keys (not the forced
     current page, free slots or padding) share, the keys above those bits taken, unless the k-th key lies outside
     them (then from the top)."""
-    bins = tl.arange(0, 1 << BITS)
     hi, lo = _finite_range(key)
     n_keys = key.shape[0] + tl.zeros((), tl.int32)
     if tail is not None:
@@ -234,15 +233,25 @@ def _radix_bin(key, tail, k, BITS: tl.constexpr):
         h = _digit_counts(key, done, prefix, shift, BITS)
         if tail is not None:
             h += _digit_counts(tail, done, prefix, shift, BITS)
-        h = tl.where(bins == 0, in_bin - tl.sum(tl.where(bins > 0, h, 0), 0), h)
-        at_or_above = in_bin - tl.cumsum(h, 0) + h
-        digit = tl.max(tl.where(at_or_above >= left, bins, 0), 0)
-        left -= tl.sum(tl.where(bins == digit, at_or_above - h, 0), 0)
-        in_bin = tl.sum(tl.where(bins == digit, h, 0), 0)
-        prefix |= digit.to(tl.uint32) << shift.to(tl.uint32)
-        done |= tl.full((), (1 << BITS) - 1, tl.uint32) << shift.to(tl.uint32)
+        prefix, done, left, in_bin = _next_digit(h, in_bin, left, prefix, done, shift, BITS)
         top -= BITS
     return prefix, done, left
+
+
+@triton.jit
+def _next_digit(h, in_bin, left, prefix, done, shift, BITS: tl.constexpr):
+    """One digit of a radix select: ``h`` the histogram of the digit at ``shift`` among the ``in_bin`` keys that
+    share ``prefix`` (``_digit_counts``: bin 0 is recounted here), ``left`` of which are to select. Returns the
+    bin of the ``left``-th largest: its prefix, known bits, the keys still to select in it and its size."""
+    bins = tl.arange(0, 1 << BITS)
+    h = tl.where(bins == 0, in_bin - tl.sum(tl.where(bins > 0, h, 0), 0), h)
+    at_or_above = in_bin - tl.cumsum(h, 0) + h
+    digit = tl.max(tl.where(at_or_above >= left, bins, 0), 0)
+    left -= tl.sum(tl.where(bins == digit, at_or_above - h, 0), 0)
+    in_bin = tl.sum(tl.where(bins == digit, h, 0), 0)
+    prefix |= digit.to(tl.uint32) << shift.to(tl.uint32)
+    done |= tl.full((), (1 << BITS) - 1, tl.uint32) << shift.to(tl.uint32)
+    return prefix, done, left, in_bin
 
 
 @triton.jit

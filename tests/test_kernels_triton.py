@@ -475,9 +475,12 @@ def raas_state(batch, kv_heads, slots, page_size, ties, seed):
 @pytest.mark.parametrize("batch, kv_heads, slots, block", [(1, 1, 1, 1024), (2, 2, 7, 1024), (3, 4, 130, 1024),
                                                            (3, 2, 300, 64), (1, 1, 2500, 1024)])
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
-def test_raas_update_matches_reference(batch, kv_heads, slots, block, rule, ties, monkeypatch):
-    """Stamps and evictions exactly as the reference's, rows streamed in one block or several (block 64)."""
+@pytest.mark.parametrize("one_program", [16384, 0], ids=["registers", "streamed"])
+def test_raas_update_matches_reference(batch, kv_heads, slots, block, rule, ties, one_program, monkeypatch):
+    """Stamps and evictions exactly as the reference's: the threshold selected in registers or streamed, rows in
+    one block or several (block 64)."""
     monkeypatch.setitem(tops.TUNING, "raas_block", block)
+    monkeypatch.setitem(tops.TUNING, "raas_one_program", one_program)
     top_fraction, alpha = rule
     scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages = raas_state(batch, kv_heads, slots, 4,
                                                                                         ties, seed=slots + batch)

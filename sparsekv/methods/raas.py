@@ -130,8 +130,8 @@ class RaaS(Method):
         if self.config.prefill == "keep":
             slots = all_slots(layer)
         else:
-            prompt = layer.slot_page < self.prompt_pages.view(-1, 1, 1)
-            ranked = torch.where(prompt, scores, float("inf")).masked_fill(layer.slot_page < 0, float("-inf"))
+            # Decode pages are always attended; free slots (page -1, "below" the prompt) keep their -inf score.
+            ranked = torch.where(layer.slot_page < self.prompt_pages.view(-1, 1, 1), scores, float("inf"))
             slots = kernels.select_pages(ranked, layer.cur_slot, self.config.budget_pages)
         out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale)
         attended = kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)

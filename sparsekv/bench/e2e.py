@@ -264,14 +264,27 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(args.contexts) + args.new_tokens
     model = bench_model(args.model, device, dtype, longest)
     bandwidth = copy_bandwidth(device, Timer(device, reps=30))
-    rows = []
+    rows, out_of_memory = [], []
+    gpus = dist.get_world_size() if parallel.launched() else 1
+    meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
+            "device_name": device_name(device) + (f" x {gpus} (tensor parallel)" if gpus > 1 else ""),
+            "torch": torch.__version__, "bandwidth_tbs": bandwidth / 1e12, "out_of_memory": out_of_memory,
+            "command": (f"torchrun --nproc-per-node {gpus}" if gpus > 1 else "python") + " -m sparsekv.bench.e2e "
+                       + " ".join(argv)}
 
     def say(line: str) -> None:
         if parallel.is_first():
             print(line, flush=True)
 
+    def save() -> None:
+        """Writes the rows so far (after every row, so that a run cut short keeps them)."""
+        if parallel.is_first():
+            add_ratios(rows)
+            write_results(args.out, args.tag, meta, rows, markdown(meta, rows))
+
     def done(row: dict) -> None:
         rows.append(row)
+        save()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -285,7 +298,6 @@ def main(argv: list[str] | None = None) -> int:
         modes = ([False] if args.transformers else []) + ([True] if context in args.compiled else [])
         for compiled in modes:
             done(transformers_row(model, context, 1, args, device, compiled))
-    out_of_memory = []
     for context in args.contexts:
         for batch in args.batches:
             for run in runs:
@@ -296,17 +308,10 @@ def main(argv: list[str] | None = None) -> int:
                     say(f"{run.label:>24} ctx {context:>7} b {batch}: out of device memory")
                     gc.collect()
                     torch.cuda.empty_cache()
-    add_ratios(rows)
     if not parallel.is_first():
         parallel.finish()
         return 0
-    gpus = dist.get_world_size() if parallel.launched() else 1
-    meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
-            "device_name": device_name(device) + (f" x {gpus} (tensor parallel)" if gpus > 1 else ""),
-            "torch": torch.__version__, "bandwidth_tbs": bandwidth / 1e12, "out_of_memory": out_of_memory,
-            "command": (f"torchrun --nproc-per-node {gpus}" if gpus > 1 else "python") + " -m sparsekv.bench.e2e "
-                       + " ".join(argv)}
-    write_results(args.out, args.tag, meta, rows, markdown(meta, rows))
+    save()
     plot(args.out / f"{args.tag}.png", rows)
     print((args.out / f"{args.tag}.md").read_text())
     parallel.finish()

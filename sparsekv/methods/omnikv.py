@@ -122,9 +122,9 @@ def top_tokens(scores: torch.Tensor, per_row: torch.Tensor, width: int) -> torch
 class OmniKV(Method):
     """Layer roles: "dense" (below the first filter layer, or a wait layer), "filter", "sparse" (``source[i]``, the
     nearest filter layer below). State per prompt, per filter layer f: ``window_q[f]`` (B, H, W, D) and
-    ``window_pos[f]`` (B, W) (-1 = empty), ``tokens[f]`` (B, K) the positions chosen at the latest step. A sparse layer
-whose prompt is on the device attends once over its group's choice and decode tokens; an offloaded one attends to
-the fetched choice and to its decode tokens, and merges the two."""
+    ``window_pos[f]`` (B, W) (-1 = empty), ``tokens[f]`` (B, K) the positions chosen at the latest step. A sparse
+    layer whose prompt is on the device attends once over its group's choice and decode tokens; an offloaded one
+    attends to the fetched choice and to its decode tokens, and merges the two."""
 
     config: OmniKVConfig
     accepts_chunks = False
@@ -205,11 +205,11 @@ the fetched choice and to its decode tokens, and merges the two."""
         None on CUDA, all but as many as the free device memory holds after the fully attending layers' prompts and
         one sparse layer's in flight (the prefill runs layer by layer), less a margin for the decode steps."""
         sparse = [i for i, role in enumerate(self.role) if role == "sparse"]
+        b, h, _, d = layer.shape
         keep = self.config.device_layers
         if keep is None:
             keep = 0
             if layer.k.is_cuda:
-                b, h, _, d = layer.shape
                 per_layer = 2 * b * h * max(lengths) * d * layer.k.element_size()
                 full = sum(role != "sparse" for role in self.role) - 1  # layer 0's prompt is stored already
                 free = torch.cuda.mem_get_info(layer.k.device)[0] - (full + 1) * per_layer - DEVICE_MARGIN
@@ -217,7 +217,6 @@ the fetched choice and to its decode tokens, and merges the two."""
         offloaded = set(sparse[keep:])
         # All of the host stores at once, before the first is allocated: a context that does not fit is refused
         # before any host memory is taken.
-        b, h, _, d = layer.shape
         require_host(len(offloaded), b, h, max(lengths), d, layer.k.dtype)
         return offloaded
 
@@ -254,29 +253,34 @@ the fetched choice and to its decode tokens, and merges the two."""
         f = self.source[layer_idx]
         chosen = self.tokens[f]  # (B, K) positions
         k_flat, v_flat = layer.k.flatten(2, 3), layer.v.flatten(2, 3)
-        # Decode tokens sit after the prompt in the flat store; the list has the width of the room the layer has
-        # for them (fixed while the layer does not grow, so a captured step reads a fixed shape), masked to those
-        # written so far.
-        n_dec = (seq_len - self.prompt_len).unsqueeze(1)  # (B, 1)
-        room = torch.arange(k_flat.shape[2] - self.first_decode[layer_idx], device=q.device)
+        width = k_flat.shape[2] - self.first_decode[layer_idx]
         if layer_idx not in self.offloaded:
             # The chosen and the decode tokens are positions of one store: one attention over both, and one list
-            # for every such layer of the group (their decode tokens sit after the whole prompt alike).
-            key = (f, room.shape[0])
-            if key not in self.listed:
-                decoded = torch.where(room < n_dec, self.prompt_len.unsqueeze(1) + room, -1)
-                self.listed[key] = (torch.cat([chosen, decoded], dim=1).unsqueeze(1),
-                                    (chosen >= 0).sum(dim=1, keepdim=True) + n_dec)
-            listed, attended = self.listed[key]
+            # for every such layer of the group (their decode tokens sit after the whole prompt alike), built by
+            # the first of them.
+            if (f, width) not in self.listed:
+                decoded, attended = self._decoded(layer_idx, chosen, seq_len, width)
+                self.listed[f, width] = torch.cat([chosen, decoded], dim=1).unsqueeze(1), attended
+            listed, attended = self.listed[f, width]
             out, _ = kernels.sparse_decode_tokens(q, k_flat, v_flat, listed, scale)
             return out.to(q.dtype), attended
+        decoded, attended = self._decoded(layer_idx, chosen, seq_len, width)
         k_sub, v_sub = self.stores[f].layer(self._stored(f).index(layer_idx))
         sub = torch.where(chosen >= 0, torch.arange(chosen.shape[1], device=chosen.device), -1)
-        decoded = torch.where(room < n_dec, self.decode_start[layer_idx].unsqueeze(1) + room, -1)
         parts = [kernels.sparse_decode_tokens(q, k_sub, v_sub, sub.unsqueeze(1), scale),
                  kernels.sparse_decode_tokens(q, k_flat, v_flat, decoded.unsqueeze(1), scale)]
-        attended = (chosen >= 0).sum(dim=1, keepdim=True) + n_dec
         return kernels.merge_attention(parts, q.dtype), attended
+
+    def _decoded(self, layer_idx: int, chosen: torch.Tensor, seq_len: torch.Tensor,
+                 width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat-store indices (B, width) of the layer's decode tokens, -1 where not written yet, and the tokens
+        attended per row (B, 1) with the choice ``chosen`` (B, K). Decode tokens sit after the prompt in the flat
+        store; the list has the width of the room the layer has for them (fixed while the layer does not grow, so a
+        captured step reads a fixed shape)."""
+        n_dec = (seq_len - self.prompt_len).unsqueeze(1)  # (B, 1)
+        room = torch.arange(width, device=chosen.device)
+        decoded = torch.where(room < n_dec, self.decode_start[layer_idx].unsqueeze(1) + room, -1)
+        return decoded, (chosen >= 0).sum(dim=1, keepdim=True) + n_dec
 
     def _choose(self, f: int, q: torch.Tensor, layer, seq_len: torch.Tensor, scale: float) -> None:
         """Slides the window over the step's query and chooses the step's prompt tokens for the group of ``f``."""

@@ -138,9 +138,10 @@ class RaaS(Method):
 
         cfg = self.config
         # Stamps and the eviction in one op: in place, as a captured step reads and writes them at the same address.
+        # The freed slots are found again by the next page's append: the layer evicts (``max_pages``), so the cache
+        # searches for free slots.
         kernels.raas_update(scores, layer.slot_page, layer.cur_slot, stamp, step, seq_len, self.limit,
                             self.prompt_pages, layer.page_size, layer.capacity, cfg.top_fraction, cfg.alpha, scale)
-        layer.has_holes = True
         return out, attended
 
     def reorder(self, index):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels import reference
-from .common import SHAPES, Timer, copy_bandwidth, device_name, markdown_table, write_results
+from .common import SHAPES, Timer, copy_bandwidth, device_name, kernel_table, markdown_table, write_results
 
 CEILING = 4.2e12  # bytes/s: the H200's nominal bandwidth, for the floor; the measured copy bandwidth is reported too
 L2_BYTES = 60 * 2**20
@@ -213,9 +213,7 @@ def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> 
 
 
 def profile_graph(fn: Callable[[], object], copies: int, reps: int = 20) -> dict:
-    """Kernels of a CUDA-graph replay of ``fn`` (``copies`` steps) under torch.profiler: per kernel, launches and mean
-    microseconds per step; per step, the summed kernel time and the span from the first kernel's start to the last
-    one's end (span - busy = gaps between dependent kernels)."""
+    """Kernels of a CUDA-graph replay of ``fn`` (``copies`` steps) under torch.profiler (``kernel_table``)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):
@@ -231,20 +229,8 @@ def profile_graph(fn: Callable[[], object], copies: int, reps: int = 20) -> dict
         for _ in range(reps):
             graph.replay()
         torch.cuda.synchronize()
-    kernels_run = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                         key=lambda e: e.time_range.start)
-    steps = reps * copies
-    per_name: dict[str, list[float]] = {}
-    for e in kernels_run:
-        per_name.setdefault(e.name[:60], []).append(e.time_range.end - e.time_range.start)
-    span = (kernels_run[-1].time_range.end - kernels_run[0].time_range.start) if kernels_run else float("nan")
-    out = {"kernels": {n: {"per_step": len(t) / steps, "us": sum(t) / len(t)} for n, t in per_name.items()},
-           "busy_us": sum(sum(t) for t in per_name.values()) / steps, "span_us": span / steps}
     del graph
-    for n, k in out["kernels"].items():
-        print(f"  profile {n}: {k['per_step']:.0f} x {k['us']:.2f} us", flush=True)
-    print(f"  profile: busy {out['busy_us']:.1f} us, span {out['span_us']:.1f} us per step", flush=True)
-    return out
+    return kernel_table(prof, reps * copies)
 
 
 def format_row(r: dict) -> str:

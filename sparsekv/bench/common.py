@@ -126,3 +126,24 @@ def write_results(out: Path, tag: str, meta: dict, rows: list[dict], markdown: l
     (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows, **extra}, indent=1))
     if markdown is not None:
         (out / f"{tag}.md").write_text("\n".join(markdown) + "\n")
+
+
+def kernel_table(prof, steps: int, show: int = 40) -> dict:
+    """The GPU kernels a torch.profiler run recorded over ``steps`` steps: per kernel name, launches and mean
+    microseconds per step; per step, the summed kernel time (busy) and the span from the first kernel's start to the
+    last one's end (span - busy: the gaps between dependent kernels). Prints the ``show`` costliest kernels."""
+    run = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    per_name: dict[str, list[float]] = {}
+    for e in run:
+        per_name.setdefault(e.name[:80], []).append(e.time_range.end - e.time_range.start)
+    span = (run[-1].time_range.end - run[0].time_range.start) if run else float("nan")
+    kernels = {n: {"per_step": len(t) / steps, "us": sum(t) / len(t), "us_per_step": sum(t) / steps}
+               for n, t in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))}
+    out = {"kernels": kernels, "launches_per_step": len(run) / steps,
+           "busy_us": sum(sum(t) for t in per_name.values()) / steps, "span_us": span / steps}
+    for n, k in list(kernels.items())[:show]:
+        print(f"  profile {k['us_per_step']:8.1f} us/step = {k['per_step']:5.1f} x {k['us']:7.2f} us  {n}", flush=True)
+    print(f"  profile: {out['launches_per_step']:.0f} kernels, busy {out['busy_us']:.1f} us, span "
+          f"{out['span_us']:.1f} us per step", flush=True)
+    return out

@@ -46,7 +46,8 @@ from ..methods.quest import QuestConfig
 from ..methods.raas import RaaSConfig
 from ..models import load_model, resolve_device, resolve_dtype
 from ..spec import budget_arg
-from .common import Timer, copy_bandwidth, device_name, load_sharded, shape_model, shared_folder, write_results
+from .common import (Timer, copy_bandwidth, device_name, kernel_table, load_sharded, shape_model, shared_folder,
+                     write_results)
 
 FILL_CHUNK = 16384  # tokens of random keys and values written per pass
 
@@ -113,8 +114,9 @@ def engine_row(model, config, label: str, context: int, batch: int, args, device
     real = batch * context <= args.max_prefill
     engine = Engine(model, config, max_batch=batch, max_context=context + args.new_tokens,
                     prefill_chunk=args.prefill_chunk, compile=args.compile)
+    profiler = StepProfiler(args.profile) if args.profile and device.type == "cuda" else None
     out = engine.generate(rows, args.new_tokens, stop_tokens=(), time_steps=True,
-                          prefill=None if real else random_fill(model))
+                          prefill=None if real else random_fill(model), stream=profiler)
     ms = 1e3 * statistics.median(out.step_seconds[2:] or out.step_seconds)
     # Under tensor parallelism each GPU reads its share of the step's bytes.
     gpus = dist.get_world_size() if parallel.launched() else 1
@@ -125,7 +127,31 @@ def engine_row(model, config, label: str, context: int, batch: int, args, device
             "decode_ms": ms, "tokens_per_s": 1e3 * batch / ms, "floor_ms": floor_ms, "x_floor": ms / floor_ms,
             "captured": out.captured, "attended_per_head": out.stats["attended_per_head"],
             "kv_device_gib": out.kv_device_bytes / 2**30, "kv_host_gib": out.kv_host_bytes / 2**30,
-            "peak_device_gib": None if out.peak_device_bytes is None else out.peak_device_bytes / 2**30}
+            "peak_device_gib": None if out.peak_device_bytes is None else out.peak_device_bytes / 2**30,
+            **({"profile": profiler.table} if profiler is not None else {})}
+
+
+class StepProfiler:
+    """An engine ``stream`` callback that runs torch.profiler over ``steps`` decode steps once the step is captured
+    and warm (from the 8th), and keeps their ``kernel_table``."""
+
+    START = 8
+
+    def __init__(self, steps: int):
+        self.steps, self.calls, self.table, self.prof = steps, 0, None, None
+
+    def __call__(self, new_tokens) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.calls += 1
+        if self.calls == self.START:
+            self.prof = profile(activities=[ProfilerActivity.CUDA])
+            self.prof.start()
+        elif self.calls == self.START + self.steps:
+            torch.cuda.synchronize()
+            self.prof.stop()
+            self.table = kernel_table(self.prof, self.steps)
+            self.prof = None
 
 
 def transformers_row(model, context: int, batch: int, args, device, compiled: bool) -> dict:
@@ -242,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transformers", action="store_true", help="also time transformers' eager loop")
     parser.add_argument("--compiled", type=int, nargs="*", default=[],
                         help="contexts at which to time transformers' StaticCache + torch.compile loop too")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="list the kernels of this many captured decode steps of each row (torch.profiler, CUDA)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--seed", type=int, default=0)

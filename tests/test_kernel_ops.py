@@ -51,7 +51,7 @@ def op_args(dtype=torch.float32):
         "append_token": (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot, seq_len,
                          k_new, v_new, False),
         "raas_update": (scores, layer.slot_page, layer.cur_slot, torch.zeros_like(layer.slot_page),
-                        torch.tensor(3), seq_len, torch.tensor([2, 1]), torch.tensor([1, 0]), P, layer.capacity,
+                        torch.tensor(3), seq_len, torch.tensor([2, 1]), torch.tensor([1, 0]), P, layer.capacity, 1,
                         0.5, None, 0.3),
     }
 

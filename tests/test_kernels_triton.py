@@ -447,16 +447,23 @@ def raas_state(batch, kv_heads, slots, page_size, ties, seed):
     """RaaS book-keeping inputs: rows holding different numbers of distinct pages at scattered slots (padded
     batches, holes; slot C the always free scratch slot), scores -inf where free (with ``ties``: few distinct
     values, +0.0 and -0.0 among them), stamps up to a large step, and per sequence: the next token starting a page
-    or not, a limit reached or not, prompt pages below some of the held pages or all of them."""
+    or not, a limit reached or not, candidate slots [prompt_pages, limit) holding pages below and above
+    prompt_pages."""
     g = torch.Generator().manual_seed(seed)
     slot_page = torch.full((batch, kv_heads, slots + 1), -1, dtype=torch.long)
     cur_slot = torch.zeros(batch, kv_heads, dtype=torch.long)
     held = [int(torch.randint(1, slots + 1, (1,), generator=g)) for _ in range(batch)]
     held[0] = slots  # one full row
+    prompt_pages = torch.tensor([0 if b % 2 else int(torch.randint(0, slots, (1,), generator=g))
+                                 for b in range(batch)])
     for b in range(batch):
         for h in range(kv_heads):
-            where = torch.randperm(slots, generator=g)[:held[b]]
-            slot_page[b, h, where] = torch.randperm(2 * slots, generator=g)[:held[b]]
+            where = torch.randperm(slots, generator=g)
+            if h % 2 == 0:  # the current page a candidate (slot prompt_pages), else anywhere
+                where = torch.cat([prompt_pages[b:b + 1], where[where != prompt_pages[b]]])
+            where = where[:held[b]]
+            pages = torch.randperm(2 * slots, generator=g)[:held[b]]
+            slot_page[b, h, where] = torch.maximum(pages, torch.where(where >= prompt_pages[b], prompt_pages[b], 0))
             cur_slot[b, h] = where[0]
     scores = torch.randn(batch, kv_heads, slots + 1, generator=g)
     if ties:
@@ -465,9 +472,8 @@ def raas_state(batch, kv_heads, slots, page_size, ties, seed):
     step = torch.tensor(10**6)
     stamp = torch.randint(0, 10**6, (batch, kv_heads, slots + 1), generator=g)
     seq_len = torch.tensor([page_size * (3 + b) + (b % 2) for b in range(batch)])  # odd rows: mid-page
-    limit = torch.tensor([held[b] - b % 3 + (b % 3 == 2) * 2 for b in range(batch)])  # reached, or not
-    prompt_pages = torch.tensor([0 if b % 2 else int(torch.randint(0, 2 * slots, (1,), generator=g))
-                                 for b in range(batch)])
+    limit = torch.tensor([max(held[b] - b % 3 + (b % 3 == 2) * 2, int(prompt_pages[b]) + 1)
+                          for b in range(batch)])  # reached, or not
     return [t.to(DEV) for t in (scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages)]
 
 
@@ -475,16 +481,16 @@ def raas_state(batch, kv_heads, slots, page_size, ties, seed):
 @pytest.mark.parametrize("batch, kv_heads, slots, block", [(1, 1, 1, 1024), (2, 2, 7, 1024), (3, 4, 130, 1024),
                                                            (3, 2, 300, 64), (1, 1, 2500, 1024)])
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
-@pytest.mark.parametrize("one_program", [16384, 0], ids=["registers", "streamed"])
-def test_raas_update_matches_reference(batch, kv_heads, slots, block, rule, ties, one_program, monkeypatch):
-    """Stamps and evictions exactly as the reference's: the threshold selected in registers or streamed, rows in
-    one block or several (block 64)."""
+@pytest.mark.parametrize("spare", [0, 5], ids=["tight", "spare"])
+def test_raas_update_matches_reference(batch, kv_heads, slots, block, rule, ties, spare, monkeypatch):
+    """Stamps and evictions exactly as the reference's: rows in one block or several (block 64), candidates in
+    one chunk or several, ``decode_pages`` exactly the most a row holds or more."""
     monkeypatch.setitem(tops.TUNING, "raas_block", block)
-    monkeypatch.setitem(tops.TUNING, "raas_one_program", one_program)
     top_fraction, alpha = rule
     scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages = raas_state(batch, kv_heads, slots, 4,
                                                                                         ties, seed=slots + batch)
-    args = (4, slots, top_fraction, alpha, 0.7)
+    decode_pages = int((limit - prompt_pages).max()) + spare
+    args = (4, slots, decode_pages, top_fraction, alpha, 0.7)
     want_stamp, want_pages = stamp.clone(), slot_page.clone()
     ref.raas_update(scores, want_pages, cur_slot, want_stamp, step, seq_len, limit, prompt_pages, *args)
     tops.raas_update(scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages, *args)

@@ -94,25 +94,30 @@ def test_worked_example_cache_of_five_tokens():
 
 
 def test_top_fraction_refreshes_the_top_pages():
+    """Decode pages in the top fraction of every cached page (prompt pages included) take the step as their stamp;
+    prompt pages carry none (they are never evicted)."""
     config = RaaSConfig(page_size=1, token_budget=64, top_fraction=0.3)
     method = config.build(1)
     cache = PagedKVCache(1, page_size=1)
     g = torch.Generator().manual_seed(0)
-    plan = cache.begin(10, None, 1, torch.device("cpu"))
-    keys = torch.randn(1, 2, 10, 8, generator=g)
+    plan = cache.begin(4, None, 1, torch.device("cpu"))
+    keys = torch.randn(1, 2, 4, 8, generator=g)
     layer = cache.append(0, keys, keys)
-    method.prefill(0, torch.zeros(1, 4, 10, 8), layer, plan, 0.5)
-    cache.begin(1, None, 1, torch.device("cpu"))
-    new = torch.randn(1, 2, 1, 8, generator=g)
-    layer = cache.append(0, new, new)
-    q = torch.randn(1, 4, 8, generator=g)
-    method.decode(0, q, layer, cache.seq_len, 0.5)
-    all_keys = torch.cat([keys, new], dim=2)  # (1, 2, 11, 8): one-token pages, page i in slot i
+    method.prefill(0, torch.zeros(1, 4, 4, 8), layer, plan, 0.5)
+    for _ in range(7):
+        cache.begin(1, None, 1, torch.device("cpu"))
+        new = torch.randn(1, 2, 1, 8, generator=g)
+        layer = cache.append(0, new, new)
+        keys = torch.cat([keys, new], dim=2)  # (1, 2, n, 8): one-token pages, page i in slot i
+        q = torch.randn(1, 4, 8, generator=g)
+        method.decode(0, q, layer, cache.seq_len, 0.5)
+    stamps = layer.slot_state["raas_stamp"][0]
     for head in range(2):
-        score = (q[0, 2 * head:2 * head + 2] @ all_keys[0, head].T).amax(dim=0)  # max over the group's heads
+        score = (q[0, 2 * head:2 * head + 2] @ keys[0, head].T).amax(dim=0)  # max over the group's heads
         top = set(score.topk(math.ceil(0.3 * 11)).indices.tolist()) | {10}  # the current page is always refreshed
-        stamped = set(torch.nonzero(layer.slot_state["raas_stamp"][0, head, :11] == 1).flatten().tolist())
-        assert stamped == top
+        stamped = set(torch.nonzero(stamps[head, :11] == 7).flatten().tolist())
+        assert stamped == top - {0, 1, 2, 3}
+        assert stamps[head, :4].eq(0).all()
 
 
 def test_memory_constant_and_prompt_kept_over_500_steps():

@@ -140,7 +140,7 @@ def _append_token_fake(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v
 
 
 def _raas_update_fake(scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages, page_size, capacity,
-                      top_fraction, alpha, scale):
+                      decode_pages, top_fraction, alpha, scale):
     return None
 
 

@@ -232,18 +232,22 @@ def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
 
 def raas_update(scores: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.Tensor, stamp: torch.Tensor,
                 step: torch.Tensor, seq_len: torch.Tensor, limit: torch.Tensor, prompt_pages: torch.Tensor,
-                page_size: int, capacity: int, top_fraction: float | None, alpha: float | None,
+                page_size: int, capacity: int, decode_pages: int, top_fraction: float | None, alpha: float | None,
                 scale: float) -> None:
-    """RaaS's book-keeping of one layer's decode step, in place: the timestamps, then at most one eviction per row.
+    """RaaS's book-keeping of one layer's decode step, in place: the decode pages' timestamps, then at most one
+    eviction per row.
 
     scores: (B, Hkv, C + 1) float32 the step's Quest bounds, -inf for free slots; slot_page, stamp: (B, Hkv, C + 1)
     int64 (slot C the cache's scratch slot, always free); cur_slot: (B, Hkv); step: () int64 this layer's step;
-    seq_len, limit, prompt_pages: (B,) int64; ``capacity`` = C. Exactly one of ``top_fraction`` / ``alpha`` is set.
-    The refreshed pages take ``step`` as their stamp: those in the top ``top_fraction`` of the row's valid pages by
-    score (ceil of the fraction, at least one; every page tied with the last one too), or whose softmax probability
-    over the row (scores times ``scale``) is at least ``alpha``, and the page being written. Then in each row whose
-    next token starts a page while it holds ``limit`` pages, the decode page (page >= ``prompt_pages``) with the
-    oldest stamp (ties: the older page) is freed: its ``slot_page`` becomes -1.
+    seq_len, limit, prompt_pages: (B,) int64; ``capacity`` = C. The candidates of a row are the decode pages
+    (page >= ``prompt_pages``) in its slots ``[prompt_pages, limit)``, where the cache puts them (the prompt fills
+    the first slots, and a new page takes the lowest free slot), and at most ``decode_pages`` of them (the most any
+    row holds). Exactly one of ``top_fraction`` / ``alpha`` is set. A candidate is refreshed (its stamp becomes
+    ``step``) when its score is among the top ``top_fraction`` of the row's valid pages (ceil of the fraction, at
+    least one; every page tied with the last one too), or its softmax probability over the row (scores times
+    ``scale``) is at least ``alpha``, or it is the page being written. Only candidates carry stamps: prompt pages
+    are never evicted. Then in each row whose next token starts a page while it holds ``limit`` pages, the candidate
+    with the oldest stamp (ties: the older page) is freed: its ``slot_page`` becomes -1.
     """
     valid = slot_page >= 0
     if alpha is not None:
@@ -254,14 +258,15 @@ def raas_update(scores: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.T
         kth = scores.sort(dim=-1, descending=True).values.gather(-1, take - 1)
         used = valid & (scores >= kth)
     slot_ids = torch.arange(stamp.shape[2], device=stamp.device)
-    stamp.copy_(torch.where(used | (slot_ids == cur_slot.unsqueeze(-1)), step, stamp))
+    first = prompt_pages.view(-1, 1, 1)
+    last = torch.minimum(limit.clamp(max=capacity), prompt_pages + decode_pages).view(-1, 1, 1)
+    candidate = (slot_ids >= first) & (slot_ids < last) & (slot_page >= first)
+    stamp.copy_(torch.where(candidate & (used | (slot_ids == cur_slot.unsqueeze(-1))), step, stamp))
 
-    page = slot_page[:, :, :capacity]  # (B, Hkv, C)
     starts_page = (seq_len % page_size == 0).view(-1, 1)
-    full = (page >= 0).sum(dim=-1) >= limit.view(-1, 1)
-    candidate = page >= prompt_pages.view(-1, 1, 1)
+    full = (slot_page[:, :, :capacity] >= 0).sum(dim=-1) >= limit.view(-1, 1)
     # Oldest stamp first; among equal stamps the older page (stamps and pages both fit in 31 bits).
-    key = torch.where(candidate, stamp[:, :, :capacity] * (1 << 31) + page, torch.iinfo(torch.long).max)
+    key = torch.where(candidate, stamp * (1 << 31) + slot_page, torch.iinfo(torch.long).max)
     victim = key.argmin(dim=-1, keepdim=True)
     evict = (starts_page & full & candidate.any(dim=-1)).unsqueeze(-1)
     slot_page.scatter_(2, torch.where(evict, victim, capacity), -1)

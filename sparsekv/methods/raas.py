@@ -2,14 +2,14 @@
 Reasoning-Aware Attention Sparsity").
 
 Long reasoning chains create *milestone* tokens: attended for a while, then never again. RaaS keeps a page only as
-long as it is used. Every cached page of a (layer, sequence, KV head) carries a timestamp, the decode step it was
+long as it is used. Every decode page of a (layer, sequence, KV head) carries a timestamp, the decode step it was
 last refreshed at. At each step every page's attention is estimated with Quest's bound (the cache's per-page key
-min/max) and the pages that score high are refreshed: those in the ``top_fraction`` of the step's pages, or those
-whose estimated attention probability (softmax of the scaled bounds over the row's pages) reaches ``alpha``. The
-page being written is refreshed every step. When the next token needs a new page and the row already holds its
-budget, the decode page with the oldest timestamp is evicted (ties: the older page) and its slot takes the new
-page, so the memory of the cache stops growing once the budget is reached. Prompt (prefill) pages are never evicted:
-they hold the *phoenix* tokens that reasoning returns to late.
+min/max) and the decode pages that score high are refreshed: those in the ``top_fraction`` of the step's pages
+(prompt pages included in the ranking), or those whose estimated attention probability (softmax of the scaled
+bounds over the row's pages) reaches ``alpha``. The page being written is refreshed every step. When the next
+token needs a new page and the row already holds its budget, the decode page with the oldest timestamp is evicted
+(ties: the older page) and its slot takes the new page, so the memory of the cache stops growing once the budget is
+reached. Prompt (prefill) pages are never evicted: they hold the *phoenix* tokens that reasoning returns to late.
 
 ``prefill="keep"`` attends to every cached page (the cache is the budget). ``prefill="quest"`` is the hybrid for
 long prompts: prompt pages are kept but only the best ones by Quest score are attended, within ``prefill_share`` of
@@ -86,10 +86,11 @@ STAMP = "raas_stamp"
 
 
 class RaaS(Method):
-    """Per layer: ``layer.slot_state["raas_stamp"]`` (B, Hkv, C + 1) int64, the decode step each slot's page was
-    last refreshed at (it moves with the slots when the cache grows or reorders), and ``layer.max_pages``, the
+    """Per layer: ``layer.slot_state["raas_stamp"]`` (B, Hkv, C + 1) int64, the decode step each slot's decode page
+    was last refreshed at (it moves with the slots when the cache grows or reorders), and ``layer.max_pages``, the
     largest row limit. Per prompt: ``prompt_pages`` and ``limit`` (B,), the prompt's pages and the pages a row may
-    hold; ``step`` (L,) int64, each layer's decode steps, on the device so that a captured step advances it."""
+    hold; ``decode_pages``, the most decode pages a row holds; ``step`` (L,) int64, each layer's decode steps, on
+    the device so that a captured step advances it."""
 
     config: RaaSConfig
     accepts_chunks = False
@@ -99,6 +100,7 @@ class RaaS(Method):
         self.step: torch.Tensor | None = None
         self.prompt_pages: torch.Tensor | None = None
         self.limit: torch.Tensor | None = None
+        self.decode_pages = 0
 
     def _limits(self, prompt_lengths: list[int]) -> tuple[list[int], list[int]]:
         """Each row's prompt pages and the pages it may hold."""
@@ -117,6 +119,7 @@ class RaaS(Method):
         device = layer.k.device
         self.prompt_pages = torch.tensor(prompt, device=device)
         self.limit = torch.tensor(limit, device=device)
+        self.decode_pages = max(n - p for p, n in zip(prompt, limit))
         layer.max_pages = max(limit)
         layer.slot_state[STAMP] = torch.zeros(layer.shape[:3], dtype=torch.long, device=device)
         if layer_idx == 0:
@@ -141,7 +144,8 @@ class RaaS(Method):
         # The freed slots are found again by the next page's append: the layer evicts (``max_pages``), so the cache
         # searches for free slots.
         kernels.raas_update(scores, layer.slot_page, layer.cur_slot, stamp, step, seq_len, self.limit,
-                            self.prompt_pages, layer.page_size, layer.capacity, cfg.top_fraction, cfg.alpha, scale)
+                            self.prompt_pages, layer.page_size, layer.capacity, self.decode_pages, cfg.top_fraction,
+                            cfg.alpha, scale)
         return out, attended
 
     def reorder(self, index):

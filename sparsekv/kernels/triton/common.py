@@ -29,11 +29,8 @@ from triton import knobs
 # halved while a block's logit tile (heads x window queries x tokens) exceeds window_tile entries (registers); the
 # query heads of a group are split into chunks of at most window_rows tile rows (heads x padded window); pass 1
 # splits each row's blocks until rows * splits reaches window_programs_per_sm programs per multiprocessor.
-# raas_*: RaaS's book-keeping (``raas``): rows of up to raas_one_program slots select their threshold in registers
-# (at most 49152: the radix select's two pieces stay under 65536 keys), longer ones in passes over blocks of at most
-# raas_block slots with raas_digit_bits-bit digits (a divisor of 32); raas_warps warps. On the H200 (Llama-3-8B,
-# 8 rows) in registers took 30 / 119 us at 8K / 32K slots, streamed (4-bit, 1024, 8 warps, the best streamed) 47 /
-# 168 us.
+# raas_*: RaaS's book-keeping (``raas``): programs of raas_block slots (raas_warps warps) rank the candidate decode
+# slots, raas_cand at a time, against their block's pages.
 # append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
 # starts a page in a cache with freed slots), with append_warps warps.
 TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
@@ -45,7 +42,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8,
           "window_block_n": 64, "window_tile": 8192, "window_rows": 128, "window_warps": 4, "window_stages": 2,
           "window_programs_per_sm": 4,
-          "raas_block": 1024, "raas_digit_bits": 4, "raas_warps": 8, "raas_one_program": 49152,
+          "raas_block": 1024, "raas_warps": 4, "raas_cand": 16,
           "append_search": 4096, "append_warps": 4}
 
 LOG2E = 1.4426950408889634

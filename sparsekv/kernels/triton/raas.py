@@ -1,10 +1,15 @@
-"""RaaS's decode book-keeping (``raas_update``) as one kernel, one program per (sequence, KV head) row: the
-``top_fraction`` rule's threshold by a radix select of the row's score keys (no sort): held in registers, as
-``select_pages`` does, for rows of up to ``TUNING["raas_one_program"]`` slots, else streamed in blocks (a pass of
-digit histograms per digit, ``selection._digit_counts`` and ``_next_digit``); or the ``alpha`` rule's softmax (max,
-then sum, streamed); then one streamed pass that writes the stamps, counts the pages held and keeps the oldest
-decode page, which it frees when the next token starts a page in a full row. In place of a sort, an argmin and a
-dozen small kernels per layer and step."""
+"""RaaS's decode book-keeping (``raas_update``) in two kernels, parallel over each row's slots:
+
+1. ``_raas_rank_kernel``, one program per (row, block of slots): with the ``top_fraction`` rule, the block's valid
+   pages and, for every candidate decode slot of the row (slots ``[prompt_pages, limit)``), how many of the block's
+   pages score strictly above it; with the ``alpha`` rule, the block's softmax maximum and sum.
+2. ``_raas_evict_kernel``, one program per row: adds the blocks' partial results; a candidate is refreshed when
+   fewer than ``take`` pages score above it (the same as scoring at least the take-th largest score, ties
+   included), or when its probability reaches ``alpha``; writes the candidates' stamps and frees the oldest one
+   when the next token starts a page in a full row.
+
+No selection over the row is needed: only the decode pages' stamps are ever read (prompt pages are never evicted),
+so ranking the few candidates against every page replaces finding the threshold itself."""
 
 from __future__ import annotations
 
@@ -14,116 +19,123 @@ import triton.language as tl
 
 from .. import reference
 from .common import TUNING
-from .selection import _digit_counts, _key_of, _next_digit, _pieces, _radix_bin
 
 _NEVER = tl.constexpr(9223372036854775807)  # the victim key of a slot that is not a candidate
 
 
 @triton.jit
-def _row_key(sc, c, n):
-    """Order-preserving uint32 keys of the scores of slots c (0 past the row); -0.0 and 0.0 compare equal, so
-    they take one key."""
-    x = tl.load(sc + c, mask=c < n, other=0.0)
-    return _key_of(tl.where(x == 0.0, 0.0, x), c, n, -1)
+def _raas_rank_kernel(sc_ptr, sp_ptr, pp_ptr, lim_ptr, cnt_ptr, rank_ptr, soft_ptr, n, n_blocks, n_cand, capacity,
+                      scale, sc_b, sc_h, sp_b, sp_h,
+                      HKV: tl.constexpr, BY_ALPHA: tl.constexpr, BLOCK: tl.constexpr, CAND: tl.constexpr):
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = (row // HKV).to(tl.int64)
+    h = row % HKV
+    sc = sc_ptr + b * sc_b + h * sc_h
+    c = blk * BLOCK + tl.arange(0, BLOCK)
+    inside = c < n
+    x = tl.load(sc + c, mask=inside, other=float("-inf"))
+    out = row.to(tl.int64) * n_blocks + blk
+    if BY_ALPHA:  # free slots score -inf: they add nothing to the softmax
+        y = x * scale
+        m = tl.max(y, 0)
+        tl.store(soft_ptr + out * 2, m)
+        tl.store(soft_ptr + out * 2 + 1, tl.sum(tl.exp(y - tl.where(m == float("-inf"), 0.0, m)), 0))
+    page = tl.load(sp_ptr + b * sp_b + h * sp_h + c, mask=inside, other=-1)
+    valid = page >= 0
+    tl.store(cnt_ptr + out, tl.sum((valid & (c < capacity)).to(tl.int32), 0))
+    if not BY_ALPHA:
+        first = tl.load(pp_ptr + b)
+        last = tl.load(lim_ptr + b)
+        for j0 in range(0, n_cand, CAND):
+            j = j0 + tl.arange(0, CAND)
+            slot = first + j
+            xc = tl.load(sc + slot, mask=(j < n_cand) & (slot < last), other=float("inf"))
+            above = tl.sum((valid[None, :] & (x[None, :] > xc[:, None])).to(tl.int32), 1)
+            tl.store(rank_ptr + out * n_cand + j, above, mask=j < n_cand)
 
 
 @triton.jit
-def _raas_update_kernel(sc_ptr, sp_ptr, cur_ptr, st_ptr, step_ptr, seq_ptr, lim_ptr, pp_ptr, n, capacity, page_size,
-                        fraction, alpha, scale, sc_b, sc_h, sp_b, sp_h, st_b, st_h, cu_b, cu_h,
-                        HKV: tl.constexpr, BY_ALPHA: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                        HEAD: tl.constexpr, TAIL: tl.constexpr, SELECT_BITS: tl.constexpr):
+def _raas_evict_kernel(sc_ptr, sp_ptr, cur_ptr, st_ptr, step_ptr, seq_ptr, lim_ptr, pp_ptr, cnt_ptr, rank_ptr,
+                       soft_ptr, n_blocks, n_cand, capacity, page_size, fraction, alpha, scale,
+                       sc_b, sc_h, sp_b, sp_h, st_b, st_h, cu_b, cu_h,
+                       HKV: tl.constexpr, BY_ALPHA: tl.constexpr, CAND: tl.constexpr, NB: tl.constexpr):
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     h = row % HKV
     sc = sc_ptr + b * sc_b + h * sc_h
     sp = sp_ptr + b * sp_b + h * sp_h
     st = st_ptr + b * st_b + h * st_h
-    offs = tl.arange(0, BLOCK)
-    prefix = tl.zeros((), tl.uint32)
-    done = tl.zeros((), tl.uint32)
-    # Per-lane partial results, reduced once after each loop.
-    top = tl.full((BLOCK,), float("-inf"), tl.float32)
-    total = tl.zeros((BLOCK,), tl.float32)
+    base = row.to(tl.int64) * n_blocks
+    blocks = tl.arange(0, NB)
+    in_blocks = blocks < n_blocks
+    held = tl.sum(tl.load(cnt_ptr + base + blocks, mask=in_blocks, other=0), 0)
     if BY_ALPHA:
-        for start in range(0, n, BLOCK):
-            c = start + offs
-            top = tl.maximum(top, tl.load(sc + c, mask=c < n, other=float("-inf")) * scale)
-        top = tl.max(top, 0)
-        for start in range(0, n, BLOCK):
-            c = start + offs
-            total += tl.exp(tl.load(sc + c, mask=c < n, other=float("-inf")) * scale - top)
-        total = tl.sum(total, 0)
+        m = tl.load(soft_ptr + (base + blocks) * 2, mask=in_blocks, other=float("-inf"))
+        s = tl.load(soft_ptr + (base + blocks) * 2 + 1, mask=in_blocks, other=0.0)
+        top = tl.max(m, 0)
+        total = tl.sum(s * tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), 0)
     else:
-        count = tl.zeros((BLOCK,), tl.int32)
-        for start in range(0, n, BLOCK):
-            c = start + offs
-            count += (tl.load(sp + c, mask=c < n, other=-1) >= 0).to(tl.int32)
-        count = tl.sum(count, 0)
-        take = tl.maximum(tl.math.ceil(count.to(tl.float32) * fraction).to(tl.int32), 1)
-        # The take-th largest key's bin: the keys sharing ``prefix`` on the ``done`` bits are all at least it, and
-        # the keys below that prefix all below it (the whole bin is taken, or done covers every bit).
-        if HEAD > 0:
-            # The row fits in registers as two power-of-two pieces: the radix select of ``select_pages``.
-            prefix, done, _ = _radix_bin(_row_key(sc, tl.arange(0, HEAD), n),
-                                         _row_key(sc, HEAD + tl.arange(0, TAIL), n), take, SELECT_BITS)
-        else:
-            left = take
-            in_bin = n + tl.zeros((), tl.int32)
-            tl.static_assert(32 % BITS == 0)
-            for p in tl.static_range(32 // BITS):
-                shift = tl.full((), 32 - BITS * (p + 1), tl.int32)
-                hist = tl.zeros([1 << BITS], tl.int32)
-                for start in range(0, n, BLOCK):
-                    hist += _digit_counts(_row_key(sc, start + offs, n), done, prefix, shift, BITS)
-                prefix, done, left, in_bin = _next_digit(hist, in_bin, left, prefix, done, shift, BITS)
-
+        take = tl.maximum(tl.math.ceil(held.to(tl.float32) * fraction).to(tl.int32), 1)
     step = tl.load(step_ptr)
     cur = tl.load(cur_ptr + b * cu_b + h * cu_h)
-    first_decode = tl.load(pp_ptr + b)
-    best = tl.full((BLOCK,), _NEVER, tl.int64)
-    victim = tl.zeros((BLOCK,), tl.int64)
-    held = tl.zeros((BLOCK,), tl.int32)
-    for start in range(0, n, BLOCK):
-        c = start + offs
-        inside = c < n
-        page = tl.load(sp + c, mask=inside, other=-1)
-        valid = page >= 0
+    first = tl.load(pp_ptr + b)
+    last = tl.minimum(tl.load(lim_ptr + b), capacity)
+    best = tl.full((CAND,), _NEVER, tl.int64)
+    victim = tl.zeros((CAND,), tl.int64)
+    for j0 in range(0, n_cand, CAND):
+        j = j0 + tl.arange(0, CAND)
+        slot = first + j
+        inside = (j < n_cand) & (slot < last)
+        page = tl.load(sp + slot, mask=inside, other=-1)
+        candidate = inside & (page >= first)
         if BY_ALPHA:
-            x = tl.load(sc + c, mask=inside, other=float("-inf"))
-            used = valid & (tl.exp(x * scale - top) / total >= alpha)
+            x = tl.load(sc + slot, mask=candidate, other=float("-inf"))
+            used = tl.exp(x * scale - top) / total >= alpha
         else:
-            used = valid & ((_row_key(sc, c, n) & done) >= prefix)
-        stamp = tl.where(used | (c == cur), step, tl.load(st + c, mask=inside, other=0))
-        tl.store(st + c, stamp, mask=inside)
-        kept = c < capacity
-        held += (kept & valid).to(tl.int32)
+            above = tl.zeros((CAND,), tl.int32)
+            for blk in range(n_blocks):
+                above += tl.load(rank_ptr + (base + blk) * n_cand + j, mask=j < n_cand, other=0)
+            used = above < take
+        stamp = tl.load(st + slot, mask=candidate, other=0)
+        stamp = tl.where(used | (slot == cur), step, stamp)
+        tl.store(st + slot, stamp, mask=candidate)
         # Oldest stamp first; among equal stamps the older page (stamps and pages both fit in 31 bits).
-        key = tl.where(kept & (page >= first_decode), stamp * 2147483648 + page, _NEVER)
-        victim = tl.where(key < best, c.to(tl.int64), victim)
+        key = tl.where(candidate, stamp * 2147483648 + page, _NEVER)
+        victim = tl.where(key < best, slot, victim)
         best = tl.minimum(best, key)
     low = tl.min(best, 0)
     victim = tl.min(tl.where(best == low, victim, _NEVER), 0)  # candidates' keys are distinct (their pages are)
-    evict = (tl.load(seq_ptr + b) % page_size == 0) & (tl.sum(held, 0) >= tl.load(lim_ptr + b)) & (low < _NEVER)
+    evict = (tl.load(seq_ptr + b) % page_size == 0) & (held >= tl.load(lim_ptr + b)) & (low < _NEVER)
     tl.store(sp + victim, -1, mask=evict)
 
 
 def raas_update(scores: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.Tensor, stamp: torch.Tensor,
                 step: torch.Tensor, seq_len: torch.Tensor, limit: torch.Tensor, prompt_pages: torch.Tensor,
-                page_size: int, capacity: int, top_fraction: float | None, alpha: float | None,
+                page_size: int, capacity: int, decode_pages: int, top_fraction: float | None, alpha: float | None,
                 scale: float) -> None:
     if scores.dtype != torch.float32:
         return reference.raas_update(scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages,
-                                     page_size, capacity, top_fraction, alpha, scale)
+                                     page_size, capacity, decode_pages, top_fraction, alpha, scale)
     b, hkv, n = scores.shape
     for name, t in (("scores", scores), ("slot_page", slot_page), ("stamp", stamp)):
         if t.stride(-1) != 1:
             raise ValueError(f"raas_update: {name}'s last (slot) dimension must be contiguous")
-    head, tail = _pieces(n) if n <= TUNING["raas_one_program"] else (0, 0)
-    _raas_update_kernel[(b * hkv,)](
-        scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages, n, capacity, page_size,
-        0.0 if top_fraction is None else top_fraction, 0.0 if alpha is None else alpha, scale,
-        scores.stride(0), scores.stride(1), slot_page.stride(0), slot_page.stride(1), stamp.stride(0),
-        stamp.stride(1), cur_slot.stride(0), cur_slot.stride(1),
-        HKV=hkv, BY_ALPHA=alpha is not None, BLOCK=min(triton.next_power_of_2(n), TUNING["raas_block"]),
-        BITS=TUNING["raas_digit_bits"], HEAD=head, TAIL=tail, SELECT_BITS=TUNING["select_digit_bits"],
-        num_warps=TUNING["raas_warps"])
+    rows, by_alpha = b * hkv, alpha is not None
+    block = min(triton.next_power_of_2(n), TUNING["raas_block"])
+    n_blocks = triton.cdiv(n, block)
+    cand = TUNING["raas_cand"]
+    counts = torch.empty(rows, n_blocks, dtype=torch.int32, device=scores.device)
+    ranks = torch.empty(rows, n_blocks, 1 if by_alpha else max(decode_pages, 1), dtype=torch.int32,
+                        device=scores.device)
+    soft = torch.empty(rows, n_blocks, 2 if by_alpha else 1, dtype=torch.float32, device=scores.device)
+    _raas_rank_kernel[(rows, n_blocks)](
+        scores, slot_page, prompt_pages, limit, counts, ranks, soft, n, n_blocks, decode_pages, capacity, scale,
+        scores.stride(0), scores.stride(1), slot_page.stride(0), slot_page.stride(1),
+        HKV=hkv, BY_ALPHA=by_alpha, BLOCK=block, CAND=cand, num_warps=TUNING["raas_warps"])
+    _raas_evict_kernel[(rows,)](
+        scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages, counts, ranks, soft, n_blocks,
+        decode_pages, capacity, page_size, 0.0 if top_fraction is None else top_fraction,
+        0.0 if alpha is None else alpha, scale, scores.stride(0), scores.stride(1), slot_page.stride(0),
+        slot_page.stride(1), stamp.stride(0), stamp.stride(1), cur_slot.stride(0), cur_slot.stride(1),
+        HKV=hkv, BY_ALPHA=by_alpha, CAND=cand, NB=max(2, triton.next_power_of_2(n_blocks)), num_warps=4)

@@ -89,6 +89,7 @@ class PagedLayer:
         self.max_pages: int | None = None
         self.dropped = [0] * batch
         self.slot_state: dict[str, torch.Tensor] = {}
+        self._slot_ids: torch.Tensor | None = None
 
     @property
     def kmin(self) -> torch.Tensor:
@@ -97,6 +98,15 @@ class PagedLayer:
     @property
     def kmax(self) -> torch.Tensor:
         return self._kmax if self.page_size > 1 else self.k[:, :, :, 0]
+
+    @property
+    def slot_ids(self) -> torch.Tensor:
+        """(C + 1,) int64 0, 1, ..., C: made once per capacity, so that a decode step that attends every slot
+        launches nothing to list them."""
+        c = self.capacity + 1
+        if self._slot_ids is None or self._slot_ids.shape[0] != c:
+            self._slot_ids = torch.arange(c, device=self.k.device)
+        return self._slot_ids
 
     @property
     def stored(self) -> tuple[str, ...]:

@@ -34,36 +34,68 @@ SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"
 @dataclass
 class DecodeStats:
     """KV tokens attended in decode steps, summed over layers, sequences and KV heads (selection rows for
-    per-query-head methods are normalised to KV heads). ``context`` is what dense attention would have read.
+    per-query-head methods are normalised to KV heads), against what dense attention would have read.
 
-    The sums are device tensors updated in place, so a captured decode step keeps adding to them at every replay
-    (two small kernels per layer: statistics must not cost the step); the host counters (``steps``, ``rows``) are
-    advanced for replays by ``replayed``. Under tensor parallelism the sums and ``per_layer`` cover this process's
-    KV heads; ``summary`` adds up those of every process of ``tp_group``."""
+    The sums are device tensors updated in place, so a captured decode step keeps adding to them at every replay at
+    the cost of one small kernel per layer that counts its tokens and one per step for the context; a layer whose
+    method attends the whole context (``attended`` None: dense layers) costs none, its count being the context's.
+    The host counters (``steps``, ``rows``) are advanced for replays by ``replayed``. Under tensor parallelism the
+    sums cover this process's KV heads; ``summary`` adds up those of every process of ``tp_group``."""
 
     steps: int = 0
-    context: torch.Tensor | None = None
     rows: int = 0  # (layer, sequence, KV head) triples summed per step
-    per_layer: dict[int, torch.Tensor] = field(default_factory=dict)
     tp_group: object = None  # the process group sharing the heads (sparsekv.parallel), None when not split
+    # Per counting layer, its (B, Hs) tokens summed over steps, and their weight (KV heads per selection row).
+    _tokens: dict[int, torch.Tensor] = field(default_factory=dict)
+    _weight: dict[int, float] = field(default_factory=dict)
+    _whole: set[int] = field(default_factory=set)  # layers that attend the whole context
+    _context: torch.Tensor | None = None  # (B,) each sequence's length summed over steps
+    _folded: dict[object, torch.Tensor] = field(default_factory=dict)  # sums of buffers of an earlier batch size
+    _kv_heads: int = 0
+    _layers: int = 0
 
-    def add(self, layer_idx: int, attended: torch.Tensor, seq_len: torch.Tensor, kv_heads: int,
+    def add(self, layer_idx: int, attended: torch.Tensor | None, seq_len: torch.Tensor, kv_heads: int,
             num_layers: int) -> None:
-        """attended: (B, Hs) tokens per selection row of layer ``layer_idx``; seq_len: (B,). Layer 0 also adds the
-        dense context of all ``num_layers`` layers."""
-        rows = attended.shape[1]
-        total = attended.sum() if rows == kv_heads else attended.sum() * (kv_heads / rows)
-        if layer_idx in self.per_layer:
-            self.per_layer[layer_idx].add_(total)
-        else:
-            self.per_layer[layer_idx] = total.to(torch.float64)
+        """attended: (B, Hs) tokens per selection row of layer ``layer_idx``, or None when the layer attends the
+        whole context; seq_len: (B,). Layer 0 also adds the step's context."""
         if layer_idx == 0:
-            ctx = seq_len.sum() * (kv_heads * num_layers)
-            if self.context is None:
-                self.context = torch.zeros_like(ctx)
-            self.context.add_(ctx)
+            self._context = self._accumulate("context", self._context, seq_len)
+            self._kv_heads, self._layers = kv_heads, num_layers
             self.steps += 1
+        whole = attended is None
+        if self.steps > 1 and (layer_idx in self._whole) != whole:
+            raise RuntimeError(f"layer {layer_idx} changed between attending the whole context and a selection")
+        if whole:
+            self._whole.add(layer_idx)
+        else:
+            self._tokens[layer_idx] = self._accumulate(layer_idx, self._tokens.get(layer_idx), attended)
+            self._weight[layer_idx] = kv_heads / attended.shape[1]
         self.rows += seq_len.shape[0] * kv_heads
+
+    def _accumulate(self, key, total: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """``total`` + ``new`` in place (one kernel); a total of another shape (the batch changed) is folded first."""
+        if total is None or total.shape != new.shape:
+            if total is not None:
+                self._folded[key] = self._folded.get(key, 0) + total.sum(dtype=torch.float64)
+            return new.to(torch.long, copy=True)
+        return total.add_(new)
+
+    def _sum(self, key, total: torch.Tensor | None) -> torch.Tensor:
+        return self._folded.get(key, 0) + total.sum(dtype=torch.float64)
+
+    @property
+    def context(self) -> torch.Tensor | None:
+        """The dense context of every step, layer and KV head (float64 on the device), None before any step."""
+        if self._context is None:
+            return None
+        return self._sum("context", self._context) * (self._kv_heads * self._layers)
+
+    @property
+    def per_layer(self) -> dict[int, torch.Tensor]:
+        """Tokens attended per layer, summed over steps, sequences and KV heads (float64 on the device)."""
+        out = {layer: self._sum(layer, t) * self._weight[layer] for layer, t in self._tokens.items()}
+        out.update({layer: self._sum("context", self._context) * self._kv_heads for layer in self._whole})
+        return out
 
     def replayed(self, steps: int, rows_per_step: int) -> None:
         """Counts ``steps`` decode steps that ran as replays of a captured step of ``rows_per_step`` rows."""
@@ -76,8 +108,8 @@ class DecodeStats:
         ``tp_group`` calls."""
         if not self.rows:
             return {"decode_steps": 0, "attended_per_head": 0.0, "context_per_head": 0.0, "fraction": 0.0}
-        sums = torch.tensor([float(sum(self.per_layer.values())), float(self.context), self.rows],
-                            dtype=torch.float64, device=self.context.device)
+        sums = torch.stack([sum(self.per_layer.values()), self.context,
+                            torch.tensor(float(self.rows), dtype=torch.float64, device=self._context.device)])
         attended, context, rows = parallel.all_reduce_sum(sums, self.tp_group).tolist()
         att, ctx = attended / rows, context / rows
         return {"decode_steps": self.steps, "attended_per_head": att, "context_per_head": ctx,

@@ -107,15 +107,24 @@ class Method:
         raise NotImplementedError
 
     def decode(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, seq_len: torch.Tensor,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+               scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step of one layer. q: (B, H, D). Returns the attention output (B, H, D) and the tokens
-        attended per selection row (B, Hs). The default attends to the slots ``select`` picks."""
+        attended per selection row (B, Hs), or None where the layer attends the whole context (``attend_all``).
+        The default attends to the slots ``select`` picks."""
         slots = self.select(layer_idx, q, layer, seq_len)
         out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale)
         return out, kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
 
 
 def all_slots(layer: PagedLayer) -> torch.Tensor:
-    """Every slot of every row, (B, Hkv, C + 1): dense attention over whatever the cache holds."""
+    """Every slot of every row, (B, Hkv, C + 1) (a view, no kernel): dense attention over whatever the cache
+    holds."""
     b, h, c, _ = layer.shape
-    return torch.arange(c, device=layer.k.device).expand(b, h, c)
+    return layer.slot_ids.expand(b, h, c)
+
+
+def attend_all(q: torch.Tensor, layer: PagedLayer, seq_len: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, None]:
+    """Dense attention of a layer that holds the whole context (nothing evicted or offloaded): the output
+    (B, H, D), and None for the tokens attended, which the statistics count as the context without a kernel."""
+    return kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, all_slots(layer), seq_len, scale), None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Method, MethodConfig, all_slots
+from .base import Method, MethodConfig, all_slots, attend_all
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,3 +19,6 @@ class DenseConfig(MethodConfig):
 class Dense(Method):
     def select(self, layer_idx, q, layer, seq_len):
         return all_slots(layer)
+
+    def decode(self, layer_idx, q, layer, seq_len, scale):
+        return attend_all(q, layer, seq_len, scale)

@@ -23,7 +23,7 @@ import torch
 
 from .. import kernels
 from ..cache import AppendPlan, PagedLayer
-from .base import Method, MethodConfig, all_slots, require
+from .base import Method, MethodConfig, all_slots, attend_all, require
 
 # Attention weights materialised at once when scoring a prompt: queries are taken in chunks of this many weights.
 PROMPT_CHUNK_WEIGHTS = 1 << 24
@@ -94,7 +94,7 @@ class EvictionMethod(Method):
 
     def decode(self, layer_idx, q, layer, seq_len, scale):
         if self.dense(layer_idx):
-            return super().decode(layer_idx, q, layer, seq_len, scale)
+            return attend_all(q, layer, seq_len, scale)
         slots = all_slots(layer)
         attended = kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
         weights = None

@@ -26,7 +26,7 @@ import torch
 
 from .. import kernels, parallel
 from ..cache.host_store import HostKVStore, require_host
-from .base import Method, MethodConfig, all_slots, require
+from .base import Method, MethodConfig, all_slots, attend_all, require
 
 SELECTORS = ("last", "uniform", "exponential")
 PAPER_LAYERS = 32
@@ -244,12 +244,11 @@ class OmniKV(Method):
         return [n * layer.page_size for n in full_pages]
 
     def decode(self, layer_idx, q, layer, seq_len, scale):
-        if self.role[layer_idx] != "sparse":
-            slots = all_slots(layer)
-            out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale)
+        if self.role[layer_idx] != "sparse":  # filter and dense layers hold the whole context
+            out = attend_all(q, layer, seq_len, scale)
             if self.role[layer_idx] == "filter":
                 self._choose(layer_idx, q, layer, seq_len, scale)
-            return out, kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
+            return out
         f = self.source[layer_idx]
         chosen = self.tokens[f]  # (B, K) positions
         k_flat, v_flat = layer.k.flatten(2, 3), layer.v.flatten(2, 3)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import kernels
-from .base import Method, MethodConfig, all_slots, require
+from .base import Method, MethodConfig, all_slots, attend_all, require
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,3 +51,8 @@ class Quest(Method):
             return all_slots(layer)
         return kernels.quest_select(q, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot,
                                     self.config.token_budget // self.config.page_size, self.config.per_query_head)
+
+    def decode(self, layer_idx, q, layer, seq_len, scale):
+        if layer_idx < self.config.dense_layers:
+            return attend_all(q, layer, seq_len, scale)
+        return super().decode(layer_idx, q, layer, seq_len, scale)

@@ -13,7 +13,6 @@ import triton.language as tl
 
 from .. import reference
 from .common import LOG2E, TUNING, block_d, check, group_pad, interpreted_bf16, num_sms, precision
-_MAX_SPLITS = 64
 
 
 @triton.jit
@@ -131,17 +130,22 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale):
     g = h // rows_per_b
     rows = b * rows_per_b
     # With few rows (Llama-3-8B at batch 1: 8) the programs are few too: smaller blocks, more of them in flight.
-    keys = ("attn_block_n", "attn_stages", "programs_per_sm")
-    if rows <= TUNING["attn_few_rows"]:
-        keys = ("attn_few_block_n", "attn_few_stages", "attn_few_programs_per_sm")
-    block_n, stages, per_sm = (TUNING[key] for key in keys)
+    # Rows of many tokens (a dense layer's whole context) stream far more than they compute: their own blocks,
+    # stages and split count.
+    keys = ("attn_block_n", "attn_stages", "programs_per_sm", "attn_max_splits", "attn_warps")
+    if n_sel * p >= TUNING["attn_long_tokens"]:
+        keys = ("attn_long_block_n", "attn_long_stages", "attn_long_programs_per_sm", "attn_long_max_splits",
+                "attn_long_warps")
+    elif rows <= TUNING["attn_few_rows"]:
+        keys = ("attn_few_block_n", "attn_few_stages", "attn_few_programs_per_sm", "attn_max_splits", "attn_warps")
+    block_n, stages, per_sm, max_splits, warps = (TUNING[key] for key in keys)
     if d > 128:
         block_n //= 2
     if q.dtype == torch.float32:
         block_n = 16  # full-precision fp32 products need registers: larger tiles spill (ptxas, sm_90)
     n_blocks = max(triton.cdiv(n_sel * p, block_n), 1)
     want = triton.cdiv(per_sm * num_sms(q.device), rows)
-    splits = max(1, min(want, n_blocks, _MAX_SPLITS))
+    splits = max(1, min(want, n_blocks, max_splits))
     per_split = triton.cdiv(n_blocks, splits)
     splits = triton.cdiv(n_blocks, per_split)
     part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
@@ -154,7 +158,7 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale):
         sel.stride(0), 0 if hs == 1 else sel.stride(1),
         HS=rows_per_b, ROWS_PER_KV=rows_per_b // hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_N=block_n, P=p, TOKENS=tokens, PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype),
-        num_warps=TUNING["attn_warps"], num_stages=stages)
+        num_warps=warps, num_stages=stages)
     fp32_out = tokens or interpreted_bf16(q.dtype)
     out = torch.empty(b, h, d, dtype=torch.float32 if fp32_out else q.dtype, device=q.device)
     lse = torch.empty(b, h, dtype=torch.float32, device=q.device) if tokens else out

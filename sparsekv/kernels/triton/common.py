@@ -40,6 +40,8 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "select_fused_rows": 8, "select_fused_scale": 1,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4,
           "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8,
+          "attn_max_splits": 64, "attn_long_tokens": 16384, "attn_long_block_n": 64, "attn_long_stages": 1,
+          "attn_long_programs_per_sm": 8, "attn_long_max_splits": 64, "attn_long_warps": 4,
           "window_block_n": 64, "window_tile": 8192, "window_rows": 128, "window_warps": 4, "window_stages": 2,
           "window_programs_per_sm": 4,
           "raas_block": 1024, "raas_warps": 4, "raas_cand": 16,

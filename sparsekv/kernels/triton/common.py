@@ -15,8 +15,12 @@ from triton import knobs
 # of page_stages stages (v10: slices of 64 in 4 stages need ~94 registers instead of ~128 for the whole tile, so
 # twice as many programs fit per multiprocessor).
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
-# multiprocessor, so that enough loads are in flight even for batch 1; with at most attn_few_rows rows it takes the
-# attn_few_* block, stages and programs instead (v12: -0.3 to -0.6 us at Llama-3-8B batch 1).
+# multiprocessor (at most attn_max_splits splits), so that enough loads are in flight even for batch 1; with at most
+# attn_few_rows rows it takes the attn_few_* block, stages and programs instead (v12: -0.3 to -0.6 us at Llama-3-8B
+# batch 1). Rows of at least attn_long_tokens tokens (dense layers) take the attn_long_* values: on the H200 at
+# Llama-3-8B batch 1, 45.5 / 139.1 us at 32K / 128K (block 64, 2 stages, 4 programs per SM, up to 128 splits, 4
+# warps; the best of 108 launches swept) against 49.1 / 152.0 with the attn_few_* ones; SDPA 40.1 / 129.8, floor
+# 31.6 / 126.3.
 # select_warps / select_digit_bits: warps and digit width of the radix select (one program per row); rows of more
 # than select_one_program slots are first cut down, unless more than select_max_k pages are selected: with at
 # least select_group_rows rows, through groups of select_group_scale * sqrt(slots / k) slots (maxima by programs
@@ -40,8 +44,8 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "select_fused_rows": 8, "select_fused_scale": 1,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4,
           "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8,
-          "attn_max_splits": 64, "attn_long_tokens": 16384, "attn_long_block_n": 64, "attn_long_stages": 1,
-          "attn_long_programs_per_sm": 8, "attn_long_max_splits": 64, "attn_long_warps": 4,
+          "attn_max_splits": 64, "attn_long_tokens": 16384, "attn_long_block_n": 64, "attn_long_stages": 2,
+          "attn_long_programs_per_sm": 4, "attn_long_max_splits": 128, "attn_long_warps": 4,
           "window_block_n": 64, "window_tile": 8192, "window_rows": 128, "window_warps": 4, "window_stages": 2,
           "window_programs_per_sm": 4,
           "raas_block": 1024, "raas_warps": 4, "raas_cand": 16,

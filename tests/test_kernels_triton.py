@@ -83,7 +83,12 @@ DTYPES = [torch.bfloat16, torch.float16]
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", SHAPES)
-def test_page_scores_and_decode(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, dtype):
+@pytest.mark.parametrize("long_rows", [False, True], ids=["", "long-rows"])
+def test_page_scores_and_decode(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, dtype,
+                                long_rows, monkeypatch):
+    """Scores and attention against float64; ``long_rows``: the attention takes the launch of rows of many tokens."""
+    if long_rows:
+        monkeypatch.setitem(tops.TUNING, "attn_long_tokens", 1)
     k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths, dtype)
     q = torch.randn(batch, heads, head_dim, device=DEV).to(dtype)
     scale = head_dim ** -0.5

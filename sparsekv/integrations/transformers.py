@@ -94,7 +94,9 @@ class DecodeStats:
     def per_layer(self) -> dict[int, torch.Tensor]:
         """Tokens attended per layer, summed over steps, sequences and KV heads (float64 on the device)."""
         out = {layer: self._sum(layer, t) * self._weight[layer] for layer, t in self._tokens.items()}
-        out.update({layer: self._sum("context", self._context) * self._kv_heads for layer in self._whole})
+        if self._whole:
+            whole = self._sum("context", self._context) * self._kv_heads
+            out.update(dict.fromkeys(self._whole, whole))
         return out
 
     def replayed(self, steps: int, rows_per_step: int) -> None:

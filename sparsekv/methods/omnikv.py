@@ -245,10 +245,10 @@ class OmniKV(Method):
 
     def decode(self, layer_idx, q, layer, seq_len, scale):
         if self.role[layer_idx] != "sparse":  # filter and dense layers hold the whole context
-            out = attend_all(q, layer, seq_len, scale)
+            out_and_count = attend_all(q, layer, seq_len, scale)
             if self.role[layer_idx] == "filter":
                 self._choose(layer_idx, q, layer, seq_len, scale)
-            return out
+            return out_and_count
         f = self.source[layer_idx]
         chosen = self.tokens[f]  # (B, K) positions
         k_flat, v_flat = layer.k.flatten(2, 3), layer.v.flatten(2, 3)

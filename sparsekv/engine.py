@@ -12,8 +12,9 @@ A generation, as data::
 Everything a decode step reads or writes is a device tensor updated in place: sequence lengths, page tables,
 the method's state, the statistics, the next input token, the output buffer, the stop flags. Host-side counters
 (lengths, step counts) are advanced from the known number of replays, never read back inside the loop. The model
-is the model's own transformers modules and weights, run through ``sparsekv.apply``; ``model.generate`` inside
-``apply`` computes the same tokens, step by step in Python (the slow path).
+is the model's own transformers modules and weights, run through ``sparsekv.apply``: the prefill through its layer
+modules, the decode step through ``integrations.decode`` (its layers written out, q/k/v and gate/up each one
+product). ``model.generate`` inside ``apply`` computes the same tokens, step by step in Python (the slow path).
 
 Without CUDA (or with ``cuda_graph=False``) the same step runs eagerly each time.
 """
@@ -28,6 +29,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .integrations import apply
+from .integrations.decode import DecodeModel, decode_layer
 from .integrations.transformers import _sliding_window
 from .methods.base import MethodConfig, require
 from .models import synchronize
@@ -60,7 +62,7 @@ class Sampling:
         """logits: (B, V). Returns (B,) int64 tokens, on the device, with no host sync (draws by the exponential
         race: argmax of p / E with E ~ Exp(1) picks each token with probability p)."""
         if self.greedy:
-            return logits.argmax(dim=-1)
+            return argmax(logits)
         logits = logits.float() / self.temperature
         if self.top_k:
             kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -71,7 +73,19 @@ class Sampling:
             beyond = probs.cumsum(dim=-1) - probs >= self.top_p  # the likelier tokens already reach top_p
             logits = logits.masked_fill(torch.empty_like(beyond).scatter_(-1, order, beyond), float("-inf"))
         probs = logits.softmax(dim=-1)
-        return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+        return argmax(probs / torch.empty_like(probs).exponential_())
+
+
+def argmax(x: torch.Tensor, width: int = 1024) -> torch.Tensor:
+    """x: (B, V). Returns (B,) int64, ``x.argmax(dim=-1)`` (the first of equal maxima), in two passes: maxima of
+    ``width``-long pieces, then the best piece. A one-pass argmax reduces each row in one block of threads, which
+    for a vocabulary of 128K takes 35 us of an H200; the pieces spread the row over the whole device."""
+    b, v = x.shape
+    if v <= width:
+        return x.argmax(dim=-1)
+    pieces, index = torch.nn.functional.pad(x, (0, -v % width), value=float("-inf")).view(b, -1, width).max(dim=-1)
+    best = pieces.argmax(dim=-1, keepdim=True)  # (B, 1)
+    return (best * width + index.gather(1, best)).squeeze(1)
 
 
 @dataclass
@@ -121,11 +135,14 @@ class Engine:
     max_batch, max_context: the capacity, checked before anything is allocated: prompts per call, and tokens per
     sequence (prompt plus new tokens; at most the model's ``max_position_embeddings``). prefill_chunk: prompt
     tokens per forward pass of the prefill, which bounds its activation memory. cuda_graph: capture the decode step
-    (default: on CUDA). compile: fuse the model's own layer code (norms, rotary embedding, MLP) with torch.compile,
-    around the method's attention, which stays eager; this compiles the model's decoder layers in place
-    (``Module.compile``), costs a compilation on first use and leaves fewer, larger kernels in the captured step.
-    check_every: decode steps between two reads of the stop flags (each read waits for the device; a ``stream``
-    callback reads them at every step). tokenizer: needed for string prompts and texts.
+    (default: on CUDA). compile: fuse the decode step's layer code (norms, rotary embedding, MLP) with
+    torch.compile, around the method's attention, which stays eager; this costs a compilation on first use and
+    leaves fewer, larger kernels in the captured step. check_every: decode steps between two reads of the stop
+    flags (each read waits for the device; a ``stream`` callback reads them at every step). tokenizer: needed for
+    string prompts and texts.
+
+    The first generation re-lays each layer's q/k/v weights into one tensor and its gate/up weights into another,
+    the modules' parameters becoming views of them (same values, no second copy; see ``integrations.decode``).
     """
 
     def __init__(self, model, config: MethodConfig, *, tokenizer=None, max_batch: int = 1,
@@ -160,10 +177,7 @@ class Engine:
         self.capture: Callable[[Step], Step] | None = capture_graph if use_graph else None
         self.check_every = check_every
         self.compile = compile
-        if compile:
-            for layer in model.get_decoder().layers:
-                if getattr(layer, "_compiled_call_impl", None) is None:  # compiled once, whatever the engines
-                    layer.compile()
+        self.layer = torch.compile(decode_layer) if compile else decode_layer
 
     def _batch(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded (B, S) input ids and their (B, S) mask from strings or token-id lists."""
@@ -266,7 +280,7 @@ class Engine:
 
     def _compiling(self):
         """With ``compile``: the layer index becomes an input of the compiled layer code rather than a constant,
-        so that one compilation serves every layer."""
+        so that one compilation serves every layer (the prefill runs the layer modules eagerly)."""
         if not self.compile:
             return contextlib.nullcontext()
         return torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
@@ -321,12 +335,10 @@ class Engine:
         column.add_(1)
         remaining = total - 1
         cache.pages.reserve(remaining)
-        model = self.model
+        model = DecodeModel(self.model, self.layer)
 
         def step() -> None:
-            position = cache.pages.seq_len.view(b, 1).clone()
-            logits = model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
-            nxt, inside = pick(logits[:, -1])
+            nxt, inside = pick(model(token, cache.pages.seq_len.view(b, 1), cache))
             nxt = torch.where(done, pad, nxt)
             token.copy_(nxt.view(b, 1))
             out.scatter_(1, column.expand(b, 1), nxt.view(b, 1))

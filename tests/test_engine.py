@@ -114,6 +114,17 @@ def test_top_p_keeps_the_smallest_set_reaching_it():
     assert drawn == {0, 1}
 
 
+@pytest.mark.parametrize("vocab", [7, 1024, 1025, 5000, 128256])
+def test_two_pass_argmax_is_argmax(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 4, (5, vocab), generator=gen).to(torch.bfloat16)  # many ties: the first maximum wins
+    x[1] = float("-inf")
+    x[2, vocab // 2] = float("nan")  # a NaN is the maximum, as in argmax
+    x[3, -1] = 9
+    assert torch.equal(engine_module.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(engine_module.argmax(x.float(), width=16), x.float().argmax(dim=-1))
+
+
 def test_stop_tokens_end_each_sequence_and_streaming_sees_every_token(model):
     engine = Engine(model, DenseConfig(), max_batch=2, check_every=4)
     rows = prompts((40, 50))

@@ -11,8 +11,23 @@ import sparsekv
 from sparsekv import DenseConfig, OmniKVConfig, kernels
 from sparsekv.cache import PagedKVCache
 from sparsekv.kernels import reference
-from sparsekv.methods.omnikv import prompt_budget
+from sparsekv.methods.omnikv import prompt_budget, top_tokens
 from sparsekv.tiny import ARCHITECTURES, tiny_model
+
+
+@pytest.mark.parametrize("n,width", [(1, 1), (40, 8), (300, 64), (64, 64)])
+def test_top_tokens_are_the_best_ascending(n, width):
+    gen = torch.Generator().manual_seed(n)
+    scores = torch.randn(3, n, generator=gen)  # distinct scores: one right answer
+    scores[1, n // 2:] = float("-inf")  # fewer candidates than the width
+    for per_row in (None, torch.tensor([width, max(width - 3, 0), width // 2])):
+        got = top_tokens(scores, per_row, width)
+        assert got.shape == (3, width)
+        for b in range(3):
+            take = width if per_row is None else int(per_row[b])
+            order = scores[b].argsort(descending=True)[:take]
+            best = sorted(int(i) for i in order if scores[b, i] > float("-inf"))
+            assert got[b].tolist() == [-1] * (width - len(best)) + best
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

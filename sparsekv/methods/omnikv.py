@@ -110,13 +110,23 @@ def selector_weights(selector: str, window: int, device=None) -> torch.Tensor:
     return 2.0 ** torch.arange(1 - window, 1, device=device, dtype=torch.float32)
 
 
-def top_tokens(scores: torch.Tensor, per_row: torch.Tensor, width: int) -> torch.Tensor:
+def top_tokens(scores: torch.Tensor, per_row: torch.Tensor | None, width: int) -> torch.Tensor:
     """The ``per_row[b]`` highest-scoring tokens of each row, ascending. scores: (B, N), -inf for non-candidates;
-    per_row: (B,) int64 <= width. Returns (B, width) int64 indices, -1 in the unused places (which come first)."""
-    top, idx = scores.topk(width, dim=1)
-    rank = torch.arange(width, device=scores.device)
-    keep = (top > float("-inf")) & (rank < per_row.unsqueeze(1))
-    return torch.where(keep, idx, -1).sort(dim=1).values
+    per_row: (B,) int64 <= width, None when every row takes ``width``. Returns (B, width) int64 indices, -1 in the
+    unused places (which come first)."""
+    b, n = scores.shape
+    # Ranking the top tokens by score costs a sort (22 us of a 128K row on the H200): only for rows that take fewer.
+    top, idx = scores.topk(width, dim=1, sorted=per_row is not None)
+    keep = top > float("-inf")
+    if per_row is not None:
+        keep &= torch.arange(width, device=scores.device) < per_row.unsqueeze(1)
+    # Ascending by marking the kept tokens and counting the marks, in place of a sort of the indices (a 64-bit
+    # radix sort, 30 us for 2K indices): a kept token's place is the marks up to it, after the row's unused places.
+    marks = scores.new_zeros((b, n + 1), dtype=torch.int32).scatter_(1, torch.where(keep, idx, n), 1)[:, :n]
+    place = marks.cumsum(dim=1, dtype=torch.int32) + (width - 1 - keep.sum(dim=1, dtype=torch.int32)).unsqueeze(1)
+    out = torch.full((b, width + 1), -1, dtype=torch.long, device=scores.device)
+    tokens = torch.arange(n, device=scores.device).expand(b, n)
+    return out.scatter_(1, torch.where(marks > 0, place.long(), width), tokens)[:, :width]
 
 
 class OmniKV(Method):
@@ -155,6 +165,7 @@ class OmniKV(Method):
         self.per_row: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
         self.k_max = 0
+        self.full_rows = False  # every row takes k_max tokens
 
     def source_filter(self, layer_idx: int) -> int | None:
         """The filter layer whose choice layer ``layer_idx`` attends to, or None for a fully attending layer."""
@@ -172,6 +183,7 @@ class OmniKV(Method):
             self.prompt_len = torch.tensor(lengths, device=device)
             self.per_row = torch.tensor(rows, device=device)
             self.k_max = max(max(rows), 1)
+            self.full_rows = min(rows) == self.k_max
             self.weight = selector_weights(self.config.selector, self.width, device)
             self.stores.clear()
             self.tokens.clear()
@@ -292,7 +304,7 @@ class OmniKV(Method):
         maxima = kernels.window_token_maxima(wq, layer.k.flatten(2, 3), key_pos, wpos, self.prompt_len, scale)
         # The max over heads spans every process's heads, and comes before the window's weighted sum.
         scores = kernels.weigh_window(parallel.all_reduce_max(maxima, self.tp_group), self.weight)
-        self.tokens[f].copy_(top_tokens(scores, self.per_row, self.k_max))
+        self.tokens[f].copy_(top_tokens(scores, None if self.full_rows else self.per_row, self.k_max))
         for key in [key for key in self.listed if key[0] == f]:
             del self.listed[key]  # built again from this step's choice
         if f in self.stores:

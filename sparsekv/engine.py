@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .integrations import apply
-from .integrations.decode import DecodeModel, decode_layer
+from .integrations.decode import DecodeModel, Parts
 from .integrations.transformers import _sliding_window
 from .methods.base import MethodConfig, require
 from .models import synchronize
@@ -177,7 +177,7 @@ class Engine:
         self.capture: Callable[[Step], Step] | None = capture_graph if use_graph else None
         self.check_every = check_every
         self.compile = compile
-        self.layer = torch.compile(decode_layer) if compile else decode_layer
+        self.parts = Parts.make(compile)
 
     def _batch(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded (B, S) input ids and their (B, S) mask from strings or token-id lists."""
@@ -335,7 +335,7 @@ class Engine:
         column.add_(1)
         remaining = total - 1
         cache.pages.reserve(remaining)
-        model = DecodeModel(self.model, self.layer)
+        model = DecodeModel(self.model, self.parts)
 
         def step() -> None:
             nxt, inside = pick(model(token, cache.pages.seq_len.view(b, 1), cache))

@@ -502,3 +502,21 @@ def test_raas_update_matches_reference(batch, kv_heads, slots, block, rule, ties
     assert torch.equal(stamp, want_stamp)
     assert torch.equal(slot_page, want_pages)
     assert (want_stamp == step).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n, k, bias", [(1, 16, False), (7, 100, True), (40, 1024, False), (33, 1000, True)])
+def test_linear_of_one_row_matches_reference(n, k, bias, dtype, monkeypatch):
+    monkeypatch.setitem(tops.TUNING, "gemv_block_k", 256)  # several slices, a partial one for k=1000
+    g = torch.Generator(device=DEV).manual_seed(n * k)
+    x = torch.randn(1, 1, k, generator=g, device=DEV).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=DEV) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g, device=DEV).to(dtype) if bias else None
+    exact = ref.linear(x.to(F64), w.to(F64), None if b is None else b.to(F64))
+    out = tops.linear(x, w, b)
+    assert out.shape == (1, 1, n) and out.dtype == dtype
+    torch_err = rel_err(torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype),
+                        exact)
+    assert rel_err(out, exact) <= 2 * torch_err + 1e-6
+    rows = torch.randn(3, k, generator=g, device=DEV).to(dtype)  # several rows: F.linear
+    assert torch.equal(tops.linear(rows, w, b), torch.nn.functional.linear(rows, w, b))

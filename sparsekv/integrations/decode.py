@@ -1,9 +1,10 @@
 """The model's decode step written out layer by layer, with the weights' products fused.
 
 One token per sequence goes through the decoder: the embedding and rotary embedding, then per layer the model's own
-norms, rotary function, output projection and activation around the cache and the method (``sparsekv_attention``,
-the same attention function as ``apply``'s), then the final norm and the head. What differs from the modules' own
-forward is the products: a layer's q/k/v projections run as one product, and its gate/up projections as another.
+norms, rotary function and activation around the cache and the method (``sparsekv_attention``, the same attention
+function as ``apply``'s), then the final norm and the head. What differs from the modules' own forward is the
+weights' products: they run through ``kernels.linear`` (a matrix-vector kernel for one row on CUDA, ``F.linear``
+otherwise), a layer's q/k/v projections as one product and its gate/up projections as another.
 
 At batch 1 a decode step is a stream of matrix-vector products whose time is the bytes of the weights they read;
 a few large products run nearer to the memory bandwidth than many small ones (Llama-3-8B on the H200: q/k/v 16.2
@@ -19,12 +20,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from .. import kernels
 from .transformers import SparseKVCache, sparsekv_attention
 
 
@@ -38,7 +39,24 @@ class Fused:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: (..., in). Returns each block's (..., out_i)."""
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return kernels.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+@dataclass(frozen=True)
+class Products:
+    """A layer's weight products: q/k/v, o, gate/up, down, each None where its weights are not plain tensors (then
+    the modules multiply)."""
+
+    qkv: Fused | None
+    o: Fused | None
+    gate_up: Fused | None
+    down: Fused | None
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> "Products":
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(fuse((attn.q_proj, attn.k_proj, attn.v_proj)), fuse((attn.o_proj,)),
+                   fuse((mlp.gate_proj, mlp.up_proj)), fuse((mlp.down_proj,)))
 
 
 def fuse(linears: Sequence[nn.Module]) -> Fused | None:
@@ -90,52 +108,97 @@ def _attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return sparsekv_attention(attn, q, k, v, None, scaling=attn.scaling, sparsekv_cache=cache)[0]
 
 
-class DecodeModel:
-    """The decode step of ``model`` (a model ``apply`` supports) with fused products. ``layer``: how a layer runs,
-    ``decode_layer`` or a compiled version of it (one compilation serves every layer). Made for each generation, so
-    that weights moved since (``model.to``) are fused again."""
+@dataclass(frozen=True)
+class Parts:
+    """The code of a decode step between two attentions, each part a function of tensors and modules: ``first``
+    (embedding, rotary embedding, layer 0's attention inputs), ``between`` (a layer's output and the next layer's
+    attention inputs, so that the residual add and the next norm fuse) and ``last`` (the last layer's output, the
+    final norm and the head). ``compiled``: each part compiled by torch.compile once, whatever the layer."""
 
-    def __init__(self, model, layer=None):
-        decoder = model.get_decoder()
-        self.embed, self.rotary, self.norm, self.head = decoder.embed_tokens, decoder.rotary_emb, decoder.norm, \
-            model.lm_head
-        self.layers = decoder.layers
-        self.qkv = [fuse((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
-                    for layer in self.layers]
-        self.gate_up = [fuse((layer.mlp.gate_proj, layer.mlp.up_proj)) for layer in self.layers]
+    first: Callable
+    between: Callable
+    last: Callable
+
+    @classmethod
+    def make(cls, compiled: bool) -> "Parts":
+        parts = (first_part, between_part, last_part)
+        return cls(*(torch.compile(f) if compiled else f for f in parts))
+
+
+class DecodeModel:
+    """The decode step of ``model`` (a model ``apply`` supports) with fused products, run by ``parts``. Made for each
+    generation, so that weights moved since (``model.to``) are fused again."""
+
+    def __init__(self, model, parts: Parts):
+        self.model, self.parts = model, parts
+        self.layers = model.get_decoder().layers
+        self.products = [Products.of(layer) for layer in self.layers]
         self.rotate = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
-        self.layer = layer or decode_layer
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache: SparseKVCache) -> torch.Tensor:
         """token, position: (B, 1). Returns the next token's logits (B, V)."""
-        hidden = self.embed(token)
-        rotary = self.rotary(hidden, position)
-        for layer, qkv, gate_up in zip(self.layers, self.qkv, self.gate_up):
-            hidden = self.layer(layer, qkv, gate_up, self.rotate, hidden, rotary, cache)
-        return self.head(self.norm(hidden))[:, -1]
+        layers, products = self.layers, self.products
+        hidden, rotary, q, k, v = self.parts.first(self.model.get_decoder(), layers[0], products[0], self.rotate,
+                                                   token, position)
+        for i in range(len(layers) - 1):
+            out = _attend(layers[i].self_attn, q, k, v, cache)
+            hidden, q, k, v = self.parts.between(layers[i], products[i], layers[i + 1], products[i + 1], self.rotate,
+                                                 hidden, out, rotary)
+        out = _attend(layers[-1].self_attn, q, k, v, cache)
+        return self.parts.last(self.model, layers[-1], products[-1], hidden, out)
 
 
-def decode_layer(layer: nn.Module, qkv: Fused | None, gate_up: Fused | None, rotate, hidden: torch.Tensor,
-                 rotary: tuple[torch.Tensor, torch.Tensor], cache: SparseKVCache) -> torch.Tensor:
-    """One decoder layer for hidden (B, 1, hidden); qkv, gate_up: the layer's fused products (None: through the
-    modules); rotate: the model's ``apply_rotary_pos_emb``; rotary: the (cos, sin) of the step's positions. Returns
-    the layer's output (B, 1, hidden)."""
-    attn, mlp = layer.self_attn, layer.mlp
+def first_part(decoder: nn.Module, layer: nn.Module, products: Products, rotate, token: torch.Tensor,
+               position: torch.Tensor):
+    """token, position: (B, 1). Returns the embedded tokens (B, 1, hidden), the (cos, sin) of the positions and
+    the first layer's attention inputs (``attention_inputs``)."""
+    hidden = decoder.embed_tokens(token)
+    rotary = decoder.rotary_emb(hidden, position)
+    return hidden, rotary, *attention_inputs(layer, products, rotate, hidden, rotary)
+
+
+def between_part(layer: nn.Module, products: Products, next_layer: nn.Module, next_products: Products, rotate,
+                 hidden: torch.Tensor, out: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
+    """``layer_output`` of ``layer``, and ``attention_inputs`` of the next layer for it."""
+    hidden = layer_output(layer, products, hidden, out)
+    return hidden, *attention_inputs(next_layer, next_products, rotate, hidden, rotary)
+
+
+def last_part(model: nn.Module, layer: nn.Module, products: Products, hidden: torch.Tensor,
+              out: torch.Tensor) -> torch.Tensor:
+    """The last layer's output through the final norm and the head: the logits (B, V)."""
+    hidden = layer_output(layer, products, hidden, out)
+    return model.lm_head(model.get_decoder().norm(hidden))[:, -1]
+
+
+def attention_inputs(layer: nn.Module, products: Products, rotate, hidden: torch.Tensor,
+                     rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The layer's query, key and value for hidden (B, 1, hidden): (B, H, 1, D), (B, Hkv, 1, D), (B, Hkv, 1, D),
+    rotated by ``rotate`` (the model's ``apply_rotary_pos_emb``) with rotary, the (cos, sin) of the positions."""
+    attn = layer.self_attn
     x = layer.input_layernorm(hidden)
-    if qkv is None:
+    if products.qkv is None:
         q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     else:
-        q, k, v = qkv(x)
+        q, k, v = products.qkv(x)
     heads = (*x.shape[:-1], -1, attn.head_dim)
     q, k, v = q.view(heads), k.view(heads), v.view(heads)
     if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's query and key
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), *rotary)
-    out = _attend(attn, q, k, v.transpose(1, 2), cache)
-    hidden = hidden + attn.o_proj(out.reshape(*x.shape[:-1], -1))
+    return q, k, v.transpose(1, 2)
+
+
+def layer_output(layer: nn.Module, products: Products, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The layer's output (B, 1, hidden) from its input hidden (B, 1, hidden) and its attention's out (B, 1, H, D):
+    output projection, residual, norm, MLP, residual."""
+    attn, mlp = layer.self_attn, layer.mlp
+    out = out.reshape(*hidden.shape[:-1], -1)
+    hidden = hidden + (attn.o_proj(out) if products.o is None else products.o(out)[0])
     x = layer.post_attention_layernorm(hidden)
-    if gate_up is None:
+    if products.gate_up is None:
         gate, up = mlp.gate_proj(x), mlp.up_proj(x)
     else:
-        gate, up = gate_up(x)
-    return hidden + mlp.down_proj(mlp.act_fn(gate) * up)
+        gate, up = products.gate_up(x)
+    x = mlp.act_fn(gate) * up
+    return hidden + (mlp.down_proj(x) if products.down is None else products.down(x)[0])

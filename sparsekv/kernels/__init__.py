@@ -135,6 +135,10 @@ def _sparse_decode_tokens_fake(q, k, v, tokens, scale):
     return q.new_empty(q.shape, dtype=acc), q.new_empty(q.shape[:2], dtype=acc)
 
 
+def _linear_fake(x, weight, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def _append_token_fake(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, has_holes):
     return None
 
@@ -155,6 +159,7 @@ sparse_decode_tokens = _register("sparse_decode_tokens", _sparse_decode_tokens_f
 append_token = _register("append_token", _append_token_fake,
                          mutates=("k", "v", "kmin", "kmax", "slot_page", "cur_slot"))
 raas_update = _register("raas_update", _raas_update_fake, mutates=("slot_page", "stamp"))
+linear = _register("linear", _linear_fake)
 
 
 def fused(fn: Callable) -> Callable:
@@ -181,4 +186,4 @@ weigh_window = reference.weigh_window
 
 __all__ = ["page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",
            "window_token_maxima", "weigh_window", "sparse_decode_tokens", "append_token", "raas_update",
-           "count_attended", "merge_attention", "observe", "fused", "reference"]
+           "linear", "count_attended", "merge_attention", "observe", "fused", "reference"]

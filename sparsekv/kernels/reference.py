@@ -117,6 +117,12 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: 
     return attend(q.unsqueeze(2), k, v, slot_page, slots, (seq_len - 1).unsqueeze(1), scale).squeeze(2)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A weight's product in a decode step: x (..., K), weight (N, K), bias (N,) or None. Returns (..., N) in x's
+    dtype, as ``torch.nn.functional.linear``."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def count_attended(slot_page: torch.Tensor, slots: torch.Tensor, seq_len: torch.Tensor, page_size: int) -> torch.Tensor:
     """Tokens each selection row attends in a decode step. slots: (B, Hs, K). Returns (B, Hs) int64."""
     b, hs, _ = slots.shape

@@ -320,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({row['tokens_per_s']:.1f} tok/s, x floor {fmt(row['x_floor'])}, fill {row['fill']}), "
             f"peak {fmt(row['peak_device_gib'], '{:.1f}')} GiB")
 
-    # transformers' loops first (the engine's compile option compiles the model's layers in place), at batch 1:
-    # their caches grow by copying, which needs twice the KV memory.
+    # transformers' loops first, at batch 1: their caches grow by copying, which needs twice the KV memory.
     for context in args.contexts:
         modes = ([False] if args.transformers else []) + ([True] if context in args.compiled else [])
         for compiled in modes:

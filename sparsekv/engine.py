@@ -176,7 +176,6 @@ class Engine:
         # CPU emulation of a CUDA graph here).
         self.capture: Callable[[Step], Step] | None = capture_graph if use_graph else None
         self.check_every = check_every
-        self.compile = compile
         self.parts = Parts.make(compile)
 
     def _batch(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +253,7 @@ class Engine:
             torch.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        with apply(self.model, self.config) as session, torch.no_grad(), self._compiling():
+        with apply(self.model, self.config) as session, torch.no_grad():
             synchronize(self.device)
             start = time.perf_counter()
             cache = session.new_cache(_sliding_window(self.model.config))
@@ -277,13 +276,6 @@ class Engine:
                           decode_steps=steps, captured=captured, stats=stats, kv_device_bytes=kv_device,
                           kv_held_bytes=kv_held, kv_host_bytes=kv_host, peak_device_bytes=peak, step_seconds=step_s,
                           forced_nll=nll.tolist() if forced.shape[1] else None, method=session.method)
-
-    def _compiling(self):
-        """With ``compile``: the layer index becomes an input of the compiled layer code rather than a constant,
-        so that one compilation serves every layer (the prefill runs the layer modules eagerly)."""
-        if not self.compile:
-            return contextlib.nullcontext()
-        return torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
 
     def _prefill(self, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Runs the prompt through the model layer by layer, each layer chunk by chunk; returns the last column's

@@ -68,19 +68,19 @@ def fuse(linears: Sequence[nn.Module]) -> Fused | None:
     if len({m.in_features for m in linears}) != 1 or len({m.bias is None for m in linears}) != 1:
         return None
     sizes = tuple(m.out_features for m in linears)
-    weight = _adjacent([m.weight for m in linears])
-    if weight is None:
-        weight = torch.cat([m.weight.detach() for m in linears])
-        for m, part in zip(linears, weight.split(sizes)):
-            m.weight.data = part
-    bias = None
-    if linears[0].bias is not None:
-        bias = _adjacent([m.bias for m in linears])
-        if bias is None:
-            bias = torch.cat([m.bias.detach() for m in linears])
-            for m, part in zip(linears, bias.split(sizes)):
-                m.bias.data = part
-    return Fused(weight, bias, sizes)
+    bias = None if linears[0].bias is None else _one_tensor([m.bias for m in linears])
+    return Fused(_one_tensor([m.weight for m in linears]), bias, sizes)
+
+
+def _one_tensor(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    """The tensor whose consecutive row blocks are ``params``: the one they are views of already, else their
+    concatenation, which they then become views of (``.data``: the same Parameter objects)."""
+    whole = _adjacent(params)
+    if whole is None:
+        whole = torch.cat([p.detach() for p in params])
+        for p, part in zip(params, whole.split([p.shape[0] for p in params])):
+            p.data = part
+    return whole
 
 
 def _adjacent(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -131,14 +131,15 @@ class DecodeModel:
 
     def __init__(self, model, parts: Parts):
         self.model, self.parts = model, parts
-        self.layers = model.get_decoder().layers
+        self.decoder = model.get_decoder()
+        self.layers = self.decoder.layers
         self.products = [Products.of(layer) for layer in self.layers]
         self.rotate = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache: SparseKVCache) -> torch.Tensor:
         """token, position: (B, 1). Returns the next token's logits (B, V)."""
         layers, products = self.layers, self.products
-        hidden, rotary, q, k, v = self.parts.first(self.model.get_decoder(), layers[0], products[0], self.rotate,
+        hidden, rotary, q, k, v = self.parts.first(self.decoder, layers[0], products[0], self.rotate,
                                                    token, position)
         for i in range(len(layers) - 1):
             out = _attend(layers[i].self_attn, q, k, v, cache)

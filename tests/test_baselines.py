@@ -16,6 +16,7 @@ import sparsekv
 from sparsekv import H2OConfig, SnapKVConfig, StreamingLLMConfig, TOVAConfig
 from sparsekv.cache import PagedKVCache
 from sparsekv.methods import METHODS, eviction
+from sparsekv.methods.base import Tally
 from sparsekv.tiny import ARCHITECTURES, byte_tokenizer, tiny_model
 
 
@@ -220,7 +221,9 @@ def test_keeps_exactly_what_its_rule_says(cfg, padding, seed, monkeypatch):
         qt, kt, vt = rand(b, heads, d), rand(b, kv_heads, 1, d), rand(b, kv_heads, 1, d)
         cache.begin(1, None, b, torch.device("cpu"))
         layer = cache.append(0, kt, vt)
-        out, attended = method.decode(0, qt, layer, cache.seq_len, scale)
+        tally = Tally(b, qt.device)
+        out = method.decode(0, qt, layer, cache.seq_len, scale, tally)
+        attended = tally.total
         for i, sim in enumerate(sims):
             ref, counts = sim.step(qt[i].numpy(), kt[i, :, 0].numpy(), vt[i, :, 0].numpy())
             np.testing.assert_allclose(out[i].numpy(), ref, rtol=1e-9, atol=1e-12)

@@ -7,7 +7,7 @@ from sparsekv import kernels
 from sparsekv.cache import PagedKVCache
 from sparsekv.eval.recall import RecallConfig
 from sparsekv.methods import METHODS, QuestConfig
-from sparsekv.methods.base import Method, all_slots
+from sparsekv.methods.base import Method, Tally, all_slots
 
 B, H, HKV, D, P = 2, 4, 2, 8, 4
 
@@ -61,7 +61,7 @@ def _run(config, prompt=21, steps=3, seed=0):
             return slots
 
         probe.inner.select = spy
-        probe.decode(0, q, layer, pages.seq_len, D ** -0.5)
+        probe.decode(0, q, layer, pages.seq_len, D ** -0.5, Tally(B, q.device))
         del probe.inner.select
         slots, slot_page = seen[0]
         n = prompt + t + 1
@@ -99,11 +99,11 @@ def test_evicted_tokens_count_as_missed_mass():
 class _AttendAll(Method):
     """Toy policy that decodes through ``kernels.attend``, an attention op the probe does not read."""
 
-    def decode(self, layer_idx, q, layer, seq_len, scale):
+    def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         slots = all_slots(layer)
-        out = kernels.attend(q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots, (seq_len - 1).unsqueeze(1),
-                             scale).squeeze(2)
-        return out, kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
+        tally.rows(slots.shape[1]).add_(kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size))
+        return kernels.attend(q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots, (seq_len - 1).unsqueeze(1),
+                              scale).squeeze(2)
 
 
 class _AttendAllConfig(QuestConfig):

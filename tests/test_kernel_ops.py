@@ -98,18 +98,18 @@ def test_meta_tensors_give_shapes_and_dtypes():
 ])
 def test_quest_step_compiles_in_one_graph(device, backend):
     """A whole Quest decode step (append, select, attend) traced by torch.compile without a graph break, through
-    AOT autograd (which functionalizes append_token's mutations), the appended state and output equal to eager (on
-    CUDA, with the Triton kernels)."""
+    AOT autograd (which functionalizes append_token's mutations and the attended tokens' running totals), the
+    appended state, totals and output equal to eager (on CUDA, with the Triton kernels)."""
 
-    def step(layer_k, layer_v, kmin, kmax, slot_page, cur_slot, seq_len, q, k_new, v_new):
+    def step(layer_k, layer_v, kmin, kmax, slot_page, cur_slot, attended, seq_len, q, k_new, v_new):
         kernels.append_token(layer_k, layer_v, kmin, kmax, slot_page, cur_slot, seq_len - 1, k_new, v_new, False)
         slots = kernels.quest_select(q, kmin, kmax, slot_page, cur_slot, 2)
-        out = kernels.sparse_decode(q, layer_k, layer_v, slot_page, slots, seq_len, D ** -0.5)
-        return out, kernels.count_attended(slot_page, slots, seq_len, P)
+        return kernels.sparse_decode(q, layer_k, layer_v, slot_page, slots, seq_len, D ** -0.5, attended), slots
 
     cache, layer = filled_layer(device=device)
     layer.grow(layer.capacity + 1)  # a free slot for the page the token may start
-    state = (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot)
+    attended = torch.full((B, HKV), 3, dtype=torch.long, device=device)
+    state = (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot, attended)
     g = torch.Generator().manual_seed(2)
     inputs = (cache.seq_len + 1, torch.randn(B, H, D, generator=g).to(device),
               *torch.randn(2, B, HKV, D, generator=g).to(device))
@@ -118,6 +118,7 @@ def test_quest_step_compiles_in_one_graph(device, backend):
     compiled = torch.compile(step, fullgraph=True, backend=backend)(*state, *inputs)
     for got, want in zip((*state, *compiled), (*eager_state, *eager)):
         assert torch.equal(got, want)
+    assert torch.equal(attended, 3 + kernels.count_attended(layer.slot_page, eager[1], inputs[0], P))
 
 
 def test_observers_see_every_call_with_named_arguments():

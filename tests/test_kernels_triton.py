@@ -102,10 +102,14 @@ def test_page_scores_and_decode(batch, heads, kv_heads, head_dim, page_size, len
 
     slots = ref.select_pages(exact, cur_slot, n_pages)
     slots[..., -1:] = torch.where(torch.rand(slots.shape[:2], device=DEV) < 0.3, -1, slots[..., -1]).unsqueeze(-1)
-    out = tops.sparse_decode(q, k, v, slot_page, slots, seq_len, scale)
+    # Twice, adding the attended tokens into running totals (the count is fused into the attention on CUDA).
+    attended = torch.full(slots.shape[:2], 5, dtype=torch.long, device=DEV)
     exact = ref.sparse_decode(*up(q, k, v), slot_page, slots, seq_len, scale)
     torch_err = rel_err(ref.sparse_decode(q, k, v, slot_page, slots, seq_len, scale), exact)
-    assert rel_err(out, exact) <= 2 * torch_err
+    for _ in range(2):
+        out = tops.sparse_decode(q, k, v, slot_page, slots, seq_len, scale, attended)
+        assert rel_err(out, exact) <= 2 * torch_err
+    assert torch.equal(attended, 5 + 2 * ref.count_attended(slot_page, slots, seq_len, page_size))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -11,6 +11,7 @@ import sparsekv
 from sparsekv import DenseConfig, OmniKVConfig, kernels
 from sparsekv.cache import PagedKVCache
 from sparsekv.kernels import reference
+from sparsekv.methods.base import Tally
 from sparsekv.methods.omnikv import prompt_budget, top_tokens
 from sparsekv.tiny import ARCHITECTURES, tiny_model
 
@@ -109,7 +110,7 @@ def test_selection_matches_brute_force(selector, budget):
         decode_keys.append(k)
         decode_q.append(q)
         layer = cache.append(0, k, k)
-        method.decode(0, q, layer, cache.seq_len, scale)
+        method.decode(0, q, layer, cache.seq_len, scale, Tally(b, q.device))
         for row, n in enumerate(lengths):
             row_keys = torch.cat([keys[row, :, s - n:]] + [dk[row] for dk in decode_keys], dim=1)
             rows = prompt_budget(budget, n)

@@ -11,6 +11,7 @@ from omni_raas_util import assert_dense, beam_search, generate, padded_prompts
 import sparsekv
 from sparsekv import DenseConfig, RaaSConfig
 from sparsekv.cache import PagedKVCache
+from sparsekv.methods.base import Tally
 from sparsekv.tiny import ARCHITECTURES, tiny_model
 
 
@@ -84,7 +85,7 @@ def test_worked_example_cache_of_five_tokens():
         layer = cache.append(0, token, token)
         before = set(layer.slot_page[0, 0, :layer.capacity].tolist()) - {-1}
         q = 20 * (_one_hot(0) + sum((_one_hot(r) for r in refresh[step]), torch.zeros(1, 1, 1, 8)))
-        method.decode(0, q.view(1, 1, 8), layer, cache.seq_len, 1.0)
+        method.decode(0, q.view(1, 1, 8), layer, cache.seq_len, 1.0, Tally(1, q.device))
         after = sorted(set(layer.slot_page[0, 0, :layer.capacity].tolist()) - {-1})
         assert after == expected_cache[step], step
         evicted = before - set(after)
@@ -110,7 +111,7 @@ def test_top_fraction_refreshes_the_top_pages():
         layer = cache.append(0, new, new)
         keys = torch.cat([keys, new], dim=2)  # (1, 2, n, 8): one-token pages, page i in slot i
         q = torch.randn(1, 4, 8, generator=g)
-        method.decode(0, q, layer, cache.seq_len, 0.5)
+        method.decode(0, q, layer, cache.seq_len, 0.5, Tally(1, q.device))
     stamps = layer.slot_state["raas_stamp"][0]
     for head in range(2):
         score = (q[0, 2 * head:2 * head + 2] @ keys[0, head].T).amax(dim=0)  # max over the group's heads

@@ -94,17 +94,17 @@ class RecallProbe(Method):
         self._remember(layer_idx, layer, int(max(plan.new_len)))  # before a compressing method drops any
         self.inner.prefill(layer_idx, q, layer, plan, scale)
 
-    def decode(self, layer_idx, q, layer, seq_len, scale):
+    def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         self._remember(layer_idx, layer, int(seq_len.max()))
         calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         with _observing_attention(calls):
-            out, attended = self.inner.decode(layer_idx, q, layer, seq_len, scale)
+            out = self.inner.decode(layer_idx, q, layer, seq_len, scale, tally)
         if not calls:
             raise ValueError(f"attention recall: method {self.inner.config.name!r} decoded layer {layer_idx} without "
                              f"any of kernels.{', kernels.'.join(OBSERVED)}; its attended tokens cannot be observed")
         self.total[layer_idx] += float(self._coverage(layer_idx, q, calls, layer.page_size, seq_len, scale))
         self.steps[layer_idx] += 1
-        return out, attended
+        return out
 
     def recall(self) -> list[float | None]:
         """Mean recall per layer over the decode steps seen (None for a layer with none)."""

@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import kernels, parallel
 from ..cache import AppendPlan, PagedKVCache, PagedLayer
-from ..methods.base import Method, MethodConfig, all_slots
+from ..methods.base import Method, MethodConfig, Tally, all_slots
 
 ATTENTION_NAME = "sparsekv"
 SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -36,52 +36,62 @@ class DecodeStats:
     """KV tokens attended in decode steps, summed over layers, sequences and KV heads (selection rows for
     per-query-head methods are normalised to KV heads), against what dense attention would have read.
 
-    The sums are device tensors updated in place, so a captured decode step keeps adding to them at every replay at
-    the cost of one small kernel per layer that counts its tokens and one per step for the context; a layer whose
-    method attends the whole context (``attended`` None: dense layers) costs none, its count being the context's.
-    The host counters (``steps``, ``rows``) are advanced for replays by ``replayed``. Under tensor parallelism the
-    sums cover this process's KV heads; ``summary`` adds up those of every process of ``tp_group``."""
+    The sums are device tensors updated in place, so a captured decode step keeps adding to them at every replay:
+    each layer's attention adds its tokens into the layer's ``Tally`` (no kernel of its own), and one small kernel
+    per step adds the context; a layer whose method attends the whole context leaves its tally unused and costs
+    nothing, its count being the context's. The host counters (``steps``, ``rows``) are advanced for replays by
+    ``replayed``. Under tensor parallelism the sums cover this process's KV heads; ``summary`` adds up those of
+    every process of ``tp_group``."""
 
     steps: int = 0
     rows: int = 0  # (layer, sequence, KV head) triples summed per step
     tp_group: object = None  # the process group sharing the heads (sparsekv.parallel), None when not split
-    # Per counting layer, its (B, Hs) tokens summed over steps, and their weight (KV heads per selection row).
-    _tokens: dict[int, torch.Tensor] = field(default_factory=dict)
-    _weight: dict[int, float] = field(default_factory=dict)
+    _tallies: dict[int, Tally] = field(default_factory=dict)  # per layer, for the current batch
+    _weight: dict[int, float] = field(default_factory=dict)  # per counting layer: KV heads per selection row
     _whole: set[int] = field(default_factory=set)  # layers that attend the whole context
     _context: torch.Tensor | None = None  # (B,) each sequence's length summed over steps
-    _folded: dict[object, torch.Tensor] = field(default_factory=dict)  # sums of buffers of an earlier batch size
+    _folded: dict[object, torch.Tensor] = field(default_factory=dict)  # sums of totals of an earlier batch size
     _kv_heads: int = 0
     _layers: int = 0
 
-    def add(self, layer_idx: int, attended: torch.Tensor | None, seq_len: torch.Tensor, kv_heads: int,
-            num_layers: int) -> None:
-        """attended: (B, Hs) tokens per selection row of layer ``layer_idx``, or None when the layer attends the
-        whole context; seq_len: (B,). Layer 0 also adds the step's context."""
+    def tally(self, layer_idx: int, seq_len: torch.Tensor, kv_heads: int, num_layers: int) -> Tally:
+        """The tally that layer ``layer_idx``'s decode step counts into (``counted`` after the step); seq_len: (B,).
+        Layer 0 also adds the step's context."""
+        b = seq_len.shape[0]
         if layer_idx == 0:
-            self._context = self._accumulate("context", self._context, seq_len)
+            if self._context is not None and self._context.shape[0] != b:
+                self._fold("context", self._context)
+                self._context = None
+            if self._context is None:
+                self._context = seq_len.to(torch.long, copy=True)
+            else:
+                self._context.add_(seq_len)
             self._kv_heads, self._layers = kv_heads, num_layers
             self.steps += 1
-        whole = attended is None
+        self.rows += b * kv_heads
+        tally = self._tallies.get(layer_idx)
+        if tally is None or tally.batch != b:
+            if tally is not None and tally.total is not None:
+                self._fold(layer_idx, tally.total)
+            tally = self._tallies[layer_idx] = Tally(b, seq_len.device)
+        tally.used = False
+        return tally
+
+    def counted(self, layer_idx: int, tally: Tally, kv_heads: int) -> None:
+        """Ends layer ``layer_idx``'s step: a tally left unused means the layer attended the whole context."""
+        whole = not tally.used
         if self.steps > 1 and (layer_idx in self._whole) != whole:
             raise RuntimeError(f"layer {layer_idx} changed between attending the whole context and a selection")
         if whole:
             self._whole.add(layer_idx)
         else:
-            self._tokens[layer_idx] = self._accumulate(layer_idx, self._tokens.get(layer_idx), attended)
-            self._weight[layer_idx] = kv_heads / attended.shape[1]
-        self.rows += seq_len.shape[0] * kv_heads
+            self._weight[layer_idx] = kv_heads / tally.total.shape[1]
 
-    def _accumulate(self, key, total: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-        """``total`` + ``new`` in place (one kernel); a total of another shape (the batch changed) is folded first."""
-        if total is None or total.shape != new.shape:
-            if total is not None:
-                self._folded[key] = self._folded.get(key, 0) + total.sum(dtype=torch.float64)
-            return new.to(torch.long, copy=True)
-        return total.add_(new)
+    def _fold(self, key, total: torch.Tensor) -> None:
+        self._folded[key] = self._folded.get(key, 0) + total.sum(dtype=torch.float64)
 
     def _sum(self, key, total: torch.Tensor | None) -> torch.Tensor:
-        return self._folded.get(key, 0) + total.sum(dtype=torch.float64)
+        return self._folded.get(key, 0) + (0 if total is None else total.sum(dtype=torch.float64))
 
     @property
     def context(self) -> torch.Tensor | None:
@@ -93,7 +103,7 @@ class DecodeStats:
     @property
     def per_layer(self) -> dict[int, torch.Tensor]:
         """Tokens attended per layer, summed over steps, sequences and KV heads (float64 on the device)."""
-        out = {layer: self._sum(layer, t) * self._weight[layer] for layer, t in self._tokens.items()}
+        out = {layer: self._sum(layer, self._tallies[layer].total) * weight for layer, weight in self._weight.items()}
         if self._whole:
             whole = self._sum("context", self._context) * self._kv_heads
             out.update(dict.fromkeys(self._whole, whole))
@@ -316,9 +326,9 @@ def sparsekv_attention(module, query, key, value, attention_mask, scaling=None, 
         # A chunk after the prompt (e.g. a question appended at once) is attended densely, like a prefill.
         out = kernels.attend(query, layer.k, layer.v, layer.slot_page, all_slots(layer), plan.position, scale)
     else:
-        out, attended = cache.method.decode(module.layer_idx, query[:, :, 0], layer, pages.seq_len, scale)
-        out = out.unsqueeze(2)
-        cache.stats.add(module.layer_idx, attended, pages.seq_len, key.shape[1], len(pages.layers))
+        tally = cache.stats.tally(module.layer_idx, pages.seq_len, key.shape[1], len(pages.layers))
+        out = cache.method.decode(module.layer_idx, query[:, :, 0], layer, pages.seq_len, scale, tally).unsqueeze(2)
+        cache.stats.counted(module.layer_idx, tally, key.shape[1])
     return out.transpose(1, 2), None
 
 

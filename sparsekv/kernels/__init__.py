@@ -6,8 +6,8 @@ Triton launches included), and meta tensors run through it.
 
 The names here (``kernels.quest_select`` ...) take the reference's signature, call the registered op and tell the
 observers (``observe``) about the call. ``count_attended`` and ``merge_attention`` are plain compositions of torch
-ops, not registered (``count_attended`` is fused by torch.compile on CUDA: the decode statistics call it every
-layer and step).
+ops, not registered (``count_attended`` is fused by torch.compile on CUDA: the methods that attend through
+``attend_with_weights`` count with it every layer and step; ``sparse_decode`` counts within its kernels).
 
 The Triton kernels are imported the first time an op sees a CUDA tensor, so CPU-only use never imports triton;
 without triton, CUDA tensors run the reference ops (with a warning)."""
@@ -122,7 +122,7 @@ def _attend_fake(q, k, v, slot_page, slots, q_pos, scale):
     return q.new_empty(q.shape)
 
 
-def _sparse_decode_fake(q, k, v, slot_page, slots, seq_len, scale):
+def _sparse_decode_fake(q, k, v, slot_page, slots, seq_len, scale, attended=None):
     return q.new_empty(q.shape)
 
 
@@ -151,7 +151,7 @@ def _raas_update_fake(scores, slot_page, cur_slot, stamp, step, seq_len, limit, 
 page_scores = _register("page_scores", _page_scores_fake)
 select_pages = _register("select_pages", _select_pages_fake)
 quest_select = _register("quest_select", _quest_select_fake)
-sparse_decode = _register("sparse_decode", _sparse_decode_fake)
+sparse_decode = _register("sparse_decode", _sparse_decode_fake, mutates=("attended",))
 attend = _register("attend", _attend_fake)
 attend_with_weights = _register("attend_with_weights", _attend_with_weights_fake)
 window_token_maxima = _register("window_token_maxima", _window_token_maxima_fake)

@@ -108,12 +108,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.T
 
 
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
-                  seq_len: torch.Tensor, scale: float) -> torch.Tensor:
+                  seq_len: torch.Tensor, scale: float, attended: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step over the selected slots.
 
     q: (B, H, D); k, v: (B, Hkv, C, P, D); slot_page: (B, Hkv, C); slots: (B, Hs, K); seq_len: (B,) tokens per
-    sequence including the current one. Returns (B, H, D).
+    sequence including the current one; attended: None, or (B, Hs) int64 running totals to which each selection
+    row's attended tokens (``count_attended``) are added in place. Returns (B, H, D).
     """
+    if attended is not None:
+        if attended.shape != slots.shape[:2] or attended.dtype != torch.int64:
+            raise ValueError(f"sparse_decode: attended must be {tuple(slots.shape[:2])} int64 (one total per "
+                             f"selection row), got {tuple(attended.shape)} {attended.dtype}")
+        attended.add_(count_attended(slot_page, slots, seq_len, k.shape[3]))
     return attend(q.unsqueeze(2), k, v, slot_page, slots, (seq_len - 1).unsqueeze(1), scale).squeeze(2)
 
 

@@ -15,6 +15,28 @@ from ..cache import AppendPlan, PagedLayer, check_page_size
 from ..errors import ConfigError
 
 
+class Tally:
+    """Where one layer's decode steps count the KV tokens they attend, for the decode statistics.
+
+    ``rows(hs)`` is the layer's running total per selection row, (B, hs) int64 on ``device``: the attention op adds
+    each row's tokens into it (``kernels.sparse_decode(..., attended=tally.rows(hs))``, no kernel of its own), or a
+    method adds a count it has. A step of a layer that attends the whole context (``attend_all``) leaves it unused:
+    the statistics count the context instead. ``used`` says whether the current step asked for it."""
+
+    def __init__(self, batch: int, device: torch.device):
+        self.batch, self.device = batch, device
+        self.total: torch.Tensor | None = None
+        self.used = False
+
+    def rows(self, hs: int) -> torch.Tensor:
+        self.used = True
+        if self.total is None or self.total.shape[1] != hs:
+            if self.total is not None:
+                raise RuntimeError(f"a layer's selection rows changed from {self.total.shape[1]} to {hs}")
+            self.total = torch.zeros(self.batch, hs, dtype=torch.long, device=self.device)
+        return self.total
+
+
 def require(ok: bool, field: str, allowed: str, value) -> None:
     """Raises ``ConfigError`` unless ``ok``: the field, what is allowed, and what was given."""
     if not ok:
@@ -106,14 +128,14 @@ class Method:
         with Hs = Hkv (per KV head) or H (per query head)."""
         raise NotImplementedError
 
-    def decode(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, seq_len: torch.Tensor,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decode step of one layer. q: (B, H, D). Returns the attention output (B, H, D) and the tokens
-        attended per selection row (B, Hs), or None where the layer attends the whole context (``attend_all``).
+    def decode(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, seq_len: torch.Tensor, scale: float,
+               tally: Tally) -> torch.Tensor:
+        """One decode step of one layer. q: (B, H, D). Returns the attention output (B, H, D), having counted the
+        tokens attended per selection row in ``tally`` (unless the layer attends the whole context: ``attend_all``).
         The default attends to the slots ``select`` picks."""
         slots = self.select(layer_idx, q, layer, seq_len)
-        out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale)
-        return out, kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
+        return kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale,
+                                     tally.rows(slots.shape[1]))
 
 
 def all_slots(layer: PagedLayer) -> torch.Tensor:
@@ -123,8 +145,7 @@ def all_slots(layer: PagedLayer) -> torch.Tensor:
     return layer.slot_ids.expand(b, h, c)
 
 
-def attend_all(q: torch.Tensor, layer: PagedLayer, seq_len: torch.Tensor,
-               scale: float) -> tuple[torch.Tensor, None]:
-    """Dense attention of a layer that holds the whole context (nothing evicted or offloaded): the output
-    (B, H, D), and None for the tokens attended, which the statistics count as the context without a kernel."""
-    return kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, all_slots(layer), seq_len, scale), None
+def attend_all(q: torch.Tensor, layer: PagedLayer, seq_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dense attention (B, H, D) of a layer that holds the whole context (nothing evicted or offloaded); nothing
+    is tallied, the statistics counting the context instead."""
+    return kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, all_slots(layer), seq_len, scale)

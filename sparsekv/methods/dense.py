@@ -20,5 +20,5 @@ class Dense(Method):
     def select(self, layer_idx, q, layer, seq_len):
         return all_slots(layer)
 
-    def decode(self, layer_idx, q, layer, seq_len, scale):
+    def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         return attend_all(q, layer, seq_len, scale)

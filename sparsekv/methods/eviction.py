@@ -92,21 +92,22 @@ class EvictionMethod(Method):
     def select(self, layer_idx, q, layer, seq_len):
         return all_slots(layer)  # dense layers only: the others run decode below
 
-    def decode(self, layer_idx, q, layer, seq_len, scale):
+    def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         if self.dense(layer_idx):
             return attend_all(q, layer, seq_len, scale)
         slots = all_slots(layer)
-        attended = kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
         weights = None
         if self.needs_weights:
+            tally.rows(slots.shape[1]).add_(kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size))
             out, weights = kernels.attend_with_weights(q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots,
                                                        (seq_len - 1).unsqueeze(1), scale)
             out, weights = out.squeeze(2), weights.squeeze(2)
         else:
-            out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale)
+            out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale,
+                                        tally.rows(slots.shape[1]))
         if self.evicts_in_decode:
             keep_top(layer, self.step_score(layer_idx, layer, weights, seq_len), self.config.token_budget - 1)
-        return out, attended
+        return out
 
 
 def keep_top(layer: PagedLayer, score: torch.Tensor, keep: int) -> None:

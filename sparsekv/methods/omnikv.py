@@ -255,12 +255,12 @@ class OmniKV(Method):
         layer.compact(min(held_pages + 1, layer.capacity))  # room for the next page without growing
         return [n * layer.page_size for n in full_pages]
 
-    def decode(self, layer_idx, q, layer, seq_len, scale):
+    def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         if self.role[layer_idx] != "sparse":  # filter and dense layers hold the whole context
-            out_and_count = attend_all(q, layer, seq_len, scale)
+            out = attend_all(q, layer, seq_len, scale)
             if self.role[layer_idx] == "filter":
                 self._choose(layer_idx, q, layer, seq_len, scale)
-            return out_and_count
+            return out
         f = self.source[layer_idx]
         chosen = self.tokens[f]  # (B, K) positions
         k_flat, v_flat = layer.k.flatten(2, 3), layer.v.flatten(2, 3)
@@ -273,14 +273,16 @@ class OmniKV(Method):
                 decoded, attended = self._decoded(layer_idx, chosen, seq_len, width)
                 self.listed[f, width] = torch.cat([chosen, decoded], dim=1).unsqueeze(1), attended
             listed, attended = self.listed[f, width]
+            tally.rows(1).add_(attended)
             out, _ = kernels.sparse_decode_tokens(q, k_flat, v_flat, listed, scale)
-            return out.to(q.dtype), attended
+            return out.to(q.dtype)
         decoded, attended = self._decoded(layer_idx, chosen, seq_len, width)
+        tally.rows(1).add_(attended)
         k_sub, v_sub = self.stores[f].layer(self._stored(f).index(layer_idx))
         sub = torch.where(chosen >= 0, torch.arange(chosen.shape[1], device=chosen.device), -1)
         parts = [kernels.sparse_decode_tokens(q, k_sub, v_sub, sub.unsqueeze(1), scale),
                  kernels.sparse_decode_tokens(q, k_flat, v_flat, decoded.unsqueeze(1), scale)]
-        return kernels.merge_attention(parts, q.dtype), attended
+        return kernels.merge_attention(parts, q.dtype)
 
     def _decoded(self, layer_idx: int, chosen: torch.Tensor, seq_len: torch.Tensor,
                  width: int) -> tuple[torch.Tensor, torch.Tensor]:

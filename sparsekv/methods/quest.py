@@ -52,7 +52,7 @@ class Quest(Method):
         return kernels.quest_select(q, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot,
                                     self.config.token_budget // self.config.page_size, self.config.per_query_head)
 
-    def decode(self, layer_idx, q, layer, seq_len, scale):
+    def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         if layer_idx < self.config.dense_layers:
             return attend_all(q, layer, seq_len, scale)
-        return super().decode(layer_idx, q, layer, seq_len, scale)
+        return super().decode(layer_idx, q, layer, seq_len, scale, tally)

@@ -125,7 +125,7 @@ class RaaS(Method):
         if layer_idx == 0:
             self.step = torch.zeros(self.num_layers, dtype=torch.long, device=device)
 
-    def decode(self, layer_idx, q, layer, seq_len, scale):
+    def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         step = self.step[layer_idx]
         step.add_(1)
         stamp = layer.slot_state[STAMP]
@@ -136,8 +136,8 @@ class RaaS(Method):
             # Decode pages are always attended; free slots (page -1, "below" the prompt) keep their -inf score.
             ranked = torch.where(layer.slot_page < self.prompt_pages.view(-1, 1, 1), scores, float("inf"))
             slots = kernels.select_pages(ranked, layer.cur_slot, self.config.budget_pages)
-        out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale)
-        attended = kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size)
+        out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale,
+                                    tally.rows(slots.shape[1]))
 
         cfg = self.config
         # Stamps and the eviction in one op: in place, as a captured step reads and writes them at the same address.
@@ -146,7 +146,7 @@ class RaaS(Method):
         kernels.raas_update(scores, layer.slot_page, layer.cur_slot, stamp, step, seq_len, self.limit,
                             self.prompt_pages, layer.page_size, layer.capacity, self.decode_pages, cfg.top_fraction,
                             cfg.alpha, scale)
-        return out, attended
+        return out
 
     def reorder(self, index):
         if self.prompt_pages is not None:

@@ -1,9 +1,16 @@
 """Split-K flash decoding: ``sparse_decode`` over selected pages, ``sparse_decode_tokens`` over listed rows of a
 flat token store. Program (selection row, split) gathers the key/value rows of its share of the selected pages (or
 of the listed rows), runs an online softmax in fp32 for the row's query heads, and writes an unnormalised partial
-output with its running max and sum; a second kernel merges the splits (log-sum-exp) and, for the token variant,
-writes the fp32 output with its log-sum-exp (``merge_attention`` combines such parts). Invalid entries (-1, free
-slots, positions after the current token) are masked, never branched on."""
+output with its running max and sum (and, when counted, its attended tokens). A second kernel, one program per query
+head, merges the splits (log-sum-exp) and, for the token variant, writes the fp32 output with its log-sum-exp
+(``merge_attention`` combines such parts); for the page variant it can add each row's attended tokens into a running
+total (``attended``), so that the decode statistics cost no kernel of their own. Invalid entries (-1, free slots,
+positions after the current token) are masked, never branched on.
+
+Merging in the row's last program to finish (an arrival counter per row) instead of a second kernel measured slower
+on the H200 at Llama-3-8B batch 1: 45.1 against 43.2 us per layer at 32K and 138.1 against 134.9 at 128K, one
+program reading all its heads' partials where the merge kernel spreads them over one program per head.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +23,13 @@ from .common import LOG2E, TUNING, block_d, check, group_pad, interpreted_bf16, 
 
 
 @triton.jit
-def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_ptr, stat_ptr,
+def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_ptr, stat_ptr, split_count_ptr,
                             n_sel, blocks_per_split, n_splits, scale_log2,
                             sq_b, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, ss_b, ss_h, sl_b, sl_h,
                             HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                            TOKENS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                            TOKENS: tl.constexpr, COUNT: tl.constexpr, PRECISION: tl.constexpr,
+                            UPCAST: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = (row // HS).to(tl.int64)
@@ -45,6 +53,7 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+    n_ok = tl.zeros((BLOCK_N,), tl.int32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n_tok, BLOCK_N))
     for blk in range(first, last):
@@ -78,18 +87,22 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
             pv = tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+        if COUNT:
+            n_ok += ok.to(tl.int32)
 
     out_row = (b * HS * G + head) * n_splits + split  # partials laid out (B, H, splits, ...)
     g_ok = g < G
     tl.store(part_ptr + out_row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok)
     tl.store(stat_ptr + out_row * 2, m_i, mask=g_ok)
     tl.store(stat_ptr + out_row * 2 + 1, l_i, mask=g_ok)
+    if COUNT:
+        tl.store(split_count_ptr + row * n_splits + split, tl.sum(n_ok, axis=0))
 
 
 @triton.jit
-def _merge_kernel(part_ptr, stat_ptr, out_ptr, lse_ptr, n_splits, so_b, so_h,
-                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                  WRITE_LSE: tl.constexpr):
+def _merge_kernel(part_ptr, stat_ptr, split_count_ptr, out_ptr, lse_ptr, count_ptr, n_splits, so_b, so_h, sc_b,
+                  sc_h, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr, COUNT: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -106,11 +119,18 @@ def _merge_kernel(part_ptr, stat_ptr, out_ptr, lse_ptr, n_splits, so_b, so_h,
     if WRITE_LSE:  # natural log; the partial maxima are in log2 units
         tl.store(lse_ptr + bh, tl.where(total > 0, (m_max + tl.math.log2(total)) * 0.6931471805599453,
                                         float("-inf")))
+    if COUNT:  # the first head of each selection row adds the row's tokens to its total
+        if (bh % H) % G == 0:
+            row = bh // G
+            n = tl.sum(tl.load(split_count_ptr + row * n_splits + s, mask=s_ok, other=0).to(tl.int64), axis=0)
+            count_at = count_ptr + (bh // H) * sc_b + ((bh % H) // G) * sc_h
+            tl.store(count_at, tl.load(count_at) + n)
 
 
-def _split_attention(q, k, v, slot_page, sel, seq_len, scale):
-    """Page mode (slot_page given): sparse_decode, output in q's dtype. Token mode (slot_page None): k, v are flat
-    (B, Hkv, N, D) stores, sel lists their rows; returns the fp32 output and its log-sum-exp."""
+def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None):
+    """Page mode (slot_page given): sparse_decode, output in q's dtype, each row's attended tokens added into
+    attended (B, Hs) int64 when given. Token mode (slot_page None): k, v are flat (B, Hkv, N, D) stores, sel lists
+    their rows; returns the fp32 output and its log-sum-exp."""
     tokens = slot_page is None
     name = "sparse_decode_tokens" if tokens else "sparse_decode"
     check(q, k, name)
@@ -124,6 +144,9 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale):
     allowed = (1, hkv, h) if tokens else (hkv, h)
     if hs not in allowed or h % hkv:
         raise ValueError(f"{name}: selection rows must be one of {allowed} (KV heads {hkv}, query heads {h}), got {hs}")
+    if attended is not None and (attended.shape != (b, hs) or attended.dtype != torch.int64):
+        raise ValueError(f"{name}: attended must be ({b}, {hs}) int64 (one total per selection row), got "
+                         f"{tuple(attended.shape)} {attended.dtype}")
     if sel.stride(2) != 1:
         sel = sel.contiguous()
     rows_per_b = max(hs, hkv)  # a single token set (hs == 1) is read by every KV head: row stride 0
@@ -150,29 +173,33 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale):
     splits = triton.cdiv(n_blocks, per_split)
     part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
+    counting = attended is not None
+    split_counts = torch.empty(rows, splits, dtype=torch.int32, device=q.device) if counting else stats
     page_args = (sel, sel, 0, 0) if tokens else (slot_page, seq_len, slot_page.stride(0), slot_page.stride(1))
     _split_attention_kernel[(rows, splits)](
-        q, k, v, page_args[0], sel, page_args[1], part, stats, n_sel, per_split, splits, scale * LOG2E,
+        q, k, v, page_args[0], sel, page_args[1], part, stats, split_counts, n_sel, per_split, splits, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2 if tokens else 3),
         v.stride(0), v.stride(1), v.stride(2 if tokens else 3), page_args[2], page_args[3],
         sel.stride(0), 0 if hs == 1 else sel.stride(1),
         HS=rows_per_b, ROWS_PER_KV=rows_per_b // hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
-        BLOCK_N=block_n, P=p, TOKENS=tokens, PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype),
-        num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, P=p, TOKENS=tokens, COUNT=counting, PRECISION=precision(q.dtype),
+        UPCAST=interpreted_bf16(q.dtype), num_warps=warps, num_stages=stages)
     fp32_out = tokens or interpreted_bf16(q.dtype)
     out = torch.empty(b, h, d, dtype=torch.float32 if fp32_out else q.dtype, device=q.device)
     lse = torch.empty(b, h, dtype=torch.float32, device=q.device) if tokens else out
-    _merge_kernel[(b * h,)](part, stats, out, lse, splits, out.stride(0), out.stride(1),
-                            H=h, D=d, BLOCK_D=block_d(d), BLOCK_S=max(2, triton.next_power_of_2(splits)),
-                            WRITE_LSE=tokens, num_warps=4)
+    count = attended if counting else stats
+    _merge_kernel[(b * h,)](part, stats, split_counts, out, lse, count, splits, out.stride(0), out.stride(1),
+                            count.stride(0), count.stride(1), H=h, G=g, D=d, BLOCK_D=block_d(d),
+                            BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=tokens, COUNT=counting,
+                            num_warps=4)
     return (out, lse) if tokens else out.to(q.dtype)
 
 
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
-                  seq_len: torch.Tensor, scale: float) -> torch.Tensor:
+                  seq_len: torch.Tensor, scale: float, attended: torch.Tensor | None = None) -> torch.Tensor:
     if q.dtype == torch.float64:
-        return reference.sparse_decode(q, k, v, slot_page, slots, seq_len, scale)
-    return _split_attention(q, k, v, slot_page, slots, seq_len, scale)
+        return reference.sparse_decode(q, k, v, slot_page, slots, seq_len, scale, attended)
+    return _split_attention(q, k, v, slot_page, slots, seq_len, scale, attended)
 
 
 def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor,

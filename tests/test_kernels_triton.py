@@ -510,8 +510,10 @@ def test_raas_update_matches_reference(batch, kv_heads, slots, block, rule, ties
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("n, k, bias", [(1, 16, False), (7, 100, True), (40, 1024, False), (33, 1000, True)])
-def test_linear_of_one_row_matches_reference(n, k, bias, dtype, monkeypatch):
+@pytest.mark.parametrize("block_n", [1, 4])
+def test_linear_of_one_row_matches_reference(n, k, bias, block_n, dtype, monkeypatch):
     monkeypatch.setitem(tops.TUNING, "gemv_block_k", 256)  # several slices, a partial one for k=1000
+    monkeypatch.setitem(tops.TUNING, "gemv_block_n", block_n)  # 4: a partial block of rows for n=7 and n=33
     g = torch.Generator(device=DEV).manual_seed(n * k)
     x = torch.randn(1, 1, k, generator=g, device=DEV).to(dtype)
     w = (torch.randn(n, k, generator=g, device=DEV) / k ** 0.5).to(dtype)

@@ -1,11 +1,19 @@
 """The weights' products of a decode step at batch 1: ``linear`` of one input row, a matrix-vector product.
 
-One program per ``gemv_block_n`` output rows reads those rows of the weight whole, in pipelined slices of
+One program per ``gemv_block_n`` output rows (one) reads those rows of the weight whole, in pipelined slices of
 ``gemv_block_k`` inputs, and sums in fp32: no split over the inputs, so no second kernel to add the splits up. On
-the H200 at Llama-3-8B's shapes (32 weights in rotation, in a CUDA graph) it takes 14.7 us for q/k/v against
-cuBLAS's 16.4, 11.8 for o against 12.9 and 55.0 for gate/up against 56.2. cuBLAS stays faster for long inputs
-(down, 14336 inputs: 30.6 against 34.0 us) and for several rows, so those, and fp32 or non-contiguous weights, go
-to ``torch.nn.functional.linear``.
+the H200 at Llama-3-8B's shapes (32 weights in rotation, in a CUDA graph; floor at 4.25 TB/s in brackets):
+
+| product | weight | this kernel | cuBLAS |
+| --- | --- | --- | --- |
+| q/k/v | 6144 x 4096 | 13.7 us (11.8) | 16.2 us |
+| o | 4096 x 4096 | 9.8 (7.9) | 12.6 |
+| gate/up | 28672 x 4096 | 54.2 (55.3) | 57.1 |
+| down | 4096 x 14336 | 28.7 (27.6) | 31.3 (split-K and its reduction) |
+| head | 128256 x 4096 | 237.5 (247.2) | 252.5 |
+
+Programs of 8 rows in slices of 512 took 14.8, 12.0, 58.7, 34.8 and 238.6 us. Several rows (batch > 1) measured
+2.5-3x slower than cuBLAS, so they, and fp32 or non-contiguous weights, go to ``torch.nn.functional.linear``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sparsekv
-from sparsekv import DenseConfig, QuestConfig
+from sparsekv import DecodeStats, DenseConfig, QuestConfig
 from sparsekv.tiny import ARCHITECTURES, tiny_config, tiny_model
 
 PROMPT_LEN, NEW = 90, 24
@@ -249,3 +249,19 @@ def test_finished_cache_is_freed_without_the_garbage_collector(name):
         assert cache() is None
     finally:
         gc.enable()
+
+
+def test_decode_stats_fold_the_sums_of_an_earlier_batch_size():
+    """A batch-size change (a finished row dropped, a new batch) folds the totals so far instead of losing them."""
+    stats = DecodeStats()
+    for lengths in ([10, 20], [11, 21], [5]):
+        seq_len = torch.tensor(lengths)
+        for layer in range(2):  # layer 0 attends the whole context, layer 1 counts 3 tokens per row
+            tally = stats.tally(layer, seq_len, 2, 2)
+            if layer == 1:
+                tally.rows(2).add_(3)
+            stats.counted(layer, tally, 2)
+    assert float(stats.context) == 67 * 2 * 2
+    assert {layer: float(t) for layer, t in stats.per_layer.items()} == {0: 67 * 2, 1: 3 * 2 * 5}
+    assert stats.summary() == {"decode_steps": 3, "attended_per_head": (134 + 30) / 20, "context_per_head": 268 / 20,
+                               "fraction": pytest.approx(164 / 268, rel=1e-12)}

@@ -46,10 +46,10 @@ class DecodeStats:
     steps: int = 0
     rows: int = 0  # (layer, sequence, KV head) triples summed per step
     tp_group: object = None  # the process group sharing the heads (sparsekv.parallel), None when not split
-    _tallies: dict[int, Tally] = field(default_factory=dict)  # per layer, for the current batch
+    # Per layer, and "context" (each sequence's length summed over steps), for the current batch.
+    _tallies: dict[object, Tally] = field(default_factory=dict)
     _weight: dict[int, float] = field(default_factory=dict)  # per counting layer: KV heads per selection row
     _whole: set[int] = field(default_factory=set)  # layers that attend the whole context
-    _context: torch.Tensor | None = None  # (B,) each sequence's length summed over steps
     _folded: dict[object, torch.Tensor] = field(default_factory=dict)  # sums of totals of an earlier batch size
     _kv_heads: int = 0
     _layers: int = 0
@@ -57,24 +57,23 @@ class DecodeStats:
     def tally(self, layer_idx: int, seq_len: torch.Tensor, kv_heads: int, num_layers: int) -> Tally:
         """The tally that layer ``layer_idx``'s decode step counts into (``counted`` after the step); seq_len: (B,).
         Layer 0 also adds the step's context."""
-        b = seq_len.shape[0]
         if layer_idx == 0:
-            if self._context is not None and self._context.shape[0] != b:
-                self._fold("context", self._context)
-                self._context = None
-            if self._context is None:
-                self._context = seq_len.to(torch.long, copy=True)
-            else:
-                self._context.add_(seq_len)
+            self._current("context", seq_len).rows(1).add_(seq_len.unsqueeze(1))
             self._kv_heads, self._layers = kv_heads, num_layers
             self.steps += 1
-        self.rows += b * kv_heads
-        tally = self._tallies.get(layer_idx)
-        if tally is None or tally.batch != b:
-            if tally is not None and tally.total is not None:
-                self._fold(layer_idx, tally.total)
-            tally = self._tallies[layer_idx] = Tally(b, seq_len.device)
+        self.rows += seq_len.shape[0] * kv_heads
+        tally = self._current(layer_idx, seq_len)
         tally.used = False
+        return tally
+
+    def _current(self, key, seq_len: torch.Tensor) -> Tally:
+        """The tally of ``key`` (a layer, or "context": (B, 1) sequence lengths) for the batch of seq_len (B,); one
+        of an earlier batch size is folded into ``_folded`` first."""
+        tally = self._tallies.get(key)
+        if tally is None or tally.batch != seq_len.shape[0]:
+            if tally is not None and tally.total is not None:
+                self._folded[key] = self._folded.get(key, 0) + tally.total.sum(dtype=torch.float64)
+            tally = self._tallies[key] = Tally(seq_len.shape[0], seq_len.device)
         return tally
 
     def counted(self, layer_idx: int, tally: Tally, kv_heads: int) -> None:
@@ -87,25 +86,22 @@ class DecodeStats:
         else:
             self._weight[layer_idx] = kv_heads / tally.total.shape[1]
 
-    def _fold(self, key, total: torch.Tensor) -> None:
-        self._folded[key] = self._folded.get(key, 0) + total.sum(dtype=torch.float64)
-
     def _sum(self, key, total: torch.Tensor | None) -> torch.Tensor:
         return self._folded.get(key, 0) + (0 if total is None else total.sum(dtype=torch.float64))
 
     @property
     def context(self) -> torch.Tensor | None:
         """The dense context of every step, layer and KV head (float64 on the device), None before any step."""
-        if self._context is None:
+        if "context" not in self._tallies:
             return None
-        return self._sum("context", self._context) * (self._kv_heads * self._layers)
+        return self._sum("context", self._tallies["context"].total) * (self._kv_heads * self._layers)
 
     @property
     def per_layer(self) -> dict[int, torch.Tensor]:
         """Tokens attended per layer, summed over steps, sequences and KV heads (float64 on the device)."""
         out = {layer: self._sum(layer, self._tallies[layer].total) * weight for layer, weight in self._weight.items()}
         if self._whole:
-            whole = self._sum("context", self._context) * self._kv_heads
+            whole = self._sum("context", self._tallies["context"].total) * self._kv_heads
             out.update(dict.fromkeys(self._whole, whole))
         return out
 
@@ -120,8 +116,9 @@ class DecodeStats:
         ``tp_group`` calls."""
         if not self.rows:
             return {"decode_steps": 0, "attended_per_head": 0.0, "context_per_head": 0.0, "fraction": 0.0}
-        sums = torch.stack([sum(self.per_layer.values()), self.context,
-                            torch.tensor(float(self.rows), dtype=torch.float64, device=self._context.device)])
+        context = self.context
+        sums = torch.stack([sum(self.per_layer.values()), context,
+                            torch.tensor(float(self.rows), dtype=torch.float64, device=context.device)])
         attended, context, rows = parallel.all_reduce_sum(sums, self.tp_group).tolist()
         att, ctx = attended / rows, context / rows
         return {"decode_steps": self.steps, "attended_per_head": att, "context_per_head": ctx,

@@ -107,6 +107,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.T
     return attend_with_weights(q, k, v, slot_page, slots, q_pos, scale)[0]
 
 
+def check_attended(attended: torch.Tensor, slots: torch.Tensor) -> None:
+    """``sparse_decode``'s running totals: (B, Hs) int64 for slots (B, Hs, K)."""
+    if attended.shape != slots.shape[:2] or attended.dtype != torch.int64:
+        raise ValueError(f"sparse_decode: attended must be {tuple(slots.shape[:2])} int64 (one total per selection "
+                         f"row), got {tuple(attended.shape)} {attended.dtype}")
+
+
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
                   seq_len: torch.Tensor, scale: float, attended: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step over the selected slots.
@@ -116,9 +123,7 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: 
     row's attended tokens (``count_attended``) are added in place. Returns (B, H, D).
     """
     if attended is not None:
-        if attended.shape != slots.shape[:2] or attended.dtype != torch.int64:
-            raise ValueError(f"sparse_decode: attended must be {tuple(slots.shape[:2])} int64 (one total per "
-                             f"selection row), got {tuple(attended.shape)} {attended.dtype}")
+        check_attended(attended, slots)
         attended.add_(count_attended(slot_page, slots, seq_len, k.shape[3]))
     return attend(q.unsqueeze(2), k, v, slot_page, slots, (seq_len - 1).unsqueeze(1), scale).squeeze(2)
 

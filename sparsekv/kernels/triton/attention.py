@@ -120,8 +120,8 @@ def _merge_kernel(part_ptr, stat_ptr, split_count_ptr, out_ptr, lse_ptr, count_p
         tl.store(lse_ptr + bh, tl.where(total > 0, (m_max + tl.math.log2(total)) * 0.6931471805599453,
                                         float("-inf")))
     if COUNT:  # the first head of each selection row adds the row's tokens to its total
-        if (bh % H) % G == 0:
-            row = bh // G
+        if bh % G == 0:
+            row = bh // G  # b * HS + r
             n = tl.sum(tl.load(split_count_ptr + row * n_splits + s, mask=s_ok, other=0).to(tl.int64), axis=0)
             count_at = count_ptr + (bh // H) * sc_b + ((bh % H) // G) * sc_h
             tl.store(count_at, tl.load(count_at) + n)
@@ -144,9 +144,8 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None):
     allowed = (1, hkv, h) if tokens else (hkv, h)
     if hs not in allowed or h % hkv:
         raise ValueError(f"{name}: selection rows must be one of {allowed} (KV heads {hkv}, query heads {h}), got {hs}")
-    if attended is not None and (attended.shape != (b, hs) or attended.dtype != torch.int64):
-        raise ValueError(f"{name}: attended must be ({b}, {hs}) int64 (one total per selection row), got "
-                         f"{tuple(attended.shape)} {attended.dtype}")
+    if attended is not None:
+        reference.check_attended(attended, sel)
     if sel.stride(2) != 1:
         sel = sel.contiguous()
     rows_per_b = max(hs, hkv)  # a single token set (hs == 1) is read by every KV head: row stride 0

@@ -1,8 +1,8 @@
 """The weights' products of a decode step at batch 1: ``linear`` of one input row, a matrix-vector product.
 
-One program per ``gemv_block_n`` output rows (one) reads those rows of the weight whole, in pipelined slices of
-``gemv_block_k`` inputs, and sums in fp32: no split over the inputs, so no second kernel to add the splits up. On
-the H200 at Llama-3-8B's shapes (32 weights in rotation, in a CUDA graph; floor at 4.25 TB/s in brackets):
+One program per ``gemv_block_n`` output rows (one, as tuned) reads those rows of the weight whole, in pipelined
+slices of ``gemv_block_k`` inputs, and sums in fp32: no split over the inputs, so no second kernel to add the splits
+up. On the H200 at Llama-3-8B's shapes (32 weights in rotation, in a CUDA graph; floor at 4.25 TB/s in brackets):
 
 | product | weight | this kernel | cuBLAS |
 | --- | --- | --- | --- |

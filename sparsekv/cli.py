@@ -1,4 +1,4 @@
-"""Command line: ``sparsekv generate``, ``sparsekv demo``, ``sparsekv eval``."""
+"""Command line: ``sparsekv generate``, ``sparsekv demo``, ``sparsekv eval``, ``sparsekv serve``."""
 
 from __future__ import annotations
 
@@ -119,7 +119,9 @@ def _method_spec(extra: tuple[str, ...]):
     return check
 
 
-def _method_args(parser: argparse.ArgumentParser, default_method: str, extra_choices: tuple[str, ...] = ()) -> None:
+def _method_args(parser: argparse.ArgumentParser, default_method: str, extra_choices: tuple[str, ...] = (),
+                 generation: bool = True) -> None:
+    """--method, --budget, --opt, --device, --dtype and, with ``generation``, the options of one generation."""
     parser.add_argument("--method", default=default_method, type=_method_spec(extra_choices), metavar="SPEC",
                         help=f"sparsity method: NAME or NAME:FIELD=VALUE,... with NAME one of "
                              f"{', '.join([*METHODS, *extra_choices])} (default: {default_method})")
@@ -129,10 +131,12 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str, extra_cho
     parser.add_argument("--opt", action="append", default=[], metavar="FIELD=VALUE",
                         help="another field of the method's config, as in the spec, e.g. --opt page_size=32 "
                              "--opt per_query_head=false (repeatable)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default=None, help="float32, float16, bfloat16 (default: bfloat16 on CUDA, "
                                                       "float32 on CPU)")
+    if not generation:
+        return
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -145,7 +149,8 @@ def _setup(args, method: str, default_budget: int | None = None) -> tuple[torch.
     with a budget when neither --budget nor the spec or --opt set token_budget."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    check_sampling(args.max_new_tokens, args.temperature, args.top_p)
+    if "max_new_tokens" in vars(args):  # a command that generates once (serve takes these per request)
+        check_sampling(args.max_new_tokens, args.temperature, args.top_p)
     budget = args.budget
     if budget is None and takes_budget(method, args.opt):
         budget = default_budget
@@ -221,6 +226,39 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        from .serve import ServingEngine
+        from .serve.server import serve
+    except ImportError as err:
+        raise ImportError(f"sparsekv serve needs the serve extra: pip install 'sparsekv[serve]' ({err})") from None
+    device, dtype, config = _setup(args, args.method)
+    chat_template = None
+    if args.chat_template is not None:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            raise FileNotFoundError(f"--chat-template: no file at {str(path)!r}")
+        chat_template = path.read_text()
+    loaded = load_model(args.model, device, dtype, log=lambda line: print(line, file=sys.stderr))
+    kv_memory = None if args.kv_memory_gib is None else int(args.kv_memory_gib * 2**30)
+    engine = ServingEngine(loaded.model, config, tokenizer=loaded.tokenizer, max_batch=args.max_batch,
+                           max_context=args.max_context, prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
+                           compile=args.compile, kv_memory_bytes=kv_memory)
+    name = args.name or served_name(args.model)
+    print(f"sparsekv serve: {name} with {config.name} on {device} ({dtype}), at http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    serve(engine, loaded.tokenizer, name, host=args.host, port=args.port, chat_template=chat_template,
+          log_level=args.log_level)
+    return 0
+
+
+def served_name(spec: str | None) -> str:
+    """The name clients ask for: a local folder's or file's name (without .gguf), else the spec as given."""
+    if spec is None:
+        spec = default_model()
+    return Path(spec).stem if Path(spec).exists() else spec
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsekv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -240,6 +278,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt-tokens", type=int, default=4000)
     demo.add_argument("--model", help="model folder, GGUF file or tiny:<arch> (default: the project's trained model)")
     demo.set_defaults(func=cmd_demo, max_new_tokens=48)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching) with a sparsity method")
+    srv.add_argument("--model", help="as for generate (default: the project's trained model)")
+    _method_args(srv, "quest", generation=False)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--name", help="the model name clients ask for (default: the model folder's or file's name)")
+    srv.add_argument("--max-batch", type=int, default=8, help="requests decoding at once (rows)")
+    srv.add_argument("--max-context", type=int, default=None,
+                     help="largest prompt plus max_tokens of a request (default: the model's positions)")
+    srv.add_argument("--prefill-chunk", type=int, default=4096,
+                     help="prompt tokens prefilled between two decode steps of the running requests")
+    srv.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission (beyond: 429)")
+    srv.add_argument("--kv-memory-gib", type=float, default=None,
+                     help="device memory for the KV cache of all requests (default: the engine's own)")
+    srv.add_argument("--compile", action="store_true", help="fuse the decode step's layer code with torch.compile")
+    srv.add_argument("--chat-template", help="a Jinja chat template file, for a tokenizer that has none")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(func=cmd_serve)
 
     eval_cli.add_parser(sub)
     return parser

@@ -1,0 +1,252 @@
+"""The OpenAI-compatible server on a tiny model, through the ``openai`` client and raw HTTP (httpx), on 127.0.0.1
+only: completions, chat, streaming, usage, stop strings, the errors (each followed by a request that succeeds), a
+full queue, a client that leaves mid-stream (its rows come back), metrics, and SIGTERM draining a running stream."""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from sparsekv.serve import ServingEngine  # noqa: E402
+from sparsekv.serve.server import Detokenizer, StopStrings, create_app, running  # noqa: E402
+from sparsekv.spec import build_config  # noqa: E402
+from sparsekv.tiny import byte_tokenizer, tiny_model  # noqa: E402
+
+NAME = "tiny"
+MAX_BATCH, MAX_CONTEXT, MAX_QUEUE = 2, 512, 1
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def server():
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model = tiny_model("llama", layers=2, max_positions=1024)
+    engine = ServingEngine(model, build_config("quest", 64), tokenizer=tokenizer, max_batch=MAX_BATCH,
+                           max_context=MAX_CONTEXT, prefill_chunk=64, max_queue=MAX_QUEUE)
+    app = create_app(engine, tokenizer, NAME)
+    with running(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def check_still_serves(client) -> None:
+    out = client.completions.create(model=NAME, prompt="ok", max_tokens=3, temperature=0, extra_body={
+        "ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+
+
+def test_completion_text_usage_and_length(client):
+    out = client.completions.create(model=NAME, prompt="The grass is", max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.object == "text_completion" and out.model == NAME
+    assert out.choices[0].finish_reason == "length" and isinstance(out.choices[0].text, str)
+    assert out.usage.prompt_tokens == len("The grass is") and out.usage.completion_tokens == 5
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 5
+
+
+def test_stream_gives_the_same_text_with_usage_last(client):
+    whole = client.completions.create(model=NAME, prompt=[100, 101, 102], max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=NAME, prompt=[100, 101, 102], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == 3 == whole.usage.prompt_tokens
+
+
+def test_sampling_with_a_seed_repeats(client):
+    def draw():
+        return client.completions.create(model=NAME, prompt="abc", max_tokens=8, temperature=1.0, top_p=0.9,
+                                         seed=7, extra_body={"ignore_eos": True}).choices[0].text
+    assert draw() == draw()
+
+
+def test_stop_string_cuts_the_text_and_ends_the_request(client):
+    text = client.completions.create(model=NAME, prompt="stop here", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = text[5:7]
+    out = client.completions.create(model=NAME, prompt="stop here", max_tokens=24, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == text[:text.index(stop)] and out.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=NAME, prompt="stop here", max_tokens=24, temperature=0, stop=stop,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+
+
+def test_chat_whole_and_streamed(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    assert out.usage.prompt_tokens == len("system: Be brief.\nuser: Hello\nassistant:")
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=6,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    text = httpx.get(server + "/metrics").text
+    for name in ("sparsekv_requests_running", "sparsekv_requests_queued", "sparsekv_generation_tokens_per_second",
+                 "sparsekv_kv_bytes_in_use", "sparsekv_generated_tokens_total"):
+        assert f"\n{name} " in text
+    assert metric(server, "sparsekv_generated_tokens_total") > 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi"}, "model"),
+    ({"model": NAME}, "prompt"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"model": NAME, "prompt": "hi", "temperature": 5}, "temperature"),
+    ({"model": NAME, "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": NAME, "prompt": "hi", "n": 2}, "n"),
+    ({"model": NAME, "prompt": "hi", "stop": [""]}, "stop"),
+    ({"model": NAME, "prompt": [1, -2]}, "prompt"),
+    ({"model": NAME, "prompt": [1, 100000]}, "prompt"),
+    ({"model": NAME, "prompt": []}, "prompt"),
+])
+def test_bad_fields_give_400_naming_the_field(server, client, body, param):
+    r = httpx.post(server + "/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param in error["message"] and error["type"] == "invalid_request_error"
+    check_still_serves(client)
+
+
+def test_bad_chat_fields_give_400(server, client):
+    r = httpx.post(server + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "robot",
+                                                                                         "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    check_still_serves(client)
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b""])
+def test_malformed_json_gives_400(server, client, content):
+    r = httpx.post(server + "/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    check_still_serves(client)
+
+
+def test_unknown_model_gives_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-9", prompt="hi", max_tokens=2)
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    check_still_serves(client)
+
+
+def test_prompt_over_capacity_gives_400_naming_the_limit(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=NAME, prompt=[5] * 500, max_tokens=100)
+    assert "max_context" in err.value.body["message"]
+    check_still_serves(client)
+
+
+def test_full_queue_gives_429_and_a_disconnect_frees_rows(server, client):
+    """MAX_BATCH long requests run, MAX_QUEUE wait; one more is refused with 429. Every client then leaves
+    mid-stream: the rows come back to the pool, and the server still answers."""
+    long = {"model": NAME, "prompt": "x", "max_tokens": MAX_CONTEXT - 1, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    with httpx.Client(timeout=30) as http, contextlib.ExitStack() as stack:
+        streams, lines = [], []  # each stream's line iterator is kept: dropping one closes its stream
+        for i in range(MAX_BATCH + MAX_QUEUE):
+            streams.append(stack.enter_context(http.stream("POST", server + "/v1/completions", json=long)))
+            assert streams[-1].status_code == 200
+            lines.append(streams[-1].iter_lines())
+            if i < MAX_BATCH:  # running once it streams
+                next(lines[-1])
+        assert metric(server, "sparsekv_free_rows") == 0 and metric(server, "sparsekv_requests_queued") == MAX_QUEUE
+        r = http.post(server + "/v1/completions", json={**long, "stream": False})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        for s in streams:
+            s.close()
+    deadline = time.monotonic() + 20
+    while metric(server, "sparsekv_free_rows") != MAX_BATCH or metric(server, "sparsekv_requests_queued"):
+        assert time.monotonic() < deadline, "rows of disconnected clients were not freed"
+        time.sleep(0.05)
+    assert metric(server, "sparsekv_requests_running") == 0
+    check_still_serves(client)
+
+
+def test_detokenizer_waits_for_a_whole_character_and_stop_strings_hold_back():
+    tokenizer = byte_tokenizer()
+    ids = tokenizer("né!").input_ids  # é is two byte tokens
+    detok = Detokenizer(tokenizer)
+    assert [detok.add([t]) for t in ids] == ["n", "", "é", "!"]
+    stops = StopStrings(["END"])
+    assert stops.feed("abcE", False) == ("ab", False)  # "cE" might start END
+    assert stops.feed("N", False) == ("c", False)
+    assert stops.feed("D!", False) == ("", True)  # END spans three pieces
+    assert StopStrings(["zz"]).feed("abz", True) == ("abz", False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_the_running_stream_then_exits(tmp_path):
+    """`sparsekv serve` in its own process: SIGTERM during a stream lets it finish with every token, then the
+    process exits 0 and takes no more requests."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "sparsekv.cli", "serve", "--model", "tiny:llama", "--method",
+                             "dense", "--port", str(port), "--max-context", "1024", "--log-level", "warning"],
+                            env=env, cwd=root, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"model": "tiny:llama", "prompt": "a", "max_tokens": 300, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        assert data[-1] == "[DONE]" and json.loads(data[-2])["usage"]["completion_tokens"] == 300
+        assert proc.wait(timeout=30) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

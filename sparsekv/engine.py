@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 import torch
 
@@ -38,42 +38,90 @@ from .timing import Timer
 Step = Callable[[], None]
 
 
+# The smallest temperature other than 0 (greedy): logits divided by less could overflow float32.
+MIN_TEMPERATURE = 1e-4
+
+
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
     """How the next token is drawn from the logits. temperature 0: greedy (argmax). Otherwise the logits are divided
-    by ``temperature``, cut to the ``top_k`` most likely tokens (0: all) and to the smallest set whose probability
-    reaches ``top_p`` (1: all), and a token is drawn from what is left."""
+    by ``temperature`` (at least ``MIN_TEMPERATURE``), cut to the ``top_k`` most likely tokens (0: all) and to the
+    smallest set whose probability reaches ``top_p`` (1: all), and a token is drawn from what is left."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
 
     def __post_init__(self):
-        require(isinstance(self.temperature, (int, float)) and 0 <= self.temperature < float("inf"), "temperature",
-                "a number >= 0 (0: greedy)", self.temperature)
-        require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        require(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+                and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")), "temperature",
+                f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}", self.temperature)
+        require(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1,
+                "top_p", "in (0, 1]", self.top_p)
         require(_is_count(self.top_k, 0), "top_k", "an int >= 0 (0: no cut)", self.top_k)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits: (B, V). Returns (B,) int64 tokens, on the device, with no host sync (draws by the exponential
-        race: argmax of p / E with E ~ Exp(1) picks each token with probability p)."""
+    def __call__(self, logits: torch.Tensor, seed: torch.Tensor | None = None,
+                 index: torch.Tensor | None = None) -> torch.Tensor:
+        """logits: (B, V). Returns (B,) int64 tokens, on the device, with no host sync. The draw is a function of each
+        row's ``seed`` (B,) int64 and ``index`` (B,) int64 (the token's place, see ``counter_noise``) when given;
+        otherwise it comes from torch's global random generator."""
         if self.greedy:
             return argmax(logits)
-        logits = logits.float() / self.temperature
-        if self.top_k:
-            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p < 1:
-            ordered, order = logits.sort(dim=-1, descending=True)
-            probs = ordered.softmax(dim=-1)
-            beyond = probs.cumsum(dim=-1) - probs >= self.top_p  # the likelier tokens already reach top_p
-            logits = logits.masked_fill(torch.empty_like(beyond).scatter_(-1, order, beyond), float("-inf"))
-        probs = logits.softmax(dim=-1)
-        return argmax(probs / torch.empty_like(probs).exponential_())
+        b, v = logits.shape
+        if seed is None:
+            noise = torch.empty((b, v), dtype=torch.float32, device=logits.device).exponential_()
+        else:
+            noise = counter_noise(seed, index, v)
+        return draw(logits, logits.new_full((b,), self.temperature, dtype=torch.float32),
+                    logits.new_full((b,), self.top_k, dtype=torch.long),
+                    logits.new_full((b,), self.top_p, dtype=torch.float32), noise)
+
+
+def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+         noise: torch.Tensor) -> torch.Tensor:
+    """Each row's token under its own sampling: logits (B, V); temperature (B,) float32 (0: greedy), top_k (B,) int64
+    (0: no cut), top_p (B,) float32; noise (B, V) float32 draws of Exp(1). Returns (B,) int64, with no host sync.
+    A sampled row divides its logits by its temperature, keeps its ``top_k`` likeliest tokens (ties with the k-th
+    kept) and the smallest set of those whose probability reaches ``top_p``, and draws by the exponential race
+    (argmax of p / E with E ~ Exp(1) picks each token with probability p)."""
+    v = logits.shape[-1]
+    scaled = logits.float() / temperature.clamp(min=MIN_TEMPERATURE).unsqueeze(1)
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k, v).clamp(max=v).unsqueeze(1)
+    kth = ordered.gather(1, k - 1)
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    beyond = (probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)) | (ordered == float("-inf"))
+    scaled = scaled.masked_fill(torch.empty_like(beyond).scatter_(-1, order, beyond), float("-inf"))
+    drawn = argmax(scaled.softmax(dim=-1) / noise)
+    return torch.where(temperature > 0, drawn, argmax(logits))
+
+
+def counter_noise(seed: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) draws (B, V) float32 that are a function of each row's ``seed`` (B,) int64, ``index`` (B,) int64 (the
+    token's place in its sequence) and the vocabulary entry only: a row draws the same numbers whatever rows share
+    its batch. A 32-bit integer hash (murmur3's finaliser) of the three, in int64 tensor ops (products wrap; only
+    their low 32 bits are kept), so that it runs in a captured step."""
+    mask = 0xFFFFFFFF
+
+    def mix(h: torch.Tensor) -> torch.Tensor:
+        h = h & mask
+        h = h ^ (h >> 16)
+        h = (h * 0x85EBCA6B) & mask
+        h = h ^ (h >> 13)
+        h = (h * 0xC2B2AE35) & mask
+        return h ^ (h >> 16)
+
+    vocab_ids = torch.arange(vocab, device=seed.device)
+    row = mix(mix(seed & mask) ^ (seed >> 32) & mask)
+    row = mix(row ^ mix(index + 0x9E3779B9)).unsqueeze(1)
+    h = mix(row ^ mix(vocab_ids * 0x27D4EB2F + 0x165667B1))
+    uniform = ((h >> 8).float() + 0.5) / float(1 << 24)  # in (0, 1), exact in float32
+    return -torch.log(uniform)
 
 
 def argmax(x: torch.Tensor, width: int = 1024) -> torch.Tensor:
@@ -249,8 +297,9 @@ class Engine:
         if longest + total > self.max_context:
             raise ValueError(f"a prompt of {longest} tokens plus {forced.shape[1]} forced tokens plus "
                              f"max_new_tokens={max_new_tokens} exceeds max_context ({self.max_context})")
-        if seed is not None:
-            torch.manual_seed(seed)
+        require(seed is None or _is_count(seed, 0) and seed < 1 << 63, "seed", "None or an int in [0, 2**63)", seed)
+        # Prompt i draws with seed + i (``counter_noise``): the caller's global random generator is left as it was.
+        seeds = None if seed is None else torch.arange(seed, seed + ids.shape[0], device=self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         with apply(self.model, self.config) as session, torch.no_grad():
@@ -262,7 +311,7 @@ class Engine:
             synchronize(self.device)
             prefill_s = time.perf_counter() - start
             tokens, nll, steps, captured, decode_s, step_s = self._decode(cache, logits, forced, total, sampling,
-                                                                          stops, stream, time_steps)
+                                                                          seeds, stops, stream, time_steps)
             stats = session.stats.summary()
             kv_device, kv_host, kv_held = cache.resident_bytes(), cache.offloaded_bytes(), cache.held_bytes()
             session.method.release()
@@ -278,26 +327,17 @@ class Engine:
                           forced_nll=nll.tolist() if forced.shape[1] else None, method=session.method)
 
     def _prefill(self, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Runs the prompt through the model layer by layer, each layer chunk by chunk; returns the last column's
-        logits (B, V). Layer-major order keeps one layer's prompt KV in flight: a method that moves a layer's
-        prompt to host memory after its last chunk (OmniKV's offload) never holds the whole prompt's KV on the
-        device. Activations are one chunk's, plus the (B, S, hidden) hidden states between layers. The chunks are
-        aligned to the end, so the last one is full (methods read the prompt's last queries from it)."""
-        decoder = self.model.get_decoder()
-        position = (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 1)  # transformers' positions for left padding
-        hidden = decoder.embed_tokens(ids)
-        rotary = {}
-        for index, begin, end in prompt_passes(cache, mask, self.prefill_chunk, len(decoder.layers)):
-            if index == 0:
-                rotary[begin] = decoder.rotary_emb(hidden[:, :1], position[:, begin:end])
-            out = decoder.layers[index](hidden[:, begin:end], attention_mask=None, position_ids=position[:, begin:end],
-                                        past_key_values=cache, use_cache=True, position_embeddings=rotary[begin],
-                                        sparsekv_cache=cache)
-            hidden[:, begin:end] = out[0] if isinstance(out, tuple) else out
-        return self.model.lm_head(decoder.norm(hidden[:, -1:]))[:, -1]
+        """Runs the prompt through the model (``prefill_passes`` to the end); returns the last column's logits
+        (B, V)."""
+        passes = prefill_passes(self.model, cache, ids, mask, self.prefill_chunk)
+        while True:
+            try:
+                next(passes)
+            except StopIteration as done:
+                return done.value
 
     def _decode(self, cache, logits: torch.Tensor, forced: torch.Tensor, total: int, sampling: Sampling,
-                stops: list[int], stream, time_steps: bool):
+                seeds: torch.Tensor | None, stops: list[int], stream, time_steps: bool):
         """Decodes ``total`` columns after the prompt: the forced tokens (B, F) (-1: a row's own are over), then
         sampled ones; the first column comes from the prefill's ``logits`` (B, V). Returns the (B, total) tokens, the
         forced tokens' summed negative log-likelihood (B,), the decode steps run, whether they were captured, their
@@ -318,7 +358,7 @@ class Engine:
             if scoring:
                 logp = torch.log_softmax(logits.float(), dim=-1).gather(1, want.clamp(min=0).unsqueeze(1))
                 nll.sub_(torch.where(inside, logp.squeeze(1).double(), 0.0))
-            return torch.where(inside, want, sampling(logits)), inside
+            return torch.where(inside, want, sampling(logits, seeds, column.expand(b))), inside
 
         first, inside = pick(logits)
         out[:, 0] = first
@@ -367,6 +407,29 @@ class Engine:
         synchronize(self.device)
         seconds = time.perf_counter() - start
         return out[:, :ran + 1], nll, ran, captured, seconds, step_seconds if timer is not None else None
+
+
+def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor,
+                   chunk: int) -> Generator[int, None, torch.Tensor]:
+    """Runs the prompt ids (B, S) with padding ``mask`` (B, S) through the model layer by layer, each layer chunk by
+    chunk, yielding after each pass the tokens it ran (a caller interleaves other work between passes); returns the
+    last column's logits (B, V). Layer-major order keeps one layer's prompt KV in flight: a method that moves a
+    layer's prompt to host memory after its last chunk (OmniKV's offload) never holds the whole prompt's KV on the
+    device. Activations are one chunk's, plus the (B, S, hidden) hidden states between layers. The chunks are
+    aligned to the end, so the last one is full (methods read the prompt's last queries from it)."""
+    decoder = model.get_decoder()
+    position = (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 1)  # transformers' positions for left padding
+    hidden = decoder.embed_tokens(ids)
+    rotary = {}
+    for index, begin, end in prompt_passes(cache, mask, chunk, len(decoder.layers)):
+        if index == 0:
+            rotary[begin] = decoder.rotary_emb(hidden[:, :1], position[:, begin:end])
+        out = decoder.layers[index](hidden[:, begin:end], attention_mask=None, position_ids=position[:, begin:end],
+                                    past_key_values=cache, use_cache=True, position_embeddings=rotary[begin],
+                                    sparsekv_cache=cache)
+        hidden[:, begin:end] = out[0] if isinstance(out, tuple) else out
+        yield (end - begin) * ids.shape[0]
+    return model.lm_head(decoder.norm(hidden[:, -1:]))[:, -1]
 
 
 def prompt_passes(cache, mask: torch.Tensor, chunk: int, num_layers: int) -> Iterator[tuple[int, int, int]]:

@@ -159,7 +159,7 @@ def test_capacity_is_checked_before_running(model):
         engine.generate(prompts((10,)), 0)
     with pytest.raises(ValueError, match="prompts are strings but the engine has no tokenizer"):
         engine.generate(["hello"], 5)
-    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or a finite number >= 0.0001"):
         Sampling(temperature=-1)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         Sampling(top_p=2)

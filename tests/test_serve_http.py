@@ -24,7 +24,7 @@ from sparsekv.spec import build_config  # noqa: E402
 from sparsekv.tiny import byte_tokenizer, tiny_model  # noqa: E402
 
 NAME = "tiny"
-MAX_BATCH, MAX_CONTEXT, MAX_QUEUE = 2, 512, 1
+MAX_BATCH, MAX_CONTEXT, MAX_QUEUE = 2, 2048, 1
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -33,7 +33,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
 def server():
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
-    model = tiny_model("llama", layers=2, max_positions=1024)
+    model = tiny_model("llama", layers=2, max_positions=MAX_CONTEXT)
     engine = ServingEngine(model, build_config("quest", 64), tokenizer=tokenizer, max_batch=MAX_BATCH,
                            max_context=MAX_CONTEXT, prefill_chunk=64, max_queue=MAX_QUEUE)
     app = create_app(engine, tokenizer, NAME)
@@ -166,7 +166,7 @@ def test_unknown_model_gives_404(client):
 
 def test_prompt_over_capacity_gives_400_naming_the_limit(client):
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=NAME, prompt=[5] * 500, max_tokens=100)
+        client.completions.create(model=NAME, prompt=[5] * (MAX_CONTEXT - 50), max_tokens=100)
     assert "max_context" in err.value.body["message"]
     check_still_serves(client)
 
@@ -235,14 +235,14 @@ def test_sigterm_finishes_the_running_stream_then_exits(tmp_path):
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        body = {"model": "tiny:llama", "prompt": "a", "max_tokens": 300, "stream": True, "ignore_eos": True,
+        body = {"model": "tiny:llama", "prompt": "a", "max_tokens": 200, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             proc.send_signal(signal.SIGTERM)
             data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
-        assert data[-1] == "[DONE]" and json.loads(data[-2])["usage"]["completion_tokens"] == 300
+        assert data[-1] == "[DONE]" and json.loads(data[-2])["usage"]["completion_tokens"] == 200
         assert proc.wait(timeout=30) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health")

@@ -307,7 +307,7 @@ class Service:
         self.loop = EngineLoop(engine)
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
-        self.vocab_size = engine.model.config.vocab_size
+        self.max_context = engine.runner.max_context
         self.draining = False
         self.created = int(time.time())
 
@@ -317,16 +317,13 @@ class Service:
                            param="model", code="model_not_found")
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        if isinstance(body.prompt, str):
-            ids = self.tokenizer(body.prompt).input_ids
-            if not ids:
-                raise APIError(400, "prompt: the prompt has no tokens", param="prompt", code="invalid_value")
-            return ids
-        bad = next((t for t in body.prompt if t >= self.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
-                           param="prompt", code="invalid_value")
-        return list(body.prompt)
+        """The prompt's token ids (ids given are checked against the vocabulary by the engine)."""
+        if isinstance(body.prompt, list):
+            return body.prompt
+        ids = self.tokenizer(body.prompt).input_ids
+        if not ids:
+            raise APIError(400, "prompt: the prompt has no tokens", param="prompt", code="invalid_value")
+        return ids
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
         if not self.chat_template:
@@ -342,7 +339,7 @@ class Service:
         if self.draining:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
         if max_tokens is None:  # a chat answer may take what the context leaves
-            max_tokens = max(self.engine.max_context - len(prompt), 1)
+            max_tokens = max(self.max_context - len(prompt), 1)
         sampling = Sampling(temperature=body.temperature, top_p=body.top_p)
         stops = () if body.ignore_eos else tuple(self.engine.stop_tokens_default)
         try:
@@ -479,7 +476,7 @@ def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.created,
-                                            "owned_by": "sparsekv", "max_model_len": engine.max_context}]}
+                                            "owned_by": "sparsekv", "max_model_len": service.max_context}]}
 
     @app.get("/health")
     async def health():

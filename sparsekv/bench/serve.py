@@ -1,0 +1,500 @@
+"""Serving under load: a load generator against continuous batching (``sparsekv.serve``), dense and each method in
+one run, directly through the engine and through the HTTP server with a real client (``openai``).
+
+    python -m sparsekv.bench.serve --methods dense quest --requests 64 --rate inf --prompt-len 32768 131072 \\
+        --output-len 256 256 --max-batch 64 --static
+    python -m sparsekv.bench.serve --methods dense quest raas --concurrency 8 --requests 32 \\
+        --prompt-len 512 512 --output-len 8192 8192 --max-batch 64 --kv-memory-gib 20
+    python -m sparsekv.bench.serve --capacity --methods dense omnikv:offload=true quest --requests 64 \\
+        --prompt-len 131072 131072 --output-len 256 256 --max-batch 64
+    python -m sparsekv.bench.serve --model tiny:llama --device cpu --requests 6 --prompt-len 16 64 \\
+        --output-len 4 16 --max-batch 4       # smoke test
+
+Arrivals: Poisson at ``--rate`` requests/s (``inf``: all at once, a saturating load), or ``--concurrency N``
+clients that each send their next request when the last one ends. Prompt lengths (random token ids) and output
+lengths (the model's end-of-sequence tokens ignored, so each request makes exactly its tokens) are drawn uniformly
+from the given ranges, the same workload for every method. Per run: output tokens/s and requests/s over the run,
+time to first token (submit to the first token) and time per output token ((last - first token) / (tokens - 1)) at
+p50/p90/p99, the decode step (median engine step without prefill work, engine runs), the running and queued
+requests over time (the engine's metrics), the most requests running at once, peak device memory
+(``torch.cuda.max_memory_allocated``), peak host RSS and host KV (offload). ``--static`` also times the static
+engine's step (``sparsekv.engine.Engine``) at the run's median running batch, on prompts of the workload's lengths.
+
+Admission is by memory (``--kv-memory-gib``; on CUDA by default what the device leaves free after the weights,
+less a margin) and rows (``--max-batch``). ``--capacity`` stops each run once requests wait that memory cannot
+admit and nothing is prefilling (or once every request is in): its ``max_running`` is the method's capacity.
+
+``shape:<name>`` (the default, Llama-3-8B) is a random-weight model of that shape on the device, served with a
+stand-in tokenizer (one word per token id). Writes ``<tag>.json``, ``<tag>.md`` and ``<tag>.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import math
+import random
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..engine import Engine
+from ..errors import ConfigError
+from ..eval.base import EvalError
+from ..eval.runner import method_runs
+from ..methods import METHODS
+from ..models import load_model, resolve_device, resolve_dtype
+from ..serve import Request, ServingEngine
+from ..spec import budget_arg
+from .common import device_name, markdown_table, shape_model, write_results
+from .e2e import random_fill
+
+GIB = 2**30
+# Device memory left out of the default KV memory: activations of the prefill chunk and the decode step.
+HEADROOM = 0.1
+# Seconds between samples of the engine's metrics during an HTTP run (engine runs sample every step).
+SAMPLE_EVERY = 0.05
+# Steps in a row with requests waiting, none prefilling and none admitted that show memory is full (--capacity).
+STALL_STEPS = 3
+# Decode steps of the static engine's run (--static), of which the first two (eager, capture) are not timed.
+STATIC_STEPS = 16
+
+
+@dataclass
+class Work:
+    """One request of the workload: when it arrives (seconds from the start; None with a fixed concurrency), its
+    prompt and how many tokens it makes."""
+
+    at: float | None
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Record:
+    """What one request saw: submit time, each token's arrival (in pieces), its token count."""
+
+    submitted: float
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    done: bool = False
+
+    def tokens_in(self, at: float, count: int) -> None:
+        if count:
+            self.first = at if self.first is None else self.first
+            self.last = at
+            self.tokens += count
+
+
+@dataclass
+class Trace:
+    """A run's records, (time, running, queued, prefilling, KV bytes in use, host KV bytes, RSS) samples, decode
+    step times and start/end."""
+
+    records: list[Record] = field(default_factory=list)
+    samples: list[tuple] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)
+    start: float = 0.0
+    end: float = 0.0
+    stopped_early: bool = False
+
+    def sample(self, metrics: dict) -> None:
+        self.samples.append((time.perf_counter() - self.start, metrics["running"], metrics["queued"],
+                             metrics["prefilling"], metrics["kv_bytes_in_use"], metrics["host_kv_bytes"], rss()))
+
+
+def rss() -> int:
+    """This process's resident memory in bytes (Linux: /proc; elsewhere its peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def workload(args, vocab: int) -> list[Work]:
+    rng = random.Random(args.seed)
+    out, at = [], 0.0
+    for _ in range(args.requests):
+        if args.concurrency is None and math.isfinite(args.rate):
+            at += rng.expovariate(args.rate)
+        length = rng.randint(*args.prompt_len)
+        prompt = [rng.randrange(vocab) for _ in range(length)]
+        out.append(Work(None if args.concurrency else at, prompt, rng.randint(*args.output_len)))
+    return out
+
+
+class Saturated:
+    """--capacity: whether memory keeps the queue waiting (``STALL_STEPS`` steps in a row with requests queued,
+    none prefilling and the running count unchanged) or every request is in."""
+
+    def __init__(self):
+        self.still, self.running = 0, -1
+
+    def __call__(self, m: dict, pending: int) -> bool:
+        if not m["queued"] and not m["prefilling"] and not pending:
+            return True
+        blocked = m["queued"] and not m["prefilling"] and m["running"] == self.running
+        self.still = self.still + 1 if blocked else 0
+        self.running = m["running"]
+        return self.still >= STALL_STEPS
+
+
+def run_engine(engine: ServingEngine, work: list[Work], concurrency: int | None, capacity: bool) -> Trace:
+    """Submits the workload to ``engine`` at its arrival times (or ``concurrency`` at a time) and steps it in this
+    thread until every request is done (``capacity``: until memory is full), recording every event."""
+    trace = Trace(start=time.perf_counter())
+    pending = list(work)
+    live: dict[int, Record] = {}
+    saturated = Saturated() if capacity else None
+    while pending or engine.has_work():
+        now = time.perf_counter() - trace.start
+        while pending and (len(live) < concurrency if concurrency else pending[0].at <= now):
+            w = pending.pop(0)
+            rid = engine.submit(Request(prompt=w.prompt, max_tokens=w.max_tokens, stop_tokens=()))
+            live[rid] = Record(time.perf_counter() - trace.start)
+            trace.records.append(live[rid])
+        if not engine.has_work():
+            time.sleep(max(pending[0].at - now, 0))
+            continue
+        before = engine.metrics()
+        began = time.perf_counter()
+        events = engine.step()
+        ended = time.perf_counter()
+        if not before["prefilling"] and not before["queued"]:
+            trace.steps.append(ended - began)
+        for event in events:
+            record = live[event.request_id]
+            record.tokens_in(ended - trace.start, len(event.tokens))
+            if event.finished:
+                record.done = True
+                del live[event.request_id]
+        metrics = engine.metrics()
+        trace.sample(metrics)
+        if saturated is not None and saturated(metrics, len(pending)):
+            trace.stopped_early = bool(live or pending)
+            break
+    trace.end = time.perf_counter() - trace.start
+    for rid in list(live):  # --capacity: what still runs or waits
+        engine.cancel(rid)
+    while engine.has_work():
+        engine.step()
+    return trace
+
+
+def stand_in_tokenizer(vocab: int):
+    """A tokenizer for a random-weight model: token id i is the word ``w<i>`` (so that every token has text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+
+
+def run_http(engine: ServingEngine, tokenizer, work: list[Work], concurrency: int | None, capacity: bool) -> Trace:
+    """The same workload through the HTTP server (in a thread of this process, on 127.0.0.1) with the ``openai``
+    client: streamed completions of token-id prompts; tokens are counted from each stream's usage."""
+    import httpx
+    import openai
+
+    from ..serve.server import create_app, running
+
+    app = create_app(engine, tokenizer, "bench")
+    loop = app.state.service.loop
+    trace = Trace()
+    with running(app) as url:
+        async def main() -> None:
+            http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                                     timeout=httpx.Timeout(None))
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, http_client=http)
+            trace.start = time.perf_counter()
+            saturated = Saturated() if capacity else None
+            slots = asyncio.Semaphore(concurrency or len(work))
+            tasks: list[asyncio.Task] = []
+
+            async def one(w: Work) -> None:
+                async with slots:
+                    record = Record(time.perf_counter() - trace.start)
+                    trace.records.append(record)
+                    stream = await client.completions.create(
+                        model="bench", prompt=w.prompt, max_tokens=w.max_tokens, temperature=0, stream=True,
+                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                    async for chunk in stream:
+                        now = time.perf_counter() - trace.start
+                        if chunk.usage is not None:
+                            # pieces are text, not tokens: the first and last times are exact, the count is usage's
+                            record.tokens = chunk.usage.completion_tokens
+                            record.done = True
+                        elif chunk.choices and chunk.choices[0].text:
+                            record.first = now if record.first is None else record.first
+                            record.last = now
+
+            async def sample() -> None:
+                while True:
+                    trace.sample(loop.metrics)
+                    waiting = len(work) - len(trace.records) + sum(r.first is None for r in trace.records)
+                    if saturated is not None and saturated(loop.metrics, waiting):
+                        trace.stopped_early = True
+                        for t in tasks:
+                            t.cancel()
+                        return
+                    await asyncio.sleep(SAMPLE_EVERY)
+
+            sampler = asyncio.create_task(sample())
+            for w in work:
+                if w.at is not None:
+                    await asyncio.sleep(max(w.at - (time.perf_counter() - trace.start), 0))
+                tasks.append(asyncio.create_task(one(w)))
+            await asyncio.gather(*tasks, return_exceptions=capacity)
+            trace.end = time.perf_counter() - trace.start
+            sampler.cancel()
+            await http.aclose()
+
+        asyncio.run(main())
+    return trace
+
+
+def quantiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    values = sorted(values)
+
+    def at(q: float) -> float:
+        return values[min(int(q * len(values)), len(values) - 1)]
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+def summarize(trace: Trace) -> dict:
+    done = [r for r in trace.records if r.done]
+    tokens = sum(r.tokens for r in trace.records)
+    ttft = quantiles([r.first - r.submitted for r in trace.records if r.first is not None])
+    tpot = quantiles([(r.last - r.first) / (r.tokens - 1) for r in done if r.tokens > 1 and r.first is not None])
+    decoding = [s[1] for s in trace.samples if s[1] and not s[3]]
+    return {"duration_s": trace.end, "requests_done": len(done), "output_tokens": tokens,
+            "output_tokens_per_s": tokens / trace.end if trace.end else None,
+            "requests_per_s": len(done) / trace.end if trace.end else None,
+            **{f"ttft_{k}_ms": None if v is None else 1e3 * v for k, v in ttft.items()},
+            **{f"tpot_{k}_ms": None if v is None else 1e3 * v for k, v in tpot.items()},
+            "step_p50_ms": 1e3 * statistics.median(trace.steps) if trace.steps else None,
+            "max_running": max((s[1] for s in trace.samples), default=0),
+            "median_running": statistics.median(decoding) if decoding else None,
+            "peak_kv_gib": max((s[4] for s in trace.samples), default=0) / GIB,
+            "peak_host_kv_gib": max((s[5] for s in trace.samples), default=0) / GIB,
+            "peak_rss_gib": max((s[6] for s in trace.samples), default=rss()) / GIB,
+            "stopped_at_capacity": trace.stopped_early}
+
+
+def static_step_ms(model, config, work: list[Work], batch: int, args) -> float:
+    """The static engine's median decode step at ``batch`` rows, prompts of the workload's first lengths (random
+    keys and values instead of a prefill beyond ``--max-prefill`` tokens)."""
+    rows = [w.prompt for w in work[:batch]]
+    rows += [work[i % len(work)].prompt for i in range(len(rows), batch)]
+    engine = Engine(model, config, max_batch=batch, max_context=max(map(len, rows)) + STATIC_STEPS,
+                    prefill_chunk=args.prefill_chunk, compile=args.compile)
+    real = sum(map(len, rows)) <= args.max_prefill
+    out = engine.generate(rows, STATIC_STEPS, stop_tokens=(), time_steps=True,
+                          prefill=None if real else random_fill(model))
+    return 1e3 * statistics.median(out.step_seconds[2:] or out.step_seconds)
+
+
+def default_kv_memory(device: torch.device) -> int | None:
+    """On CUDA what the device leaves free now, less ``HEADROOM`` of it; elsewhere None (the engine's own)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * (1 - HEADROOM))
+
+
+def markdown(meta: dict, rows: list[dict]) -> list[str]:
+    def ms(key):
+        return (key, key, "{:.1f}")
+    columns = [("method", "spec", "{}"), ("budget", "budget", "{}"), ("via", "via", "{}"),
+               ("done", "requests_done", "{}"), ("out tok/s", "output_tokens_per_s", "{:.1f}"),
+               ("req/s", "requests_per_s", "{:.3f}"), ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"),
+               ("TTFT p90", "ttft_p90_ms", "{:.0f}"), ("TTFT p99", "ttft_p99_ms", "{:.0f}"),
+               ("TPOT p50 ms", "tpot_p50_ms", "{:.2f}"), ("TPOT p90", "tpot_p90_ms", "{:.2f}"),
+               ("TPOT p99", "tpot_p99_ms", "{:.2f}"), ("step p50 ms", "step_p50_ms", "{:.2f}"),
+               ("static step ms", "static_step_ms", "{:.2f}"), ("TPOT / static", "tpot_vs_static", "{:.2f}x"),
+               ("max running", "max_running", "{}"), ("median running", "median_running", "{:.0f}"),
+               ("vs dense tok/s", "vs_dense", "{:.2f}x"), ("peak device GiB", "peak_device_gib", "{:.1f}"),
+               ("peak KV GiB", "peak_kv_gib", "{:.2f}"), ("host KV GiB", "peak_host_kv_gib", "{:.2f}"),
+               ("peak RSS GiB", "peak_rss_gib", "{:.1f}")]
+    kv = meta["kv_memory_bytes"]
+    kv = "max batch x max context" if kv is None else f"{kv / GIB:.3g} GiB"
+    load = (f"{meta['concurrency']} clients at a time" if meta["concurrency"] else
+            "all at once" if not math.isfinite(meta["rate"]) else f"Poisson arrivals at {meta['rate']} requests/s")
+    lines = [f"# Serving under load ({meta['model']}, {meta['device_name']}, {meta['dtype']})", "",
+             f"{meta['requests']} requests, {load}; prompts of {meta['prompt_len'][0]}-{meta['prompt_len'][1]} "
+             f"tokens, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens; max batch "
+             f"{meta['max_batch']}, KV memory {kv}"
+             f"{'; --capacity: runs stop once memory keeps requests waiting' if meta['capacity'] else ''}. "
+             f"via engine: the engine stepped in the bench's thread; via http: the server in this process, the "
+             f"openai client streaming. Command: `{meta['command']}`", ""]
+    lines += markdown_table(columns, rows)
+    if meta["out_of_memory"]:
+        lines += ["", "Out of device memory: " + "; ".join(meta["out_of_memory"]) + "."]
+    return lines
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for r in rows:
+        t = [s[0] for s in r["series"]]
+        line, = left.plot(t, [s[1] for s in r["series"]], label=f"{r['spec']} {r['via']} running")
+        left.plot(t, [s[2] for s in r["series"]], linestyle="--", color=line.get_color(), alpha=0.6)
+    left.set(xlabel="seconds", ylabel="requests", title="running (solid) and queued (dashed)")
+    left.legend(fontsize=7)
+    labels = [f"{r['spec']}\n{r['via']}" for r in rows]
+    right.bar(range(len(rows)), [r["output_tokens_per_s"] or 0 for r in rows])
+    right.set_xticks(range(len(rows)), labels, fontsize=7)
+    right.set(ylabel="output tokens/s", title="throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _range(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a length >= 1, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sparsekv.bench.serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="shape:llama3-8b",
+                        help="shape:<name>, tiny:<arch>, a model directory or a GGUF file")
+    parser.add_argument("--methods", nargs="+", default=["dense", "quest"],
+                        help=f"NAME or NAME:FIELD=VALUE,... with NAME in {', '.join(METHODS)}")
+    parser.add_argument("--budget", type=budget_arg, default=2048,
+                        help="token budget of the methods that take one (OmniKV also a fraction such as 0.1)")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, default=float("inf"),
+                      help="Poisson arrivals, requests per second (inf, the default: all at once)")
+    load.add_argument("--concurrency", type=int, help="this many requests in flight at a time")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=_range, nargs=2, default=[32768, 131072], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=_range, nargs=2, default=[256, 256], metavar=("MIN", "MAX"))
+    parser.add_argument("--via", nargs="+", choices=["engine", "http"], default=["engine", "http"],
+                        help="drive the engine directly, through the HTTP server, or both (each method)")
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--prefill-chunk", type=int, default=8192)
+    parser.add_argument("--kv-memory-gib", type=float, default=None,
+                        help="KV memory admission may fill (default on CUDA: the free device memory after the "
+                             "weights less 10%%; on the CPU the engine's own, max batch x max context)")
+    parser.add_argument("--capacity", action="store_true",
+                        help="stop each run once memory keeps requests waiting: max running is the capacity")
+    parser.add_argument("--static", action="store_true",
+                        help="also time the static engine's step at each run's median running batch")
+    parser.add_argument("--max-prefill", type=int, default=131072,
+                        help="--static: prompt tokens up to which its prompts are really prefilled")
+    parser.add_argument("--compile", action="store_true", help="ServingEngine(compile=True)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--tag", default="serve")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    try:
+        runs = method_runs(args.methods, [args.budget])
+        for name, value, least in (("--requests", args.requests, 1), ("--max-batch", args.max_batch, 1),
+                                   ("--concurrency", args.concurrency or 1, 1)):
+            if value < least:
+                raise ConfigError(name, f"an integer >= {least}", value)
+        if not args.rate > 0:
+            raise ConfigError("--rate", "a number of requests per second > 0 (inf: all at once)", args.rate)
+        for name, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
+            if low > high:
+                raise ConfigError(name, "MIN <= MAX", f"{low} {high}")
+    except (ConfigError, EvalError) as err:
+        print(f"sparsekv.bench.serve: error: {err}", file=sys.stderr)
+        return 2
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    max_context = args.prompt_len[1] + args.output_len[1]
+    if args.model.startswith("shape:"):
+        model = shape_model(args.model[len("shape:"):], device, dtype, max_context + STATIC_STEPS)
+        tokenizer = stand_in_tokenizer(model.config.vocab_size)
+    else:
+        loaded = load_model(args.model, device, dtype)
+        model, tokenizer = loaded.model, loaded.tokenizer
+    work = workload(args, model.config.vocab_size)
+    kv_memory = int(args.kv_memory_gib * GIB) if args.kv_memory_gib is not None else default_kv_memory(device)
+    meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "device_name": device_name(device),
+            "torch": torch.__version__, "requests": args.requests, "rate": args.rate,
+            "concurrency": args.concurrency, "prompt_len": args.prompt_len, "output_len": args.output_len,
+            "max_batch": args.max_batch, "kv_memory_bytes": kv_memory,
+            "capacity": args.capacity, "out_of_memory": [],
+            "command": "python -m sparsekv.bench.serve " + " ".join(argv)}
+    rows: list[dict] = []
+
+    def save() -> None:
+        dense = {r["via"]: r["output_tokens_per_s"] for r in rows if r["method"] == "dense"}
+        for r in rows:
+            base = dense.get(r["via"])
+            r["vs_dense"] = r["output_tokens_per_s"] / base if base and r["output_tokens_per_s"] else None
+        write_results(args.out, args.tag, meta, [{k: v for k, v in r.items() if k != "series"} for r in rows],
+                      markdown(meta, rows), series={f"{r['spec']} {r['via']}": r["series"] for r in rows},
+                      series_columns=["seconds", "running", "queued", "prefilling", "kv_bytes", "host_kv_bytes",
+                                      "rss_bytes"])
+
+    for run in runs:
+        for via in args.via:
+            label = f"{run.label} via {via}"
+            try:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                engine = ServingEngine(model, run.config, tokenizer=tokenizer, max_batch=args.max_batch,
+                                       max_context=max_context, prefill_chunk=args.prefill_chunk,
+                                       max_queue=args.requests, compile=args.compile, kv_memory_bytes=kv_memory)
+                trace = (run_engine(engine, work, args.concurrency, args.capacity) if via == "engine" else
+                         run_http(engine, tokenizer, work, args.concurrency, args.capacity))
+                del engine
+                row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,
+                       **summarize(trace), "peak_device_gib": (torch.cuda.max_memory_allocated(device) / GIB
+                                                               if device.type == "cuda" else None),
+                       "series": trace.samples}
+                if args.static and row["median_running"]:
+                    batch = max(round(row["median_running"]), 1)
+                    row["static_batch"] = batch
+                    row["static_step_ms"] = static_step_ms(model, run.config, work, batch, args)
+                    row["tpot_vs_static"] = (row["tpot_p50_ms"] / row["static_step_ms"]
+                                             if row["tpot_p50_ms"] else None)
+            except torch.OutOfMemoryError:
+                meta["out_of_memory"].append(label)
+                print(f"{label:>32}: out of device memory", flush=True)
+                continue
+            finally:
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            save()
+            print(f"{label:>32}: {row['output_tokens_per_s']:.1f} output tok/s, {row['requests_done']} done, TTFT "
+                  f"p50 {row['ttft_p50_ms'] or 0:.0f} ms, TPOT p50 {row['tpot_p50_ms'] or 0:.2f} ms, max running "
+                  f"{row['max_running']}", flush=True)
+    save()
+    plot(args.out / f"{args.tag}.png", rows)
+    print((args.out / f"{args.tag}.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

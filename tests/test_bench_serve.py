@@ -1,0 +1,48 @@
+"""The serving benchmark runs through the engine and through the HTTP server and writes its results (timings
+themselves are not tested)."""
+
+import json
+
+import pytest
+
+from sparsekv.bench.serve import main
+
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
+
+def test_serve_bench_smoke(tmp_path):
+    assert main(["--model", "shape:tiny", "--device", "cpu", "--methods", "dense", "quest", "--budget", "32",
+                 "--requests", "5", "--rate", "40", "--prompt-len", "16", "48", "--output-len", "3", "9",
+                 "--max-batch", "3", "--static", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "serve.json").read_text())
+    rows = result["rows"]
+    assert [(r["method"], r["via"]) for r in rows] == [("dense", "engine"), ("dense", "http"), ("quest", "engine"),
+                                                       ("quest", "http")]
+    for r in rows:
+        assert r["requests_done"] == 5 and 5 * 3 <= r["output_tokens"] <= 5 * 9
+        assert r["output_tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0 and r["tpot_p99_ms"] >= r["tpot_p50_ms"]
+        assert 1 <= r["max_running"] <= 3 and r["static_step_ms"] > 0
+    # the same workload for every run: the same tokens
+    assert len({r["output_tokens"] for r in rows}) == 1
+    series = result["series"]["quest engine"]
+    assert max(s[1] for s in series) <= 3 and len(series[0]) == len(result["series_columns"])
+    assert "| quest | 32 | http | 5 |" in (tmp_path / "serve.md").read_text()
+    assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_capacity_mode_stops_when_memory_is_full(tmp_path):
+    """KV memory for about two dense requests of 128 tokens: dense runs two at once, RaaS (which holds its budget)
+    more; the run stops there instead of decoding every token."""
+    assert main(["--model", "tiny:llama", "--device", "cpu", "--methods", "dense", "raas:page_size=8", "--budget",
+                 "32", "--requests", "8", "--prompt-len", "64", "64", "--output-len", "64", "64", "--max-batch", "8",
+                 "--kv-memory-gib", str(2.5 * 128 * 1024 / 2**30), "--capacity", "--via", "engine", "--out",
+                 str(tmp_path), "--tag", "cap"]) == 0
+    rows = json.loads((tmp_path / "cap.json").read_text())["rows"]
+    assert rows[0]["max_running"] == 2 and rows[1]["max_running"] > 2
+    assert all(r["stopped_at_capacity"] and r["requests_done"] == 0 for r in rows)
+
+
+def test_serve_bench_refuses_bad_options(tmp_path, capsys):
+    assert main(["--model", "tiny:llama", "--prompt-len", "9", "3", "--out", str(tmp_path)]) == 2
+    assert "--prompt-len must be MIN <= MAX" in capsys.readouterr().err

@@ -177,6 +177,34 @@ def capture_graph(step: Step) -> Step:
     return graph.replay
 
 
+class CapturedStep:
+    """A decode step over ``cache`` (a ``SparseKVCache``) run again and again: eagerly the first time (compiling
+    kernels and creating lazily made state), captured by ``capture`` the second time (None: eager every time) and
+    replayed after, the cache's host counters advanced for each replay."""
+
+    def __init__(self, step: Step, cache, capture: Callable[[Step], Step] | None):
+        self.step, self.cache, self.capture = step, cache, capture
+        self.replay: Step | None = None
+        self.runs = 0
+        self.per_step = 0  # the statistics' rows per step
+
+    @property
+    def captured(self) -> bool:
+        return self.capture is not None
+
+    def __call__(self) -> None:
+        if self.replay is not None:
+            self.replay()
+            self.cache.replayed(1, self.per_step)
+        elif self.capture is not None and self.runs >= 1:
+            rows_before = self.cache.stats.rows
+            self.replay = self.capture(self.step)  # runs the step once
+            self.per_step = self.cache.stats.rows - rows_before
+        else:
+            self.step()
+        self.runs += 1
+
+
 class Engine:
     """Generation with ``config``'s method on ``model`` (a supported transformers causal LM, see ``apply``).
 
@@ -380,20 +408,12 @@ class Engine:
         synchronize(self.device)
         start = time.perf_counter()
         ran, shown = 0, 0
-        run = step
-        captured = self.capture is not None and remaining >= 2
+        run = CapturedStep(step, cache, self.capture if remaining >= 2 else None)
         timer = Timer(self.device) if time_steps else None
         step_seconds = []
         while ran < remaining:
             with timer.region() if timer is not None else contextlib.nullcontext() as elapsed:
-                if captured and ran == 1:
-                    rows_before = cache.stats.rows
-                    run = self.capture(step)  # runs the step once
-                    per_step = cache.stats.rows - rows_before
-                else:
-                    run()
-                    if run is not step:
-                        cache.replayed(1, per_step)
+                run()
             if timer is not None:
                 step_seconds.append(elapsed.seconds)
             ran += 1
@@ -406,7 +426,7 @@ class Engine:
                     break
         synchronize(self.device)
         seconds = time.perf_counter() - start
-        return out[:, :ran + 1], nll, ran, captured, seconds, step_seconds if timer is not None else None
+        return out[:, :ran + 1], nll, ran, run.captured, seconds, step_seconds if timer is not None else None
 
 
 def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor,

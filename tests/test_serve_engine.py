@@ -4,6 +4,7 @@ finishing early (stop token, max_tokens) or cancelled; rows are freed and reused
 
 import pytest
 import torch
+from graph_replay import emulated_graph
 
 from sparsekv import (DenseConfig, H2OConfig, OmniKVConfig, QuestConfig, RaaSConfig, SnapKVConfig,
                       StreamingLLMConfig, TOVAConfig)
@@ -94,6 +95,21 @@ def test_batching_changes_no_result(model, name):
     assert metrics["generated_tokens"] == sum(len(t) for t in tokens.values())
 
 
+@pytest.mark.parametrize("name", CONFIGS)
+def test_captured_steps_give_the_eager_tokens(model, name):
+    """Each batch size's step is captured once (an emulated CUDA graph on the CPU) and replayed, over rows that
+    join, move and leave between replays."""
+    config = CONFIGS[name]
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new, _ in PLAN]
+    eager, _ = run(ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK), requests)
+    engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+    engine.runner.engine.capture = emulated_graph
+    replayed, _ = run(engine, requests)
+    assert replayed == eager
+    runs = {n: step.runs for (n, _), (_, step) in engine.runner.steps.items() if step.replay is not None}
+    assert {2, 3} <= set(runs) and all(r > 2 for r in runs.values())
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model):
     config = CONFIGS["quest"]
     hot = Sampling(temperature=1.5, top_p=0.95, top_k=50)
@@ -103,9 +119,11 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model):
     for _, request in requests:
         engine = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK)
         alone.append(run(engine, [(0, request)])[0][0])
-    engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
-    batched, _ = run(engine, requests)
-    assert [batched[i] for i in range(3)] == alone
+    for capture in (None, emulated_graph):
+        engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+        engine.runner.engine.capture = capture
+        batched, _ = run(engine, requests)
+        assert [batched[i] for i in range(3)] == alone
     other = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK)
     reseeded = Request(prompt=prompt(31), max_tokens=10, sampling=hot, seed=32)
     assert run(other, [(0, reseeded)])[0][0] != alone[0]
@@ -123,6 +141,26 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(model):
         produced += sum(len(e.tokens) for e in events if e.request_id == first)
         assert engine.metrics()["prefilling"] == 1
     assert produced == 3
+
+
+def test_cancelled_requests_free_their_rows_wherever_they_are(model):
+    engine = ServingEngine(model, CONFIGS["quest"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
+    ids = [engine.submit(Request(prompt=prompt(n), max_tokens=50)) for n in (20, 30, 100, 40)]
+    for _ in range(3):
+        engine.step()
+    metrics = engine.metrics()
+    assert (metrics["running"], metrics["prefilling"], metrics["queued"], metrics["free_rows"]) == (2, 0, 2, 0)
+    engine.step()  # the third request starts its prefill once a row is free: none is
+    for rid in ids:
+        engine.cancel(rid)
+    engine.cancel(12345)  # unknown: nothing happens
+    events = engine.step()
+    assert sorted(e.request_id for e in events) == ids
+    assert all(e.finished and e.finish_reason == "cancelled" for e in events)
+    metrics = engine.metrics()
+    assert metrics["free_rows"] == 2 and metrics["kv_bytes_in_use"] == 0 and not engine.has_work()
+    engine.cancel(ids[0])  # finished: nothing happens
+    assert engine.step() == []
 
 
 def test_queue_full_and_requests_that_never_fit(model):

@@ -1,9 +1,22 @@
 """The model's side of serving: a request's prefill in passes, and one decode step over the running rows.
 
-Each request's prompt runs through ``engine.prefill_passes`` into a cache of its own (batch 1, with its own method
-state), a few passes per call, so that the scheduler interleaves it with the decode steps. Once the prompt is in,
-the request takes a row; a decode step runs every running row and draws each row's token under its own sampling
-and seed (``engine.draw``, ``engine.counter_noise``), so that a request's tokens do not depend on its neighbours.
+A pool, as data::
+
+    a cache of max_batch rows (every layer allocated once, each row sized for any request of max_context tokens)
+    + the method's state for those rows + per-row next token, sampling, seed and token index
+    running rows packed low: rows [0, n) run, n = the running requests; a request that ends gives its row to the
+    last running one (its pages, bounds and state copied over), so a step runs over rows [0, n) only
+
+    prompt -> a cache of one row with a method of its own (``engine.prefill_passes``, a few passes per call, so
+           that the scheduler interleaves it with the decode steps) -> copied into row n (``PagedLayer.copy_row``,
+           ``Method.copy_row``) -> decoded with the others
+
+A decode step over rows [0, n) runs on views of the pool (``PagedKVCache.rows``, ``Method.rows``) and draws each
+row's token under its own sampling and seed (``engine.draw``, ``engine.counter_noise``), so a request's tokens do
+not depend on which requests share its step. Each batch size n (and whether any row samples) has its step, run
+eagerly once, then captured as a CUDA graph and replayed (``engine.CapturedStep``); the host reads the step's new
+tokens once per step. Under tensor parallelism every process would hold the same pool over its heads and run the
+same calls in the same order; one process serves HTTP and broadcasts the scheduler's decisions (not done here).
 """
 
 from __future__ import annotations
@@ -14,7 +27,8 @@ from typing import Generator
 import torch
 
 from .. import parallel
-from ..engine import Engine, Sampling, counter_noise, draw, prefill_passes
+from ..cache import PagedLayer
+from ..engine import CapturedStep, Engine, Sampling, argmax, counter_noise, draw, prefill_passes
 from ..integrations import apply
 from ..integrations.decode import DecodeModel
 from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
@@ -22,8 +36,8 @@ from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_win
 
 @dataclass
 class Prefill:
-    """A request's prompt on its way in: its cache, the passes still to run, and the last column's logits (1, V)
-    once they have all run."""
+    """A request's prompt on its way in: its cache of one row, the passes still to run, and the last column's
+    logits (1, V) once they have all run."""
 
     cache: SparseKVCache
     passes: Generator
@@ -31,20 +45,9 @@ class Prefill:
     logits: torch.Tensor | None = None
 
 
-@dataclass
-class _Row:
-    """A running request: its cache, its next input token (1, 1), its sampling and seed, and its tokens so far."""
-
-    cache: SparseKVCache
-    token: torch.Tensor
-    sampling: Sampling
-    seed: int
-    count: int
-
-
 class Runner:
     """Runs ``config``'s method on ``model`` for up to ``max_batch`` requests at once (see ``Engine`` for the
-    arguments, validated the same way)."""
+    arguments, validated the same way). Requests are known by a key the caller gives (``join``)."""
 
     def __init__(self, model, config, *, max_batch: int, max_context: int | None, prefill_chunk: int,
                  cuda_graph: bool | None, compile: bool):
@@ -58,33 +61,63 @@ class Runner:
         # About one chunk of the prompt through every layer per call of ``prefill``.
         self.prefill_budget = prefill_chunk * self.num_layers
         self.window = _sliding_window(model.config)
-        self.rows: dict[int, _Row] = {}
         self.decoder = DecodeModel(model, self.engine.parts)
-        layer = model.get_decoder().layers[0].self_attn
-        kv_heads = model.config.num_key_value_heads // parallel.size(parallel.head_group(model))
-        self.token_bytes = 2 * kv_heads * layer.head_dim * next(model.parameters()).element_size() * self.num_layers
+        self.tp_group = parallel.head_group(model)
+
+        attn = model.get_decoder().layers[0].self_attn
+        kv_heads = model.config.num_key_value_heads // parallel.size(self.tp_group)
+        dtype = next(model.parameters()).dtype
+        self.method = config.build(self.num_layers)
+        self.method.tp_group = self.tp_group
+        self.pool = SparseKVCache(self.method, DecodeStats(tp_group=self.tp_group), self.window)
+        pages = self.pool.pages
+        page = config.page_size
+        pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, slots, dtype, self.device)
+                        for slots in self.method.pool_pages(self.max_context)]
+        pages.lengths = [0] * max_batch
+        pages.seq_len = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        pages.in_prompt = False
+        self.method.start_pool(pages.layers, self.max_context)
+        self.request_config = self.method.request_config()
+        self.token_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize
+        self.page_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize if page > 1 else 0  # key bounds
+
+        def per_row(fill, dtype):
+            return torch.full((max_batch,), fill, dtype=dtype, device=self.device)
+
+        self.token = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)  # each row's next input
+        self.temperature, self.top_p = per_row(0.0, torch.float32), per_row(1.0, torch.float32)
+        self.top_k, self.seed, self.index = per_row(0, torch.long), per_row(0, torch.long), per_row(0, torch.long)
+        self.keys: list = []  # the request running in each row, rows [0, n)
+        self.sampled: list[bool] = []
+        self.prompt_lens: list[int] = []
+        self.steps: dict[tuple[int, bool], tuple[SparseKVCache, CapturedStep]] = {}
 
     @property
     def free_rows(self) -> int:
-        return self.max_batch - len(self.rows)
+        return self.max_batch - len(self.keys)
 
     def kv_bytes(self, prompt_len: int, total: int) -> int:
-        """KV bytes a request of ``prompt_len`` prompt tokens and ``total`` tokens in all holds at most."""
-        method = self.config.build(self.num_layers)
-        return method.planned_tokens([prompt_len], total) * self.token_bytes
+        """KV bytes (device and host) a request of ``prompt_len`` prompt tokens and ``total`` tokens in all holds at
+        most: its keys and values, and the key bounds of its pages."""
+        device = self.method.held_tokens(prompt_len, total)
+        pages = -(-device // self.config.page_size) + self.num_layers
+        return device * self.token_bytes + pages * self.page_bytes + self.method.host_tokens(prompt_len) * \
+            self.token_bytes
 
     def capacity_bytes(self) -> int:
-        """KV bytes of ``max_batch`` rows of ``max_context`` tokens."""
-        return self.max_batch * self.kv_bytes(self.max_context, self.max_context)
+        """Bytes of the pool's keys, values and key bounds on the device, and of its host store."""
+        return self.pool.pages.resident_bytes() + self.method.offloaded_bytes()
 
     def host_bytes(self) -> int:
-        return sum(row.cache.offloaded_bytes() for row in self.rows.values())
+        """Bytes of KV in host memory: the pool's host store."""
+        return self.method.offloaded_bytes()
 
     def start(self, prompt: list[int]) -> Prefill:
-        """A prefill of ``prompt`` into a cache of its own."""
-        method = self.config.build(self.num_layers)
-        method.tp_group = parallel.head_group(self.model)
-        cache = SparseKVCache(method, DecodeStats(tp_group=method.tp_group), self.window)
+        """A prefill of ``prompt`` into a cache of one row, with a method of its own."""
+        method = self.request_config.build(self.num_layers)
+        method.tp_group = self.tp_group
+        cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         cache.pages.planned_tokens = method.planned_tokens([len(prompt)], self.max_context)
         passes = prefill_passes(self.model, cache, ids, torch.ones_like(ids), self.engine.prefill_chunk)
@@ -104,50 +137,88 @@ class Runner:
         return max(used, 1)
 
     def first_token(self, job: Prefill, sampling: Sampling, seed: int) -> int:
-        """The request's first new token, drawn from its prompt's logits."""
-        return self._draw(job.logits, [sampling], [seed], [0])[0]
+        """The request's first new token, drawn from its prompt's logits (token index 0)."""
+        one = torch.ones(1, dtype=torch.long, device=self.device)
+        return int(sampling(job.logits, one * seed, one * 0)[0])
 
-    def join(self, job: Prefill, first: int, sampling: Sampling, seed: int) -> int:
-        """Makes the prefilled request a running row whose next input is ``first``; returns the row."""
-        row = min(set(range(self.max_batch)) - set(self.rows))
-        token = torch.tensor([[first]], dtype=torch.long, device=self.device)
-        self.rows[row] = _Row(job.cache, token, sampling, seed, 1)
-        return row
+    def join(self, key, job: Prefill, first: int, sampling: Sampling, seed: int) -> None:
+        """Makes the prefilled request ``key`` a running row whose next input is ``first``."""
+        if not self.free_rows:
+            raise RuntimeError("join: every row runs a request")
+        row = len(self.keys)
+        pages, source = self.pool.pages, job.cache.pages
+        with torch.no_grad():
+            for layer, from_layer in zip(pages.layers, source.layers):
+                layer.copy_row(row, from_layer, 0)
+            pages.lengths[row] = source.lengths[0]
+            pages.seq_len[row] = source.seq_len[0]
+            self.method.copy_row(row, job.cache.method, 0, job.prompt_len)
+        self.token[row] = first
+        self.temperature[row], self.top_k[row], self.top_p[row] = sampling.temperature, sampling.top_k, \
+            sampling.top_p
+        self.seed[row], self.index[row] = seed, 1
+        self.keys.append(key)
+        self.sampled.append(not sampling.greedy)
+        self.prompt_lens.append(job.prompt_len)
+        self.discard(job)
 
     def discard(self, job: Prefill) -> None:
-        """Drops a prefill (its request was cancelled or ended at its first token)."""
+        """Drops a prefill: what its cache and method hold (a cancelled request's, or one copied into a row)."""
         job.cache.method.release()
         job.passes.close()
+        job.cache.pages.layers = []
 
-    def release(self, row: int) -> None:
-        """Frees ``row``."""
-        self.rows.pop(row).cache.method.release()
+    def release(self, key) -> None:
+        """Frees the row of ``key``: the last running row moves into it."""
+        row, last = self.keys.index(key), len(self.keys) - 1
+        if row != last:
+            pages = self.pool.pages
+            with torch.no_grad():
+                for layer in pages.layers:
+                    layer.copy_row(row, layer, last)
+                pages.lengths[row] = pages.lengths[last]
+                pages.seq_len[row] = pages.seq_len[last]
+                self.method.copy_row(row, self.method, last, self.prompt_lens[last])
+                for t in (self.token, self.temperature, self.top_k, self.top_p, self.seed, self.index):
+                    t[row] = t[last]
+            for rows in (self.keys, self.sampled, self.prompt_lens):
+                rows[row] = rows[last]
+        for rows in (self.keys, self.sampled, self.prompt_lens):
+            rows.pop()
+        self.pool.pages.lengths[last] = 0
 
-    def decode(self) -> dict[int, int]:
-        """One decode step over the running rows; returns each row's new token."""
-        order = sorted(self.rows)
+    def decode(self) -> dict:
+        """One decode step over the running rows; returns each request's new token by key."""
+        n = len(self.keys)
+        cache, run = self._step(n, any(self.sampled))
+        pages = self.pool.pages
+        cache.pages.lengths = pages.lengths[:n]
+        for layer, view in zip(pages.layers, cache.pages.layers):
+            view.dropped = layer.dropped[:n]
         with torch.no_grad():
-            logits = []
-            for r in order:
-                row = self.rows[r]
-                logits.append(self.decoder(row.token, row.cache.pages.seq_len.view(1, 1), row.cache))
-            rows = [self.rows[r] for r in order]
-            tokens = self._draw(torch.cat(logits), [row.sampling for row in rows], [row.seed for row in rows],
-                                [row.count for row in rows])
-        for row, token in zip(rows, tokens):
-            row.token.fill_(token)
-            row.count += 1
-        return dict(zip(order, tokens))
+            run()
+        pages.lengths[:n] = cache.pages.lengths
+        return dict(zip(self.keys, self.token[:n, 0].tolist()))
 
-    def _draw(self, logits: torch.Tensor, samplings: list[Sampling], seeds: list[int],
-              index: list[int]) -> list[int]:
-        """Each row's token from logits (B, V) under its sampling, seed and token index."""
-        device = logits.device
+    def _step(self, n: int, sampled: bool) -> tuple[SparseKVCache, CapturedStep]:
+        """The decode step over rows [0, n), made at its first use: a cache and method that are views of the
+        pool's first n rows, and the step (captured at its second run where the engine captures)."""
+        if (n, sampled) in self.steps:
+            return self.steps[n, sampled]
+        cache = SparseKVCache(self.method.rows(n), DecodeStats(tp_group=self.tp_group), self.window)
+        cache.pages = self.pool.pages.rows(n)
+        token, seq_len = self.token[:n], self.pool.pages.seq_len[:n]
+        temperature, top_k, top_p = self.temperature[:n], self.top_k[:n], self.top_p[:n]
+        seed, index = self.seed[:n], self.index[:n]
 
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+        def step() -> None:
+            logits = self.decoder(token, seq_len.view(n, 1), cache)
+            if sampled:
+                nxt = draw(logits, temperature, top_k, top_p, counter_noise(seed, index, logits.shape[1]))
+            else:
+                nxt = argmax(logits)
+            token.copy_(nxt.view(n, 1))
+            index.add_(1)
 
-        noise = counter_noise(column(seeds, torch.long), column(index, torch.long), logits.shape[1])
-        return draw(logits, column([s.temperature for s in samplings], torch.float32),
-                    column([s.top_k for s in samplings], torch.long),
-                    column([s.top_p for s in samplings], torch.float32), noise).tolist()
+        self.steps[n, sampled] = cache, CapturedStep(step, cache, self.engine.capture)
+        return self.steps[n, sampled]

@@ -82,17 +82,15 @@ class Event:
 
 @dataclass
 class _Live:
-    """A request inside the engine: its id, what it asked, its seed, its prefill while it runs, its row once it
-    decodes, the tokens it has generated and how many of them its events have delivered."""
+    """A request inside the engine: its id, what it asked, its seed, its prefill while it runs, the tokens it has
+    generated and how many of them its events have delivered."""
 
     id: int
     request: Request
     seed: int
     prefill: Prefill | None = None
-    row: int | None = None
     tokens: list[int] = field(default_factory=list)
     shown: int = 0
-    cancelled: bool = False
 
 
 class ServingEngine:
@@ -122,7 +120,7 @@ class ServingEngine:
         self._queue: deque[_Live] = deque()
         self._cancel: set[int] = set()
         self._prefilling: list[_Live] = []
-        self._running: dict[int, _Live] = {}  # row -> request
+        self._running: dict[int, _Live] = {}  # id -> request
         self._in_use = 0  # KV bytes of the admitted requests
         self._generated = 0
         self._finished = 0
@@ -191,9 +189,8 @@ class ServingEngine:
         self._admit()
         self._prefill(events)
         if self._running:
-            tokens = self.runner.decode()
-            for row, token in tokens.items():
-                self._emit(self._running[row], token, events)
+            for rid, token in self.runner.decode().items():
+                self._emit(self._running[rid], token, events)
         return events
 
     def _cancelled(self, events: list[Event]) -> None:
@@ -240,9 +237,9 @@ class ServingEngine:
             first = self.runner.first_token(live.prefill, request.sampling, live.seed)
             if self._emit(live, first, events, joining=True):
                 continue
-            live.row = self.runner.join(live.prefill, first, request.sampling, live.seed)
+            self.runner.join(live.id, live.prefill, first, request.sampling, live.seed)
             live.prefill = None
-            self._running[live.row] = live
+            self._running[live.id] = live
 
     def _emit(self, live: _Live, token: int, events: list[Event], joining: bool = False) -> bool:
         """Records the request's new token; ends it on a stop token or at max_tokens. Returns whether it ended."""
@@ -269,10 +266,9 @@ class ServingEngine:
         if admitted:
             prompt = len(live.request.prompt)
             self._in_use -= self.runner.kv_bytes(prompt, prompt + live.request.max_tokens)
-        if live.row is not None:
-            self.runner.release(live.row)
-            del self._running[live.row]
-            live.row = None
+        if live.id in self._running:
+            self.runner.release(live.id)
+            del self._running[live.id]
         elif live.prefill is not None:
             if not joining:
                 self._prefilling.remove(live)

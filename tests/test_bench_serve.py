@@ -4,6 +4,7 @@ themselves are not tested)."""
 import json
 
 import pytest
+import torch
 
 from sparsekv.bench.serve import main
 
@@ -46,3 +47,18 @@ def test_capacity_mode_stops_when_memory_is_full(tmp_path):
 def test_serve_bench_refuses_bad_options(tmp_path, capsys):
     assert main(["--model", "tiny:llama", "--prompt-len", "9", "3", "--out", str(tmp_path)]) == 2
     assert "--prompt-len must be MIN <= MAX" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("limit", [0, 1, 5, 37, 63, 64])
+def test_largest_batch_finds_the_most_rows_that_fit(limit):
+    from sparsekv.bench.serve import largest_batch
+
+    tried = []
+
+    def make(batch):
+        tried.append(batch)
+        if batch > limit:
+            raise torch.OutOfMemoryError("pool")
+
+    assert largest_batch(make, 64) == limit
+    assert len(tried) <= 14

@@ -20,9 +20,11 @@ requests over time (the engine's metrics), the most requests running at once, pe
 (``torch.cuda.max_memory_allocated``), peak host RSS and host KV (offload). ``--static`` also times the static
 engine's step (``sparsekv.engine.Engine``) at the run's median running batch, on prompts of the workload's lengths.
 
-Admission is by memory (``--kv-memory-gib``; on CUDA by default what the device leaves free after the weights,
-less a margin) and rows (``--max-batch``). ``--capacity`` stops each run once requests wait that memory cannot
-admit and nothing is prefilling (or once every request is in): its ``max_running`` is the method's capacity.
+The engine holds a pool of ``--max-batch`` rows, each sized for the longest request (its method's share of it),
+and admits a request when a row is free and its KV fits ``--kv-memory-gib`` (default: the pool). ``--fit`` lowers
+each method's max batch to the largest pool the device holds (halving, then bisection; each candidate must also
+run a prefill chunk and a decode step); ``--capacity`` fits, then stops each run once requests wait that cannot be
+admitted and nothing is prefilling (or once every request is in): its ``max_running`` is the method's capacity.
 
 ``shape:<name>`` (the default, Llama-3-8B) is a random-weight model of that shape on the device, served with a
 stand-in tokenizer (one word per token id). Writes ``<tag>.json``, ``<tag>.md`` and ``<tag>.png`` under ``--out``.
@@ -56,8 +58,6 @@ from .common import device_name, markdown_table, shape_model, write_results
 from .e2e import random_fill
 
 GIB = 2**30
-# Device memory left out of the default KV memory: activations of the prefill chunk and the decode step.
-HEADROOM = 0.1
 # Seconds between samples of the engine's metrics during an HTTP run (engine runs sample every step).
 SAMPLE_EVERY = 0.05
 # Steps in a row with requests waiting, none prefilling and none admitted that show memory is full (--capacity).
@@ -306,17 +306,32 @@ def static_step_ms(model, config, work: list[Work], batch: int, args) -> float:
     return 1e3 * statistics.median(out.step_seconds[2:] or out.step_seconds)
 
 
-def default_kv_memory(device: torch.device) -> int | None:
-    """On CUDA what the device leaves free now, less ``HEADROOM`` of it; elsewhere None (the engine's own)."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free * (1 - HEADROOM))
+def largest_batch(make, most: int) -> int:
+    """The largest max batch up to ``most`` for which ``make(batch)`` (an engine run for one short request) does
+    not run out of device memory: halving from ``most``, then bisection. 0 when not even one row fits."""
+    def fits(batch: int) -> bool:
+        try:
+            make(batch)
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    high = most
+    while high and not fits(high):
+        high //= 2
+    if high in (0, most):
+        return high
+    low, high = high, min(2 * high, most + 1)  # low fits, high does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def markdown(meta: dict, rows: list[dict]) -> list[str]:
-    def ms(key):
-        return (key, key, "{:.1f}")
     columns = [("method", "spec", "{}"), ("budget", "budget", "{}"), ("via", "via", "{}"),
                ("done", "requests_done", "{}"), ("out tok/s", "output_tokens_per_s", "{:.1f}"),
                ("req/s", "requests_per_s", "{:.3f}"), ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"),
@@ -324,7 +339,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("TPOT p50 ms", "tpot_p50_ms", "{:.2f}"), ("TPOT p90", "tpot_p90_ms", "{:.2f}"),
                ("TPOT p99", "tpot_p99_ms", "{:.2f}"), ("step p50 ms", "step_p50_ms", "{:.2f}"),
                ("static step ms", "static_step_ms", "{:.2f}"), ("TPOT / static", "tpot_vs_static", "{:.2f}x"),
-               ("max running", "max_running", "{}"), ("median running", "median_running", "{:.0f}"),
+               ("max batch", "max_batch", "{}"), ("max running", "max_running", "{}"),
+               ("median running", "median_running", "{:.0f}"),
                ("vs dense tok/s", "vs_dense", "{:.2f}x"), ("peak device GiB", "peak_device_gib", "{:.1f}"),
                ("peak KV GiB", "peak_kv_gib", "{:.2f}"), ("host KV GiB", "peak_host_kv_gib", "{:.2f}"),
                ("peak RSS GiB", "peak_rss_gib", "{:.1f}")]
@@ -335,7 +351,7 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     lines = [f"# Serving under load ({meta['model']}, {meta['device_name']}, {meta['dtype']})", "",
              f"{meta['requests']} requests, {load}; prompts of {meta['prompt_len'][0]}-{meta['prompt_len'][1]} "
              f"tokens, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens; max batch "
-             f"{meta['max_batch']}, KV memory {kv}"
+             f"{meta['max_batch']}{' (or the most the device holds)' if meta['fit'] else ''}, KV memory {kv}"
              f"{'; --capacity: runs stop once memory keeps requests waiting' if meta['capacity'] else ''}. "
              f"via engine: the engine stepped in the bench's thread; via http: the server in this process, the "
              f"openai client streaming. Command: `{meta['command']}`", ""]
@@ -396,10 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--prefill-chunk", type=int, default=8192)
     parser.add_argument("--kv-memory-gib", type=float, default=None,
-                        help="KV memory admission may fill (default on CUDA: the free device memory after the "
-                             "weights less 10%%; on the CPU the engine's own, max batch x max context)")
+                        help="KV memory admission may fill (default: the engine's pool)")
+    parser.add_argument("--fit", action="store_true",
+                        help="lower each method's max batch to the largest pool the device holds (CUDA)")
     parser.add_argument("--capacity", action="store_true",
-                        help="stop each run once memory keeps requests waiting: max running is the capacity")
+                        help="--fit, then stop each run once requests wait that cannot be admitted: max running is "
+                             "the capacity")
     parser.add_argument("--static", action="store_true",
                         help="also time the static engine's step at each run's median running batch")
     parser.add_argument("--max-prefill", type=int, default=131072,
@@ -436,12 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_model(args.model, device, dtype)
         model, tokenizer = loaded.model, loaded.tokenizer
     work = workload(args, model.config.vocab_size)
-    kv_memory = int(args.kv_memory_gib * GIB) if args.kv_memory_gib is not None else default_kv_memory(device)
+    kv_memory = None if args.kv_memory_gib is None else int(args.kv_memory_gib * GIB)
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "device_name": device_name(device),
             "torch": torch.__version__, "requests": args.requests, "rate": args.rate,
             "concurrency": args.concurrency, "prompt_len": args.prompt_len, "output_len": args.output_len,
             "max_batch": args.max_batch, "kv_memory_bytes": kv_memory,
-            "capacity": args.capacity, "out_of_memory": [],
+            "capacity": args.capacity, "fit": args.fit or args.capacity, "out_of_memory": [],
             "command": "python -m sparsekv.bench.serve " + " ".join(argv)}
     rows: list[dict] = []
 
@@ -455,22 +473,39 @@ def main(argv: list[str] | None = None) -> int:
                       series_columns=["seconds", "running", "queued", "prefilling", "kv_bytes", "host_kv_bytes",
                                       "rss_bytes"])
 
+    def make(config, batch: int) -> ServingEngine:
+        return ServingEngine(model, config, tokenizer=tokenizer, max_batch=batch, max_context=max_context,
+                             prefill_chunk=args.prefill_chunk, max_queue=args.requests, compile=args.compile,
+                             kv_memory_bytes=kv_memory)
+
+    def probe(config, batch: int) -> None:
+        """An engine of ``batch`` rows runs one request of a prefill chunk and two tokens."""
+        engine = make(config, batch)
+        prompt = work[0].prompt * (args.prefill_chunk // len(work[0].prompt) + 1)
+        engine.submit(Request(prompt=prompt[:min(args.prefill_chunk, max_context - 2)], max_tokens=2))
+        while engine.has_work():
+            engine.step()
+
     for run in runs:
+        batch = args.max_batch
+        if (args.fit or args.capacity) and device.type == "cuda":
+            batch = largest_batch(lambda b: probe(run.config, b), args.max_batch)
+            print(f"{run.label:>32}: max batch {batch} fits the device", flush=True)
+            if not batch:
+                meta["out_of_memory"].append(f"{run.label} (not one row)")
+                continue
         for via in args.via:
             label = f"{run.label} via {via}"
             try:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                engine = ServingEngine(model, run.config, tokenizer=tokenizer, max_batch=args.max_batch,
-                                       max_context=max_context, prefill_chunk=args.prefill_chunk,
-                                       max_queue=args.requests, compile=args.compile, kv_memory_bytes=kv_memory)
+                engine = make(run.config, batch)
                 trace = (run_engine(engine, work, args.concurrency, args.capacity) if via == "engine" else
                          run_http(engine, tokenizer, work, args.concurrency, args.capacity))
                 del engine
+                peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
                 row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,
-                       **summarize(trace), "peak_device_gib": (torch.cuda.max_memory_allocated(device) / GIB
-                                                               if device.type == "cuda" else None),
-                       "series": trace.samples}
+                       "max_batch": batch, **summarize(trace), "peak_device_gib": peak, "series": trace.samples}
                 if args.static and row["median_running"]:
                     batch = max(round(row["median_running"]), 1)
                     row["static_batch"] = batch

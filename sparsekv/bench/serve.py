@@ -316,8 +316,9 @@ def largest_batch(make, most: int) -> int:
         except torch.OutOfMemoryError:
             return False
         finally:
-            gc.collect()
-            torch.cuda.empty_cache()
+            if torch.cuda.is_initialized():  # give the candidate's memory back before the next one
+                gc.collect()
+                torch.cuda.empty_cache()
 
     high = most
     while high and not fits(high):

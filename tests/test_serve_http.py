@@ -129,7 +129,10 @@ def test_models_health_metrics(server, client):
     ({"model": NAME, "prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"model": NAME, "prompt": "hi", "temperature": 5}, "temperature"),
     ({"model": NAME, "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": NAME, "prompt": "hi", "temperature": 1e-6}, "temperature"),
     ({"model": NAME, "prompt": "hi", "n": 2}, "n"),
+    ({"model": NAME, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": NAME, "prompt": "hi", "logprobs": 3}, "logprobs"),
     ({"model": NAME, "prompt": "hi", "stop": [""]}, "stop"),
     ({"model": NAME, "prompt": [1, -2]}, "prompt"),
     ({"model": NAME, "prompt": [1, 100000]}, "prompt"),
@@ -194,6 +197,18 @@ def test_full_queue_gives_429_and_a_disconnect_frees_rows(server, client):
         assert time.monotonic() < deadline, "rows of disconnected clients were not freed"
         time.sleep(0.05)
     assert metric(server, "sparsekv_requests_running") == 0
+    check_still_serves(client)
+
+
+def test_a_client_that_leaves_a_whole_answer_frees_its_row(server, client):
+    long = {"model": NAME, "prompt": "y", "max_tokens": MAX_CONTEXT - 1, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json=long, timeout=0.5)
+    deadline = time.monotonic() + 20
+    while metric(server, "sparsekv_free_rows") != MAX_BATCH:
+        assert time.monotonic() < deadline, "the row of a disconnected client was not freed"
+        time.sleep(0.05)
+    assert metric(server, "sparsekv_finished_requests_total") > 0
     check_still_serves(client)
 
 

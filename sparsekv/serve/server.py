@@ -33,15 +33,16 @@ import traceback
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 from ..engine import Sampling
-from . import QueueFull, RequestError
+from ..errors import ConfigError
+from . import QueueFull
 from . import Request as EngineRequest
 
 log = logging.getLogger("sparsekv.serve")
@@ -77,9 +78,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI fields this server cannot honour, with the values it accepts for them (their defaults): anything else is
+# refused with a 400 naming the field rather than answered as if it had not been asked.
+UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
+               "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+               "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
+               "response_format": (None, {"type": "text"})}
+
+
 class _Generation(BaseModel):
-    """Fields both endpoints share. Other OpenAI fields are accepted and ignored, except those whose non-default
-    value this server cannot honour (``n``, ``logprobs``, ``echo``, ``best_of``), which are refused."""
+    """Fields both endpoints share. Other fields are accepted and ignored, except those of ``UNSUPPORTED`` at a
+    value other than their default, which are refused."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -91,10 +100,19 @@ class _Generation(BaseModel):
     seed: StrictInt | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
-    logprobs: Literal[False, None] = None
     # Not OpenAI's: generate through the model's end-of-sequence tokens (exact output lengths for benchmarks).
     ignore_eos: bool = False
+    n: Any = None
+    best_of: Any = None
+    echo: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    suffix: Any = None
+    tools: Any = None
+    response_format: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -102,11 +120,18 @@ class _Generation(BaseModel):
         """OpenAI's forms: one string, a list of up to 4, or null."""
         return [value] if isinstance(value, str) else [] if value is None else value
 
+    @field_validator(*UNSUPPORTED, mode="before")
+    @classmethod
+    def _unsupported(cls, value, info: ValidationInfo):
+        allowed = UNSUPPORTED[info.field_name]
+        if value not in allowed:
+            shown = " or ".join(json.dumps(a) for a in allowed)
+            raise ValueError(f"this server supports only {shown} for {info.field_name}")
+        return value
+
 
 class CompletionRequest(_Generation):
     prompt: str | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
-    echo: Literal[False] = False
-    best_of: Literal[1, None] = None
 
 
 class TextPart(BaseModel):
@@ -340,17 +365,17 @@ class Service:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
         if max_tokens is None:  # a chat answer may take what the context leaves
             max_tokens = max(self.max_context - len(prompt), 1)
-        sampling = Sampling(temperature=body.temperature, top_p=body.top_p)
         stops = () if body.ignore_eos else tuple(self.engine.stop_tokens_default)
         try:
+            sampling = Sampling(temperature=body.temperature, top_p=body.top_p)
             request = EngineRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop_tokens=stops,
                                     seed=body.seed)
             return self.loop.submit(request)
         except QueueFull as err:
             raise APIError(429, f"the queue is full ({err}); retry later", "rate_limit_error",
                            code="queue_full") from None
-        except RequestError as err:
-            raise APIError(400, str(err), param=err.field, code="over_limit") from None
+        except ConfigError as err:  # RequestError (a limit, a token id) or Sampling's refusal
+            raise APIError(400, str(err), param=err.field, code="invalid_value") from None
 
     async def pieces(self, rid: int, subscriber: _Subscriber, stops: list[str],
                      http: Request | None) -> AsyncIterator[Piece]:
@@ -359,9 +384,10 @@ class Service:
         waiting (for answers given whole; a stream notices when a write fails)."""
         detok, stopper = Detokenizer(self.tokenizer), StopStrings(stops)
         done = False
+        watch = _Watch(http)
         try:
             while True:
-                event = await self._next(subscriber, http)
+                event = await watch.next(subscriber.queue)
                 if isinstance(event, BaseException):
                     raise APIError(500, f"the engine failed: {event!r}", "server_error")
                 text, hit = stopper.feed(detok.add(event.tokens, final=event.finished), event.finished)
@@ -378,18 +404,28 @@ class Service:
             if not done:
                 self.loop.cancel(rid)
 
-    @staticmethod
-    async def _next(subscriber: _Subscriber, http: Request | None):
-        if http is None:
-            return await subscriber.queue.get()
-        getter = asyncio.ensure_future(subscriber.queue.get())
+
+class _Watch:
+    """Takes a request's events from its queue; with ``http``, also checks every ``DISCONNECT_POLL`` seconds
+    whether the client is still there (raising a 499 when it is not)."""
+
+    def __init__(self, http: Request | None):
+        self.http = http
+        self.checked = time.monotonic()
+
+    async def next(self, queue: asyncio.Queue):
+        if self.http is None:
+            return await queue.get()
+        getter = asyncio.ensure_future(queue.get())
         try:
             while True:
-                finished, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL)
+                wait = max(self.checked + DISCONNECT_POLL - time.monotonic(), 0)
+                finished, _ = await asyncio.wait({getter}, timeout=wait)
                 if finished:
                     return getter.result()
-                if await http.is_disconnected():
-                    raise asyncio.CancelledError("client disconnected")
+                self.checked = time.monotonic()
+                if await self.http.is_disconnected():
+                    raise APIError(499, "the client closed the connection", code="client_closed")
         finally:
             getter.cancel()
 

@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..engine import Sampling, _is_count
+from ..engine import Sampling, _is_count, is_token_ids
 from ..errors import ConfigError
 from .runner import Prefill, Runner
 
@@ -45,7 +45,7 @@ class Request:
 
     def __post_init__(self):
         prompt = self.prompt
-        if not isinstance(prompt, (list, tuple)) or not prompt or not all(_is_count(t, 0) for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not prompt or not is_token_ids(prompt):
             raise RequestError("prompt", "a non-empty list of token ids (ints >= 0)", _short(prompt))
         object.__setattr__(self, "prompt", list(prompt))
         if not _is_count(self.max_tokens, 1):
@@ -53,7 +53,7 @@ class Request:
         if not isinstance(self.sampling, Sampling):
             raise RequestError("sampling", "a sparsekv.engine.Sampling", self.sampling)
         stops = self.stop_tokens
-        if not isinstance(stops, (list, tuple)) or not all(_is_count(t, 0) for t in stops):
+        if not isinstance(stops, (list, tuple)) or not is_token_ids(stops):
             raise RequestError("stop_tokens", "a tuple of token ids (ints >= 0)", stops)
         object.__setattr__(self, "stop_tokens", tuple(stops))
         if self.seed is not None and not (_is_count(self.seed, 0) and self.seed < 1 << 62):

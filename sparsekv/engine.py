@@ -31,6 +31,7 @@ import torch
 from .integrations import apply
 from .integrations.decode import DecodeModel, Parts
 from .integrations.transformers import _sliding_window
+from .errors import ConfigError
 from .methods.base import MethodConfig, require
 from .models import synchronize
 from .timing import Timer
@@ -168,6 +169,42 @@ class Generation:
         return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
+class IncrementalText:
+    """The text of a growing list of tokens, piece by piece: ``push`` takes new tokens and returns the text they add.
+    A token that ends inside a character (a byte-level tokenizer splits multi-byte characters) adds nothing until
+    the rest arrives. Only the last few tokens are decoded again, whatever the length."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix = 0  # tokens[prefix:read] were decoded already, as the context of the next piece
+        self.read = 0
+
+    def push(self, tokens: Sequence[int]) -> str:
+        self.tokens += tokens
+        decode = self.tokenizer.decode
+        done = decode(self.tokens[self.prefix:self.read], skip_special_tokens=True)
+        text = decode(self.tokens[self.prefix:], skip_special_tokens=True)
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.tokens)
+        return text[len(done):]
+
+
+class TextStream:
+    """A ``stream`` callback for ``Engine.generate`` that calls ``callback`` with each prompt's new text (a list of
+    strings, one per prompt) in place of token ids."""
+
+    def __init__(self, tokenizer, callback: Callable[[list[str]], None]):
+        self.tokenizer, self.callback = tokenizer, callback
+        self.rows: list[IncrementalText] = []
+
+    def __call__(self, new: list[list[int]]) -> None:
+        if not self.rows:
+            self.rows = [IncrementalText(self.tokenizer) for _ in new]
+        self.callback([row.push(tokens) for row, tokens in zip(self.rows, new)])
+
+
 def capture_graph(step: Step) -> Step:
     """Captures ``step`` into a CUDA graph, replays it once (capture itself runs nothing) and returns the replay."""
     graph = torch.cuda.CUDAGraph()
@@ -256,14 +293,22 @@ class Engine:
 
     def _batch(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded (B, S) input ids and their (B, S) mask from strings or token-id lists."""
-        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
-            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        allowed = "a non-empty list of strings or of token-id lists (lists of ints)"
+        if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
+            raise ConfigError("prompts", allowed, prompts)
         if all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
                 raise ValueError("prompts are strings but the engine has no tokenizer: pass Engine(..., tokenizer=)")
             rows = [self.tokenizer(p).input_ids for p in prompts]
-        else:
+        elif all(isinstance(p, (list, tuple)) for p in prompts):
             rows = [list(p) for p in prompts]
+            vocab = self.model.config.vocab_size
+            for i, row in enumerate(rows):
+                if not is_token_ids(row, vocab):
+                    raise ConfigError(f"prompts[{i}]", f"token ids: ints from 0 to {vocab - 1} (the vocabulary)",
+                                      row if len(row) <= 8 else f"{row[:8]}... ({len(row)} items)")
+        else:
+            raise ConfigError("prompts", allowed, prompts)
         if any(len(r) == 0 for r in rows):
             raise ValueError("prompts: every prompt needs at least one token")
         if len(rows) > self.max_batch:
@@ -279,7 +324,7 @@ class Engine:
         if forced is None:
             return torch.full((batch, 0), -1, dtype=torch.long, device=self.device)
         rows = [list(f) for f in forced]
-        if len(rows) != batch or not all(isinstance(t, int) and t >= 0 for r in rows for t in r):
+        if len(rows) != batch or not all(is_token_ids(r, self.model.config.vocab_size) for r in rows):
             raise ValueError(f"forced must hold one list of token ids per prompt ({batch}), got {forced!r}")
         width = max(len(r) for r in rows)
         return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
@@ -338,13 +383,23 @@ class Engine:
             logits = (prefill or self._prefill)(cache, ids, mask)
             synchronize(self.device)
             prefill_s = time.perf_counter() - start
-            tokens, nll, steps, captured, decode_s, step_s = self._decode(cache, logits, forced, total, sampling,
-                                                                          seeds, stops, stream, time_steps)
+            starts = (forced >= 0).sum(dim=1).tolist()
+            tokens, nll, ran, captured, decode_s, step_s = self._decode(cache, logits, forced, starts,
+                                                                        max_new_tokens, sampling, seeds, stops,
+                                                                        stream, time_steps)
+            rows = [_until_stop(row[n:n + max_new_tokens], stops) for row, n in zip(tokens.tolist(), starts)]
+            # Each row's decode steps end with its last token (column n + len - 1; column 0 comes from the prefill):
+            # the steps run after it, until the stop flags were read, are not counted, nor timed.
+            ends = [max(n + len(r) - 1, 0) for r, n in zip(rows, starts)]
+            steps = max(ends)
+            session.stats.trim(ends)
+            if ran:
+                decode_s *= steps / ran
+            if step_s is not None:
+                step_s = step_s[:steps]
             stats = session.stats.summary()
             kv_device, kv_host, kv_held = cache.resident_bytes(), cache.offloaded_bytes(), cache.held_bytes()
             session.method.release()
-        starts = (forced >= 0).sum(dim=1).tolist()
-        rows = [_until_stop(row[n:n + max_new_tokens], stops) for row, n in zip(tokens.tolist(), starts)]
         texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
@@ -364,14 +419,20 @@ class Engine:
             except StopIteration as done:
                 return done.value
 
-    def _decode(self, cache, logits: torch.Tensor, forced: torch.Tensor, total: int, sampling: Sampling,
-                seeds: torch.Tensor | None, stops: list[int], stream, time_steps: bool):
-        """Decodes ``total`` columns after the prompt: the forced tokens (B, F) (-1: a row's own are over), then
-        sampled ones; the first column comes from the prefill's ``logits`` (B, V). Returns the (B, total) tokens, the
-        forced tokens' summed negative log-likelihood (B,), the decode steps run, whether they were captured, their
-        seconds, and each step's seconds (``time_steps``)."""
+    def _decode(self, cache, logits: torch.Tensor, forced: torch.Tensor, starts: list[int], new_tokens: int,
+                sampling: Sampling, seeds: torch.Tensor | None, stops: list[int], stream, time_steps: bool):
+        """Decodes the columns after the prompt: the forced tokens (B, F) (-1: a row's own are over; ``starts``: how
+        many each row has), then ``new_tokens`` sampled ones; the first column comes from the prefill's ``logits``
+        (B, V). A row ends at a stop token or its last new token; the steps stop once every row has ended (read
+        every ``check_every`` steps), and the decode statistics count each row's steps up to its end only.
+        Returns the (B, columns) tokens, the forced tokens' summed negative log-likelihood (B,), the decode steps
+        run, whether they were captured, their seconds, and each step's seconds (``time_steps``)."""
         b = logits.shape[0]
         pad = self._pad_id()
+        total = forced.shape[1] + new_tokens
+        last = torch.tensor(starts, device=self.device) + new_tokens - 1  # (B,) each row's last column
+        # Counting ends with each row when rows can end apart (after the prompt the stats count every row).
+        freeze = bool(stops) or len(set(starts)) > 1
         stop = torch.tensor(stops or [-1], device=self.device)
         scoring = forced.shape[1] > 0
         forced = torch.cat([forced, forced.new_full((b, 1), -1)], dim=1)  # a last -1: columns past it are drawn
@@ -391,7 +452,7 @@ class Engine:
         first, inside = pick(logits)
         out[:, 0] = first
         token = first.view(b, 1).clone()
-        done = torch.isin(first, stop) & ~inside
+        done = (torch.isin(first, stop) & ~inside) | (last <= 0)
         column.add_(1)
         remaining = total - 1
         cache.pages.reserve(remaining)
@@ -399,15 +460,18 @@ class Engine:
 
         def step() -> None:
             nxt, inside = pick(model(token, cache.pages.seq_len.view(b, 1), cache))
+            if freeze:
+                cache.stats.freeze(~done)
             nxt = torch.where(done, pad, nxt)
             token.copy_(nxt.view(b, 1))
             out.scatter_(1, column.expand(b, 1), nxt.view(b, 1))
-            done.logical_or_(torch.isin(nxt, stop) & ~inside)
+            done.logical_or_((torch.isin(nxt, stop) & ~inside) | (column >= last))
             column.add_(1)
 
         synchronize(self.device)
         start = time.perf_counter()
         ran, shown = 0, 0
+        ended = [False] * b
         run = CapturedStep(step, cache, self.capture if remaining >= 2 else None)
         timer = Timer(self.device) if time_steps else None
         step_seconds = []
@@ -419,8 +483,8 @@ class Engine:
             ran += 1
             if stream is not None or ran % self.check_every == 0 or ran == remaining:
                 if stream is not None:
-                    new = out[:, shown:ran + 1].tolist()
-                    stream(new)
+                    stream([_own(row, shown, n, new_tokens, stops, ended, i)
+                            for i, (row, n) in enumerate(zip(out[:, shown:ran + 1].tolist(), starts))])
                     shown = ran + 1
                 if bool(done.all()):
                     break
@@ -471,8 +535,28 @@ def prompt_passes(cache, mask: torch.Tensor, chunk: int, num_layers: int) -> Ite
             plans.append(cache.pages.plan)
 
 
+def is_token_ids(ids: Sequence, vocab_size: int | None = None) -> bool:
+    """Whether ``ids`` are token ids: ints (not bools) >= 0, below ``vocab_size`` when given."""
+    return all(_is_count(t, 0) and (vocab_size is None or t < vocab_size) for t in ids)
+
+
 def _is_count(value, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _own(columns: list[int], first: int, start: int, new_tokens: int, stops: list[int], ended: list[bool],
+         row: int) -> list[int]:
+    """Of a row's ``columns`` from column ``first`` on, its new tokens (columns ``start`` to ``start + new_tokens``)
+    up to and including a stop token; ``ended[row]`` is set once the row has ended, and nothing comes after."""
+    out = []
+    for c, t in enumerate(columns, first):
+        if ended[row] or c >= start + new_tokens:
+            ended[row] = True
+            break
+        if c >= start:
+            out.append(t)
+            ended[row] = t in stops
+    return out
 
 
 def _until_stop(row: list[int], stops: list[int]) -> list[int]:

@@ -30,7 +30,7 @@ CHUNK = 32
 # (arrival step, prompt length, max_tokens, how it ends): "stop" ends at its third token's id, "cancel" is
 # cancelled after its fourth step
 PLAN = [(0, 70, 12, "length"), (0, 23, 9, "stop"), (2, 101, 10, "length"), (3, 9, 14, "cancel"),
-        (5, 44, 6, "length"), (9, 60, 8, "stop")]
+        (5, 44, 6, "length"), (5, 15, 1, "length"), (9, 60, 8, "stop")]
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +208,21 @@ def test_memory_admits_what_fits_and_the_rest_waits(model):
 def test_bad_requests_are_refused(fields, match):
     with pytest.raises(RequestError, match=match):
         Request(**fields)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", CONFIGS)
+def test_cuda_graphs_serve_the_eager_tokens(name):
+    """On the GPU (bf16): steps captured once per batch size (CUDA graphs, the default on CUDA) give the eager
+    steps' tokens, greedy and sampled, over rows that join, move and leave."""
+    model = tiny_model("llama", seed=1, layers=3, dtype=torch.bfloat16).cuda()
+    hot = Sampling(temperature=0.8, top_p=0.9)
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=hot if i % 2 else Sampling(), seed=i))
+                for i, (arrival, n, new, _) in enumerate(PLAN)]
+    tokens = []
+    for cuda_graph in (False, None):
+        engine = ServingEngine(model, CONFIGS[name], max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
+                               cuda_graph=cuda_graph)
+        tokens.append(run(engine, requests)[0])
+        assert any(step.replay is not None for _, step in engine.runner.steps.values()) == (cuda_graph is None)
+    assert tokens[0] == tokens[1]

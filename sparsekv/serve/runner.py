@@ -119,7 +119,8 @@ class Runner:
         method.tp_group = self.tp_group
         cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        cache.pages.planned_tokens = method.planned_tokens([len(prompt)], self.max_context)
+        # Only the prompt: the request decodes in its row of the pool.
+        cache.pages.planned_tokens = method.planned_tokens([len(prompt)], len(prompt))
         passes = prefill_passes(self.model, cache, ids, torch.ones_like(ids), self.engine.prefill_chunk)
         return Prefill(cache, passes, len(prompt))
 

@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..engine import Sampling, _is_count
+from ..engine import Sampling, _is_count, is_token_ids
 from ..errors import ConfigError
 from .runner import Prefill, Runner
 
@@ -45,7 +45,7 @@ class Request:
 
     def __post_init__(self):
         prompt = self.prompt
-        if not isinstance(prompt, (list, tuple)) or not prompt or not all(_is_count(t, 0) for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not prompt or not is_token_ids(prompt):
             raise RequestError("prompt", "a non-empty list of token ids (ints >= 0)", _short(prompt))
         object.__setattr__(self, "prompt", list(prompt))
         if not _is_count(self.max_tokens, 1):
@@ -53,7 +53,7 @@ class Request:
         if not isinstance(self.sampling, Sampling):
             raise RequestError("sampling", "a sparsekv.engine.Sampling", self.sampling)
         stops = self.stop_tokens
-        if not isinstance(stops, (list, tuple)) or not all(_is_count(t, 0) for t in stops):
+        if not isinstance(stops, (list, tuple)) or not is_token_ids(stops):
             raise RequestError("stop_tokens", "a tuple of token ids (ints >= 0)", stops)
         object.__setattr__(self, "stop_tokens", tuple(stops))
         if self.seed is not None and not (_is_count(self.seed, 0) and self.seed < 1 << 62):
@@ -219,9 +219,9 @@ class ServingEngine:
                 if rows_taken >= self.runner.max_batch or self._in_use + need > self.kv_memory_bytes:
                     return
                 self._queue.popleft()
-            self._in_use += need
-            live.prefill = self.runner.start(live.request.prompt)
-            self._prefilling.append(live)
+                self._in_use += need
+                live.prefill = self.runner.start(live.request.prompt)
+                self._prefilling.append(live)
 
     def _prefill(self, events: list[Event]) -> None:
         """Runs about one chunk of prompt work (``prefill_chunk`` tokens through every layer), oldest request
@@ -232,16 +232,17 @@ class ServingEngine:
             budget -= self.runner.prefill(live.prefill, budget)
             if live.prefill.logits is None:
                 continue
-            self._prefilling.pop(0)
             request = live.request
             first = self.runner.first_token(live.prefill, request.sampling, live.seed)
-            if self._emit(live, first, events, joining=True):
+            if self._emit(live, first, events):
                 continue
             self.runner.join(live.id, live.prefill, first, request.sampling, live.seed)
             live.prefill = None
-            self._running[live.id] = live
+            with self._lock:
+                self._prefilling.pop(0)
+                self._running[live.id] = live
 
-    def _emit(self, live: _Live, token: int, events: list[Event], joining: bool = False) -> bool:
+    def _emit(self, live: _Live, token: int, events: list[Event]) -> bool:
         """Records the request's new token; ends it on a stop token or at max_tokens. Returns whether it ended."""
         live.tokens.append(token)
         self._generated += 1
@@ -251,7 +252,7 @@ class ServingEngine:
         if reason is None:
             events.append(self._event(live, False, None))
             return False
-        self._finish(live, reason, events, joining=joining)
+        self._finish(live, reason, events)
         return True
 
     def _event(self, live: _Live, finished: bool, reason: str | None) -> Event:
@@ -260,19 +261,19 @@ class ServingEngine:
         return Event(request_id=live.id, tokens=new, finished=finished, finish_reason=reason,
                      prompt_tokens=len(live.request.prompt), completion_tokens=len(live.tokens))
 
-    def _finish(self, live: _Live, reason: str, events: list[Event], admitted: bool = True,
-                joining: bool = False) -> None:
+    def _finish(self, live: _Live, reason: str, events: list[Event], admitted: bool = True) -> None:
         """Frees what the request holds (its prefill or its row) and emits its last event."""
         if admitted:
             prompt = len(live.request.prompt)
             self._in_use -= self.runner.kv_bytes(prompt, prompt + live.request.max_tokens)
         if live.id in self._running:
             self.runner.release(live.id)
-            del self._running[live.id]
+            with self._lock:
+                del self._running[live.id]
         elif live.prefill is not None:
-            if not joining:
-                self._prefilling.remove(live)
             self.runner.discard(live.prefill)
             live.prefill = None
+            with self._lock:
+                self._prefilling.remove(live)
         self._finished += 1
         events.append(self._event(live, True, reason))

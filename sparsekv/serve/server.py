@@ -40,7 +40,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
-from ..engine import Sampling
+from ..engine import IncrementalText, Sampling
 from ..errors import ConfigError
 from . import QueueFull
 from . import Request as EngineRequest
@@ -163,30 +163,6 @@ def _validation_error(err: RequestValidationError) -> APIError:
 
 
 # ------------------------------------------------------------------------------------------------ text pieces
-
-
-class Detokenizer:
-    """The text of a growing token sequence, piece by piece. Each piece is decoded from a few tokens before it (so
-    that a tokenizer that drops a word's leading space at the start of a decode keeps it), and a piece ending in an
-    incomplete UTF-8 character (U+FFFD) waits for the tokens that complete it."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.prefix = self.read = 0  # tokens[prefix:read] were decoded last time; text up to read is given out
-
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-    def add(self, tokens: list[int], final: bool = False) -> str:
-        """The text that ``tokens`` (new ones) complete; ``final``: also what is left, complete or not."""
-        self.tokens.extend(tokens)
-        before = self._decode(self.tokens[self.prefix:self.read])
-        text = self._decode(self.tokens[self.prefix:])
-        if len(text) > len(before) and (final or not text.endswith("\ufffd")):
-            self.prefix, self.read = self.read, len(self.tokens)
-            return text[len(before):]
-        return ""
 
 
 class StopStrings:
@@ -382,7 +358,7 @@ class Service:
         """The answer's text as it is generated, ending with a piece that has the finish reason and the counts.
         Leaving before the end (a disconnect) cancels the request. ``http``: watched for a disconnect while
         waiting (for answers given whole; a stream notices when a write fails)."""
-        detok, stopper = Detokenizer(self.tokenizer), StopStrings(stops)
+        text_of, stopper = IncrementalText(self.tokenizer), StopStrings(stops)
         done = False
         watch = _Watch(http)
         try:
@@ -390,7 +366,7 @@ class Service:
                 event = await watch.next(subscriber.queue)
                 if isinstance(event, BaseException):
                     raise APIError(500, f"the engine failed: {event!r}", "server_error")
-                text, hit = stopper.feed(detok.add(event.tokens, final=event.finished), event.finished)
+                text, hit = stopper.feed(text_of.push(event.tokens), event.finished)
                 if hit or event.finished:
                     done = True
                     if hit and not event.finished:

@@ -119,6 +119,32 @@ def markdown_table(columns: list[Column], rows: list[dict]) -> list[str]:
     return lines
 
 
+def run_args(parser, tag: str) -> None:
+    """The options every benchmark run has: --device, --dtype, --seed, and where its results go (--out, --tag)."""
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--tag", default=tag)
+
+
+def pyplot():
+    """matplotlib's pyplot for writing files (the Agg backend), or None without matplotlib (the ``eval`` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def out_of_memory_lines(runs: list[str]) -> list[str]:
+    """The markdown note on the runs that ran out of device memory (none: no lines)."""
+    return ["", "Out of device memory: " + "; ".join(runs) + "."] if runs else []
+
+
 def write_results(out: Path, tag: str, meta: dict, rows: list[dict], markdown: list[str] | None = None,
                   **extra) -> None:
     """Writes ``out/tag.json`` ({"meta", "rows", **extra}) and, given its lines, ``out/tag.md``."""

@@ -46,8 +46,8 @@ from ..methods.quest import QuestConfig
 from ..methods.raas import RaaSConfig
 from ..models import load_model, resolve_device, resolve_dtype
 from ..spec import budget_arg
-from .common import (Timer, copy_bandwidth, device_name, kernel_table, load_sharded, shape_model, shared_folder,
-                     write_results)
+from .common import (Timer, copy_bandwidth, device_name, kernel_table, load_sharded, out_of_memory_lines, pyplot,
+                     run_args, shape_model, shared_folder, write_results)
 
 FILL_CHUNK = 16384  # tokens of random keys and values written per pass
 
@@ -221,17 +221,12 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                      f"{fmt(r['floor_ms'])} | {fmt(r['x_floor'])} | {fmt(r['vs_dense'], '{:.2f}x')} | "
                      f"{fmt(r['vs_transformers'], '{:.2f}x')} | {fmt(r['vs_compiled'], '{:.2f}x')} | "
                      f"{fmt(r['peak_device_gib'], '{:.1f}')} | {fmt(r['kv_device_gib'])} | {fmt(r['kv_host_gib'])} |")
-    if meta["out_of_memory"]:
-        lines += ["", "Out of device memory: " + "; ".join(meta["out_of_memory"]) + "."]
-    return lines
+    return lines + out_of_memory_lines(meta["out_of_memory"])
 
 
 def plot(path: Path, rows: list[dict]) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
@@ -270,11 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="contexts at which to time transformers' StaticCache + torch.compile loop too")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="list the kernels of this many captured decode steps of each row (torch.profiler, CUDA)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--tag", default="e2e")
+    run_args(parser, "e2e")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:

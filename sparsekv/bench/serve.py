@@ -54,7 +54,8 @@ from ..methods import METHODS
 from ..models import load_model, resolve_device, resolve_dtype
 from ..serve import Request, ServingEngine
 from ..spec import budget_arg
-from .common import device_name, markdown_table, shape_model, write_results
+from .common import (device_name, markdown_table, out_of_memory_lines, pyplot, run_args, shape_model,
+                     write_results)
 from .e2e import random_fill
 
 GIB = 2**30
@@ -356,18 +357,12 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
              f"{'; --capacity: runs stop once memory keeps requests waiting' if meta['capacity'] else ''}. "
              f"via engine: the engine stepped in the bench's thread; via http: the server in this process, the "
              f"openai client streaming. Command: `{meta['command']}`", ""]
-    lines += markdown_table(columns, rows)
-    if meta["out_of_memory"]:
-        lines += ["", "Out of device memory: " + "; ".join(meta["out_of_memory"]) + "."]
-    return lines
+    return lines + markdown_table(columns, rows) + out_of_memory_lines(meta["out_of_memory"])
 
 
 def plot(path: Path, rows: list[dict]) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     for r in rows:
@@ -424,11 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prefill", type=int, default=131072,
                         help="--static: prompt tokens up to which its prompts are really prefilled")
     parser.add_argument("--compile", action="store_true", help="ServingEngine(compile=True)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--tag", default="serve")
+    run_args(parser, "serve")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:

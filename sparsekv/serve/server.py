@@ -33,12 +33,12 @@ import traceback
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ..engine import IncrementalText, Sampling
 from ..errors import ConfigError
@@ -88,9 +88,9 @@ UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "log
 
 class _Generation(BaseModel):
     """Fields both endpoints share. Other fields are accepted and ignored, except those of ``UNSUPPORTED`` at a
-    value other than their default, which are refused."""
+    value other than their default, which ``check_supported`` refuses."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -102,17 +102,6 @@ class _Generation(BaseModel):
     stream_options: StreamOptions | None = None
     # Not OpenAI's: generate through the model's end-of-sequence tokens (exact output lengths for benchmarks).
     ignore_eos: bool = False
-    n: Any = None
-    best_of: Any = None
-    echo: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    suffix: Any = None
-    tools: Any = None
-    response_format: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -120,14 +109,13 @@ class _Generation(BaseModel):
         """OpenAI's forms: one string, a list of up to 4, or null."""
         return [value] if isinstance(value, str) else [] if value is None else value
 
-    @field_validator(*UNSUPPORTED, mode="before")
-    @classmethod
-    def _unsupported(cls, value, info: ValidationInfo):
-        allowed = UNSUPPORTED[info.field_name]
-        if value not in allowed:
-            shown = " or ".join(json.dumps(a) for a in allowed)
-            raise ValueError(f"this server supports only {shown} for {info.field_name}")
-        return value
+    def check_supported(self) -> None:
+        """Refuses a field of ``UNSUPPORTED`` (kept among the extra fields) at a value this server cannot honour."""
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+                shown = " or ".join(json.dumps(a) for a in UNSUPPORTED[name])
+                raise APIError(400, f"{name}: this server supports only {shown}, got {value!r}", param=name,
+                               code="unsupported_value")
 
 
 class CompletionRequest(_Generation):
@@ -476,12 +464,14 @@ def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         service.check_model(body.model)
+        body.check_supported()
         return await _answer(service, body, service.completion_prompt(body), body.max_tokens or 16, http,
                              "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: Request):
         service.check_model(body.model)
+        body.check_supported()
         return await _answer(service, body, service.chat_prompt(body), body.max_completion_tokens or body.max_tokens,
                              http, "chat.completion")
 

@@ -261,3 +261,25 @@ def test_sigterm_finishes_the_running_stream_then_exits(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_no_chat_template_and_a_failing_engine():
+    """Without a chat template, chat is a 400 that says how to give one. A step that raises fails the open request
+    with a 500; the server then refuses new requests (503) and /health says so."""
+    tokenizer = byte_tokenizer()
+    engine = ServingEngine(tiny_model("llama", layers=1, max_positions=256), build_config("dense"),
+                           tokenizer=tokenizer, max_batch=1, max_context=256, prefill_chunk=64)
+    with running(create_app(engine, tokenizer, NAME)) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user",
+                                                                                        "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
+        assert "--chat-template" in r.json()["error"]["message"]
+
+        def broken():
+            raise RuntimeError("device lost")
+        engine.step = broken
+        r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health").status_code == 503
+        r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503

@@ -252,6 +252,8 @@ def run_http(engine: ServingEngine, tokenizer, work: list[Work], concurrency: in
 
             sampler = asyncio.create_task(sample())
             for w in work:
+                if trace.stopped_early:
+                    break
                 if w.at is not None:
                     await asyncio.sleep(max(w.at - (time.perf_counter() - trace.start), 0))
                 tasks.append(asyncio.create_task(one(w)))
@@ -498,12 +500,6 @@ def main(argv: list[str] | None = None) -> int:
                 peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
                 row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,
                        "max_batch": batch, **summarize(trace), "peak_device_gib": peak, "series": trace.samples}
-                if args.static and row["median_running"]:
-                    batch = max(round(row["median_running"]), 1)
-                    row["static_batch"] = batch
-                    row["static_step_ms"] = static_step_ms(model, run.config, work, batch, args)
-                    row["tpot_vs_static"] = (row["tpot_p50_ms"] / row["static_step_ms"]
-                                             if row["tpot_p50_ms"] else None)
             except torch.OutOfMemoryError:
                 meta["out_of_memory"].append(label)
                 print(f"{label:>32}: out of device memory", flush=True)
@@ -512,6 +508,18 @@ def main(argv: list[str] | None = None) -> int:
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+            if args.static and row["median_running"]:
+                row["static_batch"] = max(round(row["median_running"]), 1)
+                try:
+                    row["static_step_ms"] = static_step_ms(model, run.config, work, row["static_batch"], args)
+                    row["tpot_vs_static"] = (row["tpot_p50_ms"] / row["static_step_ms"]
+                                             if row["tpot_p50_ms"] else None)
+                except torch.OutOfMemoryError:
+                    meta["out_of_memory"].append(f"{label}: the static engine at batch {row['static_batch']}")
+                finally:
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
             rows.append(row)
             save()
             print(f"{label:>32}: {row['output_tokens_per_s']:.1f} output tok/s, {row['requests_done']} done, TTFT "

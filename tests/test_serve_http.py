@@ -283,3 +283,15 @@ def test_no_chat_template_and_a_failing_engine():
         assert httpx.get(url + "/health").status_code == 503
         r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "quest", "--budget", "0"], "token_budget must be a positive multiple"),
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template: no file"),
+    (["--max-batch", "0"], "max_batch"),
+])
+def test_serve_command_errors(argv, message, capsys):
+    from sparsekv.cli import main
+
+    assert main(["serve", "--model", "tiny:llama", "--device", "cpu", *argv]) == 2
+    assert message in capsys.readouterr().err

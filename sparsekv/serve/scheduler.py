@@ -236,7 +236,7 @@ class ServingEngine:
             first = self.runner.first_token(live.prefill, request.sampling, live.seed)
             if self._emit(live, first, events):
                 continue
-            self.runner.join(live.id, live.prefill, first, request.sampling, live.seed)
+            self.runner.join(live.id, live.prefill, first, request.sampling, live.seed, request.max_tokens)
             live.prefill = None
             with self._lock:
                 self._prefilling.pop(0)

@@ -20,6 +20,8 @@ CONFIGS = {
     "omnikv-offload": OmniKVConfig(token_budget=0.3, window=4, filter_layers=(0, 2), wait_layers=0, offload=True,
                                    page_size=8),
     "raas": RaaSConfig(token_budget=32, page_size=8),
+    "raas-quest": RaaSConfig(token_budget=32, page_size=8, prefill="quest"),
+    "quest-per-query-head": QuestConfig(token_budget=24, page_size=4, dense_layers=0, per_query_head=True),
     "streamingllm": StreamingLLMConfig(token_budget=40),
     "h2o": H2OConfig(token_budget=40),
     "tova": TOVAConfig(token_budget=40),
@@ -108,6 +110,20 @@ def test_captured_steps_give_the_eager_tokens(model, name):
     assert replayed == eager
     runs = {n: step.runs for (n, _, _), (_, step) in engine.runner.steps.items() if step.replay is not None}
     assert {2, 3} <= set(runs) and all(r > 2 for r in runs.values())
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_admission_counts_at_least_the_kv_a_request_holds(model, name):
+    """A request's admitted bytes cover the KV it holds at its end, run alone (device and host), and a method that
+    caps its rows is admitted for its cap, not for the whole context."""
+    config = CONFIGS[name]
+    runner = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK).runner
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    for n, new in ((101, 40), (12, 60)):
+        out = alone.generate([prompt(n)], new, stop_tokens=())
+        assert out.kv_held_bytes + out.kv_host_bytes <= runner.kv_bytes(n, n + new)
+    if name in ("streamingllm", "h2o", "tova"):
+        assert runner.kv_bytes(100, 150) == runner.kv_bytes(30, 40)  # the budget of 40 tokens
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model):

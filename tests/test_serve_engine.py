@@ -131,10 +131,10 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model):
     hot = Sampling(temperature=1.5, top_p=0.95, top_k=50)
     requests = [(0, Request(prompt=prompt(n), max_tokens=10, sampling=hot if n % 2 else Sampling(), seed=n))
                 for n in (31, 40, 57)]
-    alone = []
-    for _, request in requests:
-        engine = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK)
-        alone.append(run(engine, [(0, request)])[0][0])
+    # Alone: through Engine.generate with the same seed (its prompt i draws with seed + i, here i = 0)
+    engine = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    alone = [engine.generate([r.prompt], r.max_tokens, sampling=r.sampling, seed=r.seed, stop_tokens=()).tokens[0]
+             for _, r in requests]
     for capture in (None, emulated_graph):
         engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
         engine.runner.engine.capture = capture

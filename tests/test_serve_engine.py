@@ -161,12 +161,12 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(model):
 
 def test_cancelled_requests_free_their_rows_wherever_they_are(model):
     engine = ServingEngine(model, CONFIGS["quest"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
-    ids = [engine.submit(Request(prompt=prompt(n), max_tokens=50)) for n in (20, 30, 100, 40)]
-    for _ in range(3):
-        engine.step()
+    ids = [engine.submit(Request(prompt=prompt(20), max_tokens=50))]
+    engine.step()
+    ids += [engine.submit(Request(prompt=prompt(n), max_tokens=20)) for n in (128, 30, 40)]
+    engine.step()  # the second request's 128 tokens take 4 steps of 32
     metrics = engine.metrics()
-    assert (metrics["running"], metrics["prefilling"], metrics["queued"], metrics["free_rows"]) == (2, 0, 2, 0)
-    engine.step()  # the third request starts its prefill once a row is free: none is
+    assert (metrics["running"], metrics["prefilling"], metrics["queued"], metrics["free_rows"]) == (1, 1, 2, 0)
     for rid in ids:
         engine.cancel(rid)
     engine.cancel(12345)  # unknown: nothing happens
@@ -175,8 +175,13 @@ def test_cancelled_requests_free_their_rows_wherever_they_are(model):
     assert all(e.finished and e.finish_reason == "cancelled" for e in events)
     metrics = engine.metrics()
     assert metrics["free_rows"] == 2 and metrics["kv_bytes_in_use"] == 0 and not engine.has_work()
+    assert engine.runner.free_rows == 2  # the pool's rows
     engine.cancel(ids[0])  # finished: nothing happens
     assert engine.step() == []
+    engine.submit(Request(prompt=prompt(30), max_tokens=3))  # the freed rows serve again
+    while engine.has_work():
+        engine.step()
+    assert engine.metrics()["finished_requests"] == 5
 
 
 def test_queue_full_and_requests_that_never_fit(model):

@@ -20,6 +20,8 @@ CONFIGS = {
     "omnikv-offload": OmniKVConfig(token_budget=0.3, window=4, filter_layers=(0, 2), wait_layers=0, offload=True,
                                    page_size=8),
     "raas": RaaSConfig(token_budget=32, page_size=8),
+    "raas-quest": RaaSConfig(token_budget=32, page_size=8, prefill="quest"),
+    "quest-per-query-head": QuestConfig(token_budget=24, page_size=4, dense_layers=0, per_query_head=True),
     "streamingllm": StreamingLLMConfig(token_budget=40),
     "h2o": H2OConfig(token_budget=40),
     "tova": TOVAConfig(token_budget=40),
@@ -106,8 +108,22 @@ def test_captured_steps_give_the_eager_tokens(model, name):
     engine.runner.engine.capture = emulated_graph
     replayed, _ = run(engine, requests)
     assert replayed == eager
-    runs = {n: step.runs for (n, _), (_, step) in engine.runner.steps.items() if step.replay is not None}
+    runs = {n: step.runs for (n, _, _), (_, step) in engine.runner.steps.items() if step.replay is not None}
     assert {2, 3} <= set(runs) and all(r > 2 for r in runs.values())
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_admission_counts_at_least_the_kv_a_request_holds(model, name):
+    """A request's admitted bytes cover the KV it holds at its end, run alone (device and host), and a method that
+    caps its rows is admitted for its cap, not for the whole context."""
+    config = CONFIGS[name]
+    runner = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK).runner
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    for n, new in ((101, 40), (12, 60)):
+        out = alone.generate([prompt(n)], new, stop_tokens=())
+        assert out.kv_held_bytes + out.kv_host_bytes <= runner.kv_bytes(n, n + new)
+    if name in ("streamingllm", "h2o", "tova"):
+        assert runner.kv_bytes(100, 150) == runner.kv_bytes(30, 40)  # the budget of 40 tokens
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model):
@@ -115,10 +131,10 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model):
     hot = Sampling(temperature=1.5, top_p=0.95, top_k=50)
     requests = [(0, Request(prompt=prompt(n), max_tokens=10, sampling=hot if n % 2 else Sampling(), seed=n))
                 for n in (31, 40, 57)]
-    alone = []
-    for _, request in requests:
-        engine = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK)
-        alone.append(run(engine, [(0, request)])[0][0])
+    # Alone: through Engine.generate with the same seed (its prompt i draws with seed + i, here i = 0)
+    engine = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    alone = [engine.generate([r.prompt], r.max_tokens, sampling=r.sampling, seed=r.seed, stop_tokens=()).tokens[0]
+             for _, r in requests]
     for capture in (None, emulated_graph):
         engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
         engine.runner.engine.capture = capture
@@ -145,12 +161,12 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(model):
 
 def test_cancelled_requests_free_their_rows_wherever_they_are(model):
     engine = ServingEngine(model, CONFIGS["quest"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
-    ids = [engine.submit(Request(prompt=prompt(n), max_tokens=50)) for n in (20, 30, 100, 40)]
-    for _ in range(3):
-        engine.step()
+    ids = [engine.submit(Request(prompt=prompt(20), max_tokens=50))]
+    engine.step()
+    ids += [engine.submit(Request(prompt=prompt(n), max_tokens=20)) for n in (128, 30, 40)]
+    engine.step()  # the second request's 128 tokens take 4 steps of 32
     metrics = engine.metrics()
-    assert (metrics["running"], metrics["prefilling"], metrics["queued"], metrics["free_rows"]) == (2, 0, 2, 0)
-    engine.step()  # the third request starts its prefill once a row is free: none is
+    assert (metrics["running"], metrics["prefilling"], metrics["queued"], metrics["free_rows"]) == (1, 1, 2, 0)
     for rid in ids:
         engine.cancel(rid)
     engine.cancel(12345)  # unknown: nothing happens
@@ -159,8 +175,13 @@ def test_cancelled_requests_free_their_rows_wherever_they_are(model):
     assert all(e.finished and e.finish_reason == "cancelled" for e in events)
     metrics = engine.metrics()
     assert metrics["free_rows"] == 2 and metrics["kv_bytes_in_use"] == 0 and not engine.has_work()
+    assert engine.runner.free_rows == 2  # the pool's rows
     engine.cancel(ids[0])  # finished: nothing happens
     assert engine.step() == []
+    engine.submit(Request(prompt=prompt(30), max_tokens=3))  # the freed rows serve again
+    while engine.has_work():
+        engine.step()
+    assert engine.metrics()["finished_requests"] == 5
 
 
 def test_queue_full_and_requests_that_never_fit(model):

@@ -177,28 +177,27 @@ class PagedLayer:
         view.dropped = self.dropped[:n]
         return view
 
-    def copy_row(self, row: int, source: "PagedLayer", source_row: int) -> None:
+    def copy_row(self, row: int, source: "PagedLayer", source_row: int, pages: int) -> None:
         """Makes ``row`` hold what row ``source_row`` of ``source`` (this layer or another of the same heads) holds:
         its pages in the same slots, their bounds, its method's per-slot state, its current slot and its dropped
-        count; slots beyond the source's are free. Raises ValueError when the source holds pages in slots this layer
-        does not have, or has holes this layer does not search for."""
+        count; the other slots are free. ``pages``: the pages the source row has had (its tokens over the page
+        size), which bounds the slots it uses, since a new page takes the lowest free slot: only those are copied.
+        Raises ValueError when the source holds pages in slots this layer does not have, or has holes this layer
+        does not search for."""
         c = min(self.capacity, source.capacity)
         if source.capacity > c and bool((source.slot_page[source_row, :, c:source.capacity] >= 0).any()):
             raise ValueError(f"copy_row: the source row holds pages beyond this layer's {self.capacity} slots")
         if source.has_holes and not self.may_have_holes:
             raise ValueError("copy_row: the source row has freed slots but this layer does not search for them")
-        fills = {"_kmin": float("inf"), "_kmax": float("-inf"), "slot_page": -1}
+        used = min(c, pages)
         for name in self.stored:
-            dst, src = getattr(self, name)[row], getattr(source, name)[source_row]
-            dst[:, :c].copy_(src[:, :c])
-            if name in fills:
-                dst[:, c:].fill_(fills[name])
+            getattr(self, name)[row, :, :used].copy_(getattr(source, name)[source_row, :, :used])
+        # A free slot's keys and bounds are never read: a page that takes it restarts them.
+        self.slot_page[row, :, used:].fill_(-1)
         for name, src in source.slot_state.items():
             if name not in self.slot_state:
                 self.slot_state[name] = torch.zeros((*self.slot_page.shape,), dtype=src.dtype, device=src.device)
-            dst = self.slot_state[name][row]
-            dst[:, :c].copy_(src[source_row, :, :c])
-            dst[:, c:].zero_()
+            self.slot_state[name][row, :, :used].copy_(src[source_row, :, :used])
         self.cur_slot[row].copy_(source.cur_slot[source_row])
         self.dropped[row] = source.dropped[source_row]
 

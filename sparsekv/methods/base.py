@@ -83,6 +83,7 @@ class Method:
 
     max_pages: int | None = None
     accepts_chunks: bool = True
+    sized_by_decode_tokens: bool = False
     tp_group = None
 
     def __init__(self, config: MethodConfig, num_layers: int):
@@ -130,8 +131,10 @@ class Method:
         """Makes ``row`` of the pool hold the per-row state of row ``source_row`` of ``source`` (a request's method
         after its prompt of ``prompt_len`` tokens, or this pool); the pages move with ``PagedLayer.copy_row``."""
 
-    def rows(self, n: int) -> "Method":
-        """The method of the pool's rows [0, n): its per-row state is views of this one's."""
+    def rows(self, n: int, decode_tokens: int) -> "Method":
+        """The method of the pool's rows [0, n), none of which holds more than ``decode_tokens`` tokens after its
+        prompt: its per-row state is views of this one's. A method whose step depends on ``decode_tokens`` sets
+        ``sized_by_decode_tokens``."""
         return copy.copy(self)
 
     def held_tokens(self, prompt_len: int, total: int) -> int:

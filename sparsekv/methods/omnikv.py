@@ -138,6 +138,7 @@ class OmniKV(Method):
 
     config: OmniKVConfig
     accepts_chunks = False
+    sized_by_decode_tokens = True
 
     def __init__(self, config: OmniKVConfig, num_layers: int):
         super().__init__(config, num_layers)
@@ -331,6 +332,7 @@ class OmniKV(Method):
         self.window_q.clear()  # (B, H, W, D), made at the first row's copy (H: the query heads)
         sparse = self._sparse()
         self.offloaded = set(sparse[self.config.device_layers or 0:]) if self.config.offload else set()
+        self.store_tokens = {i: (layers[i].capacity + 1) * layers[i].page_size for i in sparse}
         for i in sparse:
             self.decode_start[i] = torch.zeros(b, dtype=torch.long, device=device)
             self.first_decode[i] = 0
@@ -359,8 +361,10 @@ class OmniKV(Method):
         for f, store in self.stores.items():
             store.host[row, :prompt_len].copy_(source.stores[f].host[source_row, :prompt_len])
 
-    def rows(self, n):
-        view = super().rows(n)
+    def rows(self, n, decode_tokens):
+        view = super().rows(n, decode_tokens)
+        # Each sparse layer lists the room of the rows' decode tokens, not its whole store.
+        view.first_decode = {i: max(0, size - decode_tokens) for i, size in self.store_tokens.items()}
         view.prompt_len, view.per_row = self.prompt_len[:n], self.per_row[:n]
         view.window_q = {f: t[:n] for f, t in self.window_q.items()}
         view.window_pos = {f: t[:n] for f, t in self.window_pos.items()}

@@ -142,8 +142,8 @@ class RaaS(Method):
         self.prompt_pages[row] = source.prompt_pages[source_row]
         self.limit[row] = source.limit[source_row]
 
-    def rows(self, n):
-        view = super().rows(n)
+    def rows(self, n, decode_tokens):
+        view = super().rows(n, decode_tokens)
         view.prompt_pages, view.limit = self.prompt_pages[:n], self.limit[:n]
         return view
 

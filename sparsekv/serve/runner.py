@@ -91,7 +91,8 @@ class Runner:
         self.keys: list = []  # the request running in each row, rows [0, n)
         self.sampled: list[bool] = []
         self.prompt_lens: list[int] = []
-        self.steps: dict[tuple[int, bool], tuple[SparseKVCache, CapturedStep]] = {}
+        self.max_tokens: list[int] = []
+        self.steps: dict[tuple[int, bool, int], tuple[SparseKVCache, CapturedStep]] = {}
 
     @property
     def free_rows(self) -> int:
@@ -142,15 +143,16 @@ class Runner:
         one = torch.ones(1, dtype=torch.long, device=self.device)
         return int(sampling(job.logits, one * seed, one * 0)[0])
 
-    def join(self, key, job: Prefill, first: int, sampling: Sampling, seed: int) -> None:
-        """Makes the prefilled request ``key`` a running row whose next input is ``first``."""
+    def join(self, key, job: Prefill, first: int, sampling: Sampling, seed: int, max_tokens: int) -> None:
+        """Makes the prefilled request ``key`` (of at most ``max_tokens`` new tokens) a running row whose next input
+        is ``first``."""
         if not self.free_rows:
             raise RuntimeError("join: every row runs a request")
         row = len(self.keys)
         pages, source = self.pool.pages, job.cache.pages
         with torch.no_grad():
             for layer, from_layer in zip(pages.layers, source.layers):
-                layer.copy_row(row, from_layer, 0)
+                layer.copy_row(row, from_layer, 0, self._pages(source.lengths[0]))
             pages.lengths[row] = source.lengths[0]
             pages.seq_len[row] = source.seq_len[0]
             self.method.copy_row(row, job.cache.method, 0, job.prompt_len)
@@ -161,6 +163,7 @@ class Runner:
         self.keys.append(key)
         self.sampled.append(not sampling.greedy)
         self.prompt_lens.append(job.prompt_len)
+        self.max_tokens.append(max_tokens)
         self.discard(job)
 
     def discard(self, job: Prefill) -> None:
@@ -176,22 +179,33 @@ class Runner:
             pages = self.pool.pages
             with torch.no_grad():
                 for layer in pages.layers:
-                    layer.copy_row(row, layer, last)
+                    layer.copy_row(row, layer, last, self._pages(pages.lengths[last]))
                 pages.lengths[row] = pages.lengths[last]
                 pages.seq_len[row] = pages.seq_len[last]
                 self.method.copy_row(row, self.method, last, self.prompt_lens[last])
                 for t in (self.token, self.temperature, self.top_k, self.top_p, self.seed, self.index):
                     t[row] = t[last]
-            for rows in (self.keys, self.sampled, self.prompt_lens):
+            for rows in self._host_rows:
                 rows[row] = rows[last]
-        for rows in (self.keys, self.sampled, self.prompt_lens):
+        for rows in self._host_rows:
             rows.pop()
         self.pool.pages.lengths[last] = 0
+
+    @property
+    def _host_rows(self) -> tuple[list, ...]:
+        """What the host keeps per running row."""
+        return self.keys, self.sampled, self.prompt_lens, self.max_tokens
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.config.page_size)
 
     def decode(self) -> dict:
         """One decode step over the running rows; returns each request's new token by key."""
         n = len(self.keys)
-        cache, run = self._step(n, any(self.sampled))
+        room = self.max_context
+        if self.method.sized_by_decode_tokens:  # a step per power of two of the rows' longest decode
+            room = min(room, 1 << (max(self.max_tokens) - 1).bit_length())
+        cache, run = self._step(n, any(self.sampled), room)
         pages = self.pool.pages
         cache.pages.lengths = pages.lengths[:n]
         for layer, view in zip(pages.layers, cache.pages.layers):
@@ -201,12 +215,13 @@ class Runner:
         pages.lengths[:n] = cache.pages.lengths
         return dict(zip(self.keys, self.token[:n, 0].tolist()))
 
-    def _step(self, n: int, sampled: bool) -> tuple[SparseKVCache, CapturedStep]:
-        """The decode step over rows [0, n), made at its first use: a cache and method that are views of the
-        pool's first n rows, and the step (captured at its second run where the engine captures)."""
-        if (n, sampled) in self.steps:
-            return self.steps[n, sampled]
-        cache = SparseKVCache(self.method.rows(n), DecodeStats(tp_group=self.tp_group), self.window)
+    def _step(self, n: int, sampled: bool, room: int) -> tuple[SparseKVCache, CapturedStep]:
+        """The decode step over rows [0, n) (``sampled``: some row samples; ``room``: no row holds more tokens after
+        its prompt), made at its first use: a cache and method that are views of the pool's first n rows, and the
+        step (captured at its second run where the engine captures)."""
+        if (n, sampled, room) in self.steps:
+            return self.steps[n, sampled, room]
+        cache = SparseKVCache(self.method.rows(n, room), DecodeStats(tp_group=self.tp_group), self.window)
         cache.pages = self.pool.pages.rows(n)
         token, seq_len = self.token[:n], self.pool.pages.seq_len[:n]
         temperature, top_k, top_p = self.temperature[:n], self.top_k[:n], self.top_p[:n]
@@ -221,5 +236,5 @@ class Runner:
             token.copy_(nxt.view(n, 1))
             index.add_(1)
 
-        self.steps[n, sampled] = cache, CapturedStep(step, cache, self.engine.capture)
-        return self.steps[n, sampled]
+        self.steps[n, sampled, room] = cache, CapturedStep(step, cache, self.engine.capture)
+        return self.steps[n, sampled, room]

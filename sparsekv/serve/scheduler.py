@@ -174,10 +174,12 @@ class ServingEngine:
             return bool(self._queue or self._prefilling or self._running)
 
     def metrics(self) -> dict:
+        """Rows, queue and memory now (``free_rows``: rows neither running nor taken by a prefill), and totals since
+        the start."""
         with self._lock:
-            queued = len(self._queue)
-        return {"running": len(self._running), "queued": queued, "prefilling": len(self._prefilling),
-                "free_rows": self.runner.free_rows, "kv_bytes_in_use": self._in_use,
+            queued, running, prefilling = len(self._queue), len(self._running), len(self._prefilling)
+        return {"running": running, "queued": queued, "prefilling": prefilling,
+                "free_rows": self.runner.max_batch - running - prefilling, "kv_bytes_in_use": self._in_use,
                 "kv_bytes_capacity": self.kv_memory_bytes, "host_kv_bytes": self.runner.host_bytes(),
                 "generated_tokens": self._generated, "finished_requests": self._finished}
 
@@ -236,7 +238,7 @@ class ServingEngine:
             first = self.runner.first_token(live.prefill, request.sampling, live.seed)
             if self._emit(live, first, events):
                 continue
-            self.runner.join(live.id, live.prefill, first, request.sampling, live.seed)
+            self.runner.join(live.id, live.prefill, first, request.sampling, live.seed, request.max_tokens)
             live.prefill = None
             with self._lock:
                 self._prefilling.pop(0)

@@ -23,7 +23,7 @@ def test_serve_bench_smoke(tmp_path):
     for r in rows:
         assert r["requests_done"] == 5 and 5 * 3 <= r["output_tokens"] <= 5 * 9
         assert r["output_tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0 and r["tpot_p99_ms"] >= r["tpot_p50_ms"]
-        assert 1 <= r["max_running"] <= 3 and r["static_step_ms"] > 0
+        assert 1 <= r["max_running"] <= 3 and r["static_step_ms"] > 0 and r["tpot_vs_static"] > 0
     # the same workload for every run: the same tokens
     assert len({r["output_tokens"] for r in rows}) == 1
     series = result["series"]["quest engine"]

@@ -343,6 +343,7 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("TPOT p50 ms", "tpot_p50_ms", "{:.2f}"), ("TPOT p90", "tpot_p90_ms", "{:.2f}"),
                ("TPOT p99", "tpot_p99_ms", "{:.2f}"), ("step p50 ms", "step_p50_ms", "{:.2f}"),
                ("static step ms", "static_step_ms", "{:.2f}"), ("TPOT / static", "tpot_vs_static", "{:.2f}x"),
+               ("step / static", "step_vs_static", "{:.2f}x"),
                ("max batch", "max_batch", "{}"), ("max running", "max_running", "{}"),
                ("median running", "median_running", "{:.0f}"),
                ("vs dense tok/s", "vs_dense", "{:.2f}x"), ("peak device GiB", "peak_device_gib", "{:.1f}"),
@@ -512,8 +513,9 @@ def main(argv: list[str] | None = None) -> int:
                 row["static_batch"] = max(round(row["median_running"]), 1)
                 try:
                     row["static_step_ms"] = static_step_ms(model, run.config, work, row["static_batch"], args)
-                    row["tpot_vs_static"] = (row["tpot_p50_ms"] / row["static_step_ms"]
-                                             if row["tpot_p50_ms"] else None)
+                    for key in ("tpot_p50_ms", "step_p50_ms"):
+                        row[key.split("_")[0] + "_vs_static"] = (row[key] / row["static_step_ms"] if row[key]
+                                                                 else None)
                 except torch.OutOfMemoryError:
                     meta["out_of_memory"].append(f"{label}: the static engine at batch {row['static_batch']}")
                 finally:

@@ -25,7 +25,8 @@ from sparsekv.tiny import byte_tokenizer, tiny_model  # noqa: E402
 
 NAME = "tiny"
 MAX_BATCH, MAX_CONTEXT, MAX_QUEUE = 2, 2048, 1
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'developer' %}{{ raise_exception('no developer role') }}"
+                 "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
@@ -150,6 +151,9 @@ def test_bad_chat_fields_give_400(server, client):
     r = httpx.post(server + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "robot",
                                                                                          "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(server + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "developer",
+                                                                                         "content": "hi"}]})
+    assert r.status_code == 400 and "no developer role" in r.json()["error"]["message"]
     check_still_serves(client)
 
 

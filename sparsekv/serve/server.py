@@ -229,10 +229,11 @@ class EngineLoop:
         self.thread.join()
 
     def submit(self, request: EngineRequest) -> tuple[int, _Subscriber]:
-        if self.error is not None:
-            raise APIError(503, f"the engine failed and serves no more requests: {self.error!r}", "server_error")
         subscriber = _Subscriber()
-        with self.lock:
+        with self.lock:  # the engine thread sets ``error`` under it, so no request is left waiting after a failure
+            if self.error is not None:
+                raise APIError(503, f"the engine failed and serves no more requests: {self.error!r}",
+                               "server_error")
             rid = self.engine.submit(request)
             self.subscribers[rid] = subscriber
         self.wake.set()
@@ -274,8 +275,8 @@ class EngineLoop:
                 self._sample()
             except Exception as err:  # the engine's state is unknown: fail every open request, serve no more
                 log.error("engine step failed:\n%s", traceback.format_exc())
-                self.error = err
                 with self.lock:
+                    self.error = err
                     for subscriber in self.subscribers.values():
                         subscriber.push(err)
                     self.subscribers.clear()
@@ -320,8 +321,14 @@ class Service:
                                 f"server with --chat-template FILE", param="messages", code="no_chat_template")
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                      else "".join(p.text for p in m.content)} for m in body.messages]
-        text = self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=True)
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                      add_generation_prompt=True)
+        except TemplateError as err:  # e.g. a template that refuses a role or an order of roles
+            raise APIError(400, f"messages: the chat template refused them: {err}", param="messages",
+                           code="invalid_value") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def submit(self, body: _Generation, prompt: list[int], max_tokens: int | None) -> tuple[int, _Subscriber]:

@@ -201,6 +201,16 @@ def test_queue_full_and_requests_that_never_fit(model):
         small.submit(Request(prompt=[5, 10**6], max_tokens=2))
 
 
+def test_a_pool_that_does_not_fit_the_device_is_refused_before_allocating(model, monkeypatch):
+    from sparsekv.serve import runner
+
+    monkeypatch.setattr(runner, "available_device_bytes", lambda device: 100_000)
+    with pytest.raises(ValueError, match=r"max_batch and max_context must be small enough that the pool of rows"):
+        ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
+    monkeypatch.setattr(runner, "available_device_bytes", lambda device: 10_000_000)
+    ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
+
+
 def test_memory_admits_what_fits_and_the_rest_waits(model):
     engine = ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
     need = engine.runner.kv_bytes(60, 70)

@@ -351,8 +351,9 @@ class Engine:
                  prefill: Callable | None = None, forced: Sequence[Sequence[int]] | None = None) -> Generation:
         """Generates up to ``max_new_tokens`` tokens for each prompt (strings, or lists of token ids), greedy unless
         ``sampling`` says otherwise. ``stop_tokens``: ids that end a sequence (default: the model's EOS; ``()``:
-        none); the call ends when every sequence has stopped. ``stream``: called with each sequence's tokens new
-        since its last call, at every step. ``time_steps``: time every decode step. ``prefill``: replaces the
+        none); the call ends when every sequence has stopped. ``stream``: called at every step with each sequence's
+        new tokens since its last call (its own new tokens: not the forced ones, nothing after its stop token; a
+        ``TextStream`` turns them into text). ``time_steps``: time every decode step. ``prefill``: replaces the
         model's prefill, ``prefill(cache, ids, mask) -> logits (B, V)`` (benchmarks fill the cache with random keys
         and values where a real prefill would take too long). ``forced``: per prompt, tokens fed through the decode
         steps after the prompt before generation starts (a question that goes through the method's decode path, as

@@ -257,3 +257,32 @@ def test_cuda_graphs_serve_the_eager_tokens(name):
         tokens.append(run(engine, requests)[0])
         assert any(step.replay is not None for _, step in engine.runner.steps.values()) == (cuda_graph is None)
     assert tokens[0] == tokens[1]
+
+
+def test_requests_submitted_from_other_threads_while_stepping(model):
+    import threading
+
+    engine = ServingEngine(model, CONFIGS["quest"], max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+    ids = []
+
+    def client(n):
+        ids.append(engine.submit(Request(prompt=prompt(n), max_tokens=3)))
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(10, 22)]
+    for t in threads:
+        t.start()
+    finished = set()
+    while any(t.is_alive() for t in threads) or engine.has_work():
+        finished |= {e.request_id for e in engine.step() if e.finished}
+    assert finished == set(ids) and len(ids) == 12
+
+
+def test_another_architecture():
+    """Qwen3 (query and key norms) batched as alone."""
+    qwen = tiny_model("qwen3", seed=2, layers=2)
+    config = CONFIGS["quest"]
+    alone = Engine(qwen, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new, _ in PLAN]
+    expected = [alone.generate([r.prompt], r.max_tokens, stop_tokens=()).tokens[0] for _, r in requests]
+    tokens, _ = run(ServingEngine(qwen, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK), requests)
+    assert [tokens[i] for i in range(len(PLAN))] == expected

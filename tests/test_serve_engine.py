@@ -119,7 +119,7 @@ def test_admission_counts_at_least_the_kv_a_request_holds(model, name):
     config = CONFIGS[name]
     runner = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK).runner
     alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
-    for n, new in ((101, 40), (12, 60)):
+    for n, new in ((101, 20), (12, 30)):
         out = alone.generate([prompt(n)], new, stop_tokens=())
         assert out.kv_held_bytes + out.kv_host_bytes <= runner.kv_bytes(n, n + new)
     if name in ("streamingllm", "h2o", "tova"):

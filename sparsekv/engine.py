@@ -28,10 +28,10 @@ from typing import Callable, Generator, Iterator, Sequence
 
 import torch
 
+from .errors import ConfigError
 from .integrations import apply
 from .integrations.decode import DecodeModel, Parts
 from .integrations.transformers import _sliding_window
-from .errors import ConfigError
 from .methods.base import MethodConfig, require
 from .models import synchronize
 from .timing import Timer

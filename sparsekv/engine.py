@@ -353,7 +353,9 @@ class Engine:
         ``sampling`` says otherwise. ``stop_tokens``: ids that end a sequence (default: the model's EOS; ``()``:
         none); the call ends when every sequence has stopped. ``stream``: called at every step with each sequence's
         new tokens since its last call (its own new tokens: not the forced ones, nothing after its stop token; a
-        ``TextStream`` turns them into text). ``time_steps``: time every decode step. ``prefill``: replaces the
+        ``TextStream`` turns them into text). ``seed``: prompt i draws its sampled tokens as a function of
+        seed + i and their places (``counter_noise``; None: torch's global random generator, which a seed leaves
+        untouched). ``time_steps``: time every decode step. ``prefill``: replaces the
         model's prefill, ``prefill(cache, ids, mask) -> logits (B, V)`` (benchmarks fill the cache with random keys
         and values where a real prefill would take too long). ``forced``: per prompt, tokens fed through the decode
         steps after the prompt before generation starts (a question that goes through the method's decode path, as
@@ -371,7 +373,7 @@ class Engine:
         if longest + total > self.max_context:
             raise ValueError(f"a prompt of {longest} tokens plus {forced.shape[1]} forced tokens plus "
                              f"max_new_tokens={max_new_tokens} exceeds max_context ({self.max_context})")
-        require(seed is None or _is_count(seed, 0) and seed < 1 << 63, "seed", "None or an int in [0, 2**63)", seed)
+        require(seed is None or _is_count(seed, 0) and seed < 1 << 62, "seed", "None or an int in [0, 2**62)", seed)
         # Prompt i draws with seed + i (``counter_noise``): the caller's global random generator is left as it was.
         seeds = None if seed is None else torch.arange(seed, seed + ids.shape[0], device=self.device)
         if self.device.type == "cuda":

@@ -28,10 +28,10 @@ from typing import Callable, Generator, Iterator, Sequence
 
 import torch
 
+from .errors import ConfigError
 from .integrations import apply
 from .integrations.decode import DecodeModel, Parts
 from .integrations.transformers import _sliding_window
-from .errors import ConfigError
 from .methods.base import MethodConfig, require
 from .models import synchronize
 from .timing import Timer
@@ -351,8 +351,11 @@ class Engine:
                  prefill: Callable | None = None, forced: Sequence[Sequence[int]] | None = None) -> Generation:
         """Generates up to ``max_new_tokens`` tokens for each prompt (strings, or lists of token ids), greedy unless
         ``sampling`` says otherwise. ``stop_tokens``: ids that end a sequence (default: the model's EOS; ``()``:
-        none); the call ends when every sequence has stopped. ``stream``: called with each sequence's tokens new
-        since its last call, at every step. ``time_steps``: time every decode step. ``prefill``: replaces the
+        none); the call ends when every sequence has stopped. ``stream``: called at every step with each sequence's
+        new tokens since its last call (its own new tokens: not the forced ones, nothing after its stop token; a
+        ``TextStream`` turns them into text). ``seed``: prompt i draws its sampled tokens as a function of
+        seed + i and their places (``counter_noise``; None: torch's global random generator, which a seed leaves
+        untouched). ``time_steps``: time every decode step. ``prefill``: replaces the
         model's prefill, ``prefill(cache, ids, mask) -> logits (B, V)`` (benchmarks fill the cache with random keys
         and values where a real prefill would take too long). ``forced``: per prompt, tokens fed through the decode
         steps after the prompt before generation starts (a question that goes through the method's decode path, as
@@ -370,7 +373,7 @@ class Engine:
         if longest + total > self.max_context:
             raise ValueError(f"a prompt of {longest} tokens plus {forced.shape[1]} forced tokens plus "
                              f"max_new_tokens={max_new_tokens} exceeds max_context ({self.max_context})")
-        require(seed is None or _is_count(seed, 0) and seed < 1 << 63, "seed", "None or an int in [0, 2**63)", seed)
+        require(seed is None or _is_count(seed, 0) and seed < 1 << 62, "seed", "None or an int in [0, 2**62)", seed)
         # Prompt i draws with seed + i (``counter_noise``): the caller's global random generator is left as it was.
         seeds = None if seed is None else torch.arange(seed, seed + ids.shape[0], device=self.device)
         if self.device.type == "cuda":

@@ -285,3 +285,14 @@ def test_text_stream_gives_the_texts(model):
     out = engine.generate(["héllo wörld ✓", "abc"], 24, stop_tokens=(),
                           stream=TextStream(tokenizer, lambda new: [p.append(t) for p, t in zip(pieces, new)]))
     assert ["".join(p) for p in pieces] == out.texts
+
+
+def test_seeded_draws_follow_the_probabilities_over_seeds_and_places():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(probs).expand(4000, 4)
+    n = torch.arange(4000)
+    for seeds, places in ((n, torch.zeros_like(n)), (torch.full_like(n, 7), n)):
+        drawn = Sampling(temperature=1.0)(logits, seeds, places)
+        assert torch.allclose(torch.bincount(drawn, minlength=4) / 4000, probs, atol=0.03)
+    again = Sampling(temperature=1.0)(logits, n, torch.zeros_like(n))
+    assert torch.equal(again, Sampling(temperature=1.0)(logits, n, torch.zeros_like(n)))

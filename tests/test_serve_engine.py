@@ -119,7 +119,7 @@ def test_admission_counts_at_least_the_kv_a_request_holds(model, name):
     config = CONFIGS[name]
     runner = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK).runner
     alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
-    for n, new in ((101, 40), (12, 60)):
+    for n, new in ((101, 20), (12, 30)):
         out = alone.generate([prompt(n)], new, stop_tokens=())
         assert out.kv_held_bytes + out.kv_host_bytes <= runner.kv_bytes(n, n + new)
     if name in ("streamingllm", "h2o", "tova"):
@@ -201,6 +201,16 @@ def test_queue_full_and_requests_that_never_fit(model):
         small.submit(Request(prompt=[5, 10**6], max_tokens=2))
 
 
+def test_a_pool_that_does_not_fit_the_device_is_refused_before_allocating(model, monkeypatch):
+    from sparsekv.serve import runner
+
+    monkeypatch.setattr(runner, "available_device_bytes", lambda device: 100_000)
+    with pytest.raises(ValueError, match=r"max_batch and max_context must be small enough that the pool of rows"):
+        ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
+    monkeypatch.setattr(runner, "available_device_bytes", lambda device: 10_000_000)
+    ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
+
+
 def test_memory_admits_what_fits_and_the_rest_waits(model):
     engine = ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
     need = engine.runner.kv_bytes(60, 70)
@@ -247,3 +257,32 @@ def test_cuda_graphs_serve_the_eager_tokens(name):
         tokens.append(run(engine, requests)[0])
         assert any(step.replay is not None for _, step in engine.runner.steps.values()) == (cuda_graph is None)
     assert tokens[0] == tokens[1]
+
+
+def test_requests_submitted_from_other_threads_while_stepping(model):
+    import threading
+
+    engine = ServingEngine(model, CONFIGS["quest"], max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+    ids = []
+
+    def client(n):
+        ids.append(engine.submit(Request(prompt=prompt(n), max_tokens=3)))
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(10, 22)]
+    for t in threads:
+        t.start()
+    finished = set()
+    while any(t.is_alive() for t in threads) or engine.has_work():
+        finished |= {e.request_id for e in engine.step() if e.finished}
+    assert finished == set(ids) and len(ids) == 12
+
+
+def test_another_architecture():
+    """Qwen3 (query and key norms) batched as alone."""
+    qwen = tiny_model("qwen3", seed=2, layers=2)
+    config = CONFIGS["quest"]
+    alone = Engine(qwen, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new, _ in PLAN]
+    expected = [alone.generate([r.prompt], r.max_tokens, stop_tokens=()).tokens[0] for _, r in requests]
+    tokens, _ = run(ServingEngine(qwen, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK), requests)
+    assert [tokens[i] for i in range(len(PLAN))] == expected

@@ -32,6 +32,12 @@ from ..engine import CapturedStep, Engine, Sampling, argmax, counter_noise, draw
 from ..integrations import apply
 from ..integrations.decode import DecodeModel
 from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
+from ..methods.base import require
+
+
+def available_device_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device, None elsewhere (host memory is not checked)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 @dataclass
@@ -72,15 +78,23 @@ class Runner:
         self.pool = SparseKVCache(self.method, DecodeStats(tp_group=self.tp_group), self.window)
         pages = self.pool.pages
         page = config.page_size
-        pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, slots, dtype, self.device)
-                        for slots in self.method.pool_pages(self.max_context)]
+        self.token_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize
+        self.page_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize if page > 1 else 0  # key bounds
+        slots = self.method.pool_pages(self.max_context)
+        # Per slot: keys and values, key bounds, the page table and a method's per-slot state (8 bytes each).
+        pool_bytes = max_batch * sum(s + 1 for s in slots) * (page * self.token_bytes + self.page_bytes + 16 * kv_heads)
+        prefill_bytes = self.max_context * self.num_layers * self.token_bytes  # one prompt's KV, before any eviction
+        free = available_device_bytes(self.device)
+        require(free is None or pool_bytes + prefill_bytes <= free, "max_batch and max_context",
+                f"small enough that the pool of rows ({pool_bytes / 2**30:.2f} GiB) and one prompt's prefill "
+                f"({prefill_bytes / 2**30:.2f} GiB) fit the device's free {(free or 0) / 2**30:.2f} GiB",
+                (max_batch, self.max_context))
+        pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, n, dtype, self.device) for n in slots]
         pages.lengths = [0] * max_batch
         pages.seq_len = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         pages.in_prompt = False
         self.method.start_pool(pages.layers, self.max_context)
         self.request_config = self.method.request_config()
-        self.token_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize
-        self.page_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize if page > 1 else 0  # key bounds
 
         def per_row(fill, dtype):
             return torch.full((max_batch,), fill, dtype=dtype, device=self.device)

@@ -62,3 +62,19 @@ def test_largest_batch_finds_the_most_rows_that_fit(limit):
 
     assert largest_batch(make, 64) == limit
     assert len(tried) <= 14
+
+
+def test_warm_up_runs_every_batch_size_twice():
+    from sparsekv.bench.serve import warm_up
+    from sparsekv.serve import ServingEngine
+    from sparsekv.spec import build_config
+    from sparsekv.tiny import tiny_model
+
+    engine = ServingEngine(tiny_model("llama", layers=1, max_positions=128), build_config("dense"), max_batch=4,
+                           max_context=64, prefill_chunk=16)
+    warm_up(engine, 4, 259)
+    assert not engine.has_work()
+    runs = {}
+    for (n, *_), (_, step) in engine.runner.steps.items():
+        runs[n] = runs.get(n, 0) + step.runs
+    assert sorted(runs) == [1, 2, 3, 4] and min(runs.values()) >= 2

@@ -19,6 +19,8 @@ p50/p90/p99, the decode step (median engine step without prefill work, engine ru
 requests over time (the engine's metrics), the most requests running at once, peak device memory
 (``torch.cuda.max_memory_allocated``), peak host RSS and host KV (offload). ``--static`` also times the static
 engine's step (``sparsekv.engine.Engine``) at the run's median running batch, on prompts of the workload's lengths.
+Before each run short requests step every batch size up to the max batch (``--no-warmup``: not), so that the CUDA
+graph of each size is captured before the measurement.
 
 The engine holds a pool of ``--max-batch`` rows, each sized for the longest request (its method's share of it),
 and admits a request when a row is free and its KV fits ``--kv-memory-gib`` (default: the pool). ``--fit`` lowers
@@ -188,6 +190,19 @@ def run_engine(engine: ServingEngine, work: list[Work], concurrency: int | None,
     while engine.has_work():
         engine.step()
     return trace
+
+
+def warm_up(engine: ServingEngine, max_batch: int, vocab: int) -> None:
+    """Runs every batch size from 1 to ``max_batch`` twice or more, up and down (a size's decode step is captured on
+    its second run), with short greedy requests, so that the measured run does not pay for the captures."""
+    rng = random.Random(0)
+    submitted = steps = 0
+    while submitted < max_batch or engine.has_work():
+        if submitted < max_batch and steps % 2 == 0:
+            engine.submit(Request(prompt=[rng.randrange(vocab) for _ in range(16)], max_tokens=2 * max_batch + 2))
+            submitted += 1
+        engine.step()
+        steps += 1
 
 
 def stand_in_tokenizer(vocab: int):
@@ -421,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time the static engine's step at each run's median running batch")
     parser.add_argument("--max-prefill", type=int, default=131072,
                         help="--static: prompt tokens up to which its prompts are really prefilled")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="before each run, step every batch size up to the max batch twice (CUDA graphs "
+                             "captured before the measurement)")
     parser.add_argument("--compile", action="store_true", help="ServingEngine(compile=True)")
     run_args(parser, "serve")
     argv = sys.argv[1:] if argv is None else argv
@@ -495,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 engine = make(run.config, batch)
+                if args.warmup:
+                    warm_up(engine, batch, model.config.vocab_size)
                 trace = (run_engine(engine, work, args.concurrency, args.capacity) if via == "engine" else
                          run_http(engine, tokenizer, work, args.concurrency, args.capacity))
                 del engine

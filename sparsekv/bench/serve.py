@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.util
 import math
 import random
 import resource
@@ -454,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
             if low > high:
                 raise ConfigError(name, "MIN <= MAX", f"{low} {high}")
+        if "http" in args.via:
+            missing = [name for name in ("fastapi", "uvicorn", "openai", "httpx") if importlib.util.find_spec(name)
+                       is None]
+            if missing:
+                raise ConfigError("--via", f"engine only, or http with {', '.join(missing)} installed "
+                                           f"(pip install 'sparsekv[serve]' openai)", " ".join(args.via))
     except (ConfigError, EvalError) as err:
         print(f"sparsekv.bench.serve: error: {err}", file=sys.stderr)
         return 2

@@ -286,3 +286,26 @@ def test_another_architecture():
     expected = [alone.generate([r.prompt], r.max_tokens, stop_tokens=()).tokens[0] for _, r in requests]
     tokens, _ = run(ServingEngine(qwen, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK), requests)
     assert [tokens[i] for i in range(len(PLAN))] == expected
+
+
+def test_a_failing_prefill_drops_its_request_and_leaves_the_others_running(model, monkeypatch):
+    engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
+    first = engine.submit(Request(prompt=prompt(20), max_tokens=6))
+    tokens = [t for e in engine.step() for t in e.tokens]
+    engine.submit(Request(prompt=prompt(30), max_tokens=6))
+    prefill = engine.runner.prefill
+
+    def broken(job, budget):
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(engine.runner, "prefill", broken)
+    with pytest.raises(MemoryError, match="no room"):
+        engine.step()
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    metrics = engine.metrics()
+    assert (metrics["running"], metrics["prefilling"], metrics["queued"]) == (1, 0, 0)
+    while engine.has_work():
+        tokens += [t for e in engine.step() if e.request_id == first for t in e.tokens]
+    alone = Engine(model, CONFIGS["dense"], max_context=CONTEXT, prefill_chunk=CHUNK)
+    assert tokens == alone.generate([prompt(20)], 6, stop_tokens=()).tokens[0]
+    assert engine.metrics()["kv_bytes_in_use"] == 0

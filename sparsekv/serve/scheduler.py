@@ -231,11 +231,18 @@ class ServingEngine:
         budget = self.runner.prefill_budget
         while self._prefilling and budget > 0:
             live = self._prefilling[0]
-            budget -= self.runner.prefill(live.prefill, budget)
-            if live.prefill.logits is None:
-                continue
             request = live.request
-            first = self.runner.first_token(live.prefill, request.sampling, live.seed)
+            try:
+                budget -= self.runner.prefill(live.prefill, budget)
+                if live.prefill.logits is None:
+                    continue
+                first = self.runner.first_token(live.prefill, request.sampling, live.seed)
+            except Exception as error:
+                # The request is dropped, what it held freed, and the error raised to the caller of ``step``;
+                # the running requests and the queue are as they were.
+                self._finish(live, "cancelled", [])
+                error.add_note(f"while prefilling request {live.id}, which is dropped")
+                raise
             if self._emit(live, first, events):
                 continue
             self.runner.join(live.id, live.prefill, first, request.sampling, live.seed, request.max_tokens)

@@ -51,6 +51,7 @@ class DecodeStats:
     _weight: dict[int, float] = field(default_factory=dict)  # per counting layer: KV heads per selection row
     _whole: set[int] = field(default_factory=set)  # layers that attend the whole context
     _folded: dict[object, torch.Tensor] = field(default_factory=dict)  # sums of totals of an earlier batch size
+    _frozen: dict[object, torch.Tensor] = field(default_factory=dict)  # totals as of each row's last live step
     _kv_heads: int = 0
     _layers: int = 0
 
@@ -72,7 +73,8 @@ class DecodeStats:
         tally = self._tallies.get(key)
         if tally is None or tally.batch != seq_len.shape[0]:
             if tally is not None and tally.total is not None:
-                self._folded[key] = self._folded.get(key, 0) + tally.total.sum(dtype=torch.float64)
+                total = self._frozen.pop(key, tally.total)
+                self._folded[key] = self._folded.get(key, 0) + total.sum(dtype=torch.float64)
             tally = self._tallies[key] = Tally(seq_len.shape[0], seq_len.device)
         return tally
 
@@ -86,7 +88,30 @@ class DecodeStats:
         else:
             self._weight[layer_idx] = kv_heads / tally.total.shape[1]
 
+    def freeze(self, live: torch.Tensor) -> None:
+        """Ends the counting of rows that have ended: after a step, live: (B,) bool says which rows that step
+        belonged to; the totals of the others stay as they were at their last live step (in place, one kernel per
+        counting layer, so that a captured step runs it). ``trim`` then says how many steps each row ran."""
+        for key, tally in self._tallies.items():
+            if tally.total is None:
+                continue
+            alive = live.view(-1, 1)
+            frozen = self._frozen.get(key)
+            if frozen is None or frozen.shape != tally.total.shape:
+                self._frozen[key] = torch.where(alive, tally.total, 0)
+            else:
+                torch.where(alive, tally.total, frozen, out=frozen)
+
+    def trim(self, steps: list[int]) -> None:
+        """Counts each row's own decode steps, ``steps`` (B,) on the host, in place of the steps every row of the
+        current batch ran since the statistics started (rows that ended early, see ``freeze``)."""
+        ran = self.steps
+        if ran and steps:
+            self.rows = self.rows * sum(steps) // (ran * len(steps))
+            self.steps = max(steps)
+
     def _sum(self, key, total: torch.Tensor | None) -> torch.Tensor:
+        total = self._frozen.get(key, total)
         return self._folded.get(key, 0) + (0 if total is None else total.sum(dtype=torch.float64))
 
     @property

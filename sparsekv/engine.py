@@ -31,7 +31,7 @@ import torch
 from .errors import ConfigError
 from .integrations import apply
 from .integrations.decode import DecodeModel, Parts
-from .integrations.transformers import _sliding_window
+from .integrations.transformers import _sliding_window, cache_argument
 from .methods.base import MethodConfig, require
 from .models import synchronize
 from .timing import Timer
@@ -508,12 +508,13 @@ def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor,
     position = (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 1)  # transformers' positions for left padding
     hidden = decoder.embed_tokens(ids)
     rotary = {}
+    cache_arg = cache_argument(decoder.layers[0])
     for index, begin, end in prompt_passes(cache, mask, chunk, len(decoder.layers)):
         if index == 0:
             rotary[begin] = decoder.rotary_emb(hidden[:, :1], position[:, begin:end])
         out = decoder.layers[index](hidden[:, begin:end], attention_mask=None, position_ids=position[:, begin:end],
-                                    past_key_values=cache, use_cache=True, position_embeddings=rotary[begin],
-                                    sparsekv_cache=cache)
+                                    use_cache=True, position_embeddings=rotary[begin], sparsekv_cache=cache,
+                                    **{cache_arg: cache})
         hidden[:, begin:end] = out[0] if isinstance(out, tuple) else out
         yield (end - begin) * ids.shape[0]
     return model.lm_head(decoder.norm(hidden[:, -1:]))[:, -1]

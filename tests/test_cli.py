@@ -183,3 +183,12 @@ def test_demo_samples_the_dense_reference_too(monkeypatch, capsys):
                  "--max-new-tokens", "3", "--no-progress"]) == 0
     assert calls[1:] == [("dense", True)]  # after the warm-up: one dense run, sampled, used for its row too
     assert capsys.readouterr().out.count("| dense |") == 1
+
+
+def test_version_prints_the_installed_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"sparsekv {version('sparsekv')}\n"

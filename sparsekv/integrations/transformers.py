@@ -357,6 +357,13 @@ def sparsekv_attention(module, query, key, value, attention_mask, scaling=None, 
 AttentionInterface.register(ATTENTION_NAME, sparsekv_attention)
 
 
+def cache_argument(module: torch.nn.Module) -> str:
+    """The name of the KV-cache argument of ``module``'s forward (a decoder or a decoder layer), read from its
+    signature: transformers 5.24 renamed ``past_key_values`` to ``cache``. The old name is still accepted there,
+    deprecated, but where both are given the model uses ``cache``, so the cache is passed under the declared name."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 def _check_model(model) -> None:
     names = {cls.__name__ for cls in type(model).__mro__}
     if not names & set(SUPPORTED_MODELS):
@@ -401,6 +408,7 @@ def apply(model, config: MethodConfig) -> Iterator[Session]:
     session = Session(method, DecodeStats(tp_group=method.tp_group))
     window = _sliding_window(model.config)
     params = list(inspect.signature(decoder.forward).parameters)
+    cache_arg = cache_argument(decoder)
 
     def pre_hook(module, args, kwargs):
         kwargs = dict(kwargs, **dict(zip(params, args)))
@@ -409,15 +417,17 @@ def apply(model, config: MethodConfig) -> Iterator[Session]:
             # Without a cache every generation step would be a dense prefill of the whole sequence.
             raise ValueError("use_cache=False: sparsekv runs every pass through its cache; call with use_cache=True "
                              "(set model.config.use_cache = True)")
-        cache = kwargs.get("past_key_values")
+        # The caller's cache, under the decoder's name for it or the deprecated one (``cache_argument``).
+        given = [kwargs.pop(name) for name in ("cache", "past_key_values") if name in kwargs]
+        cache = next((c for c in given if c is not None), None)
         if not isinstance(cache, SparseKVCache) or cache.method is not method:
             if cache is not None and cache.get_seq_length() > 0:
-                raise ValueError("past_key_values already holds tokens from another cache; start the sequence "
+                raise ValueError(f"{cache_arg} already holds tokens from another cache; start the sequence "
                                  "inside sparsekv.apply")
             cache = session.new_cache(window)
         session.cache = cache
         cache.pending_mask = kwargs.get("attention_mask")
-        kwargs["past_key_values"] = cache
+        kwargs[cache_arg] = cache
         kwargs["sparsekv_cache"] = cache
         return (), kwargs
 

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -259,6 +260,9 @@ class EngineLoop:
             self.samples.popleft()
 
     def _run(self) -> None:
+        device = self.engine.runner.device
+        if device.type == "cuda":  # the current device is per thread; kernels launch on it
+            torch.cuda.set_device(device)
         while True:
             self.wake.clear()
             try:

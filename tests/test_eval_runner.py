@@ -249,6 +249,7 @@ def _one_run(tmp_path, loaded, **kw):
     ("no fraction", "'kv' has no 'fraction' field"),
     ("length=text", "'length' is '300', not an integer or null"),
     (b'\xff\xfe{"key": 1}', "not UTF-8 text"),
+    ("same key", "repeats the key of line 1 (a grid point written twice)"),
 ])
 def test_a_bad_row_is_refused_with_its_line_and_never_deleted(tmp_path, loaded, capsys, bad, problem):
     spec = _one_run(tmp_path, loaded)
@@ -256,7 +257,8 @@ def test_a_bad_row_is_refused_with_its_line_and_never_deleted(tmp_path, loaded, 
     rec = json.loads(good)
     edits = {"drop key": {k: v for k, v in rec.items() if k != "key"}, "score=text": {**rec, "score": "high"},
              "score=none": {**rec, "score": None}, "kv=list": {**rec, "kv": []},
-             "no fraction": {**rec, "kv": {"attended_per_head": 3.0}}, "length=text": {**rec, "length": "300"}}
+             "no fraction": {**rec, "kv": {"attended_per_head": 3.0}}, "length=text": {**rec, "length": "300"},
+             "same key": rec}
     line = bad if isinstance(bad, bytes) else (json.dumps(edits[bad]) if bad in edits else bad).encode()
     for last in (False, True):  # in the middle, or a whole last line (with its newline)
         content = good.encode() + line + b"\n" + (b"" if last else good.replace('"sample": 0', '"sample": 1').encode())

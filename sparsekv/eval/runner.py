@@ -129,7 +129,7 @@ def _parse_lines(path: Path) -> tuple[list[dict], tuple[int, bytes] | None]:
     if not path.exists():
         return [], None
     lines = path.read_bytes().split(b"\n")
-    records, torn = [], None
+    records, torn, lines_of = [], None, {}
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
@@ -142,9 +142,12 @@ def _parse_lines(path: Path) -> tuple[list[dict], tuple[int, bytes] | None]:
             what = "not UTF-8 text" if isinstance(err, UnicodeDecodeError) else f"not a JSON record ({err})"
             raise EvalError(f"{path}:{n}: {what}; fix or remove that line (the file was left as it is)") from None
         problem = record_problem(rec)
+        if problem is None and rec["key"] in lines_of:
+            problem = f"repeats the key of line {lines_of[rec['key']]} (a grid point written twice)"
         if problem:
             raise EvalError(f"{path}:{n}: {problem}; fix or remove that line (the file was left as it is)")
         records.append(rec)
+        lines_of[rec["key"]] = n
     return records, torn
 
 

@@ -158,7 +158,14 @@ def cmd_generate(args) -> int:
         path = Path(args.prompt_file)
         if not path.is_file():
             raise FileNotFoundError(f"--prompt-file: no file at {str(path)!r}")
-        prompt = path.read_text()
+        try:
+            prompt = path.read_bytes().decode("utf-8")
+            if "\x00" in prompt:  # binary data that happens to decode
+                raise UnicodeError
+        except UnicodeError:
+            raise ValueError(f"--prompt-file {path}: is not UTF-8 text (give a text file)") from None
+        if not prompt.strip():
+            raise ValueError(f"--prompt-file {path}: is empty (give the text to continue)")
     else:
         prompt = args.prompt
     loaded = load_model(args.model, device, dtype)

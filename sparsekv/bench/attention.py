@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels import reference
-from .common import SHAPES, Timer, copy_bandwidth, device_name, kernel_table, markdown_table, write_results
+from .common import (SHAPES, Timer, copy_bandwidth, device_name, int_arg, kernel_table, markdown_table,
+                     write_results)
 
 CEILING = 4.2e12  # bytes/s: the H200's nominal bandwidth, for the floor; the measured copy bandwidth is reported too
 L2_BYTES = 60 * 2**20
@@ -437,13 +438,13 @@ def best_tuning(rows: list[dict]) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m sparsekv.bench.attention", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b", "llama2-7b"], choices=sorted(SHAPES))
-    ap.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 131072, 524288])
-    ap.add_argument("--budgets", nargs="+", type=int, default=[512, 1024, 2048, 4096])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--contexts", nargs="+", type=int_arg(), default=[8192, 32768, 131072, 524288])
+    ap.add_argument("--budgets", nargs="+", type=int_arg(), default=[512, 1024, 2048, 4096])
+    ap.add_argument("--batches", nargs="+", type=int_arg(), default=[1, 16])
+    ap.add_argument("--page-size", type=int_arg(), default=16)
     ap.add_argument("--per-query-head", action="store_true", help="select pages per query head (Hs = H)")
-    ap.add_argument("--reps", type=int, default=30, help="timed repetitions per measurement (median)")
-    ap.add_argument("--max-copies", type=int, default=48, help="cap on cache copies rotated through per sweep")
+    ap.add_argument("--reps", type=int_arg(), default=30, help="timed repetitions per measurement (median)")
+    ap.add_argument("--max-copies", type=int_arg(), default=48, help="cap on cache copies rotated through per sweep")
     ap.add_argument("--no-naive", dest="naive", action="store_false", help="skip naive torch Quest")
     ap.add_argument("--quick", action="store_true", help="llama3-8b, batch 1, budget 2048, contexts 32K and 128K")
     ap.add_argument("--tune", action="store_true", help="sweep kernel launch parameters instead (writes the best)")

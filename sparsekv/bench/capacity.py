@@ -31,7 +31,7 @@ from ..engine import Engine
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
 from ..models import resolve_device
-from .common import device_name, markdown_table, write_results
+from .common import device_name, int_arg, markdown_table, write_results
 from .e2e import bench_model, random_fill
 
 
@@ -150,14 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mode", choices=["ladder", "long-decode"])
     parser.add_argument("--model", default="shape:llama3-8b")
     parser.add_argument("--methods", nargs="+", default=["dense", "omnikv:offload=True"])
-    parser.add_argument("--budget", type=int, default=2048)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[262144, 524288, 1048576])
-    parser.add_argument("--prefill", type=int, default=None, help="the ladder context that runs a real prefill")
-    parser.add_argument("--prefill-chunk", type=int, default=8192)
-    parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--decode", type=int, default=16384)
-    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--budget", type=int_arg(), default=2048)
+    parser.add_argument("--contexts", type=int_arg(), nargs="+", default=[262144, 524288, 1048576])
+    parser.add_argument("--prefill", type=int_arg(), default=None, help="the ladder context that runs a real prefill")
+    parser.add_argument("--prefill-chunk", type=int_arg(), default=8192)
+    parser.add_argument("--new-tokens", type=int_arg(), default=24)
+    parser.add_argument("--prompt", type=int_arg(), default=512)
+    parser.add_argument("--decode", type=int_arg(), default=16384)
+    parser.add_argument("--window", type=int_arg(), default=1024)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))

@@ -70,6 +70,13 @@ def test_e2e_bench_refuses_a_run_that_does_not_fit_in_memory(tmp_path, capsys, m
     assert main(["--model", "shape:tiny", "--device", "cpu", "--contexts", str(2**20), "--batches", "4096",
                  "--out", str(tmp_path)]) == 2
     assert "KV cache 8192.5 GiB" in capsys.readouterr().err
+    # The capacity ladder's model, too.
+    from sparsekv.bench.capacity import main as capacity
+
+    assert capacity(["ladder", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "sparsekv.bench.capacity: error: --model shape:llama3-8b needs about 29.9 GiB" in err
+    assert "16.0 GiB available" in err and not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("argv, message", [

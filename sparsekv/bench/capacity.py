@@ -31,8 +31,8 @@ from ..engine import Engine
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
 from ..models import resolve_device
-from .common import device_name, int_arg, markdown_table, write_results
-from .e2e import bench_model, random_fill
+from .common import device_name, int_arg, markdown_table, memory_problem, write_results
+from .e2e import bench_model, random_fill, shape_weights
 
 
 def _free(device) -> None:
@@ -172,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    problem = memory_problem(shape_weights(args.model, dtype), device)
+    if problem:
+        print(f"sparsekv.bench.capacity: error: --model {args.model} {problem}; use a smaller --model (e.g. "
+              f"shape:tiny or tiny:llama)", file=sys.stderr)
+        return 2
     longest = max(args.contexts + [args.prompt + args.decode]) + args.new_tokens + 1
     model = bench_model(args.model, device, dtype, longest)
     rows: list[dict] = []

@@ -65,6 +65,16 @@ def bench_model(spec: str, device: torch.device, dtype: torch.dtype, max_positio
         return load_sharded(folder, dtype)
 
 
+def shape_weights(spec: str, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes ``bench_model`` allocates for the weights of a ``shape:`` model (built in float32, then cast), by what
+    for; empty for any other model (loaded, and checked where it is used)."""
+    shape = SHAPES.get(spec.removeprefix("shape:")) if spec.startswith("shape:") else None
+    if shape is None:
+        return {}
+    return {"weights": shape.parameters * dtype.itemsize,
+            "float32 weights while building": shape.parameters * 4 if dtype != torch.float32 else 0}
+
+
 def random_fill(model):
     """An engine ``prefill`` that writes random keys and values instead of running the model: the same appends
     and method hooks as a real chunked prefill (random queries stand for the prompt's), without its compute. It
@@ -316,9 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = SHAPES.get(args.model.removeprefix("shape:")) if args.model.startswith("shape:") else None
     if shape is not None:  # checked before it is built; a loaded model is checked once it is there
         kv = kv_bytes(args, shape.layers, shape.kv_heads, shape.head_dim, dtype.itemsize)
-        weights = {"weights": shape.parameters * dtype.itemsize,
-                   "float32 weights while building": shape.parameters * 4 if dtype != torch.float32 else 0}
-        problem = memory_problem({k: n // gpus for k, n in {**weights, "KV cache": kv}.items()}, device)
+        parts = {**shape_weights(args.model, dtype), "KV cache": kv}
+        problem = memory_problem({k: n // gpus for k, n in parts.items()}, device)
         if problem:
             return _too_big(args, problem)
     model = bench_model(args.model, device, dtype, longest)

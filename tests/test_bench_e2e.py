@@ -90,6 +90,10 @@ def test_e2e_bench_refuses_a_run_that_does_not_fit_in_memory(tmp_path, capsys, m
     (["--profile", "-1"], "argument --profile: must be an integer >= 0, got '-1'"),
     (["--contexts", "8190"], "--contexts 8190 with --new-tokens 4: context of 8194 tokens (prompt plus new tokens) "
                              "exceeds the model's maximum of 8192 positions"),
+    (["--dtype", "int8"], "error: dtype must be one of auto, float32"),
+    (["--device", "gpu0"], "error: device must be auto, cpu, cuda or cuda:N, got 'gpu0'"),
+    (["--model", "/nonexistent/model"], "error: model: no model directory at '/nonexistent/model'"),
+    (["--model", "shape:nope"], "error: shape must be one of llama3-8b, llama2-7b, tiny, got 'nope'"),
 ])
 def test_e2e_bench_argument_errors_are_usage_errors(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
@@ -116,6 +120,8 @@ def test_e2e_bench_cpu_table_says_host_timer_and_no_bandwidth_floor(tmp_path, ca
     ("capacity", ["long-decode", "--decode", "-5"], "argument --decode: must be an integer >= 1, got '-5'"),
     ("capacity", ["long-decode", "--window", "0"], "argument --window: must be an integer >= 1, got '0'"),
     ("capacity", ["ladder", "--budget", "0"], "argument --budget: must be an integer >= 1, got '0'"),
+    ("capacity", ["ladder", "--device", "gpu0"], "error: device must be auto, cpu, cuda or cuda:N, got 'gpu0'"),
+    ("capacity", ["ladder", "--model", "shape:nope"], "error: shape must be one of llama3-8b, llama2-7b, tiny"),
     ("attention", ["--contexts", "0"], "argument --contexts: must be an integer >= 1, got '0'"),
     ("attention", ["--batches", "0"], "argument --batches: must be an integer >= 1, got '0'"),
     ("attention", ["--reps", "0"], "argument --reps: must be an integer >= 1, got '0'"),

@@ -170,15 +170,21 @@ def main(argv: list[str] | None = None) -> int:
     except EvalError as err:
         print(f"sparsekv.bench.capacity: error: {err}", file=sys.stderr)
         return 2
-    device = resolve_device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    problem = memory_problem(shape_weights(args.model, dtype), device)
+    try:
+        device = resolve_device(args.device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        problem = memory_problem(shape_weights(args.model, dtype), device)
+    except ValueError as err:
+        parser.error(str(err))
     if problem:
         print(f"sparsekv.bench.capacity: error: --model {args.model} {problem}; use a smaller --model (e.g. "
               f"shape:tiny or tiny:llama)", file=sys.stderr)
         return 2
     longest = max(args.contexts + [args.prompt + args.decode]) + args.new_tokens + 1
-    model = bench_model(args.model, device, dtype, longest)
+    try:
+        model = bench_model(args.model, device, dtype, longest)
+    except (FileNotFoundError, ImportError) as err:  # ImportError: a missing optional extra (gguf)
+        parser.error(str(err))
     rows: list[dict] = []
     (ladder if args.mode == "ladder" else long_decode)(model, runs, args, device, rows,
                                                         lambda: write(args, rows, device, final=False))

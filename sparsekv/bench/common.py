@@ -55,14 +55,19 @@ SHAPES = {"llama3-8b": ModelShape(4096, 32, 32, 8, 14336, 128256, 500000.0),
           "tiny": ModelShape(256, 2, 4, 2, 512, 512, 10000.0)}
 
 
+def model_shape(name: str) -> ModelShape:
+    """``SHAPES[name]``; an unknown name is a ``ValueError`` naming the shapes there are."""
+    if name not in SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {name!r}")
+    return SHAPES[name]
+
+
 def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int, layers: int | None = None):
     """A random-weight ``LlamaForCausalLM`` of ``SHAPES[name]`` (its first ``layers`` layers only, if given), built
     directly on ``device``, in eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if name not in SHAPES:
-        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {name!r}")
-    s = SHAPES[name]
+    s = model_shape(name)
     config = LlamaConfig(hidden_size=s.hidden, num_hidden_layers=s.layers if layers is None else layers,
                          num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, intermediate_size=s.mlp,
                          vocab_size=s.vocab, max_position_embeddings=max_positions, rope_theta=s.rope_theta)

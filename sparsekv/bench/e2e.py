@@ -47,7 +47,7 @@ from ..methods.raas import RaaSConfig
 from ..models import check_context, load_model, resolve_device, resolve_dtype
 from ..spec import budget_arg
 from .common import (SHAPES, Timer, copy_bandwidth, device_name, int_arg, kernel_table, load_sharded,
-                     markdown_table, memory_problem, shape_model, shared_folder, write_results)
+                     markdown_table, memory_problem, model_shape, shape_model, shared_folder, write_results)
 
 FILL_CHUNK = 16384  # tokens of random keys and values written per pass
 
@@ -68,9 +68,9 @@ def bench_model(spec: str, device: torch.device, dtype: torch.dtype, max_positio
 def shape_weights(spec: str, dtype: torch.dtype) -> dict[str, int]:
     """Bytes ``bench_model`` allocates for the weights of a ``shape:`` model (built in float32, then cast), by what
     for; empty for any other model (loaded, and checked where it is used)."""
-    shape = SHAPES.get(spec.removeprefix("shape:")) if spec.startswith("shape:") else None
-    if shape is None:
+    if not spec.startswith("shape:"):
         return {}
+    shape = model_shape(spec.removeprefix("shape:"))
     return {"weights": shape.parameters * dtype.itemsize,
             "float32 weights while building": shape.parameters * 4 if dtype != torch.float32 else 0}
 
@@ -319,19 +319,26 @@ def main(argv: list[str] | None = None) -> int:
                      "torchrun")
     # Under torchrun the process group is started here (transformers would start it while loading), to share a
     # shape: model's folder; each process drives its GPU and the first one prints and writes the results.
-    device = parallel.start() if parallel.launched() else resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    try:
+        device = parallel.start() if parallel.launched() else resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        weights = shape_weights(args.model, dtype)
+    except ValueError as err:
+        parser.error(str(err))
     longest = max(args.contexts) + args.new_tokens
     gpus = dist.get_world_size() if parallel.launched() else 1
-    shape = SHAPES.get(args.model.removeprefix("shape:")) if args.model.startswith("shape:") else None
-    if shape is not None:  # checked before it is built; a loaded model is checked once it is there
+    if weights:  # a shape: model is checked before it is built; a loaded model once it is there
+        shape = SHAPES[args.model.removeprefix("shape:")]
         kv = kv_bytes(args, shape.layers, shape.kv_heads, shape.head_dim, dtype.itemsize)
-        parts = {**shape_weights(args.model, dtype), "KV cache": kv}
+        parts = {**weights, "KV cache": kv}
         problem = memory_problem({k: n // gpus for k, n in parts.items()}, device)
         if problem:
             return _too_big(args, problem)
-    model = bench_model(args.model, device, dtype, longest)
-    if shape is None:
+    try:
+        model = bench_model(args.model, device, dtype, longest)
+    except (FileNotFoundError, ImportError) as err:  # ImportError: a missing optional extra (gguf)
+        parser.error(str(err))
+    if not weights:
         try:
             check_context(model, longest, "use smaller --contexts or --new-tokens")
         except ValueError as err:

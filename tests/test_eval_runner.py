@@ -353,3 +353,16 @@ def test_a_grid_point_given_twice_is_refused(tmp_path, loaded, kw, message):
     with pytest.raises(EvalError, match=message):
         run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)
     assert not (tmp_path / RESULTS).exists()
+
+
+def test_a_results_path_that_is_not_a_file_is_refused_before_work(tmp_path, loaded):
+    (tmp_path / RESULTS).mkdir()
+    with pytest.raises(EvalError, match=f"--out {tmp_path}: {RESULTS} is not a file"):
+        _one_run(tmp_path, loaded)
+
+
+def test_longbench_datasets_given_twice_are_refused(tmp_path, loaded):
+    spec = _spec(tmp_path, "longbench", methods=["dense"], options=TaskOptions(data=str(tmp_path),
+                                                                              datasets=("qasper", "qasper")))
+    with pytest.raises(EvalError, match="--datasets lists qasper twice"):
+        run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)

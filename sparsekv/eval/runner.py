@@ -189,6 +189,8 @@ def check_out(out: Path) -> None:
     except OSError as err:
         raise EvalError(f"--out {out}: cannot create the folder ({err.strerror})") from None
     target = out / RESULTS
+    if target.exists() and not target.is_file():
+        raise EvalError(f"--out {out}: {RESULTS} is not a file")
     if not os.access(out, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise EvalError(f"--out {out}: not writable")
 
@@ -224,6 +226,7 @@ def _once(values: list, option: str) -> None:
 
 def run_eval(spec: EvalSpec, log=print, progress: bool = True, loaded: LoadedModel | None = None) -> Path:
     """Runs the grid of ``spec`` (skipping finished runs), writes the report; returns the output folder."""
+    _once(list(spec.options.datasets), "--datasets")
     task = get_task(spec.task, spec.options)
     lengths = _axis(spec.lengths, task.lengths, "length", task.name, "--lengths")
     depths = _axis(spec.depths, task.depths, "depth", task.name, "--depths")

@@ -31,8 +31,8 @@ from ..engine import Engine
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
 from ..models import resolve_device
-from .common import device_name, int_arg, markdown_table, memory_problem, write_results
-from .e2e import bench_model, random_fill, shape_weights
+from .common import device_name, int_arg, markdown_table, write_results
+from .e2e import bench_model, memory_problems, random_fill, shape_weights
 
 
 def _free(device) -> None:
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = resolve_device(args.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        problem = memory_problem(shape_weights(args.model, dtype), device)
+        problem = memory_problems(device, shape_weights(args.model, dtype))
     except ValueError as err:
         parser.error(str(err))
     if problem:

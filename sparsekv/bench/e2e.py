@@ -65,14 +65,21 @@ def bench_model(spec: str, device: torch.device, dtype: torch.dtype, max_positio
         return load_sharded(folder, dtype)
 
 
-def shape_weights(spec: str, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes ``bench_model`` allocates for the weights of a ``shape:`` model (built in float32, then cast), by what
-    for; empty for any other model (loaded, and checked where it is used)."""
+def shape_weights(spec: str, dtype: torch.dtype) -> tuple[int, int] | None:
+    """Bytes ``bench_model`` allocates for the weights of a ``shape:`` model: at most while building it (in float32,
+    then cast parameter by parameter), and once built; None for any other model (loaded, checked once there)."""
     if not spec.startswith("shape:"):
-        return {}
-    shape = model_shape(spec.removeprefix("shape:"))
-    return {"weights": shape.parameters * dtype.itemsize,
-            "float32 weights while building": shape.parameters * 4 if dtype != torch.float32 else 0}
+        return None
+    n = model_shape(spec.removeprefix("shape:")).parameters
+    return max(4, dtype.itemsize) * n, dtype.itemsize * n
+
+
+def memory_problems(device: torch.device, weights: tuple[int, int] | None, kv: int = 0, gpus: int = 1) -> str | None:
+    """``memory_problem`` of building a ``shape:`` model (``shape_weights``), then of its weights (1/``gpus`` each
+    under tensor parallelism) with ``kv`` bytes of KV cache."""
+    building, built = weights or (0, 0)
+    return (memory_problem({"weights": built // gpus, "KV cache": kv // gpus}, device)
+            or memory_problem({"float32 weights while building": building}, device))
 
 
 def random_fill(model):
@@ -264,12 +271,10 @@ def plot(path: Path, rows: list[dict]) -> None:
 
 
 def kv_bytes(args, layers: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """Bytes of keys and values of the largest engine row (batch x context plus the new tokens), or of
-    transformers' loops at batch 1 where larger (their caches grow by copying: twice the context)."""
-    token = 2 * layers * kv_heads * head_dim * itemsize
-    engine = max(args.batches) * (max(args.contexts) + args.new_tokens) * token
-    loops = 2 * (max(args.contexts) + args.new_tokens) * token if args.transformers or args.compiled else 0
-    return max(engine, loops)
+    """Bytes of keys and values of the largest row: batch x (context plus the new tokens). Methods that hold less
+    or offload still get the dense row's room (the runs and the transformers loops at batch 1 fit within it, but
+    for one layer's copy as a ``DynamicCache`` grows)."""
+    return max(args.batches) * (max(args.contexts) + args.new_tokens) * 2 * layers * kv_heads * head_dim * itemsize
 
 
 def _too_big(args, problem: str) -> int:
@@ -329,9 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     gpus = dist.get_world_size() if parallel.launched() else 1
     if weights:  # a shape: model is checked before it is built; a loaded model once it is there
         shape = SHAPES[args.model.removeprefix("shape:")]
-        kv = kv_bytes(args, shape.layers, shape.kv_heads, shape.head_dim, dtype.itemsize)
-        parts = {**weights, "KV cache": kv}
-        problem = memory_problem({k: n // gpus for k, n in parts.items()}, device)
+        problem = memory_problems(device, weights, kv_bytes(args, shape.layers, shape.kv_heads, shape.head_dim,
+                                                            dtype.itemsize), gpus)
         if problem:
             return _too_big(args, problem)
     try:
@@ -346,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv = kv_bytes(args, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype.itemsize)
-        problem = memory_problem({"KV cache": kv // gpus}, device)
+        problem = memory_problems(device, None, kv, gpus)
         if problem:
             return _too_big(args, problem)
     # The floor is a GPU's: bytes a step reads over its bandwidth. The CPU's steps are timed, not floored.

@@ -80,8 +80,9 @@ def test_e2e_bench_refuses_a_run_that_does_not_fit_in_memory(tmp_path, capsys, m
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--new-tokens", "0"], "argument --new-tokens: must be an integer >= 1, got '0'"),
-    (["--new-tokens", "-3"], "argument --new-tokens: must be an integer >= 1, got '-3'"),
+    (["--new-tokens", "0"], "argument --new-tokens: must be an integer >= 2, got '0'"),
+    (["--new-tokens", "1"], "argument --new-tokens: must be an integer >= 2, got '1'"),
+    (["--new-tokens", "-3"], "argument --new-tokens: must be an integer >= 2, got '-3'"),
     (["--contexts", "0"], "argument --contexts: must be an integer >= 1, got '0'"),
     (["--contexts", "96", "-1"], "argument --contexts: must be an integer >= 1, got '-1'"),
     (["--batches", "0"], "argument --batches: must be an integer >= 1, got '0'"),
@@ -115,13 +116,16 @@ def test_e2e_bench_cpu_table_says_host_timer_and_no_bandwidth_floor(tmp_path, ca
 
 
 @pytest.mark.parametrize("module, argv, message", [
-    ("capacity", ["ladder", "--new-tokens", "0"], "argument --new-tokens: must be an integer >= 1, got '0'"),
+    ("capacity", ["ladder", "--new-tokens", "1"], "argument --new-tokens: must be an integer >= 2, got '1'"),
     ("capacity", ["ladder", "--contexts", "0"], "argument --contexts: must be an integer >= 1, got '0'"),
-    ("capacity", ["long-decode", "--decode", "-5"], "argument --decode: must be an integer >= 1, got '-5'"),
+    ("capacity", ["long-decode", "--decode", "-5"], "argument --decode: must be an integer >= 4, got '-5'"),
+    ("capacity", ["long-decode", "--decode", "3"], "argument --decode: must be an integer >= 4, got '3'"),
     ("capacity", ["long-decode", "--window", "0"], "argument --window: must be an integer >= 1, got '0'"),
     ("capacity", ["ladder", "--budget", "0"], "argument --budget: must be an integer >= 1, got '0'"),
     ("capacity", ["ladder", "--device", "gpu0"], "error: device must be auto, cpu, cuda or cuda:N, got 'gpu0'"),
     ("capacity", ["ladder", "--model", "shape:nope"], "error: shape must be one of llama3-8b, llama2-7b, tiny"),
+    ("capacity", ["ladder", "--model", "tiny:llama", "--contexts", "8190"],
+     "context of 8193 tokens (prompt plus new tokens) exceeds the model's maximum of 8192 positions"),
     ("attention", ["--contexts", "0"], "argument --contexts: must be an integer >= 1, got '0'"),
     ("attention", ["--batches", "0"], "argument --batches: must be an integer >= 1, got '0'"),
     ("attention", ["--reps", "0"], "argument --reps: must be an integer >= 1, got '0'"),

@@ -30,7 +30,7 @@ import torch
 from ..engine import Engine
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
-from ..models import resolve_device
+from ..models import check_context, resolve_device
 from .common import device_name, int_arg, markdown_table, write_results
 from .e2e import bench_model, memory_problems, random_fill, shape_weights
 
@@ -52,7 +52,7 @@ def ladder(model, runs, args, device, rows: list[dict], save) -> None:
                 ids = [torch.randint(0, model.config.vocab_size, (context,)).tolist()]
                 out = engine.generate(ids, args.new_tokens, stop_tokens=(), time_steps=True,
                                       prefill=None if real else random_fill(model))
-                ms = 1e3 * statistics.median(out.step_seconds[2:])
+                ms = 1e3 * statistics.median(out.step_seconds[2:] or out.step_seconds)
                 row.update(status="ok", fill="prefill" if real else "random", decode_ms=ms, tokens_per_s=1e3 / ms,
                            prefill_s=out.prefill_seconds if real else None,
                            peak_device_gib=(out.peak_device_bytes or 0) / 2**30,
@@ -154,9 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int_arg(), nargs="+", default=[262144, 524288, 1048576])
     parser.add_argument("--prefill", type=int_arg(), default=None, help="the ladder context that runs a real prefill")
     parser.add_argument("--prefill-chunk", type=int_arg(), default=8192)
-    parser.add_argument("--new-tokens", type=int_arg(), default=24)
+    parser.add_argument("--new-tokens", type=int_arg(2), default=24)
     parser.add_argument("--prompt", type=int_arg(), default=512)
-    parser.add_argument("--decode", type=int_arg(), default=16384)
+    parser.add_argument("--decode", type=int_arg(4), default=16384,
+                        help="tokens decoded; the steps after the first two are timed")
     parser.add_argument("--window", type=int_arg(), default=1024)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--device", default="auto")
@@ -180,13 +181,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sparsekv.bench.capacity: error: --model {args.model} {problem}; use a smaller --model (e.g. "
               f"shape:tiny or tiny:llama)", file=sys.stderr)
         return 2
-    longest = max(args.contexts + [args.prompt + args.decode]) + args.new_tokens + 1
+    ladder_mode = args.mode == "ladder"
+    longest = max(args.contexts) + args.new_tokens + 1 if ladder_mode else args.prompt + args.decode + 1
     try:
         model = bench_model(args.model, device, dtype, longest)
-    except (FileNotFoundError, ImportError) as err:  # ImportError: a missing optional extra (gguf)
+        check_context(model, longest, "use smaller --contexts or --new-tokens" if ladder_mode else
+                      "use a smaller --prompt or --decode")
+    except (FileNotFoundError, ImportError, ValueError) as err:  # ImportError: a missing optional extra (gguf)
         parser.error(str(err))
     rows: list[dict] = []
-    (ladder if args.mode == "ladder" else long_decode)(model, runs, args, device, rows,
+    (ladder if ladder_mode else long_decode)(model, runs, args, device, rows,
                                                         lambda: write(args, rows, device, final=False))
     write(args, rows, device, final=True)
     return 0

@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{', '.join(METHODS)}")
     parser.add_argument("--budget", type=budget_arg, default=2048,
                         help="token budget of the methods that take one (OmniKV also a fraction such as 0.1)")
-    parser.add_argument("--new-tokens", type=int_arg(), default=64)
+    parser.add_argument("--new-tokens", type=int_arg(2), default=64,
+                        help="tokens to generate: the first comes from the prefill, the rest are timed steps")
     parser.add_argument("--prefill-chunk", type=int_arg(), default=8192)
     parser.add_argument("--max-prefill", type=int_arg(0), default=131072,
                         help="batch x context up to which the prompt is really prefilled (else random keys/values)")

@@ -1,5 +1,6 @@
 """sparsekv: query-aware KV-cache sparsity for long-context decoding."""
 
+from . import compat  # noqa: F401  (first: checks the transformers release before anything imports it)
 from .errors import ConfigError
 from .integrations import DecodeStats, Session, SparseKVCache, apply
 from .methods import (METHODS, DenseConfig, H2OConfig, MethodConfig, OmniKVConfig, QuestConfig, RaaSConfig,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -228,8 +229,21 @@ def cmd_demo(args) -> int:
     return 0
 
 
+class _Version(argparse.Action):
+    """``--version``: prints the installed package's version and exits. Read when asked, so that a checkout run
+    without being installed (PYTHONPATH) still parses its other arguments."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print sparsekv's version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"sparsekv {version('sparsekv')}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsekv", description=__doc__)
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt with a sparsity method")

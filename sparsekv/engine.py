@@ -24,13 +24,14 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 import torch
 
+from .errors import ConfigError
 from .integrations import apply
 from .integrations.decode import DecodeModel, Parts
-from .integrations.transformers import _sliding_window
+from .integrations.transformers import _sliding_window, cache_argument
 from .methods.base import MethodConfig, require
 from .models import synchronize
 from .timing import Timer
@@ -38,42 +39,90 @@ from .timing import Timer
 Step = Callable[[], None]
 
 
+# The smallest temperature other than 0 (greedy): logits divided by less could overflow float32.
+MIN_TEMPERATURE = 1e-4
+
+
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
     """How the next token is drawn from the logits. temperature 0: greedy (argmax). Otherwise the logits are divided
-    by ``temperature``, cut to the ``top_k`` most likely tokens (0: all) and to the smallest set whose probability
-    reaches ``top_p`` (1: all), and a token is drawn from what is left."""
+    by ``temperature`` (at least ``MIN_TEMPERATURE``), cut to the ``top_k`` most likely tokens (0: all) and to the
+    smallest set whose probability reaches ``top_p`` (1: all), and a token is drawn from what is left."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
 
     def __post_init__(self):
-        require(isinstance(self.temperature, (int, float)) and 0 <= self.temperature < float("inf"), "temperature",
-                "a number >= 0 (0: greedy)", self.temperature)
-        require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        require(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+                and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")), "temperature",
+                f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}", self.temperature)
+        require(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1,
+                "top_p", "in (0, 1]", self.top_p)
         require(_is_count(self.top_k, 0), "top_k", "an int >= 0 (0: no cut)", self.top_k)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits: (B, V). Returns (B,) int64 tokens, on the device, with no host sync (draws by the exponential
-        race: argmax of p / E with E ~ Exp(1) picks each token with probability p)."""
+    def __call__(self, logits: torch.Tensor, seed: torch.Tensor | None = None,
+                 index: torch.Tensor | None = None) -> torch.Tensor:
+        """logits: (B, V). Returns (B,) int64 tokens, on the device, with no host sync. The draw is a function of each
+        row's ``seed`` (B,) int64 and ``index`` (B,) int64 (the token's place, see ``counter_noise``) when given;
+        otherwise it comes from torch's global random generator."""
         if self.greedy:
             return argmax(logits)
-        logits = logits.float() / self.temperature
-        if self.top_k:
-            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p < 1:
-            ordered, order = logits.sort(dim=-1, descending=True)
-            probs = ordered.softmax(dim=-1)
-            beyond = probs.cumsum(dim=-1) - probs >= self.top_p  # the likelier tokens already reach top_p
-            logits = logits.masked_fill(torch.empty_like(beyond).scatter_(-1, order, beyond), float("-inf"))
-        probs = logits.softmax(dim=-1)
-        return argmax(probs / torch.empty_like(probs).exponential_())
+        b, v = logits.shape
+        if seed is None:
+            noise = torch.empty((b, v), dtype=torch.float32, device=logits.device).exponential_()
+        else:
+            noise = counter_noise(seed, index, v)
+        return draw(logits, logits.new_full((b,), self.temperature, dtype=torch.float32),
+                    logits.new_full((b,), self.top_k, dtype=torch.long),
+                    logits.new_full((b,), self.top_p, dtype=torch.float32), noise)
+
+
+def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+         noise: torch.Tensor) -> torch.Tensor:
+    """Each row's token under its own sampling: logits (B, V); temperature (B,) float32 (0: greedy), top_k (B,) int64
+    (0: no cut), top_p (B,) float32; noise (B, V) float32 draws of Exp(1). Returns (B,) int64, with no host sync.
+    A sampled row divides its logits by its temperature, keeps its ``top_k`` likeliest tokens (ties with the k-th
+    kept) and the smallest set of those whose probability reaches ``top_p``, and draws by the exponential race
+    (argmax of p / E with E ~ Exp(1) picks each token with probability p)."""
+    v = logits.shape[-1]
+    scaled = logits.float() / temperature.clamp(min=MIN_TEMPERATURE).unsqueeze(1)
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k, v).clamp(max=v).unsqueeze(1)
+    kth = ordered.gather(1, k - 1)
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    beyond = (probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)) | (ordered == float("-inf"))
+    scaled = scaled.masked_fill(torch.empty_like(beyond).scatter_(-1, order, beyond), float("-inf"))
+    drawn = argmax(scaled.softmax(dim=-1) / noise)
+    return torch.where(temperature > 0, drawn, argmax(logits))
+
+
+def counter_noise(seed: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) draws (B, V) float32 that are a function of each row's ``seed`` (B,) int64, ``index`` (B,) int64 (the
+    token's place in its sequence) and the vocabulary entry only: a row draws the same numbers whatever rows share
+    its batch. A 32-bit integer hash (murmur3's finaliser) of the three, in int64 tensor ops (products wrap; only
+    their low 32 bits are kept), so that it runs in a captured step."""
+    mask = 0xFFFFFFFF
+
+    def mix(h: torch.Tensor) -> torch.Tensor:
+        h = h & mask
+        h = h ^ (h >> 16)
+        h = (h * 0x85EBCA6B) & mask
+        h = h ^ (h >> 13)
+        h = (h * 0xC2B2AE35) & mask
+        return h ^ (h >> 16)
+
+    vocab_ids = torch.arange(vocab, device=seed.device)
+    row = mix(mix(seed & mask) ^ (seed >> 32) & mask)
+    row = mix(row ^ mix(index + 0x9E3779B9)).unsqueeze(1)
+    h = mix(row ^ mix(vocab_ids * 0x27D4EB2F + 0x165667B1))
+    uniform = ((h >> 8).float() + 0.5) / float(1 << 24)  # in (0, 1), exact in float32
+    return -torch.log(uniform)
 
 
 def argmax(x: torch.Tensor, width: int = 1024) -> torch.Tensor:
@@ -120,6 +169,42 @@ class Generation:
         return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
+class IncrementalText:
+    """The text of a growing list of tokens, piece by piece: ``push`` takes new tokens and returns the text they add.
+    A token that ends inside a character (a byte-level tokenizer splits multi-byte characters) adds nothing until
+    the rest arrives. Only the last few tokens are decoded again, whatever the length."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix = 0  # tokens[prefix:read] were decoded already, as the context of the next piece
+        self.read = 0
+
+    def push(self, tokens: Sequence[int]) -> str:
+        self.tokens += tokens
+        decode = self.tokenizer.decode
+        done = decode(self.tokens[self.prefix:self.read], skip_special_tokens=True)
+        text = decode(self.tokens[self.prefix:], skip_special_tokens=True)
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.tokens)
+        return text[len(done):]
+
+
+class TextStream:
+    """A ``stream`` callback for ``Engine.generate`` that calls ``callback`` with each prompt's new text (a list of
+    strings, one per prompt) in place of token ids."""
+
+    def __init__(self, tokenizer, callback: Callable[[list[str]], None]):
+        self.tokenizer, self.callback = tokenizer, callback
+        self.rows: list[IncrementalText] = []
+
+    def __call__(self, new: list[list[int]]) -> None:
+        if not self.rows:
+            self.rows = [IncrementalText(self.tokenizer) for _ in new]
+        self.callback([row.push(tokens) for row, tokens in zip(self.rows, new)])
+
+
 def capture_graph(step: Step) -> Step:
     """Captures ``step`` into a CUDA graph, replays it once (capture itself runs nothing) and returns the replay."""
     graph = torch.cuda.CUDAGraph()
@@ -127,6 +212,34 @@ def capture_graph(step: Step) -> Step:
         step()
     graph.replay()
     return graph.replay
+
+
+class CapturedStep:
+    """A decode step over ``cache`` (a ``SparseKVCache``) run again and again: eagerly the first time (compiling
+    kernels and creating lazily made state), captured by ``capture`` the second time (None: eager every time) and
+    replayed after, the cache's host counters advanced for each replay."""
+
+    def __init__(self, step: Step, cache, capture: Callable[[Step], Step] | None):
+        self.step, self.cache, self.capture = step, cache, capture
+        self.replay: Step | None = None
+        self.runs = 0
+        self.per_step = 0  # the statistics' rows per step
+
+    @property
+    def captured(self) -> bool:
+        return self.capture is not None
+
+    def __call__(self) -> None:
+        if self.replay is not None:
+            self.replay()
+            self.cache.replayed(1, self.per_step)
+        elif self.capture is not None and self.runs >= 1:
+            rows_before = self.cache.stats.rows
+            self.replay = self.capture(self.step)  # runs the step once
+            self.per_step = self.cache.stats.rows - rows_before
+        else:
+            self.step()
+        self.runs += 1
 
 
 class Engine:
@@ -180,14 +293,22 @@ class Engine:
 
     def _batch(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded (B, S) input ids and their (B, S) mask from strings or token-id lists."""
-        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
-            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        allowed = "a non-empty list of strings or of token-id lists (lists of ints)"
+        if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
+            raise ConfigError("prompts", allowed, prompts)
         if all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
                 raise ValueError("prompts are strings but the engine has no tokenizer: pass Engine(..., tokenizer=)")
             rows = [self.tokenizer(p).input_ids for p in prompts]
-        else:
+        elif all(isinstance(p, (list, tuple)) for p in prompts):
             rows = [list(p) for p in prompts]
+            vocab = self.model.config.vocab_size
+            for i, row in enumerate(rows):
+                if not is_token_ids(row, vocab):
+                    raise ConfigError(f"prompts[{i}]", f"token ids: ints from 0 to {vocab - 1} (the vocabulary)",
+                                      row if len(row) <= 8 else f"{row[:8]}... ({len(row)} items)")
+        else:
+            raise ConfigError("prompts", allowed, prompts)
         if any(len(r) == 0 for r in rows):
             raise ValueError("prompts: every prompt needs at least one token")
         if len(rows) > self.max_batch:
@@ -203,7 +324,7 @@ class Engine:
         if forced is None:
             return torch.full((batch, 0), -1, dtype=torch.long, device=self.device)
         rows = [list(f) for f in forced]
-        if len(rows) != batch or not all(isinstance(t, int) and t >= 0 for r in rows for t in r):
+        if len(rows) != batch or not all(is_token_ids(r, self.model.config.vocab_size) for r in rows):
             raise ValueError(f"forced must hold one list of token ids per prompt ({batch}), got {forced!r}")
         width = max(len(r) for r in rows)
         return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
@@ -230,8 +351,11 @@ class Engine:
                  prefill: Callable | None = None, forced: Sequence[Sequence[int]] | None = None) -> Generation:
         """Generates up to ``max_new_tokens`` tokens for each prompt (strings, or lists of token ids), greedy unless
         ``sampling`` says otherwise. ``stop_tokens``: ids that end a sequence (default: the model's EOS; ``()``:
-        none); the call ends when every sequence has stopped. ``stream``: called with each sequence's tokens new
-        since its last call, at every step. ``time_steps``: time every decode step. ``prefill``: replaces the
+        none); the call ends when every sequence has stopped. ``stream``: called at every step with each sequence's
+        new tokens since its last call (its own new tokens: not the forced ones, nothing after its stop token; a
+        ``TextStream`` turns them into text). ``seed``: prompt i draws its sampled tokens as a function of
+        seed + i and their places (``counter_noise``; None: torch's global random generator, which a seed leaves
+        untouched). ``time_steps``: time every decode step. ``prefill``: replaces the
         model's prefill, ``prefill(cache, ids, mask) -> logits (B, V)`` (benchmarks fill the cache with random keys
         and values where a real prefill would take too long). ``forced``: per prompt, tokens fed through the decode
         steps after the prompt before generation starts (a question that goes through the method's decode path, as
@@ -249,8 +373,9 @@ class Engine:
         if longest + total > self.max_context:
             raise ValueError(f"a prompt of {longest} tokens plus {forced.shape[1]} forced tokens plus "
                              f"max_new_tokens={max_new_tokens} exceeds max_context ({self.max_context})")
-        if seed is not None:
-            torch.manual_seed(seed)
+        require(seed is None or _is_count(seed, 0) and seed < 1 << 62, "seed", "None or an int in [0, 2**62)", seed)
+        # Prompt i draws with seed + i (``counter_noise``): the caller's global random generator is left as it was.
+        seeds = None if seed is None else torch.arange(seed, seed + ids.shape[0], device=self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         with apply(self.model, self.config) as session, torch.no_grad():
@@ -261,13 +386,23 @@ class Engine:
             logits = (prefill or self._prefill)(cache, ids, mask)
             synchronize(self.device)
             prefill_s = time.perf_counter() - start
-            tokens, nll, steps, captured, decode_s, step_s = self._decode(cache, logits, forced, total, sampling,
-                                                                          stops, stream, time_steps)
+            starts = (forced >= 0).sum(dim=1).tolist()
+            tokens, nll, ran, captured, decode_s, step_s = self._decode(cache, logits, forced, starts,
+                                                                        max_new_tokens, sampling, seeds, stops,
+                                                                        stream, time_steps)
+            rows = [_until_stop(row[n:n + max_new_tokens], stops) for row, n in zip(tokens.tolist(), starts)]
+            # Each row's decode steps end with its last token (column n + len - 1; column 0 comes from the prefill):
+            # the steps run after it, until the stop flags were read, are not counted, nor timed.
+            ends = [max(n + len(r) - 1, 0) for r, n in zip(rows, starts)]
+            steps = max(ends)
+            session.stats.trim(ends)
+            if ran:
+                decode_s *= steps / ran
+            if step_s is not None:
+                step_s = step_s[:steps]
             stats = session.stats.summary()
             kv_device, kv_host, kv_held = cache.resident_bytes(), cache.offloaded_bytes(), cache.held_bytes()
             session.method.release()
-        starts = (forced >= 0).sum(dim=1).tolist()
-        rows = [_until_stop(row[n:n + max_new_tokens], stops) for row, n in zip(tokens.tolist(), starts)]
         texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
@@ -278,32 +413,29 @@ class Engine:
                           forced_nll=nll.tolist() if forced.shape[1] else None, method=session.method)
 
     def _prefill(self, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Runs the prompt through the model layer by layer, each layer chunk by chunk; returns the last column's
-        logits (B, V). Layer-major order keeps one layer's prompt KV in flight: a method that moves a layer's
-        prompt to host memory after its last chunk (OmniKV's offload) never holds the whole prompt's KV on the
-        device. Activations are one chunk's, plus the (B, S, hidden) hidden states between layers. The chunks are
-        aligned to the end, so the last one is full (methods read the prompt's last queries from it)."""
-        decoder = self.model.get_decoder()
-        position = (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 1)  # transformers' positions for left padding
-        hidden = decoder.embed_tokens(ids)
-        rotary = {}
-        for index, begin, end in prompt_passes(cache, mask, self.prefill_chunk, len(decoder.layers)):
-            if index == 0:
-                rotary[begin] = decoder.rotary_emb(hidden[:, :1], position[:, begin:end])
-            out = decoder.layers[index](hidden[:, begin:end], attention_mask=None, position_ids=position[:, begin:end],
-                                        past_key_values=cache, use_cache=True, position_embeddings=rotary[begin],
-                                        sparsekv_cache=cache)
-            hidden[:, begin:end] = out[0] if isinstance(out, tuple) else out
-        return self.model.lm_head(decoder.norm(hidden[:, -1:]))[:, -1]
+        """Runs the prompt through the model (``prefill_passes`` to the end); returns the last column's logits
+        (B, V)."""
+        passes = prefill_passes(self.model, cache, ids, mask, self.prefill_chunk)
+        while True:
+            try:
+                next(passes)
+            except StopIteration as done:
+                return done.value
 
-    def _decode(self, cache, logits: torch.Tensor, forced: torch.Tensor, total: int, sampling: Sampling,
-                stops: list[int], stream, time_steps: bool):
-        """Decodes ``total`` columns after the prompt: the forced tokens (B, F) (-1: a row's own are over), then
-        sampled ones; the first column comes from the prefill's ``logits`` (B, V). Returns the (B, total) tokens, the
-        forced tokens' summed negative log-likelihood (B,), the decode steps run, whether they were captured, their
-        seconds, and each step's seconds (``time_steps``)."""
+    def _decode(self, cache, logits: torch.Tensor, forced: torch.Tensor, starts: list[int], new_tokens: int,
+                sampling: Sampling, seeds: torch.Tensor | None, stops: list[int], stream, time_steps: bool):
+        """Decodes the columns after the prompt: the forced tokens (B, F) (-1: a row's own are over; ``starts``: how
+        many each row has), then ``new_tokens`` sampled ones; the first column comes from the prefill's ``logits``
+        (B, V). A row ends at a stop token or its last new token; the steps stop once every row has ended (read
+        every ``check_every`` steps), and the decode statistics count each row's steps up to its end only.
+        Returns the (B, columns) tokens, the forced tokens' summed negative log-likelihood (B,), the decode steps
+        run, whether they were captured, their seconds, and each step's seconds (``time_steps``)."""
         b = logits.shape[0]
         pad = self._pad_id()
+        total = forced.shape[1] + new_tokens
+        last = torch.tensor(starts, device=self.device) + new_tokens - 1  # (B,) each row's last column
+        # Counting ends with each row when rows can end apart (after the prompt the stats count every row).
+        freeze = bool(stops) or len(set(starts)) > 1
         stop = torch.tensor(stops or [-1], device=self.device)
         scoring = forced.shape[1] > 0
         forced = torch.cat([forced, forced.new_full((b, 1), -1)], dim=1)  # a last -1: columns past it are drawn
@@ -318,12 +450,12 @@ class Engine:
             if scoring:
                 logp = torch.log_softmax(logits.float(), dim=-1).gather(1, want.clamp(min=0).unsqueeze(1))
                 nll.sub_(torch.where(inside, logp.squeeze(1).double(), 0.0))
-            return torch.where(inside, want, sampling(logits)), inside
+            return torch.where(inside, want, sampling(logits, seeds, column.expand(b))), inside
 
         first, inside = pick(logits)
         out[:, 0] = first
         token = first.view(b, 1).clone()
-        done = torch.isin(first, stop) & ~inside
+        done = (torch.isin(first, stop) & ~inside) | (last <= 0)
         column.add_(1)
         remaining = total - 1
         cache.pages.reserve(remaining)
@@ -331,42 +463,61 @@ class Engine:
 
         def step() -> None:
             nxt, inside = pick(model(token, cache.pages.seq_len.view(b, 1), cache))
+            if freeze:
+                cache.stats.freeze(~done)
             nxt = torch.where(done, pad, nxt)
             token.copy_(nxt.view(b, 1))
             out.scatter_(1, column.expand(b, 1), nxt.view(b, 1))
-            done.logical_or_(torch.isin(nxt, stop) & ~inside)
+            done.logical_or_((torch.isin(nxt, stop) & ~inside) | (column >= last))
             column.add_(1)
 
         synchronize(self.device)
         start = time.perf_counter()
         ran, shown = 0, 0
-        run = step
-        captured = self.capture is not None and remaining >= 2
+        ended = [False] * b
+        run = CapturedStep(step, cache, self.capture if remaining >= 2 else None)
         timer = Timer(self.device) if time_steps else None
         step_seconds = []
         while ran < remaining:
             with timer.region() if timer is not None else contextlib.nullcontext() as elapsed:
-                if captured and ran == 1:
-                    rows_before = cache.stats.rows
-                    run = self.capture(step)  # runs the step once
-                    per_step = cache.stats.rows - rows_before
-                else:
-                    run()
-                    if run is not step:
-                        cache.replayed(1, per_step)
+                run()
             if timer is not None:
                 step_seconds.append(elapsed.seconds)
             ran += 1
             if stream is not None or ran % self.check_every == 0 or ran == remaining:
                 if stream is not None:
-                    new = out[:, shown:ran + 1].tolist()
-                    stream(new)
+                    stream([_own(row, shown, n, new_tokens, stops, ended, i)
+                            for i, (row, n) in enumerate(zip(out[:, shown:ran + 1].tolist(), starts))])
                     shown = ran + 1
                 if bool(done.all()):
                     break
         synchronize(self.device)
         seconds = time.perf_counter() - start
-        return out[:, :ran + 1], nll, ran, captured, seconds, step_seconds if timer is not None else None
+        return out[:, :ran + 1], nll, ran, run.captured, seconds, step_seconds if timer is not None else None
+
+
+def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor,
+                   chunk: int) -> Generator[int, None, torch.Tensor]:
+    """Runs the prompt ids (B, S) with padding ``mask`` (B, S) through the model layer by layer, each layer chunk by
+    chunk, yielding after each pass the tokens it ran (a caller interleaves other work between passes); returns the
+    last column's logits (B, V). Layer-major order keeps one layer's prompt KV in flight: a method that moves a
+    layer's prompt to host memory after its last chunk (OmniKV's offload) never holds the whole prompt's KV on the
+    device. Activations are one chunk's, plus the (B, S, hidden) hidden states between layers. The chunks are
+    aligned to the end, so the last one is full (methods read the prompt's last queries from it)."""
+    decoder = model.get_decoder()
+    position = (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 1)  # transformers' positions for left padding
+    hidden = decoder.embed_tokens(ids)
+    rotary = {}
+    cache_arg = cache_argument(decoder.layers[0])
+    for index, begin, end in prompt_passes(cache, mask, chunk, len(decoder.layers)):
+        if index == 0:
+            rotary[begin] = decoder.rotary_emb(hidden[:, :1], position[:, begin:end])
+        out = decoder.layers[index](hidden[:, begin:end], attention_mask=None, position_ids=position[:, begin:end],
+                                    use_cache=True, position_embeddings=rotary[begin], sparsekv_cache=cache,
+                                    **{cache_arg: cache})
+        hidden[:, begin:end] = out[0] if isinstance(out, tuple) else out
+        yield (end - begin) * ids.shape[0]
+    return model.lm_head(decoder.norm(hidden[:, -1:]))[:, -1]
 
 
 def prompt_passes(cache, mask: torch.Tensor, chunk: int, num_layers: int) -> Iterator[tuple[int, int, int]]:
@@ -388,8 +539,28 @@ def prompt_passes(cache, mask: torch.Tensor, chunk: int, num_layers: int) -> Ite
             plans.append(cache.pages.plan)
 
 
+def is_token_ids(ids: Sequence, vocab_size: int | None = None) -> bool:
+    """Whether ``ids`` are token ids: ints (not bools) >= 0, below ``vocab_size`` when given."""
+    return all(_is_count(t, 0) and (vocab_size is None or t < vocab_size) for t in ids)
+
+
 def _is_count(value, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _own(columns: list[int], first: int, start: int, new_tokens: int, stops: list[int], ended: list[bool],
+         row: int) -> list[int]:
+    """Of a row's ``columns`` from column ``first`` on, its new tokens (columns ``start`` to ``start + new_tokens``)
+    up to and including a stop token; ``ended[row]`` is set once the row has ended, and nothing comes after."""
+    out = []
+    for c, t in enumerate(columns, first):
+        if ended[row] or c >= start + new_tokens:
+            ended[row] = True
+            break
+        if c >= start:
+            out.append(t)
+            ended[row] = t in stops
+    return out
 
 
 def _until_stop(row: list[int], stops: list[int]) -> list[int]:

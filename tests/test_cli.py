@@ -231,3 +231,12 @@ def test_an_empty_or_binary_prompt_file_names_the_option(model_dir, tmp_path, ca
     prompt.write_bytes(content)
     assert main(["generate", "--model", model_dir, "--prompt-file", str(prompt), "--max-new-tokens", "2"]) == 2
     assert f"--prompt-file {prompt}: {message}" in capsys.readouterr().err
+
+
+def test_version_prints_the_installed_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"sparsekv {version('sparsekv')}\n"

@@ -159,7 +159,7 @@ def test_capacity_is_checked_before_running(model):
         engine.generate(prompts((10,)), 0)
     with pytest.raises(ValueError, match="prompts are strings but the engine has no tokenizer"):
         engine.generate(["hello"], 5)
-    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or a finite number >= 0.0001"):
         Sampling(temperature=-1)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         Sampling(top_p=2)
@@ -221,3 +221,78 @@ def test_raas_allocates_its_budget_not_the_whole_decode(model):
     # 64 of the 340 tokens (8 of 43 pages), a page of room and the pages' stamps: under a quarter of dense's.
     assert raas.kv_device_bytes < dense.kv_device_bytes // 4
     assert raas.kv_held_bytes < dense.kv_held_bytes // 4
+
+
+def test_streaming_ends_with_each_row_and_steps_count_up_to_the_last_end(model):
+    engine = Engine(model, DenseConfig(), max_batch=2, check_every=16)
+    rows = prompts((40, 50))
+    free = engine.generate(rows, 16, stop_tokens=()).tokens
+    stops = [free[0][3], free[1][6]]
+    ends = [min(r.index(s) for s in stops if s in r) for r in free]  # each row's last token's place
+    seen = [[], []]
+    streamed = engine.generate(rows, 16, stop_tokens=stops, stream=lambda new: [s.extend(n) for s, n in zip(seen, new)])
+    quiet = engine.generate(rows, 16, stop_tokens=stops)
+    assert seen == streamed.tokens == quiet.tokens == [r[:e + 1] for r, e in zip(free, ends)]
+    assert streamed.decode_steps == quiet.decode_steps == max(ends)
+    assert streamed.stats == quiet.stats and streamed.stats["decode_steps"] == max(ends)
+
+
+@pytest.mark.parametrize("name", ["dense", "quest", "h2o"])
+def test_statistics_count_each_row_up_to_its_end(model, name):
+    """A row that ends before the others counts its own steps only: the batch's means are those of the rows run
+    alone, weighted by their steps."""
+    config = CONFIGS[name]
+    engine = Engine(model, config, max_batch=2, max_context=512, check_every=32)
+    rows = prompts((200, 131))
+    free = engine.generate(rows, 20, stop_tokens=()).tokens
+    stop = free[0][4]
+    assert stop not in free[1][:19]
+    both = engine.generate(rows, 20, stop_tokens=[stop])
+    alone = [engine.generate([row], 20, stop_tokens=[stop]) for row in rows]
+    steps = [a.decode_steps for a in alone]
+    assert steps == [free[0].index(stop), 19] and both.decode_steps == 19
+    for key in ("attended_per_head", "context_per_head"):
+        mean = sum(a.stats[key] * n for a, n in zip(alone, steps)) / sum(steps)
+        assert both.stats[key] == pytest.approx(mean, rel=1e-9)
+
+
+def test_tiny_temperatures_are_refused_and_the_seed_leaves_the_global_rng_alone(model):
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        Sampling(temperature=1e-45)
+    engine = Engine(model, DenseConfig())
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    engine.generate(prompts((30,)), 4, sampling=Sampling(temperature=0.7), seed=9, stop_tokens=())
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("bad", [[[1, 2, 3.5]], [b"abc"], [[1, 300]], [[-1, 4]], [[True, 4]], [1, 2, 3],
+                                 b"abc", [[5], "text"]])
+def test_prompts_must_be_token_ids_of_the_vocabulary(model, bad):
+    engine = Engine(model, DenseConfig())
+    with pytest.raises(ValueError, match=r"prompts(\[\d\])? must be"):
+        engine.generate(bad, 2)
+
+
+def test_text_stream_gives_the_texts(model):
+    from sparsekv.engine import TextStream
+    from sparsekv.tiny import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    engine = Engine(model, DenseConfig(), max_batch=2, tokenizer=tokenizer)
+    pieces = [[], []]
+    out = engine.generate(["héllo wörld ✓", "abc"], 24, stop_tokens=(),
+                          stream=TextStream(tokenizer, lambda new: [p.append(t) for p, t in zip(pieces, new)]))
+    assert ["".join(p) for p in pieces] == out.texts
+
+
+def test_seeded_draws_follow_the_probabilities_over_seeds_and_places():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(probs).expand(4000, 4)
+    n = torch.arange(4000)
+    for seeds, places in ((n, torch.zeros_like(n)), (torch.full_like(n, 7), n)):
+        drawn = Sampling(temperature=1.0)(logits, seeds, places)
+        assert torch.allclose(torch.bincount(drawn, minlength=4) / 4000, probs, atol=0.03)
+    again = Sampling(temperature=1.0)(logits, n, torch.zeros_like(n))
+    assert torch.equal(again, Sampling(temperature=1.0)(logits, n, torch.zeros_like(n)))

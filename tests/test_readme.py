@@ -1,11 +1,34 @@
-"""The README's set-up commands stay true: CI runs exactly its test command."""
+"""The README's set-up commands stay true: CI runs exactly its test command, first."""
 
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_ci_runs_the_readme_test_command():
-    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert ci in (ROOT / "README.md").read_text()
-    assert ci.startswith("pip install torch==2.13.0 && ")
+def test_ci_runs_the_readme_test_command_first():
+    lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert lines[:2] == ["set -euo pipefail", 'cd "$(dirname "$0")/.."']
+    first = lines[2]
+    assert first in (ROOT / "README.md").read_text()
+    assert first.startswith("pip install torch==2.13.0 && ")
+
+
+def test_readme_apply_snippet_runs_as_written(capsys):
+    """The ``sparsekv.apply`` snippet, on a tiny model and a prompt longer than its budget."""
+    import re
+
+    import torch
+
+    from sparsekv.tiny import byte_tokenizer, tiny_model
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    (snippet,) = [b for b in blocks if "with sparsekv.apply(model, config) as session:" in b]
+    model = tiny_model("llama")
+    inputs = byte_tokenizer()(["The grass is green. " * 80], return_tensors="pt")
+    scope = {"model": model, "inputs": inputs}
+    with torch.no_grad():
+        exec(snippet, scope)
+    summary = scope["session"].stats.summary()
+    assert summary["decode_steps"] == 255 and 0 < summary["fraction"] < 1
+    assert str(summary) in capsys.readouterr().out
+    assert model.config._attn_implementation != "sparsekv"

@@ -40,6 +40,7 @@ from ..engine import Engine, prompt_passes
 from ..errors import ConfigError
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
+from ..integrations.transformers import cache_argument
 from ..methods import METHODS
 from ..methods.omnikv import OmniKVConfig
 from ..methods.quest import QuestConfig
@@ -190,13 +191,14 @@ def transformers_row(model, context: int, batch: int, args, device, compiled: bo
     for layer in range(cfg.num_hidden_layers):
         k = torch.randn(batch, cfg.num_key_value_heads, context, head_dim, dtype=dtype, device=device)
         cache.update(k, torch.randn_like(k), layer, {"cache_position": torch.arange(context, device=device)})
+    cache_arg = cache_argument(model)
     forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compiled else model.forward
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
     position = torch.full((batch, 1), context, dtype=torch.long, device=device)
 
     def step():
         logits = forward(input_ids=token, position_ids=position, cache_position=position[0],
-                         past_key_values=cache, use_cache=True).logits
+                         use_cache=True, **{cache_arg: cache}).logits
         token.copy_(logits[:, -1:].argmax(-1))
         position.add_(1)
 

@@ -11,6 +11,7 @@ allocation: the whole exchange can be captured in a CUDA graph. On the CPU the s
 
 from __future__ import annotations
 
+import copy
 import os
 import weakref
 
@@ -122,6 +123,13 @@ class HostKVStore:
         else:
             host = self.host.index_select(0, index)
         self._allocate(host, self.buffer.shape[1])
+
+    def rows(self, n: int) -> "HostKVStore":
+        """The store of rows [0, n), a view: its host rows, gather source and buffer are this store's."""
+        view = copy.copy(self)
+        t = self.host.shape[1]
+        view.host, view.source, view.buffer = self.host[:n], self.source[:n * t], self.buffer[:n]
+        return view
 
     def host_bytes(self) -> int:
         return self.host.numel() * self.host.element_size()

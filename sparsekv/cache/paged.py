@@ -16,6 +16,7 @@ single scatter with a fixed shape; it never holds a page and is never attended.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -165,6 +166,40 @@ class PagedLayer:
         target = torch.where(mask, slots, torch.full_like(slots, self.capacity))
         self.slot_page.scatter_(2, target, torch.full_like(target, -1))
         self.has_holes = True
+
+    def rows(self, n: int) -> "PagedLayer":
+        """The layer of rows [0, n): its tensors are views of this layer's, so a step over it updates these rows in
+        place (a pool of rows serving several requests decodes the rows in use)."""
+        view = copy.copy(self)
+        for name in (*self.stored, "cur_slot"):
+            setattr(view, name, getattr(self, name)[:n])
+        view.slot_state = {name: t[:n] for name, t in self.slot_state.items()}
+        view.dropped = self.dropped[:n]
+        return view
+
+    def copy_row(self, row: int, source: "PagedLayer", source_row: int, pages: int) -> None:
+        """Makes ``row`` hold what row ``source_row`` of ``source`` (this layer or another of the same heads) holds:
+        its pages in the same slots, their bounds, its method's per-slot state, its current slot and its dropped
+        count; the other slots are free. ``pages``: the pages the source row has had (its tokens over the page
+        size), which bounds the slots it uses, since a new page takes the lowest free slot: only those are copied.
+        Raises ValueError when the source holds pages in slots this layer does not have, or has holes this layer
+        does not search for."""
+        c = min(self.capacity, source.capacity)
+        if source.capacity > c and bool((source.slot_page[source_row, :, c:source.capacity] >= 0).any()):
+            raise ValueError(f"copy_row: the source row holds pages beyond this layer's {self.capacity} slots")
+        if source.has_holes and not self.may_have_holes:
+            raise ValueError("copy_row: the source row has freed slots but this layer does not search for them")
+        used = min(c, pages)
+        for name in self.stored:
+            getattr(self, name)[row, :, :used].copy_(getattr(source, name)[source_row, :, :used])
+        # A free slot's keys and bounds are never read: a page that takes it restarts them.
+        self.slot_page[row, :, used:].fill_(-1)
+        for name, src in source.slot_state.items():
+            if name not in self.slot_state:
+                self.slot_state[name] = torch.zeros((*self.slot_page.shape,), dtype=src.dtype, device=src.device)
+            self.slot_state[name][row, :, :used].copy_(src[source_row, :, :used])
+        self.cur_slot[row].copy_(source.cur_slot[source_row])
+        self.dropped[row] = source.dropped[source_row]
 
     def token_position(self) -> torch.Tensor:
         """(B, Hkv, C + 1, P) position of every stored token, -1 where the slot is free."""
@@ -357,6 +392,16 @@ class PagedKVCache:
                 setattr(layer, name, t.index_select(0, index.to(t.device)))
             layer.slot_state = {name: t.index_select(0, index.to(t.device)) for name, t in layer.slot_state.items()}
             layer.dropped = [layer.dropped[i] for i in idx]
+
+    def rows(self, n: int) -> "PagedKVCache":
+        """The cache of rows [0, n) after their prompts (``PagedLayer.rows``): ``seq_len`` a view of this cache's, the
+        host lengths a copy, which the caller writes back after the steps it runs on the view."""
+        view = copy.copy(self)
+        view.layers = [None if layer is None else layer.rows(n) for layer in self.layers]
+        view.lengths = self.lengths[:n]
+        view.seq_len = self.seq_len[:n]
+        view.plan = None
+        return view
 
     def held_bytes(self) -> int:
         """Bytes of the keys and values of the tokens the pages hold, on all layers: without the slots allocated

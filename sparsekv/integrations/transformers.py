@@ -51,6 +51,7 @@ class DecodeStats:
     _weight: dict[int, float] = field(default_factory=dict)  # per counting layer: KV heads per selection row
     _whole: set[int] = field(default_factory=set)  # layers that attend the whole context
     _folded: dict[object, torch.Tensor] = field(default_factory=dict)  # sums of totals of an earlier batch size
+    _frozen: dict[object, torch.Tensor] = field(default_factory=dict)  # totals as of each row's last live step
     _kv_heads: int = 0
     _layers: int = 0
 
@@ -72,7 +73,8 @@ class DecodeStats:
         tally = self._tallies.get(key)
         if tally is None or tally.batch != seq_len.shape[0]:
             if tally is not None and tally.total is not None:
-                self._folded[key] = self._folded.get(key, 0) + tally.total.sum(dtype=torch.float64)
+                total = self._frozen.pop(key, tally.total)
+                self._folded[key] = self._folded.get(key, 0) + total.sum(dtype=torch.float64)
             tally = self._tallies[key] = Tally(seq_len.shape[0], seq_len.device)
         return tally
 
@@ -86,7 +88,30 @@ class DecodeStats:
         else:
             self._weight[layer_idx] = kv_heads / tally.total.shape[1]
 
+    def freeze(self, live: torch.Tensor) -> None:
+        """Ends the counting of rows that have ended: after a step, live: (B,) bool says which rows that step
+        belonged to; the totals of the others stay as they were at their last live step (in place, one kernel per
+        counting layer, so that a captured step runs it). ``trim`` then says how many steps each row ran."""
+        for key, tally in self._tallies.items():
+            if tally.total is None:
+                continue
+            alive = live.view(-1, 1)
+            frozen = self._frozen.get(key)
+            if frozen is None or frozen.shape != tally.total.shape:
+                self._frozen[key] = torch.where(alive, tally.total, 0)
+            else:
+                torch.where(alive, tally.total, frozen, out=frozen)
+
+    def trim(self, steps: list[int]) -> None:
+        """Counts each row's own decode steps, ``steps`` (B,) on the host, in place of the steps every row of the
+        current batch ran since the statistics started (rows that ended early, see ``freeze``)."""
+        ran = self.steps
+        if ran and steps:
+            self.rows = self.rows * sum(steps) // (ran * len(steps))
+            self.steps = max(steps)
+
     def _sum(self, key, total: torch.Tensor | None) -> torch.Tensor:
+        total = self._frozen.get(key, total)
         return self._folded.get(key, 0) + (0 if total is None else total.sum(dtype=torch.float64))
 
     @property
@@ -332,6 +357,13 @@ def sparsekv_attention(module, query, key, value, attention_mask, scaling=None, 
 AttentionInterface.register(ATTENTION_NAME, sparsekv_attention)
 
 
+def cache_argument(module: torch.nn.Module) -> str:
+    """The name of the KV-cache argument of ``module``'s forward (a decoder or a decoder layer), read from its
+    signature: transformers 5.24 renamed ``past_key_values`` to ``cache``. The old name is still accepted there,
+    deprecated, but where both are given the model uses ``cache``, so the cache is passed under the declared name."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 def _check_model(model) -> None:
     names = {cls.__name__ for cls in type(model).__mro__}
     if not names & set(SUPPORTED_MODELS):
@@ -376,6 +408,7 @@ def apply(model, config: MethodConfig) -> Iterator[Session]:
     session = Session(method, DecodeStats(tp_group=method.tp_group))
     window = _sliding_window(model.config)
     params = list(inspect.signature(decoder.forward).parameters)
+    cache_arg = cache_argument(decoder)
 
     def pre_hook(module, args, kwargs):
         kwargs = dict(kwargs, **dict(zip(params, args)))
@@ -384,15 +417,17 @@ def apply(model, config: MethodConfig) -> Iterator[Session]:
             # Without a cache every generation step would be a dense prefill of the whole sequence.
             raise ValueError("use_cache=False: sparsekv runs every pass through its cache; call with use_cache=True "
                              "(set model.config.use_cache = True)")
-        cache = kwargs.get("past_key_values")
+        # The caller's cache, under the decoder's name for it or the deprecated one (``cache_argument``).
+        given = [kwargs.pop(name) for name in ("cache", "past_key_values") if name in kwargs]
+        cache = next((c for c in given if c is not None), None)
         if not isinstance(cache, SparseKVCache) or cache.method is not method:
             if cache is not None and cache.get_seq_length() > 0:
-                raise ValueError("past_key_values already holds tokens from another cache; start the sequence "
+                raise ValueError(f"{cache_arg} already holds tokens from another cache; start the sequence "
                                  "inside sparsekv.apply")
             cache = session.new_cache(window)
         session.cache = cache
         cache.pending_mask = kwargs.get("attention_mask")
-        kwargs["past_key_values"] = cache
+        kwargs[cache_arg] = cache
         kwargs["sparsekv_cache"] = cache
         return (), kwargs
 

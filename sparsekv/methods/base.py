@@ -6,6 +6,7 @@ paged cache to attend (``select``); methods that evict free slots there as well.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -92,6 +93,7 @@ class Method:
 
     max_pages: int | None = None
     accepts_chunks: bool = True
+    sized_by_decode_tokens: bool = False
     tp_group = None
 
     def __init__(self, config: MethodConfig, num_layers: int):
@@ -117,6 +119,42 @@ class Method:
         """Tokens per row the cache allocates for up front, given each row's prompt length and ``total`` (the
         longest prompt plus the tokens to decode): all of them, unless the method caps what a row holds."""
         return total
+
+    # A pool of rows for serving (``sparsekv.serve``): this method object holds the state of every row of a cache
+    # whose rows serve different requests. Each request's prompt runs through a method of its own (built from
+    # ``request_config``) in a cache of one row; ``copy_row`` then moves it into a row of the pool, and the decode
+    # steps run on ``rows(n)``, the method of the pool's first n rows.
+
+    def pool_pages(self, max_context: int) -> list[int]:
+        """Page slots per row each layer of a pool needs for any request of up to ``max_context`` tokens."""
+        return [-(-max_context // self.config.page_size)] * self.num_layers
+
+    def start_pool(self, layers: list[PagedLayer], max_context: int) -> None:
+        """Makes this method the state of a pool whose layers (B rows, ``pool_pages`` slots) are ``layers``: per-row
+        state for B rows, and limits fixed for any request (a decode step captured once serves them all)."""
+
+    def request_config(self) -> MethodConfig:
+        """The config of the method each request's prompt runs through, so that its state fits the pool's."""
+        return self.config
+
+    def copy_row(self, row: int, source: "Method", source_row: int, prompt_len: int) -> None:
+        """Makes ``row`` of the pool hold the per-row state of row ``source_row`` of ``source`` (a request's method
+        after its prompt of ``prompt_len`` tokens, or this pool); the pages move with ``PagedLayer.copy_row``."""
+
+    def rows(self, n: int, decode_tokens: int) -> "Method":
+        """The method of the pool's rows [0, n), none of which holds more than ``decode_tokens`` tokens after its
+        prompt: its per-row state is views of this one's. A method whose step depends on ``decode_tokens`` sets
+        ``sized_by_decode_tokens``."""
+        return copy.copy(self)
+
+    def held_tokens(self, prompt_len: int, total: int) -> int:
+        """KV tokens summed over layers that a row of a ``prompt_len``-token prompt and ``total`` tokens in all holds
+        on the device at most after its prompt."""
+        return self.planned_tokens([prompt_len], total) * self.num_layers
+
+    def host_tokens(self, prompt_len: int) -> int:
+        """KV tokens summed over layers that such a row keeps in host memory."""
+        return 0
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keeps the sequences ``index`` of any per-sequence state (beam search, batch selection)."""

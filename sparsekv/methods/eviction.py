@@ -89,6 +89,24 @@ class EvictionMethod(Method):
         if max(held) + 1 < layer.capacity:
             layer.compact(max(held) + 1)  # room for the next token without growing again
 
+    def pool_pages(self, max_context):
+        budget = self.config.token_budget
+        return [budget if self.evicts_in_decode and not self.dense(i) else max_context
+                for i in range(self.num_layers)]
+
+    def start_pool(self, layers, max_context):
+        for i, layer in enumerate(layers):
+            if not self.dense(i):
+                if self.evicts_in_decode:
+                    layer.max_pages = self.config.token_budget
+                else:
+                    layer.has_holes = True  # a row's prompt is compressed before it joins
+
+    def held_tokens(self, prompt_len, total):
+        budget = self.config.token_budget
+        sparse = min(total, budget) if self.evicts_in_decode else min(prompt_len, budget) + total - prompt_len
+        return sum(total if self.dense(i) else sparse for i in range(self.num_layers))
+
     def select(self, layer_idx, q, layer, seq_len):
         return all_slots(layer)  # dense layers only: the others run decode below
 

@@ -20,7 +20,7 @@ holds the fully attending layers' KV, the decode tokens and the subset buffers. 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -138,6 +138,7 @@ class OmniKV(Method):
 
     config: OmniKVConfig
     accepts_chunks = False
+    sized_by_decode_tokens = True
 
     def __init__(self, config: OmniKVConfig, num_layers: int):
         super().__init__(config, num_layers)
@@ -311,6 +312,74 @@ class OmniKV(Method):
             del self.listed[key]  # built again from this step's choice
         if f in self.stores:
             self.stores[f].fetch(self.tokens[f])
+
+    def _sparse(self) -> list[int]:
+        return [i for i, role in enumerate(self.role) if role == "sparse"]
+
+    def start_pool(self, layers, max_context):
+        # Every row takes up to the pool's widest choice (its own ``per_row``), and lists its decode tokens over
+        # the whole store: fixed shapes whatever the rows' prompts.
+        b, h, _, d = layers[0].shape
+        device = layers[0].k.device
+        self.max_context = max_context
+        self.k_max = max(prompt_budget(self.config.token_budget, max_context), 1)
+        self.full_rows = False
+        self.prompt_len = torch.zeros(b, dtype=torch.long, device=device)
+        self.per_row = torch.zeros(b, dtype=torch.long, device=device)
+        self.weight = selector_weights(self.config.selector, self.width, device)
+        self.tokens = {f: torch.full((b, self.k_max), -1, dtype=torch.long, device=device) for f in self.filters}
+        self.window_pos = {f: torch.full((b, self.width), -1, dtype=torch.long, device=device) for f in self.filters}
+        self.window_q.clear()  # (B, H, W, D), made at the first row's copy (H: the query heads)
+        sparse = self._sparse()
+        self.offloaded = set(sparse[self.config.device_layers or 0:]) if self.config.offload else set()
+        self.store_tokens = {i: (layers[i].capacity + 1) * layers[i].page_size for i in sparse}
+        for i in sparse:
+            self.decode_start[i] = torch.zeros(b, dtype=torch.long, device=device)
+            self.first_decode[i] = 0
+            if i in self.offloaded:
+                layers[i].has_holes = True  # a row's full prompt pages are dropped before it joins
+        self.stores = {f: HostKVStore(len(self._stored(f)), b, h, max_context, d, self.k_max, layers[0].k.dtype,
+                                      device) for f in self.filters if self._stored(f)}
+
+    def request_config(self):
+        if not self.config.offload:
+            return self.config
+        return replace(self.config, device_layers=len(self._sparse()) - len(self.offloaded))
+
+    def copy_row(self, row, source, source_row, prompt_len):
+        self.prompt_len[row] = source.prompt_len[source_row]
+        self.per_row[row] = source.per_row[source_row]
+        for f in self.filters:
+            if f not in self.window_q:
+                _, h, w, d = source.window_q[f].shape
+                self.window_q[f] = source.window_q[f].new_zeros(self.prompt_len.shape[0], h, w, d)
+            self.window_q[f][row] = source.window_q[f][source_row]
+            self.window_pos[f][row] = source.window_pos[f][source_row]
+            self.tokens[f][row] = -1  # chosen again at the next step, before any layer reads it
+        for i in self._sparse():
+            self.decode_start[i][row] = source.decode_start[i][source_row]
+        for f, store in self.stores.items():
+            store.host[row, :prompt_len].copy_(source.stores[f].host[source_row, :prompt_len])
+
+    def rows(self, n, decode_tokens):
+        view = super().rows(n, decode_tokens)
+        # Each sparse layer lists the room of the rows' decode tokens, not its whole store.
+        view.first_decode = {i: max(0, size - decode_tokens) for i, size in self.store_tokens.items()}
+        view.prompt_len, view.per_row = self.prompt_len[:n], self.per_row[:n]
+        view.window_q = {f: t[:n] for f, t in self.window_q.items()}
+        view.window_pos = {f: t[:n] for f, t in self.window_pos.items()}
+        view.tokens = {f: t[:n] for f, t in self.tokens.items()}
+        view.decode_start = {i: t[:n] for i, t in self.decode_start.items()}
+        view.stores = {f: store.rows(n) for f, store in self.stores.items()}
+        view.listed = {}
+        return view
+
+    def held_tokens(self, prompt_len, total):
+        on_host = prompt_len // self.config.page_size * self.config.page_size
+        return total * self.num_layers - on_host * len(self.offloaded)
+
+    def host_tokens(self, prompt_len):
+        return prompt_len * len(self.offloaded)
 
     def reorder(self, index):
         if self.prompt_len is None:

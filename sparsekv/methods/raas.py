@@ -125,6 +125,28 @@ class RaaS(Method):
         if layer_idx == 0:
             self.step = torch.zeros(self.num_layers, dtype=torch.long, device=device)
 
+    def start_pool(self, layers, max_context):
+        b, _, _, _ = layers[0].shape
+        device = layers[0].k.device
+        self.prompt_pages = torch.zeros(b, dtype=torch.long, device=device)
+        self.limit = torch.zeros(b, dtype=torch.long, device=device)
+        self.decode_pages = self.config.budget_pages  # at least any row's decode pages, in either prefill mode
+        self.step = torch.zeros(self.num_layers, dtype=torch.long, device=device)
+        for layer in layers:
+            layer.max_pages = layer.capacity
+            layer.slot_state[STAMP] = torch.zeros(layer.shape[:3], dtype=torch.long, device=device)
+
+    def copy_row(self, row, source, source_row, prompt_len):
+        # Stamps move with the slots; they are compared within a row only, so the pool's step count may differ
+        # from the request's own.
+        self.prompt_pages[row] = source.prompt_pages[source_row]
+        self.limit[row] = source.limit[source_row]
+
+    def rows(self, n, decode_tokens):
+        view = super().rows(n, decode_tokens)
+        view.prompt_pages, view.limit = self.prompt_pages[:n], self.limit[:n]
+        return view
+
     def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         step = self.step[layer_idx]
         step.add_(1)

@@ -12,11 +12,11 @@ from triton import knobs
 
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
 # page_block_k: the page-score kernel reads its block of key bounds in head-dim slices of this many, through a loop
-# of page_stages stages (v10: slices of 64 in 4 stages need ~94 registers instead of ~128 for the whole tile, so
+# of page_stages stages (slices of 64 in 4 stages need ~94 registers instead of ~128 for the whole tile, so
 # twice as many programs fit per multiprocessor).
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor (at most attn_max_splits splits), so that enough loads are in flight even for batch 1; with at most
-# attn_few_rows rows it takes the attn_few_* block, stages and programs instead (v12: -0.3 to -0.6 us at Llama-3-8B
+# attn_few_rows rows it takes the attn_few_* block, stages and programs instead (-0.3 to -0.6 us at Llama-3-8B
 # batch 1). Rows of at least attn_long_tokens tokens (dense layers) take the attn_long_* values: on the H200 at
 # Llama-3-8B batch 1, 45.5 / 139.1 us at 32K / 128K (block 64, 2 stages, 4 programs per SM, up to 128 splits, 4
 # warps; the best of 108 launches swept) against 49.1 / 152.0 with the attn_few_* ones; SDPA 40.1 / 129.8, floor
@@ -27,7 +27,7 @@ from triton import knobs
 # of select_group_block slots; up to select_group_cand * k candidates compacted), else to the top of each segment
 # of select_block slots (select_block_warps); rows of more than select_max_slots slots go to torch.topk.
 # quest_select takes the group filter with at least select_fused_rows rows, groups of select_fused_scale *
-# sqrt(slots / k), the maxima written by the page-score kernel (v14: faster than a separate pass on every grid
+# sqrt(slots / k), the maxima written by the page-score kernel (faster than a separate pass on every grid
 # measured, up to 65536 programs); else select_pages.
 # window_*: OmniKV's window token scores (``scoring``), not yet tuned on a GPU: blocks of window_block_n tokens,
 # halved while a block's logit tile (heads x window queries x tokens) exceeds window_tile entries (registers); the

@@ -1,0 +1,7 @@
+"""Serving: many requests at once, joining and leaving the running batch at step boundaries (continuous
+batching), each admitted when its KV fits. ``ServingEngine`` is the scheduler's loop (``scheduler``); the model
+runs in ``runner``."""
+
+from .scheduler import Event, QueueFull, Request, RequestError, ServingEngine
+
+__all__ = ["Event", "QueueFull", "Request", "RequestError", "ServingEngine"]

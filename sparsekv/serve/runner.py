@@ -1,0 +1,254 @@
+"""The model's side of serving: a request's prefill in passes, and one decode step over the running rows.
+
+A pool, as data::
+
+    a cache of max_batch rows (every layer allocated once, each row sized for any request of max_context tokens)
+    + the method's state for those rows + per-row next token, sampling, seed and token index
+    running rows packed low: rows [0, n) run, n = the running requests; a request that ends gives its row to the
+    last running one (its pages, bounds and state copied over), so a step runs over rows [0, n) only
+
+    prompt -> a cache of one row with a method of its own (``engine.prefill_passes``, a few passes per call, so
+           that the scheduler interleaves it with the decode steps) -> copied into row n (``PagedLayer.copy_row``,
+           ``Method.copy_row``) -> decoded with the others
+
+A decode step over rows [0, n) runs on views of the pool (``PagedKVCache.rows``, ``Method.rows``) and draws each
+row's token under its own sampling and seed (``engine.draw``, ``engine.counter_noise``), so a request's tokens do
+not depend on which requests share its step. Each batch size n (and whether any row samples) has its step, run
+eagerly once, then captured as a CUDA graph and replayed (``engine.CapturedStep``); the host reads the step's new
+tokens once per step. Under tensor parallelism every process would hold the same pool over its heads and run the
+same calls in the same order; one process serves HTTP and broadcasts the scheduler's decisions (not done here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generator
+
+import torch
+
+from .. import parallel
+from ..cache import PagedLayer
+from ..engine import CapturedStep, Engine, Sampling, argmax, counter_noise, draw, prefill_passes
+from ..integrations import apply
+from ..integrations.decode import DecodeModel
+from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
+from ..methods.base import require
+
+
+def available_device_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device, None elsewhere (host memory is not checked)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+@dataclass
+class Prefill:
+    """A request's prompt on its way in: its cache of one row, the passes still to run, and the last column's
+    logits (1, V) once they have all run."""
+
+    cache: SparseKVCache
+    passes: Generator
+    prompt_len: int
+    logits: torch.Tensor | None = None
+
+
+class Runner:
+    """Runs ``config``'s method on ``model`` for up to ``max_batch`` requests at once (see ``Engine`` for the
+    arguments, validated the same way). Requests are known by a key the caller gives (``join``)."""
+
+    def __init__(self, model, config, *, max_batch: int, max_context: int | None, prefill_chunk: int,
+                 cuda_graph: bool | None, compile: bool):
+        self.engine = Engine(model, config, max_batch=max_batch, max_context=max_context,
+                             prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
+        self.model, self.config = model, config
+        self.max_batch, self.max_context = max_batch, self.engine.max_context
+        self.device = self.engine.device
+        self.num_layers = model.config.num_hidden_layers
+        self.vocab_size = model.config.vocab_size
+        # About one chunk of the prompt through every layer per call of ``prefill``.
+        self.prefill_budget = prefill_chunk * self.num_layers
+        self.window = _sliding_window(model.config)
+        self.decoder = DecodeModel(model, self.engine.parts)
+        self.tp_group = parallel.head_group(model)
+
+        attn = model.get_decoder().layers[0].self_attn
+        kv_heads = model.config.num_key_value_heads // parallel.size(self.tp_group)
+        dtype = next(model.parameters()).dtype
+        self.method = config.build(self.num_layers)
+        self.method.tp_group = self.tp_group
+        self.pool = SparseKVCache(self.method, DecodeStats(tp_group=self.tp_group), self.window)
+        pages = self.pool.pages
+        page = config.page_size
+        self.token_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize
+        self.page_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize if page > 1 else 0  # key bounds
+        slots = self.method.pool_pages(self.max_context)
+        # Per slot: keys and values, key bounds, the page table and a method's per-slot state (8 bytes each).
+        pool_bytes = max_batch * sum(s + 1 for s in slots) * (page * self.token_bytes + self.page_bytes + 16 * kv_heads)
+        prefill_bytes = self.max_context * self.num_layers * self.token_bytes  # one prompt's KV, before any eviction
+        free = available_device_bytes(self.device)
+        require(free is None or pool_bytes + prefill_bytes <= free, "max_batch and max_context",
+                f"small enough that the pool of rows ({pool_bytes / 2**30:.2f} GiB) and one prompt's prefill "
+                f"({prefill_bytes / 2**30:.2f} GiB) fit the device's free {(free or 0) / 2**30:.2f} GiB",
+                (max_batch, self.max_context))
+        pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, n, dtype, self.device) for n in slots]
+        pages.lengths = [0] * max_batch
+        pages.seq_len = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        pages.in_prompt = False
+        self.method.start_pool(pages.layers, self.max_context)
+        self.request_config = self.method.request_config()
+
+        def per_row(fill, dtype):
+            return torch.full((max_batch,), fill, dtype=dtype, device=self.device)
+
+        self.token = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)  # each row's next input
+        self.temperature, self.top_p = per_row(0.0, torch.float32), per_row(1.0, torch.float32)
+        self.top_k, self.seed, self.index = per_row(0, torch.long), per_row(0, torch.long), per_row(0, torch.long)
+        self.keys: list = []  # the request running in each row, rows [0, n)
+        self.sampled: list[bool] = []
+        self.prompt_lens: list[int] = []
+        self.max_tokens: list[int] = []
+        self.steps: dict[tuple[int, bool, int], tuple[SparseKVCache, CapturedStep]] = {}
+
+    @property
+    def free_rows(self) -> int:
+        return self.max_batch - len(self.keys)
+
+    def kv_bytes(self, prompt_len: int, total: int) -> int:
+        """KV bytes (device and host) a request of ``prompt_len`` prompt tokens and ``total`` tokens in all holds at
+        most: its keys and values, and the key bounds of its pages."""
+        device = self.method.held_tokens(prompt_len, total)
+        pages = -(-device // self.config.page_size) + self.num_layers
+        return device * self.token_bytes + pages * self.page_bytes + self.method.host_tokens(prompt_len) * \
+            self.token_bytes
+
+    def capacity_bytes(self) -> int:
+        """Bytes of the pool's keys, values and key bounds on the device, and of its host store."""
+        return self.pool.pages.resident_bytes() + self.method.offloaded_bytes()
+
+    def host_bytes(self) -> int:
+        """Bytes of KV in host memory: the pool's host store."""
+        return self.method.offloaded_bytes()
+
+    def start(self, prompt: list[int]) -> Prefill:
+        """A prefill of ``prompt`` into a cache of one row, with a method of its own."""
+        method = self.request_config.build(self.num_layers)
+        method.tp_group = self.tp_group
+        cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        # Only the prompt: the request decodes in its row of the pool.
+        cache.pages.planned_tokens = method.planned_tokens([len(prompt)], len(prompt))
+        passes = prefill_passes(self.model, cache, ids, torch.ones_like(ids), self.engine.prefill_chunk)
+        return Prefill(cache, passes, len(prompt))
+
+    def prefill(self, job: Prefill, budget: int) -> int:
+        """Runs passes of ``job`` until about ``budget`` tokens times layers have run (at least one pass); sets
+        ``job.logits`` after the last. Returns the tokens times layers run."""
+        used = 0
+        with apply(self.model, self.config), torch.no_grad():
+            while used < budget:
+                try:
+                    used += next(job.passes)
+                except StopIteration as done:
+                    job.logits = done.value
+                    break
+        return max(used, 1)
+
+    def first_token(self, job: Prefill, sampling: Sampling, seed: int) -> int:
+        """The request's first new token, drawn from its prompt's logits (token index 0)."""
+        one = torch.ones(1, dtype=torch.long, device=self.device)
+        return int(sampling(job.logits, one * seed, one * 0)[0])
+
+    def join(self, key, job: Prefill, first: int, sampling: Sampling, seed: int, max_tokens: int) -> None:
+        """Makes the prefilled request ``key`` (of at most ``max_tokens`` new tokens) a running row whose next input
+        is ``first``."""
+        if not self.free_rows:
+            raise RuntimeError("join: every row runs a request")
+        row = len(self.keys)
+        pages, source = self.pool.pages, job.cache.pages
+        with torch.no_grad():
+            for layer, from_layer in zip(pages.layers, source.layers):
+                layer.copy_row(row, from_layer, 0, self._pages(source.lengths[0]))
+            pages.lengths[row] = source.lengths[0]
+            pages.seq_len[row] = source.seq_len[0]
+            self.method.copy_row(row, job.cache.method, 0, job.prompt_len)
+        self.token[row] = first
+        self.temperature[row], self.top_k[row], self.top_p[row] = sampling.temperature, sampling.top_k, \
+            sampling.top_p
+        self.seed[row], self.index[row] = seed, 1
+        self.keys.append(key)
+        self.sampled.append(not sampling.greedy)
+        self.prompt_lens.append(job.prompt_len)
+        self.max_tokens.append(max_tokens)
+        self.discard(job)
+
+    def discard(self, job: Prefill) -> None:
+        """Drops a prefill: what its cache and method hold (a cancelled request's, or one copied into a row)."""
+        job.cache.method.release()
+        job.passes.close()
+        job.cache.pages.layers = []
+
+    def release(self, key) -> None:
+        """Frees the row of ``key``: the last running row moves into it."""
+        row, last = self.keys.index(key), len(self.keys) - 1
+        if row != last:
+            pages = self.pool.pages
+            with torch.no_grad():
+                for layer in pages.layers:
+                    layer.copy_row(row, layer, last, self._pages(pages.lengths[last]))
+                pages.lengths[row] = pages.lengths[last]
+                pages.seq_len[row] = pages.seq_len[last]
+                self.method.copy_row(row, self.method, last, self.prompt_lens[last])
+                for t in (self.token, self.temperature, self.top_k, self.top_p, self.seed, self.index):
+                    t[row] = t[last]
+            for rows in self._host_rows:
+                rows[row] = rows[last]
+        for rows in self._host_rows:
+            rows.pop()
+        self.pool.pages.lengths[last] = 0
+
+    @property
+    def _host_rows(self) -> tuple[list, ...]:
+        """What the host keeps per running row."""
+        return self.keys, self.sampled, self.prompt_lens, self.max_tokens
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.config.page_size)
+
+    def decode(self) -> dict:
+        """One decode step over the running rows; returns each request's new token by key."""
+        n = len(self.keys)
+        room = self.max_context
+        if self.method.sized_by_decode_tokens:  # a step per power of two of the rows' longest decode
+            room = min(room, 1 << (max(self.max_tokens) - 1).bit_length())
+        cache, run = self._step(n, any(self.sampled), room)
+        pages = self.pool.pages
+        cache.pages.lengths = pages.lengths[:n]
+        for layer, view in zip(pages.layers, cache.pages.layers):
+            view.dropped = layer.dropped[:n]
+        with torch.no_grad():
+            run()
+        pages.lengths[:n] = cache.pages.lengths
+        return dict(zip(self.keys, self.token[:n, 0].tolist()))
+
+    def _step(self, n: int, sampled: bool, room: int) -> tuple[SparseKVCache, CapturedStep]:
+        """The decode step over rows [0, n) (``sampled``: some row samples; ``room``: no row holds more tokens after
+        its prompt), made at its first use: a cache and method that are views of the pool's first n rows, and the
+        step (captured at its second run where the engine captures)."""
+        if (n, sampled, room) in self.steps:
+            return self.steps[n, sampled, room]
+        cache = SparseKVCache(self.method.rows(n, room), DecodeStats(tp_group=self.tp_group), self.window)
+        cache.pages = self.pool.pages.rows(n)
+        token, seq_len = self.token[:n], self.pool.pages.seq_len[:n]
+        temperature, top_k, top_p = self.temperature[:n], self.top_k[:n], self.top_p[:n]
+        seed, index = self.seed[:n], self.index[:n]
+
+        def step() -> None:
+            logits = self.decoder(token, seq_len.view(n, 1), cache)
+            if sampled:
+                nxt = draw(logits, temperature, top_k, top_p, counter_noise(seed, index, logits.shape[1]))
+            else:
+                nxt = argmax(logits)
+            token.copy_(nxt.view(n, 1))
+            index.add_(1)
+
+        self.steps[n, sampled, room] = cache, CapturedStep(step, cache, self.engine.capture)
+        return self.steps[n, sampled, room]

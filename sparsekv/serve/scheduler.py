@@ -1,0 +1,288 @@
+"""Who runs next: requests, their queue, admission by memory, and the scheduler's loop (``ServingEngine``).
+
+A request, as data::
+
+    submit -> validate (RequestError) -> queue (QueueFull when max_queue wait) -> admitted when its KV fits
+           -> prefill (in passes, at most about one chunk per step) -> first token -> a running row
+           -> one token per step -> stop token, max_tokens or cancel: its row is freed at the step boundary
+
+``submit`` and ``cancel`` may come from any thread; ``step`` runs in one thread (the server's loop), which alone
+touches the runner and the model.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..engine import Sampling, _is_count, is_token_ids
+from ..errors import ConfigError
+from .runner import Prefill, Runner
+
+
+class RequestError(ConfigError):
+    """A request field that is not allowed, or a request that can never fit: ``field`` must be ``allowed``."""
+
+
+class QueueFull(RuntimeError):
+    """``max_queue`` requests already wait; the client should retry later."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """What one client asks for: ``prompt`` token ids, at most ``max_tokens`` new tokens, drawn by ``sampling``
+    (greedy by default); ``stop_tokens`` end it (the stop token is its last token; ``()``: none, a server passes
+    ``ServingEngine.stop_tokens_default`` for a client that names none); ``seed`` makes a sampled request
+    reproducible (None: a random one), whatever other requests share its batch."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_tokens: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        prompt = self.prompt
+        if not isinstance(prompt, (list, tuple)) or not prompt or not is_token_ids(prompt):
+            raise RequestError("prompt", "a non-empty list of token ids (ints >= 0)", _short(prompt))
+        object.__setattr__(self, "prompt", list(prompt))
+        if not _is_count(self.max_tokens, 1):
+            raise RequestError("max_tokens", "an int >= 1", self.max_tokens)
+        if not isinstance(self.sampling, Sampling):
+            raise RequestError("sampling", "a sparsekv.engine.Sampling", self.sampling)
+        stops = self.stop_tokens
+        if not isinstance(stops, (list, tuple)) or not is_token_ids(stops):
+            raise RequestError("stop_tokens", "a tuple of token ids (ints >= 0)", stops)
+        object.__setattr__(self, "stop_tokens", tuple(stops))
+        if self.seed is not None and not (_is_count(self.seed, 0) and self.seed < 1 << 62):
+            raise RequestError("seed", "None or an int in [0, 2**62)", self.seed)
+
+
+def _short(value):
+    """A value for an error message, long lists cut."""
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        return f"{type(value).__name__} of {len(value)} items starting {list(value[:8])!r}"
+    return value
+
+
+@dataclass
+class Event:
+    """What happened to one request in one step: its ``tokens`` new since its last event (may be empty at the
+    finish), whether it ``finished`` and why ("stop", "length", "cancelled"), and its usage counts."""
+
+    request_id: int
+    tokens: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class _Live:
+    """A request inside the engine: its id, what it asked, its seed, its prefill while it runs, the tokens it has
+    generated and how many of them its events have delivered."""
+
+    id: int
+    request: Request
+    seed: int
+    prefill: Prefill | None = None
+    tokens: list[int] = field(default_factory=list)
+    shown: int = 0
+
+
+class ServingEngine:
+    """Continuous batching of ``config``'s method on ``model``: requests join and leave the running rows at step
+    boundaries; a new request's prompt is prefilled in passes interleaved with the decode steps.
+
+    max_batch: rows decoded together; max_context: tokens per request (prompt plus new ones; default the model's
+    limit); prefill_chunk: prompt tokens per pass, and about the prefill work done per step; max_queue: requests
+    that may wait; cuda_graph, compile: as in ``Engine``; kv_memory_bytes: the KV memory requests may hold at once
+    (default: what the runner's pool holds for ``max_batch`` rows). tokenizer: gives the default stop tokens."""
+
+    def __init__(self, model, config, *, tokenizer=None, max_batch: int = 8, max_context: int | None = None,
+                 prefill_chunk: int = 4096, max_queue: int = 256, cuda_graph: bool | None = None,
+                 compile: bool = False, kv_memory_bytes: int | None = None):
+        if not _is_count(max_queue, 1):
+            raise ConfigError("max_queue", "an int >= 1", max_queue)
+        self.runner = Runner(model, config, max_batch=max_batch, max_context=max_context,
+                             prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
+        capacity = self.runner.capacity_bytes()
+        if kv_memory_bytes is None:
+            kv_memory_bytes = capacity
+        if not _is_count(kv_memory_bytes, 1):
+            raise ConfigError("kv_memory_bytes", "None (the pool's size) or an int >= 1", kv_memory_bytes)
+        self.tokenizer, self.max_queue, self.kv_memory_bytes = tokenizer, max_queue, kv_memory_bytes
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._queue: deque[_Live] = deque()
+        self._cancel: set[int] = set()
+        self._prefilling: list[_Live] = []
+        self._running: dict[int, _Live] = {}  # id -> request
+        self._in_use = 0  # KV bytes of the admitted requests
+        self._generated = 0
+        self._finished = 0
+
+    @property
+    def stop_tokens_default(self) -> tuple[int, ...]:
+        """The model's EOS ids (for requests that give none)."""
+        eos = getattr(self.runner.model.generation_config, "eos_token_id", None)
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
+    def submit(self, request: Request) -> int:
+        """Queues ``request`` and returns its id. Raises RequestError when it can never run here (its tokens
+        outside the vocabulary, longer than max_context, or more KV than kv_memory_bytes), QueueFull when
+        max_queue requests wait already. Thread-safe."""
+        if not isinstance(request, Request):
+            raise TypeError(f"submit takes a sparsekv.serve.Request, got {type(request).__name__}")
+        runner = self.runner
+        vocab = runner.vocab_size
+        if max(request.prompt) >= vocab:
+            raise RequestError("prompt", f"token ids below the vocabulary size ({vocab})", _short(request.prompt))
+        if request.stop_tokens and max(request.stop_tokens) >= vocab:
+            raise RequestError("stop_tokens", f"token ids below the vocabulary size ({vocab})", request.stop_tokens)
+        total = len(request.prompt) + request.max_tokens
+        if total > runner.max_context:
+            raise RequestError("max_tokens", f"at most max_context ({runner.max_context}) less the prompt's "
+                               f"{len(request.prompt)} tokens", request.max_tokens)
+        need = runner.kv_bytes(len(request.prompt), total)
+        if need > self.kv_memory_bytes:
+            raise RequestError("prompt and max_tokens", f"at most kv_memory_bytes ({self.kv_memory_bytes}) of KV "
+                               f"for {self.runner.config.name}", f"{need} bytes")
+        with self._lock:
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are waiting already (max_queue)")
+            rid = self._next_id
+            self._next_id += 1
+            seed = request.seed if request.seed is not None else random.getrandbits(62)
+            self._queue.append(_Live(rid, request, seed))
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        """Ends the request at the next step boundary (a final event with finish_reason "cancelled"). Unknown or
+        finished ids: nothing happens. Thread-safe."""
+        with self._lock:
+            self._cancel.add(request_id)
+
+    def has_work(self) -> bool:
+        """Whether anything is queued, prefilling or running."""
+        with self._lock:
+            return bool(self._queue or self._prefilling or self._running)
+
+    def metrics(self) -> dict:
+        """Rows, queue and memory now (``free_rows``: rows neither running nor taken by a prefill), and totals since
+        the start."""
+        with self._lock:
+            queued, running, prefilling = len(self._queue), len(self._running), len(self._prefilling)
+        return {"running": running, "queued": queued, "prefilling": prefilling,
+                "free_rows": self.runner.max_batch - running - prefilling, "kv_bytes_in_use": self._in_use,
+                "kv_bytes_capacity": self.kv_memory_bytes, "host_kv_bytes": self.runner.host_bytes(),
+                "generated_tokens": self._generated, "finished_requests": self._finished}
+
+    def step(self) -> list[Event]:
+        """One iteration: cancellations, admission, about one chunk of prefill, one decode step over the running
+        rows. Returns the events of this step. Call from one thread only."""
+        events: list[Event] = []
+        self._cancelled(events)
+        self._admit()
+        self._prefill(events)
+        if self._running:
+            for rid, token in self.runner.decode().items():
+                self._emit(self._running[rid], token, events)
+        return events
+
+    def _cancelled(self, events: list[Event]) -> None:
+        with self._lock:
+            cancel, self._cancel = self._cancel, set()
+            queued = [live for live in self._queue if live.id in cancel]
+            for live in queued:
+                self._queue.remove(live)
+        for live in queued:
+            self._finish(live, "cancelled", events, admitted=False)
+        for live in [*self._prefilling, *self._running.values()]:
+            if live.id in cancel:
+                self._finish(live, "cancelled", events)
+
+    def _admit(self) -> None:
+        """Takes waiting requests in order while a row is free and their KV fits (the first that does not fit
+        waits, and so does everything behind it: no request is passed over for ever)."""
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return
+                live = self._queue[0]
+                prompt = len(live.request.prompt)
+                need = self.runner.kv_bytes(prompt, prompt + live.request.max_tokens)
+                rows_taken = len(self._prefilling) + len(self._running)
+                if rows_taken >= self.runner.max_batch or self._in_use + need > self.kv_memory_bytes:
+                    return
+                self._queue.popleft()
+                self._in_use += need
+                live.prefill = self.runner.start(live.request.prompt)
+                self._prefilling.append(live)
+
+    def _prefill(self, events: list[Event]) -> None:
+        """Runs about one chunk of prompt work (``prefill_chunk`` tokens through every layer), oldest request
+        first; a finished prefill's first token is drawn and the request joins the running rows."""
+        budget = self.runner.prefill_budget
+        while self._prefilling and budget > 0:
+            live = self._prefilling[0]
+            request = live.request
+            try:
+                budget -= self.runner.prefill(live.prefill, budget)
+                if live.prefill.logits is None:
+                    continue
+                first = self.runner.first_token(live.prefill, request.sampling, live.seed)
+            except Exception as error:
+                # The request is dropped, what it held freed, and the error raised to the caller of ``step``;
+                # the running requests and the queue are as they were.
+                self._finish(live, "cancelled", [])
+                error.add_note(f"while prefilling request {live.id}, which is dropped")
+                raise
+            if self._emit(live, first, events):
+                continue
+            self.runner.join(live.id, live.prefill, first, request.sampling, live.seed, request.max_tokens)
+            live.prefill = None
+            with self._lock:
+                self._prefilling.pop(0)
+                self._running[live.id] = live
+
+    def _emit(self, live: _Live, token: int, events: list[Event]) -> bool:
+        """Records the request's new token; ends it on a stop token or at max_tokens. Returns whether it ended."""
+        live.tokens.append(token)
+        self._generated += 1
+        request = live.request
+        reason = "stop" if token in request.stop_tokens else "length" if len(live.tokens) >= request.max_tokens \
+            else None
+        if reason is None:
+            events.append(self._event(live, False, None))
+            return False
+        self._finish(live, reason, events)
+        return True
+
+    def _event(self, live: _Live, finished: bool, reason: str | None) -> Event:
+        new = live.tokens[live.shown:]
+        live.shown = len(live.tokens)
+        return Event(request_id=live.id, tokens=new, finished=finished, finish_reason=reason,
+                     prompt_tokens=len(live.request.prompt), completion_tokens=len(live.tokens))
+
+    def _finish(self, live: _Live, reason: str, events: list[Event], admitted: bool = True) -> None:
+        """Frees what the request holds (its prefill or its row) and emits its last event."""
+        if admitted:
+            prompt = len(live.request.prompt)
+            self._in_use -= self.runner.kv_bytes(prompt, prompt + live.request.max_tokens)
+        if live.id in self._running:
+            self.runner.release(live.id)
+            with self._lock:
+                del self._running[live.id]
+        elif live.prefill is not None:
+            self.runner.discard(live.prefill)
+            live.prefill = None
+            with self._lock:
+                self._prefilling.remove(live)
+        self._finished += 1
+        events.append(self._event(live, True, reason))

@@ -1,0 +1,311 @@
+"""Continuous batching changes no result: every request's tokens equal those of the same request run alone through
+``Engine.generate``, for every method, with requests arriving at different steps, with different prompt lengths,
+finishing early (stop token, max_tokens) or cancelled; rows are freed and reused; admission and refusals."""
+
+import pytest
+import torch
+from graph_replay import emulated_graph
+
+from sparsekv import (DenseConfig, H2OConfig, OmniKVConfig, QuestConfig, RaaSConfig, SnapKVConfig,
+                      StreamingLLMConfig, TOVAConfig)
+from sparsekv.engine import Engine, Sampling
+from sparsekv.serve import QueueFull, Request, RequestError, ServingEngine
+from sparsekv.tiny import tiny_model
+
+CONFIGS = {
+    "dense": DenseConfig(page_size=8),
+    "quest": QuestConfig(token_budget=32, page_size=8, dense_layers=1),
+    "omnikv": OmniKVConfig(token_budget=24, window=4, selector="uniform", filter_layers=(1,), wait_layers=0,
+                           page_size=8),
+    "omnikv-offload": OmniKVConfig(token_budget=0.3, window=4, filter_layers=(0, 2), wait_layers=0, offload=True,
+                                   page_size=8),
+    "raas": RaaSConfig(token_budget=32, page_size=8),
+    "raas-quest": RaaSConfig(token_budget=32, page_size=8, prefill="quest"),
+    "quest-per-query-head": QuestConfig(token_budget=24, page_size=4, dense_layers=0, per_query_head=True),
+    "streamingllm": StreamingLLMConfig(token_budget=40),
+    "h2o": H2OConfig(token_budget=40),
+    "tova": TOVAConfig(token_budget=40),
+    "snapkv": SnapKVConfig(token_budget=40, window=8),
+}
+CONTEXT = 160
+CHUNK = 32
+# (arrival step, prompt length, max_tokens, how it ends): "stop" ends at its third token's id, "cancel" is
+# cancelled after its fourth step
+PLAN = [(0, 70, 12, "length"), (0, 23, 9, "stop"), (2, 101, 10, "length"), (3, 9, 14, "cancel"),
+        (5, 44, 6, "length"), (5, 15, 1, "length"), (9, 60, 8, "stop")]
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_model("llama", seed=1, layers=3)
+    m.generation_config.eos_token_id = None
+    return m
+
+
+def prompt(n: int) -> list[int]:
+    return torch.randint(3, 259, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+def run(engine: ServingEngine, requests: list[tuple[int, Request]], cancel_after: dict[int, int] | None = None):
+    """Submits each request at its arrival step and steps until done; returns each request's tokens (by index) and
+    its final event."""
+    cancel_after = cancel_after or {}
+    ids, tokens, final, steps = {}, {}, {}, 0
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
+    while pending or engine.has_work():
+        while pending and requests[pending[0]][0] <= steps:
+            i = pending.pop(0)
+            ids[engine.submit(requests[i][1])] = i
+            tokens[i] = []
+        for event in engine.step():
+            i = ids[event.request_id]
+            tokens[i] += event.tokens
+            assert event.completion_tokens == len(tokens[i])
+            if event.finished:
+                final[i] = event
+        for i, after in cancel_after.items():
+            if i in tokens and len(tokens[i]) == after and i not in final:
+                engine.cancel(next(r for r, j in ids.items() if j == i))
+        steps += 1
+    return tokens, final
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_batching_changes_no_result(model, name):
+    config = CONFIGS[name]
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new, _ in PLAN]
+    requests = []
+    for (arrival, n, new, end), want in zip(PLAN, expected):
+        stops = (want[2],) if end == "stop" else ()
+        requests.append((arrival, Request(prompt=prompt(n), max_tokens=new, stop_tokens=stops)))
+    cancel = {i: 4 for i, plan in enumerate(PLAN) if plan[3] == "cancel"}
+    engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+    tokens, final = run(engine, requests, cancel)
+    for i, ((_, _, new, end), want) in enumerate(zip(PLAN, expected)):
+        if end == "stop":
+            assert tokens[i] == want[:want.index(want[2]) + 1]
+            assert final[i].finish_reason == "stop"
+        elif end == "cancel":
+            assert final[i].finish_reason == "cancelled"
+            assert 4 <= len(tokens[i]) < new and tokens[i] == want[:len(tokens[i])]
+        else:
+            assert tokens[i] == want and final[i].finish_reason == "length"
+    metrics = engine.metrics()
+    assert metrics["free_rows"] == 3 and metrics["kv_bytes_in_use"] == 0 and metrics["running"] == 0
+    assert metrics["finished_requests"] == len(PLAN)
+    assert metrics["generated_tokens"] == sum(len(t) for t in tokens.values())
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_captured_steps_give_the_eager_tokens(model, name):
+    """Each batch size's step is captured once (an emulated CUDA graph on the CPU) and replayed, over rows that
+    join, move and leave between replays."""
+    config = CONFIGS[name]
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new, _ in PLAN]
+    eager, _ = run(ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK), requests)
+    engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+    engine.runner.engine.capture = emulated_graph
+    replayed, _ = run(engine, requests)
+    assert replayed == eager
+    runs = {n: step.runs for (n, _, _), (_, step) in engine.runner.steps.items() if step.replay is not None}
+    assert {2, 3} <= set(runs) and all(r > 2 for r in runs.values())
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_admission_counts_at_least_the_kv_a_request_holds(model, name):
+    """A request's admitted bytes cover the KV it holds at its end, run alone (device and host), and a method that
+    caps its rows is admitted for its cap, not for the whole context."""
+    config = CONFIGS[name]
+    runner = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK).runner
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    for n, new in ((101, 20), (12, 30)):
+        out = alone.generate([prompt(n)], new, stop_tokens=())
+        assert out.kv_held_bytes + out.kv_host_bytes <= runner.kv_bytes(n, n + new)
+    if name in ("streamingllm", "h2o", "tova"):
+        assert runner.kv_bytes(100, 150) == runner.kv_bytes(30, 40)  # the budget of 40 tokens
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model):
+    config = CONFIGS["quest"]
+    hot = Sampling(temperature=1.5, top_p=0.95, top_k=50)
+    requests = [(0, Request(prompt=prompt(n), max_tokens=10, sampling=hot if n % 2 else Sampling(), seed=n))
+                for n in (31, 40, 57)]
+    # Alone: through Engine.generate with the same seed (its prompt i draws with seed + i, here i = 0)
+    engine = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    alone = [engine.generate([r.prompt], r.max_tokens, sampling=r.sampling, seed=r.seed, stop_tokens=()).tokens[0]
+             for _, r in requests]
+    for capture in (None, emulated_graph):
+        engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+        engine.runner.engine.capture = capture
+        batched, _ = run(engine, requests)
+        assert [batched[i] for i in range(3)] == alone
+    other = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK)
+    reseeded = Request(prompt=prompt(31), max_tokens=10, sampling=hot, seed=32)
+    assert run(other, [(0, reseeded)])[0][0] != alone[0]
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps(model):
+    engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
+    first = engine.submit(Request(prompt=prompt(20), max_tokens=30))
+    while not engine.metrics()["running"]:
+        engine.step()
+    engine.submit(Request(prompt=prompt(128), max_tokens=5))
+    produced = 0
+    for _ in range(3):  # 128 tokens in chunks of 32: the running request decodes at every step meanwhile
+        events = engine.step()
+        produced += sum(len(e.tokens) for e in events if e.request_id == first)
+        assert engine.metrics()["prefilling"] == 1
+    assert produced == 3
+
+
+def test_cancelled_requests_free_their_rows_wherever_they_are(model):
+    engine = ServingEngine(model, CONFIGS["quest"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
+    ids = [engine.submit(Request(prompt=prompt(20), max_tokens=50))]
+    engine.step()
+    ids += [engine.submit(Request(prompt=prompt(n), max_tokens=20)) for n in (128, 30, 40)]
+    engine.step()  # the second request's 128 tokens take 4 steps of 32
+    metrics = engine.metrics()
+    assert (metrics["running"], metrics["prefilling"], metrics["queued"], metrics["free_rows"]) == (1, 1, 2, 0)
+    for rid in ids:
+        engine.cancel(rid)
+    engine.cancel(12345)  # unknown: nothing happens
+    events = engine.step()
+    assert sorted(e.request_id for e in events) == ids
+    assert all(e.finished and e.finish_reason == "cancelled" for e in events)
+    metrics = engine.metrics()
+    assert metrics["free_rows"] == 2 and metrics["kv_bytes_in_use"] == 0 and not engine.has_work()
+    assert engine.runner.free_rows == 2  # the pool's rows
+    engine.cancel(ids[0])  # finished: nothing happens
+    assert engine.step() == []
+    engine.submit(Request(prompt=prompt(30), max_tokens=3))  # the freed rows serve again
+    while engine.has_work():
+        engine.step()
+    assert engine.metrics()["finished_requests"] == 5
+
+
+def test_queue_full_and_requests_that_never_fit(model):
+    engine = ServingEngine(model, CONFIGS["dense"], max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           max_queue=2)
+    for _ in range(2):
+        engine.submit(Request(prompt=prompt(10), max_tokens=4))
+    with pytest.raises(QueueFull, match="max_queue"):
+        engine.submit(Request(prompt=prompt(10), max_tokens=4))
+    with pytest.raises(RequestError, match=r"max_tokens must be at most max_context \(160\)"):
+        engine.submit(Request(prompt=prompt(100), max_tokens=61))
+    small = ServingEngine(model, CONFIGS["dense"], max_context=CONTEXT, prefill_chunk=CHUNK,
+                          kv_memory_bytes=50_000)
+    with pytest.raises(RequestError, match=r"at most kv_memory_bytes \(50000\)"):
+        small.submit(Request(prompt=prompt(100), max_tokens=20))
+    with pytest.raises(RequestError, match="prompt must be token ids below the vocabulary size"):
+        small.submit(Request(prompt=[5, 10**6], max_tokens=2))
+
+
+def test_a_pool_that_does_not_fit_the_device_is_refused_before_allocating(model, monkeypatch):
+    from sparsekv.serve import runner
+
+    monkeypatch.setattr(runner, "available_device_bytes", lambda device: 100_000)
+    with pytest.raises(ValueError, match=r"max_batch and max_context must be small enough that the pool of rows"):
+        ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
+    monkeypatch.setattr(runner, "available_device_bytes", lambda device: 10_000_000)
+    ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
+
+
+def test_memory_admits_what_fits_and_the_rest_waits(model):
+    engine = ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
+    need = engine.runner.kv_bytes(60, 70)
+    engine = ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           kv_memory_bytes=2 * need + 1)
+    for _ in range(3):
+        engine.submit(Request(prompt=prompt(60), max_tokens=10))
+    engine.step()
+    metrics = engine.metrics()
+    assert metrics["queued"] == 1 and metrics["kv_bytes_in_use"] == 2 * need
+    while engine.has_work():
+        engine.step()
+    assert engine.metrics()["finished_requests"] == 3
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(prompt=[1, 2.5], max_tokens=3), "prompt must be a non-empty list of token ids"),
+    (dict(prompt=b"abc", max_tokens=3), "prompt must be a non-empty list of token ids"),
+    (dict(prompt=[True, 2], max_tokens=3), "prompt must be a non-empty list of token ids"),
+    (dict(prompt=[], max_tokens=3), "prompt must be a non-empty list of token ids"),
+    (dict(prompt=[1], max_tokens=0), "max_tokens must be an int >= 1"),
+    (dict(prompt=[1], max_tokens=2, stop_tokens=(-1,)), "stop_tokens must be a tuple of token ids"),
+    (dict(prompt=[1], max_tokens=2, seed=-3), "seed must be None or an int"),
+    (dict(prompt=[1], max_tokens=2, sampling=0.5), "sampling must be a sparsekv.engine.Sampling"),
+])
+def test_bad_requests_are_refused(fields, match):
+    with pytest.raises(RequestError, match=match):
+        Request(**fields)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", CONFIGS)
+def test_cuda_graphs_serve_the_eager_tokens(name):
+    """On the GPU (bf16): steps captured once per batch size (CUDA graphs, the default on CUDA) give the eager
+    steps' tokens, greedy and sampled, over rows that join, move and leave."""
+    model = tiny_model("llama", seed=1, layers=3, dtype=torch.bfloat16).cuda()
+    hot = Sampling(temperature=0.8, top_p=0.9)
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=hot if i % 2 else Sampling(), seed=i))
+                for i, (arrival, n, new, _) in enumerate(PLAN)]
+    tokens = []
+    for cuda_graph in (False, None):
+        engine = ServingEngine(model, CONFIGS[name], max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
+                               cuda_graph=cuda_graph)
+        tokens.append(run(engine, requests)[0])
+        assert any(step.replay is not None for _, step in engine.runner.steps.values()) == (cuda_graph is None)
+    assert tokens[0] == tokens[1]
+
+
+def test_requests_submitted_from_other_threads_while_stepping(model):
+    import threading
+
+    engine = ServingEngine(model, CONFIGS["quest"], max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+    ids = []
+
+    def client(n):
+        ids.append(engine.submit(Request(prompt=prompt(n), max_tokens=3)))
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(10, 22)]
+    for t in threads:
+        t.start()
+    finished = set()
+    while any(t.is_alive() for t in threads) or engine.has_work():
+        finished |= {e.request_id for e in engine.step() if e.finished}
+    assert finished == set(ids) and len(ids) == 12
+
+
+def test_another_architecture():
+    """Qwen3 (query and key norms) batched as alone."""
+    qwen = tiny_model("qwen3", seed=2, layers=2)
+    config = CONFIGS["quest"]
+    alone = Engine(qwen, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new, _ in PLAN]
+    expected = [alone.generate([r.prompt], r.max_tokens, stop_tokens=()).tokens[0] for _, r in requests]
+    tokens, _ = run(ServingEngine(qwen, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK), requests)
+    assert [tokens[i] for i in range(len(PLAN))] == expected
+
+
+def test_a_failing_prefill_drops_its_request_and_leaves_the_others_running(model, monkeypatch):
+    engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
+    first = engine.submit(Request(prompt=prompt(20), max_tokens=6))
+    tokens = [t for e in engine.step() for t in e.tokens]
+    engine.submit(Request(prompt=prompt(30), max_tokens=6))
+    prefill = engine.runner.prefill
+
+    def broken(job, budget):
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(engine.runner, "prefill", broken)
+    with pytest.raises(MemoryError, match="no room"):
+        engine.step()
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    metrics = engine.metrics()
+    assert (metrics["running"], metrics["prefilling"], metrics["queued"]) == (1, 0, 0)
+    while engine.has_work():
+        tokens += [t for e in engine.step() if e.request_id == first for t in e.tokens]
+    alone = Engine(model, CONFIGS["dense"], max_context=CONTEXT, prefill_chunk=CHUNK)
+    assert tokens == alone.generate([prompt(20)], 6, stop_tokens=()).tokens[0]
+    assert engine.metrics()["kv_bytes_in_use"] == 0

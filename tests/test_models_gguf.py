@@ -148,7 +148,7 @@ def test_a_truncated_gguf_is_refused_naming_the_file(gguf_file, tmp_path, keep):
     data = gguf_file.read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[:int(keep * len(data)) if isinstance(keep, float) else keep])
-    with pytest.raises(ValueError, match=f"model: {cut} is (not a readable GGUF file|truncated)"):
+    with pytest.raises(ValueError, match=f"model: {cut} is not a readable GGUF file"):
         models.load_model(str(cut), torch.device("cpu"))
 
 

@@ -15,7 +15,7 @@ from .errors import ConfigError
 from .eval import cli as eval_cli
 from .eval.base import EvalError
 from .methods import METHODS, MethodConfig
-from .models import check_context, default_model, load_model, resolve_device, resolve_dtype
+from .models import chat_prompt, check_context, default_model, load_model, resolve_device, resolve_dtype
 from .spec import budget_arg, build_config, parse_spec, takes_budget
 
 
@@ -67,12 +67,16 @@ class _Progress:
 
 
 def generate(model, tokenizer, config: MethodConfig, prompt: str, max_new_tokens: int, sample: bool = False,
-             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, progress: bool = False) -> GenerationResult:
+             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, progress: bool = False,
+             chat: bool = False) -> GenerationResult:
     """Generates from ``prompt`` with ``config``'s method through the engine (``sparsekv.engine``: chunked prefill,
     and on CUDA a decode step captured as a CUDA graph); times the prefill and the decode steps apart.
-    ``progress``: show both on stderr."""
+    ``progress``: show both on stderr. ``chat``: the prompt is the user's turn of the tokenizer's chat template."""
     check_sampling(max_new_tokens, temperature, top_p)
-    prompt_ids = tokenizer(prompt).input_ids
+    if chat:
+        prompt_ids = tokenizer(chat_prompt(tokenizer, prompt), add_special_tokens=False).input_ids
+    else:
+        prompt_ids = tokenizer(prompt).input_ids
     check_context(model, len(prompt_ids) + max_new_tokens, "shorten the prompt or --max-new-tokens")
     engine = Engine(model, config, tokenizer=tokenizer, max_context=len(prompt_ids) + max_new_tokens)
     sampling = Sampling(temperature=temperature, top_p=top_p) if sample else Sampling()
@@ -152,6 +156,11 @@ def _setup(args, method: str, default_budget: int | None = None) -> tuple[torch.
     return device, dtype, build_config(method, budget, args.opt)
 
 
+# Options that may differ between the processes of a torchrun launch: what the command is, and what each process
+# shows (only the first prints). The prompt is compared by its text, wherever it was read from.
+_PER_PROCESS = ("command", "func", "no_progress", "prompt", "prompt_file")
+
+
 def cmd_generate(args) -> int:
     device, dtype, config = _setup(args, args.method)
     if args.prompt_file is not None:
@@ -161,14 +170,25 @@ def cmd_generate(args) -> int:
         prompt = path.read_text()
     else:
         prompt = args.prompt
-    loaded = load_model(args.model, device, dtype)
-    first = parallel.is_first()  # under torchrun every process generates the same tokens; the first one prints
-    result = generate(loaded.model, loaded.tokenizer, config, prompt, args.max_new_tokens, args.sample,
-                      args.temperature, args.top_p, args.seed, progress=first and not args.no_progress)
+    if parallel.launched() and not parallel.started():
+        parallel.start()
+    try:
+        # Under torchrun every process must run the same generation: else the first prints one of several
+        # different runs, or the processes' collectives part ways.
+        parallel.check_agree({**{"--" + name.replace("_", "-"): value for name, value in sorted(vars(args).items())
+                                 if name not in _PER_PROCESS}, "the prompt (--prompt or --prompt-file)": prompt})
+        loaded = load_model(args.model, device, dtype)
+        first = parallel.is_first()  # under torchrun every process generates the same tokens; the first one prints
+        result = generate(loaded.model, loaded.tokenizer, config, prompt, args.max_new_tokens, args.sample,
+                          args.temperature, args.top_p, args.seed, progress=first and not args.no_progress,
+                          chat=args.chat)
+    except BaseException:
+        parallel.finish(wait=False)  # every process stops; none waits at a barrier another never reaches
+        raise
     if first:
         print(result.text)
         print(_describe(config.name, result), file=sys.stderr)
-    parallel.finish()  # under torchrun: close the process group transformers opened, with every process done
+    parallel.finish()  # under torchrun: close the process group, with every process done
     return 0
 
 
@@ -232,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
     _method_args(gen, "quest")
+    gen.add_argument("--chat", action="store_true", help="give the prompt as the user's turn of the tokenizer's chat "
+                     "template (instruct models; default: the prompt as it is)")
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", help="the README's main job: dense vs every method (or --method X) on the default "

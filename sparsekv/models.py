@@ -73,6 +73,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def chat_prompt(tokenizer, text: str) -> str:
+    """``text`` as the user's turn in ``tokenizer``'s chat template, followed by the assistant's header: the text
+    to tokenize without adding special tokens (the template holds them). A clear error where the tokenizer has no
+    template (a base model's)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat: the model's tokenizer has no chat template (a base model's?); leave --chat off to "
+                         "give the prompt as it is")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
 GGUF_SUFFIX = ".gguf"
 # What transformers' GGUF loading imports (the `gguf` extra); checked first so that the error names the package.
 GGUF_PACKAGES = ("gguf", "accelerate")

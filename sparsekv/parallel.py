@@ -72,14 +72,14 @@ def gather_union(names: list[str]) -> list[str]:
     return list(dict.fromkeys(name for part in gathered for name in part))
 
 
-def describe(value, width: int = 48) -> str:
+def describe(value, width: int = 200) -> str:
     """A short text of ``value`` to compare across processes: its repr, or for a longer one its beginning, its
     length and a digest of the whole."""
     text = repr(value)
     if len(text) <= width:
         return text
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    return f"{text[:width - 8]}... ({len(text)} characters, sha256 {digest})"
+    return f"{text[:width // 2]}... ({len(text)} characters, sha256 {digest})"
 
 
 def check_agree(values: dict[str, object]) -> None:

@@ -24,7 +24,8 @@ from .spec import budget_arg, build_config, parse_spec, takes_budget
 class GenerationResult:
     """One generation. ``prefill_seconds``: the prompt's pass up to the first new token; ``decode_seconds``: the
     steps after it. ``kv_held_bytes``: keys and values of the tokens the cache holds; ``kv_allocated_bytes``: what
-    the cache has allocated on the device (growth room, page metadata and the method's state included)."""
+    the cache has allocated on the device (growth room, page metadata and the method's state included).
+    ``step_seconds``: each decode step's time, where they were timed."""
 
     text: str
     tokens: list[int]

@@ -67,9 +67,14 @@ def gather_union(names: list[str]) -> list[str]:
     process of the group must call it); ``names`` itself without a process group."""
     if not started():
         return names
+    return list(dict.fromkeys(name for part in _gather(names) for name in part))
+
+
+def _gather(obj) -> list:
+    """Every process's ``obj`` (a small picklable object), in process order."""
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, names)
-    return list(dict.fromkeys(name for part in gathered for name in part))
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def describe(value, width: int = 200) -> str:
@@ -89,9 +94,7 @@ def check_agree(values: dict[str, object]) -> None:
     waits for another that stopped; values are compared by ``describe``."""
     if not started():
         return
-    mine = {name: describe(value) for name, value in values.items()}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    gathered = _gather({name: describe(value) for name, value in values.items()})
     names = list(dict.fromkeys(name for part in gathered for name in part))
     differ = [name for name in names if len({part.get(name) for part in gathered}) > 1]
     if differ:

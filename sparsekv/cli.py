@@ -255,9 +255,11 @@ def cmd_demo(args) -> int:
           f"context, RaaS keeps the prompt (prefill=\"keep\") and bounds only its decode pages, SnapKV attends its "
           f"compressed prompt plus every decoded token.")
     if device.type == "cpu":
-        print("On the CPU the sparse methods are not faster than dense: a decode step of this small model is bound "
-              "by the work around attention and its Python overhead, not by reading the KV cache; sparsity pays on "
-              "a GPU at long contexts, where a decode step's time is reading the cache (README, Benchmarks).")
+        print("On the CPU the sparse methods gain little over dense, or lose: a decode step of this small model is "
+              "mostly the work around attention (projections, MLP, Python overhead), so attending fewer tokens saves "
+              "little, and choosing them (Quest's page scores, OmniKV's selection, RaaS's page bookkeeping) costs "
+              "about as much; sparsity pays on a GPU at long contexts, where a decode step's time is reading the KV "
+              "cache (README, Benchmarks).")
     print("Other fields are each method's defaults (see README, Methods); --method NAME:FIELD=VALUE or --opt "
           "FIELD=VALUE sets them. KV held: keys and values of the tokens the cache holds; allocated: with the room "
           "for growth, page metadata and the method's state.")

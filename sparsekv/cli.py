@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -16,7 +17,7 @@ from .errors import ConfigError
 from .eval import cli as eval_cli
 from .eval.base import EvalError
 from .methods import METHODS, MethodConfig
-from .models import check_context, default_model, load_model, resolve_device, resolve_dtype
+from .models import chat_prompt, check_context, default_model, load_model, resolve_device, resolve_dtype
 from .spec import budget_arg, build_config, parse_spec, takes_budget
 
 
@@ -24,7 +25,8 @@ from .spec import budget_arg, build_config, parse_spec, takes_budget
 class GenerationResult:
     """One generation. ``prefill_seconds``: the prompt's pass up to the first new token; ``decode_seconds``: the
     steps after it. ``kv_held_bytes``: keys and values of the tokens the cache holds; ``kv_allocated_bytes``: what
-    the cache has allocated on the device (growth room, page metadata and the method's state included)."""
+    the cache has allocated on the device (growth room, page metadata and the method's state included).
+    ``step_seconds``: each decode step's time, where they were timed."""
 
     text: str
     tokens: list[int]
@@ -35,6 +37,7 @@ class GenerationResult:
     kv_held_bytes: int
     kv_allocated_bytes: int
     offloaded_bytes: int
+    step_seconds: list[float] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -42,7 +45,10 @@ class GenerationResult:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        """Tokens per second of the decode steps (the first new token comes out of the prefill)."""
+        """Tokens per second of the decode steps (the first new token comes out of the prefill); with each step
+        timed, one over the median step, which a step slowed by other work on the machine does not move."""
+        if self.step_seconds:
+            return 1.0 / statistics.median(self.step_seconds)
         return (self.new_tokens - 1) / self.decode_seconds if self.new_tokens > 1 and self.decode_seconds else 0.0
 
 
@@ -68,25 +74,31 @@ class _Progress:
 
 
 def generate(model, tokenizer, config: MethodConfig, prompt: str, max_new_tokens: int, sample: bool = False,
-             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, progress: bool = False) -> GenerationResult:
+             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, progress: bool = False,
+             chat: bool = False, stop_tokens: list[int] | None = None, time_steps: bool = False) -> GenerationResult:
     """Generates from ``prompt`` with ``config``'s method through the engine (``sparsekv.engine``: chunked prefill,
     and on CUDA a decode step captured as a CUDA graph); times the prefill and the decode steps apart.
-    ``progress``: show both on stderr."""
+    ``progress``: show both on stderr. ``chat``: the prompt is the user's turn of the tokenizer's chat template.
+    ``stop_tokens``: as the engine's (default: the model's EOS); ``time_steps``: time every decode step."""
     check_sampling(max_new_tokens, temperature, top_p)
-    prompt_ids = tokenizer(prompt).input_ids
+    if chat:
+        prompt_ids = tokenizer(chat_prompt(tokenizer, prompt), add_special_tokens=False).input_ids
+    else:
+        prompt_ids = tokenizer(prompt).input_ids
     check_context(model, len(prompt_ids) + max_new_tokens, "shorten the prompt or --max-new-tokens")
     engine = Engine(model, config, tokenizer=tokenizer, max_context=len(prompt_ids) + max_new_tokens)
     sampling = Sampling(temperature=temperature, top_p=top_p) if sample else Sampling()
     clock = _Progress(config.name, len(prompt_ids), max_new_tokens) if progress else None
     try:
-        out = engine.generate([prompt_ids], max_new_tokens, sampling=sampling, seed=seed, stream=clock)
+        out = engine.generate([prompt_ids], max_new_tokens, sampling=sampling, seed=seed, stream=clock,
+                              stop_tokens=stop_tokens, time_steps=time_steps)
     finally:
         if clock is not None:
             clock.end()
     return GenerationResult(text=out.texts[0], tokens=out.tokens[0], prompt_tokens=len(prompt_ids),
                             prefill_seconds=out.prefill_seconds, decode_seconds=out.decode_seconds,
                             stats=out.stats, kv_held_bytes=out.kv_held_bytes, kv_allocated_bytes=out.kv_device_bytes,
-                            offloaded_bytes=out.kv_host_bytes)
+                            offloaded_bytes=out.kv_host_bytes, step_seconds=out.step_seconds)
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -158,23 +170,46 @@ def _setup(args, method: str, default_budget: int | None = None) -> tuple[torch.
     return device, dtype, build_config(method, budget, args.opt)
 
 
+# Options that may differ between the processes of a torchrun launch: what the command is, and what each process
+# shows (only the first prints). The prompt is compared by its text, wherever it was read from.
+_PER_PROCESS = ("command", "func", "no_progress", "prompt", "prompt_file")
+
+
 def cmd_generate(args) -> int:
     device, dtype, config = _setup(args, args.method)
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
         if not path.is_file():
             raise FileNotFoundError(f"--prompt-file: no file at {str(path)!r}")
-        prompt = path.read_text()
+        try:
+            prompt = path.read_bytes().decode("utf-8")
+            if "\x00" in prompt:  # binary data that happens to decode
+                raise UnicodeError
+        except UnicodeError:
+            raise ValueError(f"--prompt-file {path}: is not UTF-8 text (give a text file)") from None
+        if not prompt.strip():
+            raise ValueError(f"--prompt-file {path}: is empty (give the text to continue)")
     else:
         prompt = args.prompt
-    loaded = load_model(args.model, device, dtype)
-    first = parallel.is_first()  # under torchrun every process generates the same tokens; the first one prints
-    result = generate(loaded.model, loaded.tokenizer, config, prompt, args.max_new_tokens, args.sample,
-                      args.temperature, args.top_p, args.seed, progress=first and not args.no_progress)
+    if parallel.launched() and not parallel.started():
+        parallel.start()
+    try:
+        # Under torchrun every process must run the same generation: else the first prints one of several
+        # different runs, or the processes' collectives part ways.
+        parallel.check_agree({**{"--" + name.replace("_", "-"): value for name, value in sorted(vars(args).items())
+                                 if name not in _PER_PROCESS}, "the prompt (--prompt or --prompt-file)": prompt})
+        loaded = load_model(args.model, device, dtype)
+        first = parallel.is_first()  # under torchrun every process generates the same tokens; the first one prints
+        result = generate(loaded.model, loaded.tokenizer, config, prompt, args.max_new_tokens, args.sample,
+                          args.temperature, args.top_p, args.seed, progress=first and not args.no_progress,
+                          chat=args.chat)
+    except BaseException:
+        parallel.finish(wait=False)  # every process stops; none waits at a barrier another never reaches
+        raise
     if first:
         print(result.text)
         print(_describe(config.name, result), file=sys.stderr)
-    parallel.finish()  # under torchrun: close the process group transformers opened, with every process done
+    parallel.finish()  # under torchrun: close the process group, with every process done
     return 0
 
 
@@ -199,29 +234,46 @@ def cmd_demo(args) -> int:
     check_context(model, prompt_tokens + args.max_new_tokens, "use a smaller --prompt-tokens")
     how = (f"sampled (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})" if args.sample
            else "greedy")
+    room = loaded.max_positions - prompt_tokens if loaded.max_positions is not None else DEMO_TIMED_STEPS
+    steps = max(args.max_new_tokens, min(DEMO_TIMED_STEPS, room))
     print(f"sparsekv demo: model {args.model or 'sparsekv-llama-16m (the project-trained default)'}; a pass key "
           f"hidden mid-way in {prompt_tokens} prompt tokens (the answer is {sample.answer}); up to "
           f"{args.max_new_tokens} new tokens, {how}; {device}, {dtype}. Each method decodes the same prompt: its "
           f"answer, prefill time and decode speed, KV tokens attended per step and cache memory against dense.\n")
     generate(model, tokenizer, build_config("dense"), "Warm up.", 2)  # so that timings compare fairly
+    # Every method decodes `steps` tokens, past the end of its answer, so that the decode speed is the median of
+    # that many steps; the answer is cut at the model's EOS and at --max-new-tokens.
     sampling = dict(sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                    progress=not args.no_progress)
+                    progress=not args.no_progress, stop_tokens=[], time_steps=True)
+    eos = _eos_ids(model, tokenizer)
     dense_config = build_config("dense")
-    dense = generate(model, tokenizer, dense_config, prompt, args.max_new_tokens, **sampling)
+    dense = generate(model, tokenizer, dense_config, prompt, steps, **sampling)
+    dense_answer = _answer(dense.tokens, eos, args.max_new_tokens)
     print("| method | budget | answer | prefill s | decode tokens/s | KV tokens attended per layer-head per step "
           "| of dense | KV held (MiB) | KV allocated (MiB) | same tokens as dense |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for config in [dense_config, *(c for c in configs if c != dense_config)]:
-        result = dense if config == dense_config else generate(model, tokenizer, config, prompt, args.max_new_tokens,
-                                                               **sampling)
-        agree = next((i for i, (a, b) in enumerate(zip(dense.tokens, result.tokens)) if a != b), len(dense.tokens))
+        result = dense if config == dense_config else generate(model, tokenizer, config, prompt, steps, **sampling)
+        answer_tokens = _answer(result.tokens, eos, args.max_new_tokens)
+        agree = next((i for i, (a, b) in enumerate(zip(dense_answer, answer_tokens)) if a != b), len(dense_answer))
         s = result.stats
-        answer = " ".join(result.text.split())[:24]
+        answer = " ".join(tokenizer.decode(answer_tokens, skip_special_tokens=True).split())[:24]
         print(f"| {config.name} | {getattr(config, 'token_budget', '-')} | {answer} | {result.prefill_seconds:.2f} | "
               f"{result.decode_tokens_per_second:.1f} | {s['attended_per_head']:.0f} | {100 * s['fraction']:.0f}% | "
               f"{result.kv_held_bytes / 2**20:.1f} | {result.kv_allocated_bytes / 2**20:.1f} | "
-              f"first {agree} of {len(dense.tokens)} |", flush=True)
-    print("\nOther fields are each method's defaults (see README, Methods); --method NAME:FIELD=VALUE or --opt "
+              f"first {agree} of {len(dense_answer)} |", flush=True)
+    print(f"\nDecode tokens/s: one over the median time of a decode step, over {steps} steps (each method decodes "
+          f"past its answer for that). KV tokens attended: the mean over layers and KV heads, so above the budget "
+          f"where some layers attend more: Quest's first dense_layers and OmniKV's filter layers attend the whole "
+          f"context, RaaS keeps the prompt (prefill=\"keep\") and bounds only its decode pages, SnapKV attends its "
+          f"compressed prompt plus every decoded token.")
+    if device.type == "cpu":
+        print("On the CPU the sparse methods gain little over dense, or lose: a decode step of this small model is "
+              "mostly the work around attention (projections, MLP, Python overhead), so attending fewer tokens saves "
+              "little, and choosing them (Quest's page scores, OmniKV's selection, RaaS's page bookkeeping) costs "
+              "about as much; sparsity pays on a GPU at long contexts, where a decode step's time is reading the KV "
+              "cache (README, Benchmarks).")
+    print("Other fields are each method's defaults (see README, Methods); --method NAME:FIELD=VALUE or --opt "
           "FIELD=VALUE sets them. KV held: keys and values of the tokens the cache holds; allocated: with the room "
           "for growth, page metadata and the method's state.")
     return 0
@@ -272,6 +324,24 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+# Decode steps each method of the demo runs at least: its decode speed is the median step of these.
+DEMO_TIMED_STEPS = 64
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    """The ids that end the model's answer: its generation config's EOS, else the tokenizer's."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+
+def _answer(tokens: list[int], eos: set[int], limit: int) -> list[int]:
+    """``tokens`` up to and including the first of ``eos``, at most ``limit`` of them."""
+    end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:min(end, limit)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsekv", description=__doc__)
     parser.add_argument("--version", action=_Version)
@@ -284,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
     _method_args(gen, "quest")
+    gen.add_argument("--chat", action="store_true", help="give the prompt as the user's turn of the tokenizer's chat "
+                     "template (instruct models; default: the prompt as it is)")
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", help="the README's main job: dense vs every method (or --method X) on the default "

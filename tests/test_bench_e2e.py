@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from sparsekv.bench.e2e import main
 
 
@@ -51,3 +53,121 @@ def test_capacity_bench_smoke(tmp_path):
     quest, raas = json.loads((tmp_path / "long.json").read_text())["rows"]
     assert raas["held_gib_measured_end"] < quest["held_gib_measured_end"]
     assert "| raas |" in (tmp_path / "long.md").read_text()
+
+
+def test_e2e_bench_refuses_a_run_that_does_not_fit_in_memory(tmp_path, capsys, monkeypatch):
+    """The defaults (Llama-3-8B at 32K and 128K) on a host of 16 GiB: refused before any allocation, saying what
+    the run needs, what is available and which flags to change."""
+    from sparsekv.bench import common
+
+    monkeypatch.setattr(common, "available_bytes", lambda device: 16 * 2**30)
+    assert main(["--device", "cpu", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "sparsekv.bench.e2e: error: --model shape:llama3-8b" in err and "Traceback" not in err
+    assert "needs about" in err and "weights 29.9 GiB" in err and "16.0 GiB available" in err
+    assert "--contexts" in err and "--batches" in err and not list(tmp_path.iterdir())
+    # The KV cache alone can be too much, too.
+    assert main(["--model", "shape:tiny", "--device", "cpu", "--contexts", str(2**20), "--batches", "4096",
+                 "--out", str(tmp_path)]) == 2
+    assert "KV cache 8192.5 GiB" in capsys.readouterr().err
+    # The capacity ladder's model, too.
+    from sparsekv.bench.capacity import main as capacity
+
+    assert capacity(["ladder", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "sparsekv.bench.capacity: error: --model shape:llama3-8b needs about 29.9 GiB" in err
+    assert "16.0 GiB available" in err and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--new-tokens", "0"], "argument --new-tokens: must be an integer >= 2, got '0'"),
+    (["--new-tokens", "1"], "argument --new-tokens: must be an integer >= 2, got '1'"),
+    (["--new-tokens", "-3"], "argument --new-tokens: must be an integer >= 2, got '-3'"),
+    (["--contexts", "0"], "argument --contexts: must be an integer >= 1, got '0'"),
+    (["--contexts", "96", "-1"], "argument --contexts: must be an integer >= 1, got '-1'"),
+    (["--batches", "0"], "argument --batches: must be an integer >= 1, got '0'"),
+    (["--prefill-chunk", "0"], "argument --prefill-chunk: must be an integer >= 1, got '0'"),
+    (["--contexts", "x"], "argument --contexts: must be an integer >= 1, got 'x'"),
+    (["--profile", "-1"], "argument --profile: must be an integer >= 0, got '-1'"),
+    (["--contexts", "8190"], "--contexts 8190 with --new-tokens 4: context of 8194 tokens (prompt plus new tokens) "
+                             "exceeds the model's maximum of 8192 positions"),
+    (["--dtype", "int8"], "error: dtype must be one of auto, float32"),
+    (["--device", "gpu0"], "error: device must be auto, cpu, cuda or cuda:N, got 'gpu0'"),
+    (["--model", "/nonexistent/model"], "error: model: no model directory at '/nonexistent/model'"),
+    (["--model", "shape:nope"], "error: shape must be one of llama3-8b, llama2-7b, tiny, got 'nope'"),
+])
+def test_e2e_bench_argument_errors_are_usage_errors(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "tiny:llama", "--device", "cpu", "--new-tokens", "4", "--methods", "dense",
+              "--out", str(tmp_path), *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not list(tmp_path.iterdir())
+
+
+def test_e2e_bench_cpu_table_says_host_timer_and_no_bandwidth_floor(tmp_path, capsys):
+    assert main(["--model", "tiny:llama", "--contexts", "64", "--methods", "dense", "--new-tokens", "3",
+                 "--device", "cpu", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "e2e.md").read_text()
+    assert "CUDA" not in table and "host clock" in table and "floor" not in table.lower()
+    result = json.loads((tmp_path / "e2e.json").read_text())
+    assert result["meta"]["bandwidth_tbs"] is None and result["rows"][0]["x_floor"] is None
+    assert "floor" not in capsys.readouterr().out.lower()
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("capacity", ["ladder", "--new-tokens", "1"], "argument --new-tokens: must be an integer >= 2, got '1'"),
+    ("capacity", ["ladder", "--contexts", "0"], "argument --contexts: must be an integer >= 1, got '0'"),
+    ("capacity", ["long-decode", "--decode", "-5"], "argument --decode: must be an integer >= 4, got '-5'"),
+    ("capacity", ["long-decode", "--decode", "3"], "argument --decode: must be an integer >= 4, got '3'"),
+    ("capacity", ["long-decode", "--window", "0"], "argument --window: must be an integer >= 1, got '0'"),
+    ("capacity", ["ladder", "--budget", "0"], "argument --budget: must be an integer >= 1, got '0'"),
+    ("capacity", ["ladder", "--device", "gpu0"], "error: device must be auto, cpu, cuda or cuda:N, got 'gpu0'"),
+    ("capacity", ["ladder", "--model", "shape:nope"], "error: shape must be one of llama3-8b, llama2-7b, tiny"),
+    ("capacity", ["ladder", "--model", "tiny:llama", "--contexts", "8190"],
+     "context of 8193 tokens (prompt plus new tokens) exceeds the model's maximum of 8192 positions"),
+    ("attention", ["--contexts", "0"], "argument --contexts: must be an integer >= 1, got '0'"),
+    ("attention", ["--batches", "0"], "argument --batches: must be an integer >= 1, got '0'"),
+    ("attention", ["--reps", "0"], "argument --reps: must be an integer >= 1, got '0'"),
+    ("attention", ["--page-size", "0"], "argument --page-size: must be an integer >= 1, got '0'"),
+    ("attention", ["--budgets", "-16"], "argument --budgets: must be an integer >= 1, got '-16'"),
+    ("tp", ["--context", "0"], "argument --context: must be an integer >= 1, got '0'"),
+    ("tp", ["--new-tokens", "0"], "argument --new-tokens: must be an integer >= 1, got '0'"),
+    ("tp", ["--batch", "-1"], "argument --batch: must be an integer >= 1, got '-1'"),
+])
+def test_every_bench_refuses_counts_below_one_as_usage_errors(tmp_path, capsys, module, argv, message):
+    import importlib
+
+    bench = importlib.import_module(f"sparsekv.bench.{module}")
+    with pytest.raises(SystemExit) as exit_:
+        # Small shapes, should a check be missing (the defaults are Llama-3-8B sized); the argument under test last.
+        small = {"capacity": ["--model", "shape:tiny", "--contexts", "64", "--prompt", "16", "--decode", "16",
+                              "--window", "16", "--budget", "16", "--new-tokens", "2", "--device", "cpu"],
+                 "attention": ["--shapes", "tiny", "--contexts", "64", "--budgets", "16", "--batches", "1",
+                               "--reps", "1", "--device", "cpu"], "tp": []}[module]
+        mode = argv[:1] if module == "capacity" else []
+        bench.main([*mode, *small, *argv[len(mode):], *(["--out", str(tmp_path)] if small else [])])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_memory_check_lets_the_documented_h200_runs_through(monkeypatch):
+    """The README's H200 runs (139 GiB free) pass the check: Llama-3-8B in bfloat16 at 512K x 1 and 128K x 4."""
+    import argparse
+
+    import torch
+
+    from sparsekv.bench import common, e2e
+
+    monkeypatch.setattr(common, "available_bytes", lambda device: 139 * 2**30)
+    gpu, shape = torch.device("cuda"), common.SHAPES["llama3-8b"]
+    weights = e2e.shape_weights("shape:llama3-8b", torch.bfloat16)
+    assert weights == (shape.parameters * 4, shape.parameters * 2)
+    for contexts, batches in (([32768, 131072, 524288], [1]), ([32768, 131072], [4])):
+        args = argparse.Namespace(contexts=contexts, batches=batches, new_tokens=64)
+        kv = e2e.kv_bytes(args, shape.layers, shape.kv_heads, shape.head_dim, 2)
+        assert e2e.memory_problems(gpu, weights, kv) is None
+    args = argparse.Namespace(contexts=[524288], batches=[4], new_tokens=64)
+    kv = e2e.kv_bytes(args, shape.layers, shape.kv_heads, shape.head_dim, 2)
+    assert "KV cache 256.0 GiB) but the GPU has 139.0 GiB available" in e2e.memory_problems(gpu, weights, kv)

@@ -185,6 +185,54 @@ def test_demo_samples_the_dense_reference_too(monkeypatch, capsys):
     assert capsys.readouterr().out.count("| dense |") == 1
 
 
+def _number_fields() -> list[tuple[str, str, str]]:
+    """(method, field, kind) for every field of every method's config read as a number or a list of integers;
+    kind: "int", "float", "int|float" or "list"."""
+    import dataclasses
+    import typing
+
+    from sparsekv.methods import METHODS
+
+    out = []
+    for name, cls in METHODS.items():
+        for f in dataclasses.fields(cls):
+            members = set(typing.get_args(typing.get_type_hints(cls)[f.name])) - {type(None)}
+            members = members or {typing.get_type_hints(cls)[f.name]}
+            if any(typing.get_origin(m) is tuple for m in members):
+                out.append((name, f.name, "list"))
+            elif members & {int, float}:
+                out.append((name, f.name, "|".join(t.__name__ for t in (int, float) if t in members)))
+    return out
+
+
+@pytest.mark.parametrize("method, field, kind", _number_fields())
+def test_numbers_out_of_range_in_a_spec_name_the_field(method, field, kind):
+    values = ["1180591620717411303424", "-1180591620717411303424", "9223372036854775808", "2147483648"]
+    values += {"float": ["inf", "-inf", "nan", "1e400"], "int|float": ["1e400", "-1e400"]}.get(kind, [])
+    for value in values:
+        with pytest.raises(ConfigError, match=f"{field} must be"):
+            build_config(f"{method}:{field}=" + (f"[1,{value}]" if kind == "list" else value))
+
+
+@pytest.mark.parametrize("method", ["quest", "h2o", "streamingllm", "tova", "snapkv", "omnikv", "raas"])
+def test_a_huge_budget_is_an_error_not_a_traceback(model_dir, capsys, method):
+    for argv in (["--method", f"{method}:token_budget={2**70}"], ["--method", method, "--budget", str(2**70)]):
+        assert main(["generate", "--model", model_dir, "--prompt", "hi", "--max-new-tokens", "2", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "token_budget must be" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"), (b"  \n\t\n", "is empty"), (b"\xff\xfe\x00binary\x80", "is not UTF-8 text"),
+    (b"\x7fELF\x02\x01\x01\x00\x00\x00", "is not UTF-8 text"),
+])
+def test_an_empty_or_binary_prompt_file_names_the_option(model_dir, tmp_path, capsys, content, message):
+    prompt = tmp_path / "prompt.bin"
+    prompt.write_bytes(content)
+    assert main(["generate", "--model", model_dir, "--prompt-file", str(prompt), "--max-new-tokens", "2"]) == 2
+    assert f"--prompt-file {prompt}: {message}" in capsys.readouterr().err
+
+
 def test_version_prints_the_installed_version(capsys):
     from importlib.metadata import version
 

@@ -73,8 +73,9 @@ def test_passkey_grid_resumes_after_interruption(tmp_path, loaded, monkeypatch):
     monkeypatch.setattr(Engine, "generate", real)
     messages = []
     run_eval(spec, log=messages.append, progress=False, loaded=loaded)
-    # The torn line is removed from the file once, said once, and the file holds whole records only.
-    assert sum("removed 1 incomplete line(s) (line 4" in m for m in messages) == 1
+    # The torn line is moved aside once, said once, and the file holds whole records only.
+    assert sum(f"{RESULTS}:4 is a record cut short" in m for m in messages) == 1
+    assert (tmp_path / f"{RESULTS}.torn-1").read_text() == '{"key": "half a rec'
     lines = (tmp_path / RESULTS).read_text().splitlines()
     assert all(json.loads(line) for line in lines) and len(lines) == total
     records = read_results(tmp_path / RESULTS)
@@ -92,7 +93,7 @@ def test_passkey_grid_resumes_after_interruption(tmp_path, loaded, monkeypatch):
     # A third run has nothing left to do, and nothing to repair.
     messages.clear()
     run_eval(spec, log=messages.append, progress=False, loaded=loaded)
-    assert not any("incomplete" in m for m in messages)
+    assert not any("cut short" in m for m in messages)
     assert len(read_results(tmp_path / RESULTS)) == total
     table = (tmp_path / "passkey.md").read_text()
     assert "| dense |" in table and "quest:dense_layers=1 @32" in table
@@ -227,3 +228,141 @@ def test_eval_help_names_the_methods(capsys):
         main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "NAME one of: dense, quest, streamingllm, h2o, tova, snapkv, omnikv, raas" in out
+
+
+def _one_run(tmp_path, loaded, **kw):
+    """A grid of one dense run into ``tmp_path``; returns its spec."""
+    spec = _spec(tmp_path, "passkey", methods=["dense"], lengths=[300], depths=[0.5], plots=False, **kw)
+    run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)
+    return spec
+
+
+@pytest.mark.parametrize("bad, problem", [
+    ('{"key": "hand-edited', "not a JSON record"),
+    ("[1, 2]", "not a JSON object (a list)"),
+    ('"text"', "not a JSON object (a str)"),
+    ("{}", "has no 'key' field"),
+    ("drop key", "has no 'key' field"),
+    ("score=text", "'score' is 'high', not a number"),
+    ("score=none", "'score' is None, not a number"),
+    ("kv=list", "'kv' is [], not an object"),
+    ("no fraction", "'kv' has no 'fraction' field"),
+    ("length=text", "'length' is '300', not an integer or null"),
+    (b'\xff\xfe{"key": 1}', "not UTF-8 text"),
+    ("same key", "repeats the key of line 1 (a grid point written twice)"),
+])
+def test_a_bad_row_is_refused_with_its_line_and_never_deleted(tmp_path, loaded, capsys, bad, problem):
+    spec = _one_run(tmp_path, loaded)
+    good = (tmp_path / RESULTS).read_text()
+    rec = json.loads(good)
+    edits = {"drop key": {k: v for k, v in rec.items() if k != "key"}, "score=text": {**rec, "score": "high"},
+             "score=none": {**rec, "score": None}, "kv=list": {**rec, "kv": []},
+             "no fraction": {**rec, "kv": {"attended_per_head": 3.0}}, "length=text": {**rec, "length": "300"},
+             "same key": rec}
+    line = bad if isinstance(bad, bytes) else (json.dumps(edits[bad]) if bad in edits else bad).encode()
+    for last in (False, True):  # in the middle, or a whole last line (with its newline)
+        content = good.encode() + line + b"\n" + (b"" if last else good.replace('"sample": 0', '"sample": 1').encode())
+        (tmp_path / RESULTS).write_bytes(content)
+        with pytest.raises(EvalError) as err:
+            run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)
+        assert f"{tmp_path / RESULTS}:2: " in str(err.value) and problem in str(err.value)
+        assert (tmp_path / RESULTS).read_bytes() == content  # nothing deleted or rewritten
+        with pytest.raises(EvalError, match=f"{RESULTS}:2: "):
+            read_results(tmp_path / RESULTS)
+        # The command line says the same without a traceback, and keeps the file.
+        assert main([*EVAL_ARGS, "--out", str(tmp_path)]) == 1
+        assert f"{RESULTS}:2: " in capsys.readouterr().err
+        assert (tmp_path / RESULTS).read_bytes() == content
+
+
+def test_summary_refuses_a_bad_row_without_a_traceback(tmp_path, loaded, capsys):
+    from sparsekv.eval.summary import main as summary_main
+
+    _one_run(tmp_path / "passkey", loaded)
+    path = tmp_path / "passkey" / RESULTS
+    path.write_text(path.read_text() + '{"task": "passkey"}\n')
+    assert summary_main([str(tmp_path)]) == 1
+    assert f"{path}:2: has no 'key' field" in capsys.readouterr().err
+
+
+def test_a_torn_last_line_is_kept_aside_not_deleted(tmp_path, loaded):
+    spec = _one_run(tmp_path, loaded, limit=2)
+    path = tmp_path / RESULTS
+    whole = path.read_text().splitlines(keepends=True)
+    path.write_text(whole[0] + whole[1][:40])  # the crash cut the second record short
+    assert read_results(path) == [json.loads(whole[0])]  # reading alone changes nothing
+    assert path.read_text() == whole[0] + whole[1][:40]
+    messages = []
+    run_eval(spec, log=messages.append, progress=False, loaded=loaded)
+    aside = tmp_path / f"{RESULTS}.torn-1"
+    assert aside.read_text() == whole[1][:40]
+    assert any(f"{path}:2" in m and str(aside) in m for m in messages)
+    assert [r["sample"] for r in read_results(path)] == [0, 1]  # the torn run was redone
+    # A whole last record without its newline is kept, and the next one starts on a line of its own.
+    path.write_text(path.read_text().rstrip("\n"))
+    spec.limit = 3
+    run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)
+    assert [r["sample"] for r in read_results(path)] == [0, 1, 2]
+    assert not (tmp_path / f"{RESULTS}.torn-2").exists()
+
+
+def test_a_second_run_on_the_same_out_fails_at_once(tmp_path, loaded):
+    import fcntl
+    import subprocess
+    import sys
+
+    # Another process holds the folder (as a running `sparsekv eval` does).
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"f = open({str(tmp_path / '.sparsekv-eval.lock')!r}, 'a+')\n"
+        "fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB); f.truncate(0); f.write(str(os.getpid())); f.flush()\n"
+        "print('held', flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(EvalError, match=f"--out {tmp_path} is in use by another run \\(pid {holder.pid}\\)"):
+            _one_run(tmp_path, loaded)
+        assert not (tmp_path / RESULTS).exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    _one_run(tmp_path, loaded)  # the lock went with its process
+    assert len(read_results(tmp_path / RESULTS)) == 1
+    with open(tmp_path / ".sparsekv-eval.lock") as f:  # and this run released it
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_another_model_into_the_same_out_is_refused(tmp_path, loaded):
+    spec = _one_run(tmp_path, loaded)
+    before = (tmp_path / RESULTS).read_text()
+    other = LoadedModel(loaded.model, loaded.tokenizer, "other-model")
+    with pytest.raises(EvalError, match="holds passkey runs of model tiny-test, not other-model; use another --out"):
+        run_eval(spec, log=lambda *a: None, progress=False, loaded=other)
+    assert (tmp_path / RESULTS).read_text() == before
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(budgets=[32, 32]), "--budgets lists 32 twice"),
+    (dict(lengths=[300, 300]), "--lengths lists 300 twice"),
+    (dict(depths=[0.5, 0.5]), "--depths lists 0.5 twice"),
+    (dict(methods=["dense", "dense"]), "--methods lists dense twice"),
+    (dict(methods=["quest", "quest:token_budget=32"], budgets=[32]),
+     "--methods quest @32 and quest:token_budget=32 are the same run"),
+])
+def test_a_grid_point_given_twice_is_refused(tmp_path, loaded, kw, message):
+    spec = _spec(tmp_path, "passkey", **{"methods": ["dense", "quest"], "lengths": [300], "depths": [0.5], **kw})
+    with pytest.raises(EvalError, match=message):
+        run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)
+    assert not (tmp_path / RESULTS).exists()
+
+
+def test_a_results_path_that_is_not_a_file_is_refused_before_work(tmp_path, loaded):
+    (tmp_path / RESULTS).mkdir()
+    with pytest.raises(EvalError, match=f"--out {tmp_path}: {RESULTS} is not a file"):
+        _one_run(tmp_path, loaded)
+
+
+def test_longbench_datasets_given_twice_are_refused(tmp_path, loaded):
+    spec = _spec(tmp_path, "longbench", methods=["dense"], options=TaskOptions(data=str(tmp_path),
+                                                                              datasets=("qasper", "qasper")))
+    with pytest.raises(EvalError, match="--datasets lists qasper twice"):
+        run_eval(spec, log=lambda *a: None, progress=False, loaded=loaded)

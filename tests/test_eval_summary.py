@@ -6,8 +6,10 @@ from sparsekv.eval.summary import main, markdown, summarize
 
 
 def _record(task, method, budget, score, fraction, recall=None, part=None):
-    return {"task": task, "length": 1024, "method": method, "budget": budget, "metric": "accuracy", "score": score,
-            "kv": {"attended_per_head": 1024 * fraction, "fraction": fraction}, "recall": recall, "part_match": part}
+    return {"key": f"{task} {method} {budget} {score}", "task": task, "model": "m", "length": 1024, "depth": None,
+            "sample": 0, "seed": 0, "settings": {}, "method": method, "budget": budget, "metric": "accuracy",
+            "score": score, "kv": {"attended_per_head": 1024 * fraction, "fraction": fraction},
+            "kv_resident_bytes": 0, "recall": recall, "part_match": part}
 
 
 RECORDS = [_record("niah", "dense", None, 1.0, 1.0), _record("niah", "quest", 128, 0.0, 0.2),

@@ -20,8 +20,6 @@ def tok():
 
 
 def _task(name, **kw):
-    if name == "niah" and not HAYSTACK.is_dir():
-        pytest.skip("shared haystack essays not present")
     return get_task(name, TaskOptions(**kw))
 
 
@@ -194,3 +192,22 @@ def test_needles_go_to_sentence_ends_never_inside_a_word():
     assert insert_at(text, [(0.05, "N.")]) == " N. " + text  # no sentence ends before the depth: the start
     assert insert_at(text, [(0.6, "N.")]) == "Alpha beta gamma. N.  Delta epsilon. Zeta eta."
     assert insert_at(text, [(1.0, "N.")]) == text + " N. "
+
+
+def test_niah_runs_without_the_shared_data_on_the_essays_the_package_ships(tok, tmp_path, monkeypatch):
+    from importlib.resources import files
+
+    monkeypatch.setenv("SPARSEKV_DATA_DIR", str(tmp_path / "no-shared-data"))
+    monkeypatch.delenv("SPARSEKV_HAYSTACK_DIR", raising=False)
+    task = get_task("niah", TaskOptions())
+    shipped = files("sparsekv.eval") / "data" / "haystack"
+    assert task.files and all(str(f).startswith(str(shipped)) for f in task.files)
+    assert "MIT License" in (shipped / "LICENSE").read_text()  # the essays' licence goes with them
+    # Enough text for an 8K-token haystack without repeating itself (SmolLM2's tokenizer: about 4 bytes a token).
+    assert sum(f.stat().st_size for f in task.files) > 4 * 8192 * 2
+    sample = task.samples(tok, 4000, 0.5, 0, 1)[0]
+    assert sample.answer[0] in sample.context and abs(count_tokens(tok, sample) - 4000) <= 40
+    # The shipped essays are the first of the shared folder's, so short haystacks are the same text either way.
+    if HAYSTACK.is_dir():
+        assert [f.name for f in task.files] == sorted(f.name for f in HAYSTACK.glob("*.txt"))[:len(task.files)]
+        assert all(f.read_bytes() == (HAYSTACK / f.name).read_bytes() for f in task.files)

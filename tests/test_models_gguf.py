@@ -125,3 +125,70 @@ def test_cli_generate_and_eval_take_a_gguf(gguf_file, tmp_path, capsys):
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["method"] for r in records] == ["dense", "quest"]
     assert all(r["model"] == str(gguf_file.parent) and r["prompt_tokens"] > 300 for r in records)
+
+
+def test_find_gguf_ignores_the_extensions_case(gguf_file, tmp_path):
+    (tmp_path / "one").mkdir()
+    upper = tmp_path / "one" / "M.GGUF"
+    upper.write_bytes(gguf_file.read_bytes())
+    assert models.find_gguf(str(tmp_path / "one")) == (upper.parent, "M.GGUF")
+    assert models.find_gguf(str(upper)) == (upper.parent, "M.GGUF")
+    loaded = models.load_model(str(tmp_path / "one"), torch.device("cpu"))  # dtype "auto": float32
+    assert loaded.model.dtype == torch.float32 and loaded.model.config.num_hidden_layers == LAYERS
+    (tmp_path / "two").mkdir()
+    for name in ("a.Gguf", "B.GGUF"):
+        (tmp_path / "two" / name).write_bytes(b"")
+    with pytest.raises(ValueError, match=r"several GGUF files \(B.GGUF, a.Gguf\)"):
+        models.find_gguf(str(tmp_path / "two"))
+
+
+@pytest.mark.parametrize("keep", [0, 3, 40, 300, 2000, 0.5, -100, -1])
+def test_a_truncated_gguf_is_refused_naming_the_file(gguf_file, tmp_path, keep):
+    """Cut in the magic, the header, the metadata, the tensor table or the tensor data."""
+    data = gguf_file.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:int(keep * len(data)) if isinstance(keep, float) else keep])
+    with pytest.raises(ValueError, match=f"model: {cut} is not a readable GGUF file"):
+        models.load_model(str(cut), torch.device("cpu"))
+
+
+def test_cli_names_a_corrupt_gguf(tmp_path, capsys):
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(range(200)))
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    assert f"model: {tmp_path / 'junk.gguf'} is not a readable GGUF file" in capsys.readouterr().err
+
+
+def _poison(path, tensor, values):
+    """Overwrites the first values of a float32 tensor of the GGUF file ``path`` in place."""
+    reader = gguf.GGUFReader(path)
+    offset = next(int(t.data_offset) for t in reader.tensors if t.name == tensor)
+    del reader
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(np.asarray(values, np.float32).tobytes())
+
+
+@pytest.mark.parametrize("tensor, param, values", [
+    ("blk.1.attn_q.weight", "model.layers.1.self_attn.q_proj.weight", [np.nan]),
+    ("output.weight", "lm_head.weight", [0.1, np.inf]),
+    ("blk.0.ffn_norm.weight", "model.layers.0.post_attention_layernorm.weight", [-np.inf, np.nan]),
+])
+def test_a_gguf_with_non_finite_weights_is_refused(tmp_path, tensor, param, values):
+    path = write_tiny_gguf(tmp_path / "nan.gguf")
+    _poison(path, tensor, values)
+    with pytest.raises(ValueError, match=rf"model: the GGUF file {path} holds NaN or infinite weights in 1 tensor"
+                                         rf"\(s\): {param} \(GGUF tensors: {tensor}\)"):
+        models.load_model(str(tmp_path), torch.device("cpu"))
+
+
+def test_a_model_folder_with_non_finite_weights_is_refused(tmp_path):
+    from sparsekv.tiny import byte_tokenizer, tiny_model
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[2].mlp.up_proj.weight[3, 5] = float("nan")
+    model.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"model: '{tmp_path}' holds NaN or infinite weights in 1 tensor\(s\): "
+                                         r"model.layers.2.mlp.up_proj.weight; the file is corrupt"):
+        models.load_model(str(tmp_path), torch.device("cpu"))

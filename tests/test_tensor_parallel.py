@@ -9,10 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from sparsekv import parallel
+from sparsekv import models, parallel
 from sparsekv.bench.tp import CONTROL, ENGINE
 from sparsekv.tiny import tiny_model
 
@@ -87,3 +88,73 @@ def test_e2e_bench_under_torchrun(tmp_path):
     assert [(r["spec"], r["gpus"]) for r in result["rows"]] == [("dense", 2), ("quest", 2)]
     assert "tensor parallel" in result["meta"]["device_name"]
     assert run.stdout.count("| quest | 32 | 96 |") == 1  # printed by the first process only
+
+
+def test_processes_given_different_arguments_all_stop_naming_it(tmp_path):
+    """Under torchrun, ``sparsekv generate`` compares the options of every process before loading: each option
+    that differs is named with every process's value, on every process (exit status 2, nothing printed, no hang);
+    equal options (the prompt compared by its text) generate. A model whose KV heads the process count does not
+    divide is refused before transformers splits it."""
+    from sparsekv.tiny import byte_tokenizer
+
+    for name, heads in (("model", (4, 2)), ("bad", (6, 3))):
+        model = tiny_model("llama", vocab_size=264, heads=heads[0], kv_heads=heads[1])
+        model.generation_config.eos_token_id = None
+        model.save_pretrained(tmp_path / name)
+        byte_tokenizer().save_pretrained(tmp_path / name)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(ROOT / "tests" / "tp_arguments.py"), str(tmp_path / "model"), str(tmp_path / "bad"),
+                          str(tmp_path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"r{rank}.json").read_text()) for rank in (0, 1)]
+    differ = {"method": "--method differs: process 0: 'quest:dense_layers=0', process 1: 'h2o'",
+              "spec": "--method differs: process 0: 'quest:dense_layers=0', process 1: 'quest:dense_layers=1'",
+              "budget": "--budget differs: process 0: 16, process 1: 32",
+              "opt": "--opt differs: process 0: ['page_size=16'], process 1: ['page_size=8']",
+              "prompt": "the prompt (--prompt or --prompt-file) differs: process 0: 'The pass key is 4312.",
+              "prompt-file": "(662 characters, sha256",
+              "max-new-tokens": "--max-new-tokens differs: process 0: 4, process 1: 5",
+              "seed": "--seed differs: process 0: 0, process 1: 1",
+              "temperature": "--temperature differs: process 0: 1.0, process 1: 0.5",
+              "sample": "--sample differs: process 0: True, process 1: False",
+              "chat": "--chat differs: process 0: False, process 1: True",
+              "dtype": "--dtype differs: process 0: 'float32', process 1: 'bfloat16'",
+              "model": f"--model differs: process 0: '{tmp_path / 'model'}', process 1: '{tmp_path / 'bad'}'",
+              "heads": "model: 6 attention heads and 3 KV heads cannot be split over 2 processes (torchrun "
+                       "--nproc-per-node 2); tensor parallelism needs a process count that divides both: 1, 3"}
+    for case, message in differ.items():
+        for rank in ranks:
+            assert rank[case]["code"] == 2 and rank[case]["out"] == "", case
+            assert message in rank[case]["err"], (case, rank[case]["err"])
+            assert "Traceback" not in rank[case]["err"], case
+            assert rank[case]["err"].count("differs") == (case != "heads"), case  # only the option that differs
+    assert "(728 characters, sha256" in ranks[0]["prompt-file"]["err"]
+    for case in ("same", "prompt-file-same"):
+        assert [r[case]["code"] for r in ranks] == [0, 0], ranks[0][case]["err"] + ranks[1][case]["err"]
+        assert ranks[0][case]["out"] and not ranks[1][case]["out"]  # the first process prints
+    assert ranks[0]["same"]["out"] == ranks[0]["prompt-file-same"]["out"]
+
+
+def test_heads_must_divide_by_the_process_count():
+    from types import SimpleNamespace as Config
+
+    models.check_heads(Config(num_attention_heads=32, num_key_value_heads=8), 8)
+    models.check_heads(Config(num_attention_heads=6, num_key_value_heads=6), 3)
+    refused = ((32, 8, 3, "1, 2, 4, 8"), (6, 2, 4, "1, 2"), (15, None, 2, "1, 3, 5, 15"))
+    for heads, kv_heads, processes, counts in refused:
+        with pytest.raises(ValueError, match=rf"model: {heads} attention heads and {kv_heads or heads} KV heads cannot "
+                                             rf"be split over {processes} processes \(torchrun --nproc-per-node "
+                                             rf"{processes}\); tensor parallelism needs a process count that divides "
+                                             rf"both: {counts}$"):
+            models.check_heads(Config(num_attention_heads=heads, num_key_value_heads=kv_heads), processes)
+
+
+def test_agreement_needs_no_group_and_describes_long_values_by_digest():
+    parallel.check_agree({"--prompt": "anything"})  # one process: nothing to compare
+    assert parallel.describe(16) == "16" and parallel.describe("quest") == "'quest'"
+    assert parallel.describe("/a/path/" * 20) == repr("/a/path/" * 20)  # whole up to 200 characters
+    long = parallel.describe("x" * 1000)
+    assert long.startswith("'xxx") and "(1002 characters, sha256 " in long and len(long) < 250
+    assert long != parallel.describe("x" * 999 + "y")

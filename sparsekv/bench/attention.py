@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels import reference
-from .common import SHAPES, Timer, copy_bandwidth, device_name, kernel_table, markdown_table, write_results
+from .common import (SHAPES, Timer, available_bytes, copy_bandwidth, device_name, int_arg, kernel_table,
+                     markdown_table, write_results)
 
 CEILING = 4.2e12  # bytes/s: the H200's nominal bandwidth, for the floor; the measured copy bandwidth is reported too
 L2_BYTES = 60 * 2**20
@@ -130,7 +131,7 @@ def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> 
     copy_bytes = (dense_bytes(batch, kv_heads, head_dim, slots_total * p, itemsize)
                   + batch * kv_heads * slots_total * (2 * head_dim * itemsize + 8))
     need_once = copy_bytes + (batch * heads * (context // p) * head_dim * 4 * 3 if args.naive else 0)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 8 * 2**30
+    free = available_bytes(device)
     if need_once > 0.85 * free:
         notes.append(f"skipped {shape} batch {batch} context {context}: needs {need_once / 2**30:.1f} GiB, "
                      f"{free / 2**30:.1f} GiB free")
@@ -195,8 +196,10 @@ def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> 
                 s.seq_len.copy_(sl)
         floor = quest_bytes(batch, kv_heads, rows, head_dim, context, p, budget, itemsize)
         best = row["quest_graph_us"] if device.type == "cuda" else row["quest_eager_us"]
-        row.update(quest_floor_bytes=floor, quest_floor_us=floor / CEILING * 1e6,
-                   quest_tbps=floor / (best * 1e-6) / 1e12, quest_floor_ratio=best / (floor / CEILING * 1e6),
+        gpu = device.type == "cuda"  # the floor is the H200's (CEILING): none on the CPU
+        row.update(quest_floor_bytes=floor, quest_floor_us=floor / CEILING * 1e6 if gpu else None,
+                   quest_tbps=floor / (best * 1e-6) / 1e12,
+                   quest_floor_ratio=best / (floor / CEILING * 1e6) if gpu else None,
                    dense_tbps=dense_bytes(batch, kv_heads, head_dim, context, itemsize)
                    / (row["dense_graph_us" if device.type == "cuda" else "dense_eager_us"] * 1e-6) / 1e12,
                    speedup_eager=row["dense_eager_us"] / row["quest_eager_us"],
@@ -239,7 +242,8 @@ def format_row(r: dict) -> str:
             f"dense {f(r['dense_graph_us'])} | quest eager {f(r['quest_eager_us'])} graph {f(r['quest_graph_us'])} "
             f"(est {f(r['estimate_us'])} topk {f(r['topk_us'])} fused {f(r['select_us'])} attn {f(r['attention_us'])}) "
             f"naive {f(r.get('naive_eager_us', float('nan')))} | x{r['speedup_graph']:.2f} "
-            f"{r['quest_tbps']:.2f} TB/s floor x{r['quest_floor_ratio']:.2f}")
+            f"{r['quest_tbps']:.2f} TB/s" + ("" if r["quest_floor_ratio"] is None else
+                                              f" floor x{r['quest_floor_ratio']:.2f}"))
 
 
 def check_targets(rows: list[dict]) -> list[dict]:
@@ -252,19 +256,23 @@ def check_targets(rows: list[dict]) -> list[dict]:
                           f"{r['speedup_graph']:.2f}x (graph), {r['speedup_eager']:.2f}x (eager)",
                           "met": r["speedup_graph"] >= want})
     for r in rows:
-        if r["budget"] == 2048 and r["batch"] == 1 and r["context"] >= 131072:
+        if r["budget"] == 2048 and r["batch"] == 1 and r["context"] >= 131072 and r["quest_floor_ratio"] is not None:
             found.append({"target": f"{r['shape']} {r['context'] // 1024}K: within {FLOOR_TARGET}x of the floor",
                           "measured": f"{r['quest_floor_ratio']:.2f}x", "met": r["quest_floor_ratio"] <= FLOOR_TARGET})
     return found
 
 
 def markdown(meta: dict, rows: list[dict], targets: list[dict], notes: list[str]) -> list[str]:
+    gpu = meta.get("gpu", True)
+    timing = (f"Measured copy bandwidth {meta['copy_tbps']:.2f} TB/s; floor = bytes that must be read / "
+              f"{CEILING / 1e12:.1f} TB/s. Times are medians per layer in microseconds (CUDA events); speedup and "
+              "TB/s use CUDA-graph replay of dense and Quest alike." if gpu else
+              "Times are medians per layer in microseconds (host clock), eager only: graph replays (nan) are a "
+              "GPU's.")
     lines = ["# Attention benchmark: one decode step of one layer", "",
              f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, bf16, page size "
              f"{meta['page_size']}, {'per query head' if meta['per_query_head'] else 'per KV head'} selection. "
-             f"Measured copy bandwidth {meta['copy_tbps']:.2f} TB/s; floor = bytes that must be read / "
-             f"{CEILING / 1e12:.1f} TB/s. Times are medians per layer in microseconds; speedup and TB/s use "
-             "CUDA-graph replay of dense and Quest alike. Command: `" + meta["command"] + "`", "",
+             f"{timing} Command: `" + meta["command"] + "`", "",
              "## Targets (budget 2048, batch 1)", "",
              "| target | measured | met |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'NO'} |" for t in targets]
@@ -275,8 +283,8 @@ def markdown(meta: dict, rows: list[dict], targets: list[dict], notes: list[str]
             ("top-k", "topk_us", "{:.1f}"), ("estimate + top-k (fused op)", "select_us", "{:.1f}"),
             ("attention", "attention_us", "{:.1f}"),
             ("token-index attention", "token_attention_us", "{:.1f}"), ("step incl. append", "step_graph_us", "{:.1f}"),
-            ("speedup", "speedup_graph", "{:.2f}x"), ("Quest TB/s", "quest_tbps", "{:.2f}"),
-            ("floor us", "quest_floor_us", "{:.1f}"), ("x floor", "quest_floor_ratio", "{:.2f}")]
+            ("speedup", "speedup_graph", "{:.2f}x"), ("Quest TB/s", "quest_tbps", "{:.2f}")]
+    cols += [("floor us", "quest_floor_us", "{:.1f}"), ("x floor", "quest_floor_ratio", "{:.2f}")] if gpu else []
     lines += ["", "## All rows", "", *markdown_table(cols, rows)]
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
@@ -437,13 +445,13 @@ def best_tuning(rows: list[dict]) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m sparsekv.bench.attention", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b", "llama2-7b"], choices=sorted(SHAPES))
-    ap.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 131072, 524288])
-    ap.add_argument("--budgets", nargs="+", type=int, default=[512, 1024, 2048, 4096])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--contexts", nargs="+", type=int_arg(), default=[8192, 32768, 131072, 524288])
+    ap.add_argument("--budgets", nargs="+", type=int_arg(), default=[512, 1024, 2048, 4096])
+    ap.add_argument("--batches", nargs="+", type=int_arg(), default=[1, 16])
+    ap.add_argument("--page-size", type=int_arg(), default=16)
     ap.add_argument("--per-query-head", action="store_true", help="select pages per query head (Hs = H)")
-    ap.add_argument("--reps", type=int, default=30, help="timed repetitions per measurement (median)")
-    ap.add_argument("--max-copies", type=int, default=48, help="cap on cache copies rotated through per sweep")
+    ap.add_argument("--reps", type=int_arg(), default=30, help="timed repetitions per measurement (median)")
+    ap.add_argument("--max-copies", type=int_arg(), default=48, help="cap on cache copies rotated through per sweep")
     ap.add_argument("--no-naive", dest="naive", action="store_false", help="skip naive torch Quest")
     ap.add_argument("--quick", action="store_true", help="llama3-8b, batch 1, budget 2048, contexts 32K and 128K")
     ap.add_argument("--tune", action="store_true", help="sweep kernel launch parameters instead (writes the best)")
@@ -472,7 +480,8 @@ def main(argv=None) -> None:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    meta = {"device": device_name(device), "torch": torch.__version__, "triton": triton_version,
+    meta = {"device": device_name(device), "gpu": device.type == "cuda", "torch": torch.__version__,
+            "triton": triton_version,
             "page_size": args.page_size, "per_query_head": args.per_query_head,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(["python -m sparsekv.bench.attention", *(sys.argv[1:] if argv is None else argv)])}

@@ -30,9 +30,9 @@ import torch
 from ..engine import Engine
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
-from ..models import resolve_device
-from .common import device_name, markdown_table, write_results
-from .e2e import bench_model, random_fill
+from ..models import check_context, resolve_device
+from .common import device_name, int_arg, markdown_table, write_results
+from .e2e import bench_model, memory_problems, random_fill, shape_weights
 
 
 def _free(device) -> None:
@@ -52,7 +52,7 @@ def ladder(model, runs, args, device, rows: list[dict], save) -> None:
                 ids = [torch.randint(0, model.config.vocab_size, (context,)).tolist()]
                 out = engine.generate(ids, args.new_tokens, stop_tokens=(), time_steps=True,
                                       prefill=None if real else random_fill(model))
-                ms = 1e3 * statistics.median(out.step_seconds[2:])
+                ms = 1e3 * statistics.median(out.step_seconds[2:] or out.step_seconds)
                 row.update(status="ok", fill="prefill" if real else "random", decode_ms=ms, tokens_per_s=1e3 / ms,
                            prefill_s=out.prefill_seconds if real else None,
                            peak_device_gib=(out.peak_device_bytes or 0) / 2**30,
@@ -150,14 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mode", choices=["ladder", "long-decode"])
     parser.add_argument("--model", default="shape:llama3-8b")
     parser.add_argument("--methods", nargs="+", default=["dense", "omnikv:offload=True"])
-    parser.add_argument("--budget", type=int, default=2048)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[262144, 524288, 1048576])
-    parser.add_argument("--prefill", type=int, default=None, help="the ladder context that runs a real prefill")
-    parser.add_argument("--prefill-chunk", type=int, default=8192)
-    parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--decode", type=int, default=16384)
-    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--budget", type=int_arg(), default=2048)
+    parser.add_argument("--contexts", type=int_arg(), nargs="+", default=[262144, 524288, 1048576])
+    parser.add_argument("--prefill", type=int_arg(), default=None, help="the ladder context that runs a real prefill")
+    parser.add_argument("--prefill-chunk", type=int_arg(), default=8192)
+    parser.add_argument("--new-tokens", type=int_arg(2), default=24)
+    parser.add_argument("--prompt", type=int_arg(), default=512)
+    parser.add_argument("--decode", type=int_arg(4), default=16384,
+                        help="tokens decoded; the steps after the first two are timed")
+    parser.add_argument("--window", type=int_arg(), default=1024)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -170,12 +171,26 @@ def main(argv: list[str] | None = None) -> int:
     except EvalError as err:
         print(f"sparsekv.bench.capacity: error: {err}", file=sys.stderr)
         return 2
-    device = resolve_device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    longest = max(args.contexts + [args.prompt + args.decode]) + args.new_tokens + 1
-    model = bench_model(args.model, device, dtype, longest)
+    try:
+        device = resolve_device(args.device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        problem = memory_problems(device, shape_weights(args.model, dtype))
+    except ValueError as err:
+        parser.error(str(err))
+    if problem:
+        print(f"sparsekv.bench.capacity: error: --model {args.model} {problem}; use a smaller --model (e.g. "
+              f"shape:tiny or tiny:llama)", file=sys.stderr)
+        return 2
+    ladder_mode = args.mode == "ladder"
+    longest = max(args.contexts) + args.new_tokens + 1 if ladder_mode else args.prompt + args.decode + 1
+    try:
+        model = bench_model(args.model, device, dtype, longest)
+        check_context(model, longest, "use smaller --contexts or --new-tokens" if ladder_mode else
+                      "use a smaller --prompt or --decode")
+    except (FileNotFoundError, ImportError, ValueError) as err:  # ImportError: a missing optional extra (gguf)
+        parser.error(str(err))
     rows: list[dict] = []
-    (ladder if args.mode == "ladder" else long_decode)(model, runs, args, device, rows,
+    (ladder if ladder_mode else long_decode)(model, runs, args, device, rows,
                                                         lambda: write(args, rows, device, final=False))
     write(args, rows, device, final=True)
     return 0

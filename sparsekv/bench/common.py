@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import platform
 import shutil
 import tempfile
@@ -39,10 +41,25 @@ class ModelShape:
         """(query heads, KV heads, head dim)."""
         return self.heads, self.kv_heads, self.head_dim
 
+    @property
+    def parameters(self) -> int:
+        """Parameters of ``shape_model``'s model: embedding and output head (not tied), each layer's projections
+        and norms, the final norm."""
+        layer = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
+        return 2 * self.vocab * self.hidden + self.layers * (layer + 3 * self.hidden * self.mlp + 2 * self.hidden) \
+            + self.hidden
+
 
 SHAPES = {"llama3-8b": ModelShape(4096, 32, 32, 8, 14336, 128256, 500000.0),
           "llama2-7b": ModelShape(4096, 32, 32, 32, 11008, 32000, 10000.0),
           "tiny": ModelShape(256, 2, 4, 2, 512, 512, 10000.0)}
+
+
+def model_shape(name: str) -> ModelShape:
+    """``SHAPES[name]``; an unknown name is a ``ValueError`` naming the shapes there are."""
+    if name not in SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {name!r}")
+    return SHAPES[name]
 
 
 def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int, layers: int | None = None):
@@ -50,9 +67,7 @@ def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
     directly on ``device``, in eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if name not in SHAPES:
-        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {name!r}")
-    s = SHAPES[name]
+    s = model_shape(name)
     config = LlamaConfig(hidden_size=s.hidden, num_hidden_layers=s.layers if layers is None else layers,
                          num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, intermediate_size=s.mlp,
                          vocab_size=s.vocab, max_position_embeddings=max_positions, rope_theta=s.rope_theta)
@@ -97,6 +112,52 @@ def copy_bandwidth(device: torch.device, timer: Timer) -> float:
     dst = torch.empty_like(src)
     ms = timer.eager(lambda: dst.copy_(src), reps=30)
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def int_arg(least: int = 1) -> Callable[[str], int]:
+    """An argparse ``type=`` for integers >= ``least``: anything else is a usage error saying what is allowed."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}")
+        return value
+
+    return parse
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a run may still allocate on ``device``: the GPU's free memory, or the host's available memory
+    (``MemAvailable``, bounded by the cgroup's limit where one is set)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            free = min(free, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def memory_problem(parts: dict[str, int], device: torch.device) -> str | None:
+    """None if ``parts`` (bytes a run will allocate, by what for) fit in ``available_bytes(device)``, else what they
+    need against what is available, in words."""
+    need, free = sum(parts.values()), available_bytes(device)
+    if need <= free:
+        return None
+    detail = ", ".join(f"{what} {n / 2**30:.1f} GiB" for what, n in parts.items() if n)
+    where = "the GPU" if device.type == "cuda" else "the host"
+    return f"needs about {need / 2**30:.1f} GiB ({detail}) but {where} has {free / 2**30:.1f} GiB available"
 
 
 def device_name(device: torch.device) -> str:

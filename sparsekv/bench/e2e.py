@@ -45,10 +45,11 @@ from ..methods import METHODS
 from ..methods.omnikv import OmniKVConfig
 from ..methods.quest import QuestConfig
 from ..methods.raas import RaaSConfig
-from ..models import load_model, resolve_device, resolve_dtype
+from ..models import check_context, load_model, resolve_device, resolve_dtype
 from ..spec import budget_arg
-from .common import (Timer, copy_bandwidth, device_name, kernel_table, load_sharded, out_of_memory_lines, pyplot,
-                     run_args, shape_model, shared_folder, write_results)
+from .common import (SHAPES, Timer, copy_bandwidth, device_name, int_arg, kernel_table, load_sharded,
+                     markdown_table, memory_problem, model_shape, out_of_memory_lines, pyplot, run_args, shape_model,
+                     shared_folder, write_results)
 
 FILL_CHUNK = 16384  # tokens of random keys and values written per pass
 
@@ -64,6 +65,23 @@ def bench_model(spec: str, device: torch.device, dtype: torch.dtype, max_positio
     with shared_folder(lambda folder: shape_model(spec[len("shape:"):], device, dtype,
                                                   max_positions).save_pretrained(folder)) as folder:
         return load_sharded(folder, dtype)
+
+
+def shape_weights(spec: str, dtype: torch.dtype) -> tuple[int, int] | None:
+    """Bytes ``bench_model`` allocates for the weights of a ``shape:`` model: at most while building it (in float32,
+    then cast parameter by parameter), and once built; None for any other model (loaded, checked once there)."""
+    if not spec.startswith("shape:"):
+        return None
+    n = model_shape(spec.removeprefix("shape:")).parameters
+    return max(4, dtype.itemsize) * n, dtype.itemsize * n
+
+
+def memory_problems(device: torch.device, weights: tuple[int, int] | None, kv: int = 0, gpus: int = 1) -> str | None:
+    """``memory_problem`` of building a ``shape:`` model (``shape_weights``), then of its weights (1/``gpus`` each
+    under tensor parallelism) with ``kv`` bytes of KV cache."""
+    building, built = weights or (0, 0)
+    return (memory_problem({"weights": built // gpus, "KV cache": kv // gpus}, device)
+            or memory_problem({"float32 weights while building": building}, device))
 
 
 def random_fill(model):
@@ -109,7 +127,8 @@ def step_bytes(model, config, stats: dict, context: int, batch: int) -> int:
     return int(weights + kv + bounds + rescored)
 
 
-def engine_row(model, config, label: str, context: int, batch: int, args, device, bandwidth: float) -> dict:
+def engine_row(model, config, label: str, context: int, batch: int, args, device, bandwidth: float | None) -> dict:
+    """One row: ``config``'s method through the engine; ``bandwidth`` (bytes/s, None on the CPU) gives the floor."""
     rows = torch.randint(0, model.config.vocab_size, (batch, context),
                          generator=torch.Generator().manual_seed(args.seed)).tolist()
     real = batch * context <= args.max_prefill
@@ -121,11 +140,13 @@ def engine_row(model, config, label: str, context: int, batch: int, args, device
     ms = 1e3 * statistics.median(out.step_seconds[2:] or out.step_seconds)
     # Under tensor parallelism each GPU reads its share of the step's bytes.
     gpus = dist.get_world_size() if parallel.launched() else 1
-    floor_ms = 1e3 * step_bytes(model, config, out.stats, context, batch) / (gpus * bandwidth)
+    floor_ms = None if bandwidth is None else 1e3 * step_bytes(model, config, out.stats, context, batch) / (
+        gpus * bandwidth)
     return {"spec": label, "method": config.name, "budget": getattr(config, "token_budget", None),
             "context": context, "batch": batch, "gpus": gpus, "fill": "prefill" if real else "random",
             "prefill_tokens_per_s": batch * context / out.prefill_seconds if real else None,
-            "decode_ms": ms, "tokens_per_s": 1e3 * batch / ms, "floor_ms": floor_ms, "x_floor": ms / floor_ms,
+            "decode_ms": ms, "tokens_per_s": 1e3 * batch / ms, "floor_ms": floor_ms,
+            "x_floor": None if floor_ms is None else ms / floor_ms,
             "captured": out.captured, "attended_per_head": out.stats["attended_per_head"],
             "kv_device_gib": out.kv_device_bytes / 2**30, "kv_host_gib": out.kv_host_bytes / 2**30,
             "peak_device_gib": None if out.peak_device_bytes is None else out.peak_device_bytes / 2**30,
@@ -209,20 +230,23 @@ def fmt(x, spec="{:.2f}") -> str:
 
 
 def markdown(meta: dict, rows: list[dict]) -> list[str]:
+    """The table of ``rows``; the bandwidth floor's columns on a GPU only (None: the CPU, timed by the host clock)."""
+    gpu = meta["bandwidth_tbs"] is not None
+    how = (f"Engine: chunked prefill, CUDA-graph decode step; {meta['new_tokens']} greedy tokens, median step (CUDA "
+           f"events) after the warm-up and capture. Floor: bytes the step reads / {meta['bandwidth_tbs']:.2f} TB/s "
+           f"(device copy measured in the run)." if gpu else
+           f"Engine: chunked prefill, eager decode step on the CPU; {meta['new_tokens']} greedy tokens, median step "
+           f"(host clock) after the warm-up.")
+    columns = [("method", "spec", "{}"), ("budget", "budget", "{}"), ("context", "context", "{}"),
+               ("batch", "batch", "{}"), ("fill", "fill", "{}"), ("prefill tok/s", "prefill_tokens_per_s", "{:.0f}"),
+               ("decode ms/step", "decode_ms", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
+               *([("floor ms", "floor_ms", "{:.2f}"), ("x floor", "x_floor", "{:.2f}")] if gpu else []),
+               ("vs dense", "vs_dense", "{:.2f}x"), ("vs transformers eager", "vs_transformers", "{:.2f}x"),
+               ("vs compiled", "vs_compiled", "{:.2f}x"), ("peak GiB", "peak_device_gib", "{:.1f}"),
+               ("KV device GiB", "kv_device_gib", "{:.2f}"), ("KV host GiB", "kv_host_gib", "{:.2f}")]
     lines = [f"# End-to-end decode ({meta['model']}, {meta['device_name']}, {meta['dtype']})", "",
-             f"Engine: chunked prefill, CUDA-graph decode step; {meta['new_tokens']} greedy tokens, median step "
-             f"(CUDA events) after the warm-up and capture. Floor: bytes the step reads / "
-             f"{meta['bandwidth_tbs']:.2f} TB/s (device copy measured in the run). fill = random: the cache was "
-             f"filled with random keys and values instead of a real prefill. Command: `{meta['command']}`", "",
-             "| method | budget | context | batch | fill | prefill tok/s | decode ms/step | tokens/s | floor ms | "
-             "x floor | vs dense | vs transformers eager | vs compiled | peak GiB | KV device GiB | KV host GiB |",
-             "|" + " --- |" * 16]
-    for r in rows:
-        lines.append(f"| {r['spec']} | {r['budget'] or '-'} | {r['context']} | {r['batch']} | {r['fill']} | "
-                     f"{fmt(r['prefill_tokens_per_s'], '{:.0f}')} | {r['decode_ms']:.2f} | {r['tokens_per_s']:.1f} | "
-                     f"{fmt(r['floor_ms'])} | {fmt(r['x_floor'])} | {fmt(r['vs_dense'], '{:.2f}x')} | "
-                     f"{fmt(r['vs_transformers'], '{:.2f}x')} | {fmt(r['vs_compiled'], '{:.2f}x')} | "
-                     f"{fmt(r['peak_device_gib'], '{:.1f}')} | {fmt(r['kv_device_gib'])} | {fmt(r['kv_host_gib'])} |")
+             f"{how} fill = random: the cache was filled with random keys and values instead of a real prefill. "
+             f"Command: `{meta['command']}`", "", *markdown_table(columns, rows)]
     return lines + out_of_memory_lines(meta["out_of_memory"])
 
 
@@ -244,28 +268,43 @@ def plot(path: Path, rows: list[dict]) -> None:
     fig.savefig(path, dpi=120)
 
 
+def kv_bytes(args, layers: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of keys and values of the largest row: batch x (context plus the new tokens). Methods that hold less
+    or offload still get the dense row's room (the runs and the transformers loops at batch 1 fit within it, but
+    for one layer's copy as a ``DynamicCache`` grows)."""
+    return max(args.batches) * (max(args.contexts) + args.new_tokens) * 2 * layers * kv_heads * head_dim * itemsize
+
+
+def _too_big(args, problem: str) -> int:
+    print(f"sparsekv.bench.e2e: error: --model {args.model} at --contexts {max(args.contexts)} and --batches "
+          f"{max(args.batches)} {problem}; use smaller --contexts or --batches, or a smaller --model (e.g. "
+          f"shape:tiny or tiny:llama)", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparsekv.bench.e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="shape:llama3-8b",
                         help="shape:<name>, tiny:<arch>, a model directory or a GGUF file")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1])
+    parser.add_argument("--contexts", type=int_arg(), nargs="+", default=[32768, 131072])
+    parser.add_argument("--batches", type=int_arg(), nargs="+", default=[1])
     parser.add_argument("--methods", nargs="+", default=["dense", "quest", "omnikv", "raas"],
                         help=f"NAME or NAME:FIELD=VALUE,... (as sparsekv eval takes them) with NAME in "
                              f"{', '.join(METHODS)}")
     parser.add_argument("--budget", type=budget_arg, default=2048,
                         help="token budget of the methods that take one (OmniKV also a fraction such as 0.1)")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prefill-chunk", type=int, default=8192)
-    parser.add_argument("--max-prefill", type=int, default=131072,
+    parser.add_argument("--new-tokens", type=int_arg(2), default=64,
+                        help="tokens to generate: the first comes from the prefill, the rest are timed steps")
+    parser.add_argument("--prefill-chunk", type=int_arg(), default=8192)
+    parser.add_argument("--max-prefill", type=int_arg(0), default=131072,
                         help="batch x context up to which the prompt is really prefilled (else random keys/values)")
     parser.add_argument("--compile", action="store_true",
                         help="Engine(compile=True): the model's layer code fused by torch.compile around the method")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' eager loop")
-    parser.add_argument("--compiled", type=int, nargs="*", default=[],
+    parser.add_argument("--compiled", type=int_arg(), nargs="*", default=[],
                         help="contexts at which to time transformers' StaticCache + torch.compile loop too")
-    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+    parser.add_argument("--profile", type=int_arg(0), default=0, metavar="STEPS",
                         help="list the kernels of this many captured decode steps of each row (torch.profiler, CUDA)")
     run_args(parser, "e2e")
     argv = sys.argv[1:] if argv is None else argv
@@ -280,16 +319,42 @@ def main(argv: list[str] | None = None) -> int:
                      "torchrun")
     # Under torchrun the process group is started here (transformers would start it while loading), to share a
     # shape: model's folder; each process drives its GPU and the first one prints and writes the results.
-    device = parallel.start() if parallel.launched() else resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    try:
+        device = parallel.start() if parallel.launched() else resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        weights = shape_weights(args.model, dtype)
+    except ValueError as err:
+        parser.error(str(err))
     longest = max(args.contexts) + args.new_tokens
-    model = bench_model(args.model, device, dtype, longest)
-    bandwidth = copy_bandwidth(device, Timer(device, reps=30))
-    rows, out_of_memory = [], []
     gpus = dist.get_world_size() if parallel.launched() else 1
+    if weights:  # a shape: model is checked before it is built; a loaded model once it is there
+        shape = SHAPES[args.model.removeprefix("shape:")]
+        problem = memory_problems(device, weights, kv_bytes(args, shape.layers, shape.kv_heads, shape.head_dim,
+                                                            dtype.itemsize), gpus)
+        if problem:
+            return _too_big(args, problem)
+    try:
+        model = bench_model(args.model, device, dtype, longest)
+    except (FileNotFoundError, ImportError) as err:  # ImportError: a missing optional extra (gguf)
+        parser.error(str(err))
+    if not weights:
+        try:
+            check_context(model, longest, "use smaller --contexts or --new-tokens")
+        except ValueError as err:
+            parser.error(f"--contexts {max(args.contexts)} with --new-tokens {args.new_tokens}: {err}")
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv = kv_bytes(args, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype.itemsize)
+        problem = memory_problems(device, None, kv, gpus)
+        if problem:
+            return _too_big(args, problem)
+    # The floor is a GPU's: bytes a step reads over its bandwidth. The CPU's steps are timed, not floored.
+    bandwidth = copy_bandwidth(device, Timer(device, reps=30)) if device.type == "cuda" else None
+    rows, out_of_memory = [], []
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
             "device_name": device_name(device) + (f" x {gpus} (tensor parallel)" if gpus > 1 else ""),
-            "torch": torch.__version__, "bandwidth_tbs": bandwidth / 1e12, "out_of_memory": out_of_memory,
+            "torch": torch.__version__, "bandwidth_tbs": None if bandwidth is None else bandwidth / 1e12,
+            "out_of_memory": out_of_memory,
             "command": (f"torchrun --nproc-per-node {gpus}" if gpus > 1 else "python") + " -m sparsekv.bench.e2e "
                        + " ".join(argv)}
 
@@ -309,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        floor = "" if bandwidth is None else f"x floor {fmt(row['x_floor'])}, "
         say(f"{row['spec']:>24} ctx {row['context']:>7} b {row['batch']}: {row['decode_ms']:.2f} ms/step "
-            f"({row['tokens_per_s']:.1f} tok/s, x floor {fmt(row['x_floor'])}, fill {row['fill']}), "
+            f"({row['tokens_per_s']:.1f} tok/s, {floor}fill {row['fill']}), "
             f"peak {fmt(row['peak_device_gib'], '{:.1f}')} GiB")
 
     # transformers' loops first, at batch 1: their caches grow by copying, which needs twice the KV memory.

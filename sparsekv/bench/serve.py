@@ -57,7 +57,7 @@ from ..methods import METHODS
 from ..models import load_model, resolve_device, resolve_dtype
 from ..serve import Request, ServingEngine
 from ..spec import budget_arg
-from .common import (device_name, markdown_table, out_of_memory_lines, pyplot, run_args, shape_model,
+from .common import (device_name, int_arg, markdown_table, out_of_memory_lines, pyplot, run_args, shape_model,
                      write_results)
 from .e2e import random_fill
 
@@ -399,13 +399,6 @@ def plot(path: Path, rows: list[dict]) -> None:
     plt.close(fig)
 
 
-def _range(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a length >= 1, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparsekv.bench.serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -418,14 +411,14 @@ def main(argv: list[str] | None = None) -> int:
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, default=float("inf"),
                       help="Poisson arrivals, requests per second (inf, the default: all at once)")
-    load.add_argument("--concurrency", type=int, help="this many requests in flight at a time")
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=_range, nargs=2, default=[32768, 131072], metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=_range, nargs=2, default=[256, 256], metavar=("MIN", "MAX"))
+    load.add_argument("--concurrency", type=int_arg(1), help="this many requests in flight at a time")
+    parser.add_argument("--requests", type=int_arg(1), default=64)
+    parser.add_argument("--prompt-len", type=int_arg(1), nargs=2, default=[32768, 131072], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int_arg(1), nargs=2, default=[256, 256], metavar=("MIN", "MAX"))
     parser.add_argument("--via", nargs="+", choices=["engine", "http"], default=["engine", "http"],
                         help="drive the engine directly, through the HTTP server, or both (each method)")
-    parser.add_argument("--max-batch", type=int, default=64)
-    parser.add_argument("--prefill-chunk", type=int, default=8192)
+    parser.add_argument("--max-batch", type=int_arg(1), default=64)
+    parser.add_argument("--prefill-chunk", type=int_arg(1), default=8192)
     parser.add_argument("--kv-memory-gib", type=float, default=None,
                         help="KV memory admission may fill (default: the engine's pool)")
     parser.add_argument("--fit", action="store_true",
@@ -446,10 +439,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         runs = method_runs(args.methods, [args.budget])
-        for name, value, least in (("--requests", args.requests, 1), ("--max-batch", args.max_batch, 1),
-                                   ("--concurrency", args.concurrency or 1, 1)):
-            if value < least:
-                raise ConfigError(name, f"an integer >= {least}", value)
         if not args.rate > 0:
             raise ConfigError("--rate", "a number of requests per second > 0 (inf: all at once)", args.rate)
         for name, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):

@@ -41,7 +41,7 @@ from ..methods import (DenseConfig, H2OConfig, MethodConfig, OmniKVConfig, Quest
                        StreamingLLMConfig, TOVAConfig)
 from ..models import resolve_dtype
 from ..tiny import tiny_model
-from .common import SHAPES, device_name, load_sharded, shape_model, shared_folder
+from .common import SHAPES, device_name, int_arg, load_sharded, shape_model, shared_folder
 
 CONTROL = "transformers"
 
@@ -240,11 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m sparsekv.bench.tp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny:llama", help="tiny:<arch>, shape:<name> or a model directory")
-    parser.add_argument("--layers", type=int, default=None, help="keep the first N layers (tiny:/shape: models)")
-    parser.add_argument("--context", type=int, default=48)
-    parser.add_argument("--batch", type=int, default=None, help="default: 2 on CPU (row 1 left-padded), 1 on CUDA")
-    parser.add_argument("--new-tokens", type=int, default=None, help="default: 6 on CPU, 16 on CUDA")
-    parser.add_argument("--page-size", type=int, default=None, help="default: 4 below 1024 tokens of context, "
+    parser.add_argument("--layers", type=int_arg(), default=None, help="keep the first N layers (tiny:/shape: models)")
+    parser.add_argument("--context", type=int_arg(), default=48)
+    parser.add_argument("--batch", type=int_arg(), default=None,
+                        help="default: 2 on CPU (row 1 left-padded), 1 on CUDA")
+    parser.add_argument("--new-tokens", type=int_arg(), default=None, help="default: 6 on CPU, 16 on CUDA")
+    parser.add_argument("--page-size", type=int_arg(), default=None, help="default: 4 below 1024 tokens of context, "
                                                                     "else 16")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--seed", type=int, default=0)

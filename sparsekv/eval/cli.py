@@ -41,8 +41,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--out", help="output folder (default: eval_results/<task>)")
-    p.add_argument("--haystack-dir", help="folder of .txt files for niah (default: $SPARSEKV_HAYSTACK_DIR or "
-                   "../shared/data/haystack/paul_graham_essays)")
+    p.add_argument("--haystack-dir", help="folder of .txt files for niah (default: $SPARSEKV_HAYSTACK_DIR, else "
+                   "../shared/data/haystack/paul_graham_essays, else the essays the package ships)")
     p.add_argument("--data", help="jsonl (gsm8k, math500, aime), text file or folder (perplexity), folder of "
                    "LongBench jsonl files (longbench)")
     p.add_argument("--datasets", nargs="+", default=(), help="LongBench datasets (default: all files in --data)")

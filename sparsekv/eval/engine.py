@@ -40,8 +40,7 @@ class Engine:
             context, question = context + question, ""
         if not self.chat:
             return encode(self.tokenizer, context, question)
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": context + question}],
-                                                  tokenize=False, add_generation_prompt=True)
+        text = models.chat_prompt(self.tokenizer, context + question)
         cut = text.rfind(question.strip()) if question else len(text)
         if cut < 0:
             raise EvalError("the chat template changed the question's text, so it cannot be fed through the decode "

@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from .base import EvalError
 from .report import group_by, layer_recall, mean_of
 from .runner import RESULTS, read_results
 
@@ -120,9 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     if not files:
         print(f"sparsekv.eval.summary: error: no */{RESULTS} under {args.folder}", file=sys.stderr)
         return 1
+    try:
+        records = [(f, read_results(f)) for f in files]
+    except EvalError as err:
+        print(f"sparsekv.eval.summary: error: {err}", file=sys.stderr)
+        return 1
     # A folder holding one task under another name (e.g. recall/) is its own panel.
     rows = summarize([{**r, "source": r["task"] if f.parent.name == r["task"] else f"{r['task']} ({f.parent.name})"}
-                      for f in files for r in read_results(f)])
+                      for f, rs in records for r in rs])
     (args.folder / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     (args.folder / "summary.md").write_text(markdown(rows))
     png = plot(rows, args.folder / "summary.png")

@@ -89,10 +89,19 @@ _MAGIC_INTRO = ("Some special magic numbers are hidden within the following text
                 "I will quiz you about the numbers afterwards.\n")
 
 
+# The first essays of the shared folder (MIT licence, in data/haystack/LICENSE), about 30K tokens: enough for
+# 8K-token haystacks without the shared data, and the same text as it up to their length.
+SHIPPED_HAYSTACK = Path(__file__).parent / "data" / "haystack" / "paul_graham_essays"
+
+
 def haystack_files(options, task: str) -> list[Path]:
-    """The essays' ``.txt`` files: ``--haystack-dir``, else ``$SPARSEKV_HAYSTACK_DIR``, else the shared data."""
-    folder = Path(options.haystack_dir or os.environ.get(HAYSTACK_ENV)
-                  or data_dir() / "haystack" / "paul_graham_essays")
+    """The essays' ``.txt`` files: ``--haystack-dir``, else ``$SPARSEKV_HAYSTACK_DIR``, else the shared data,
+    else the essays the package ships."""
+    folder = options.haystack_dir or os.environ.get(HAYSTACK_ENV)
+    if not folder:
+        shared = data_dir() / "haystack" / "paul_graham_essays"
+        folder = shared if any(shared.glob("*.txt")) else SHIPPED_HAYSTACK
+    folder = Path(folder)
     files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
     if not files:
         raise EvalError(f"{task}: no .txt files in haystack folder {folder} (pass --haystack-dir or set "

@@ -7,6 +7,7 @@ paged cache to attend (``select``); methods that evict free slots there as well.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,9 @@ class Tally:
         return self.total
 
 
+MAX_INT = 2**31  # bound on the integers of a config (tokens, layers, pages)
+
+
 def require(ok: bool, field: str, allowed: str, value) -> None:
     """Raises ``ConfigError`` unless ``ok``: the field, what is allowed, and what was given."""
     if not ok:
@@ -51,6 +55,12 @@ class MethodConfig:
     page_size: int = 16
 
     def __post_init__(self):
+        # Counts and indices go to kernels as int32 or int64: a larger one would overflow there, far from its field.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            for x in value if isinstance(value, tuple) else (value,):
+                require(not isinstance(x, int) or abs(x) < MAX_INT, f.name, "a number of magnitude below 2**31",
+                        value)
         check_page_size(self.page_size)
 
     @property

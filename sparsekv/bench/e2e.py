@@ -45,6 +45,7 @@ from ..methods.omnikv import OmniKVConfig
 from ..methods.quest import QuestConfig
 from ..methods.raas import RaaSConfig
 from ..models import load_model, resolve_device, resolve_dtype
+from ..quant import QuantLinear, quantize_model
 from ..spec import budget_arg
 from .common import (Timer, copy_bandwidth, device_name, kernel_table, load_sharded, shape_model, shared_folder,
                      write_results)
@@ -97,6 +98,8 @@ def step_bytes(model, config, stats: dict, context: int, batch: int) -> int:
     page bounds where pages are scored, and OmniKV's filter-layer keys, read again to score the prompt."""
     cfg = model.config
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    weights += sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, QuantLinear)
+                   for t in (m.codes, m.scale, m.minimum))
     itemsize = next(model.parameters()).element_size()
     kv_heads, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -207,7 +210,8 @@ def fmt(x, spec="{:.2f}") -> str:
 
 
 def markdown(meta: dict, rows: list[dict]) -> list[str]:
-    lines = [f"# End-to-end decode ({meta['model']}, {meta['device_name']}, {meta['dtype']})", "",
+    weights = "" if meta.get("weights", "float") == "float" else f", {meta['weights']} weights"
+    lines = [f"# End-to-end decode ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
              f"Engine: chunked prefill, CUDA-graph decode step; {meta['new_tokens']} greedy tokens, median step "
              f"(CUDA events) after the warm-up and capture. Floor: bytes the step reads / "
              f"{meta['bandwidth_tbs']:.2f} TB/s (device copy measured in the run). fill = random: the cache was "
@@ -272,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="list the kernels of this many captured decode steps of each row (torch.profiler, CUDA)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--weights", default="float", choices=["float", "int4"],
+                        help="int4: the layers' linear weights quantized to group-wise int4 after loading")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--tag", default="e2e")
@@ -291,10 +297,14 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     longest = max(args.contexts) + args.new_tokens
     model = bench_model(args.model, device, dtype, longest)
+    quantize_model(model, args.weights)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     bandwidth = copy_bandwidth(device, Timer(device, reps=30))
     rows, out_of_memory = [], []
     gpus = dist.get_world_size() if parallel.launched() else 1
-    meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
+    meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "weights": args.weights,
+            "new_tokens": args.new_tokens,
             "device_name": device_name(device) + (f" x {gpus} (tensor parallel)" if gpus > 1 else ""),
             "torch": torch.__version__, "bandwidth_tbs": bandwidth / 1e12, "out_of_memory": out_of_memory,
             "command": (f"torchrun --nproc-per-node {gpus}" if gpus > 1 else "python") + " -m sparsekv.bench.e2e "

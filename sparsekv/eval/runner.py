@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..methods.base import MethodConfig
+from ..quant import check_weights
 from ..models import LoadedModel, check_context, load_model
 from ..spec import build_config, takes_budget
 from .base import EvalError, Sample, TaskOptions
@@ -64,6 +65,7 @@ class EvalSpec:
     limit: int | None = None
     model: str | None = None
     dtype: str = "auto"
+    weights: str = "float"
     device: str = "auto"
     out: str = "eval_results"
     question_mode: str = "decode"
@@ -77,6 +79,7 @@ class EvalSpec:
             raise ConfigError("--question-mode", "decode or prefill", self.question_mode)
         if self.chat not in ("auto", "on", "off"):
             raise ConfigError("--chat", "auto, on or off", self.chat)
+        check_weights(self.weights)
         if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
             raise ConfigError("--limit", "an integer >= 1 (or unset: the task's default)", self.limit)
 
@@ -149,7 +152,7 @@ def run_eval(spec: EvalSpec, log=print, progress: bool = True, loaded: LoadedMod
     check_out(out)
     if loaded is None:
         try:
-            loaded = load_model(spec.model, spec.device, spec.dtype, log)
+            loaded = load_model(spec.model, spec.device, spec.dtype, log, weights=spec.weights)
         except (FileNotFoundError, ImportError) as err:  # ImportError: a missing optional extra (gguf)
             raise EvalError(f"--model {spec.model}: {err}") from None
     if lengths[0] is not None:
@@ -157,6 +160,8 @@ def run_eval(spec: EvalSpec, log=print, progress: bool = True, loaded: LoadedMod
     chat = spec.chat == "on" or (spec.chat == "auto" and bool(getattr(loaded.tokenizer, "chat_template", None)))
     settings = {"question_mode": spec.question_mode, "chat": chat, "recall": spec.recall,
                 "max_new_tokens": spec.options.max_new_tokens, "dtype": spec.dtype}
+    if spec.weights != "float":  # absent for float weights: the settings of results made before the option
+        settings["weights"] = spec.weights
     if task.name == "perplexity":
         settings["prefill_tokens"] = spec.options.prefill_tokens
 

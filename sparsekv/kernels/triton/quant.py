@@ -78,10 +78,12 @@ def linear_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
         return reference.linear_quantized(x, codes, scale, minimum, bias)  # its error names the shapes
     rounded = interpreted_bf16(x.dtype)  # the interpreter rounds bf16 stores toward zero: torch rounds instead
     out = torch.empty(rows, n, dtype=torch.float32 if rounded else x.dtype, device=x.device)
-    block_n, block_g = TUNING["qgemv_block_n"], TUNING["qgemv_block_g"]
+    block_m, block_n, block_g = triton.next_power_of_2(rows), TUNING["qgemv_block_n"], TUNING["qgemv_block_g"]
+    while block_g > 1 and block_m * block_n * block_g * reference.GROUP > TUNING["qgemv_tile"]:
+        block_g //= 2  # several rows: fewer groups a slice, so that the product tile stays in registers
     _qgemv_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(), codes, scale, minimum, codes if bias is None else bias, out, rows, n, k, groups,
-        BITS=bits, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_G=block_g,
+        BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g,
         EVEN=groups % block_g == 0 and k % reference.GROUP == 0, BIAS=bias is not None,
         num_warps=TUNING["qgemv_warps"], num_stages=TUNING["qgemv_stages"])
     return out.to(x.dtype).view(*x.shape[:-1], n)

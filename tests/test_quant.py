@@ -45,9 +45,9 @@ def test_kernel_matches_float64_reference(bits, rows, n, k, bias, dtype, monkeyp
     from sparsekv.kernels import triton as tops
 
     # Slices of 2 groups: an odd group count (3, 7) leaves a partial slice, k=1000 a partial group; blocks of 4
-    # output rows leave a partial block for n=5, 33, 7.
-    monkeypatch.setitem(tops.TUNING, "qgemv_block_g", 2)
-    monkeypatch.setitem(tops.TUNING, "qgemv_block_n", 4)
+    # (one row) or 16 (several) output rows leave a partial block for n=5, 33, 7.
+    for name, value in (("qgemv_block_g", 2), ("qgemv_block_n", 4), ("qgemm_block_g", 2), ("qgemm_block_n", 16)):
+        monkeypatch.setitem(tops.TUNING, name, value)
     codes, scale, minimum = random_codes(n, k, bits, seed=n * k + rows)
     g = torch.Generator(device=DEV).manual_seed(rows)
     x = torch.randn(rows, k, generator=g, device=DEV).to(dtype)

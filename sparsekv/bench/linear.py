@@ -28,7 +28,11 @@ from .common import copy_bandwidth, device_name, markdown_table, write_results
 SHAPES = {"q/k/v": (6144, 4096), "o": (4096, 4096), "gate/up": (28672, 4096), "down": (4096, 14336),
           "head": (128256, 4096)}
 ROTATION_BYTES = 2**30
-SWEEP = {"qgemv_block_n": (1, 2, 4), "qgemv_block_g": (32, 64, 128), "qgemv_warps": (4, 8), "qgemv_stages": (2, 3)}
+# The launch parameters swept: of the one-row kernel, and of the several-row one (at 16 rows).
+SWEEPS = {1: {"qgemv_block_n": (1, 2, 4), "qgemv_block_g": (8, 16, 32, 64), "qgemv_warps": (4, 8),
+              "qgemv_stages": (2, 3)},
+          16: {"qgemm_block_n": (32, 64, 128), "qgemm_block_g": (2, 4, 8), "qgemm_warps": (4, 8),
+               "qgemm_stages": (2, 3)}}
 
 
 def weights(n: int, k: int, device: torch.device) -> tuple[list, list]:
@@ -56,26 +60,30 @@ def error(x: torch.Tensor, codes, scale, minimum) -> float:
 
 
 def tune(device: torch.device, timer: Timer, log) -> dict:
-    """The launch parameters with the least summed time over the shapes at one row; sets and returns them."""
+    """For each kernel, the launch parameters with the least summed time over the shapes (at 1 row, and at 16);
+    sets and returns them."""
     from ..kernels.triton import TUNING
 
-    xs = {k: torch.randn(1, k, device=device, dtype=torch.bfloat16) for _, k in SHAPES.values()}
     sets = {name: weights(n, k, device)[0][:8] for name, (n, k) in SHAPES.items()}  # 8 copies: enough to rank
-    results = []
-    for values in itertools.product(*SWEEP.values()):
-        TUNING.update(dict(zip(SWEEP, values)))
-        try:
-            times = {name: time_products(timer, xs[SHAPES[name][1]], c, True) for name, c in sets.items()}
-        except Exception as err:  # a launch the device refuses (registers, shared memory)
-            log(f"{values}: {type(err).__name__}")
-            continue
-        results.append((sum(times.values()), values, times))
-        log(f"{dict(zip(SWEEP, values))}: " + ", ".join(f"{n} {t:.1f}" for n, t in times.items()))
-    results.sort(key=lambda r: r[0])
-    best = dict(zip(SWEEP, results[0][1]))
-    TUNING.update(best)
-    log(f"best: {best}")
-    return {"best": best, "top": [{"params": dict(zip(SWEEP, v)), "us": t} for _, v, t in results[:10]]}
+    found = {}
+    for rows, sweep in SWEEPS.items():
+        xs = {k: torch.randn(rows, k, device=device, dtype=torch.bfloat16) for _, k in SHAPES.values()}
+        results = []
+        for values in itertools.product(*sweep.values()):
+            TUNING.update(dict(zip(sweep, values)))
+            try:
+                times = {name: time_products(timer, xs[SHAPES[name][1]], c, True) for name, c in sets.items()}
+            except Exception as err:  # a launch the device refuses (registers, shared memory)
+                log(f"{values}: {type(err).__name__}")
+                continue
+            results.append((sum(times.values()), values, times))
+            log(f"rows {rows} {values}: " + ", ".join(f"{n} {t:.1f}" for n, t in times.items()))
+        results.sort(key=lambda r: r[0])
+        best = dict(zip(sweep, results[0][1]))
+        TUNING.update(best)
+        log(f"best at {rows} rows: {best}")
+        found[rows] = {"best": best, "top": [{"params": dict(zip(sweep, v)), "us": t} for _, v, t in results[:10]]}
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

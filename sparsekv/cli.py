@@ -146,6 +146,9 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str, extra_cho
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default=None, help="float32, float16, bfloat16 (default: bfloat16 on CUDA, "
                                                       "float32 on CPU)")
+    parser.add_argument("--weights", default="float", choices=["float", "int4", "gguf"],
+                        help="float: as loaded (a GGUF dequantized); int4: the layers' linear weights quantized to "
+                             "group-wise int4; gguf: a GGUF file's own Q4_0/Q4_1/Q8_0 blocks (default: float)")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -193,7 +196,7 @@ def cmd_generate(args) -> int:
         # different runs, or the processes' collectives part ways.
         parallel.check_agree({**{"--" + name.replace("_", "-"): value for name, value in sorted(vars(args).items())
                                  if name not in _PER_PROCESS}, "the prompt (--prompt or --prompt-file)": prompt})
-        loaded = load_model(args.model, device, dtype)
+        loaded = load_model(args.model, device, dtype, weights=args.weights)
         first = parallel.is_first()  # under torchrun every process generates the same tokens; the first one prints
         result = generate(loaded.model, loaded.tokenizer, config, prompt, args.max_new_tokens, args.sample,
                           args.temperature, args.top_p, args.seed, progress=first and not args.no_progress,
@@ -218,7 +221,7 @@ def cmd_demo(args) -> int:
         configs.append(config)
     if args.prompt_tokens < 1:
         raise ConfigError("--prompt-tokens", "an integer >= 1", args.prompt_tokens)
-    loaded = load_model(args.model or default_model(), device, dtype)
+    loaded = load_model(args.model or default_model(), device, dtype, weights=args.weights)
     model, tokenizer = loaded.model, loaded.tokenizer
     try:
         sample = get_task("passkey", TaskOptions()).samples(tokenizer, args.prompt_tokens, 0.5, args.seed, 1)[0]

@@ -134,7 +134,8 @@ def _method_spec(extra: tuple[str, ...]):
 
 def _method_args(parser: argparse.ArgumentParser, default_method: str, extra_choices: tuple[str, ...] = (),
                  generation: bool = True) -> None:
-    """--method, --budget, --opt, --device, --dtype and, with ``generation``, the options of one generation."""
+    """--method, --budget, --opt, --device, --dtype, --weights and, with ``generation``, the options of one
+    generation."""
     parser.add_argument("--method", default=default_method, type=_method_spec(extra_choices), metavar="SPEC",
                         help=f"sparsity method: NAME or NAME:FIELD=VALUE,... with NAME one of "
                              f"{', '.join([*METHODS, *extra_choices])} (default: {default_method})")
@@ -147,6 +148,9 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str, extra_cho
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default=None, help="float32, float16, bfloat16 (default: bfloat16 on CUDA, "
                                                       "float32 on CPU)")
+    parser.add_argument("--weights", default="float", choices=["float", "int4", "gguf"],
+                        help="float: as loaded (a GGUF dequantized); int4: the layers' linear weights quantized to "
+                             "group-wise int4; gguf: a GGUF file's own Q4_0/Q4_1/Q8_0 blocks (default: float)")
     if not generation:
         return
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -198,7 +202,7 @@ def cmd_generate(args) -> int:
         # different runs, or the processes' collectives part ways.
         parallel.check_agree({**{"--" + name.replace("_", "-"): value for name, value in sorted(vars(args).items())
                                  if name not in _PER_PROCESS}, "the prompt (--prompt or --prompt-file)": prompt})
-        loaded = load_model(args.model, device, dtype)
+        loaded = load_model(args.model, device, dtype, weights=args.weights)
         first = parallel.is_first()  # under torchrun every process generates the same tokens; the first one prints
         result = generate(loaded.model, loaded.tokenizer, config, prompt, args.max_new_tokens, args.sample,
                           args.temperature, args.top_p, args.seed, progress=first and not args.no_progress,
@@ -223,7 +227,7 @@ def cmd_demo(args) -> int:
         configs.append(config)
     if args.prompt_tokens < 1:
         raise ConfigError("--prompt-tokens", "an integer >= 1", args.prompt_tokens)
-    loaded = load_model(args.model or default_model(), device, dtype)
+    loaded = load_model(args.model or default_model(), device, dtype, weights=args.weights)
     model, tokenizer = loaded.model, loaded.tokenizer
     try:
         sample = get_task("passkey", TaskOptions()).samples(tokenizer, args.prompt_tokens, 0.5, args.seed, 1)[0]
@@ -292,7 +296,8 @@ def cmd_serve(args) -> int:
         if not path.is_file():
             raise FileNotFoundError(f"--chat-template: no file at {str(path)!r}")
         chat_template = path.read_text()
-    loaded = load_model(args.model, device, dtype, log=lambda line: print(line, file=sys.stderr))
+    loaded = load_model(args.model, device, dtype, log=lambda line: print(line, file=sys.stderr),
+                        weights=args.weights)
     kv_memory = None if args.kv_memory_gib is None else int(args.kv_memory_gib * 2**30)
     engine = ServingEngine(loaded.model, config, tokenizer=loaded.tokenizer, max_batch=args.max_batch,
                            max_context=args.max_context, prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,

@@ -34,6 +34,7 @@ from .integrations.decode import DecodeModel, Parts
 from .integrations.transformers import _sliding_window, cache_argument
 from .methods.base import MethodConfig, require
 from .models import synchronize
+from .quant import check_weights, quantize_model
 from .timing import Timer
 
 Step = Callable[[], None]
@@ -252,7 +253,9 @@ class Engine:
     torch.compile, around the method's attention, which stays eager; this costs a compilation on first use and
     leaves fewer, larger kernels in the captured step. check_every: decode steps between two reads of the stop
     flags (each read waits for the device; a ``stream`` callback reads them at every step). tokenizer: needed for
-    string prompts and texts.
+    string prompts and texts. weights: "float" runs the model's weights as they are; "int4" first quantizes, in
+    place, the linear layers of the model's decoder layers to group-wise int4 (``sparsekv.quant``: the model then
+    holds the int4 weights and its float ones are freed; ``model.generate`` computes with them too).
 
     The first generation re-lays each layer's q/k/v weights into one tensor and its gate/up weights into another,
     the modules' parameters becoming views of them (same values, no second copy; see ``integrations.decode``).
@@ -260,7 +263,7 @@ class Engine:
 
     def __init__(self, model, config: MethodConfig, *, tokenizer=None, max_batch: int = 1,
                  max_context: int | None = None, prefill_chunk: int = 4096, cuda_graph: bool | None = None,
-                 compile: bool = False, check_every: int = 16):
+                 compile: bool = False, check_every: int = 16, weights: str = "float"):
         if not isinstance(config, MethodConfig):
             raise TypeError(f"config must be a sparsekv method config (e.g. QuestConfig), got {type(config).__name__}")
         limit = getattr(model.config, "max_position_embeddings", None)
@@ -278,6 +281,7 @@ class Engine:
         need = config.build(model.config.num_hidden_layers).min_prompt_chunk()
         require(prefill_chunk >= need, "prefill_chunk",
                 f"at least {need} for {config.name} (the prompt queries it reads after the prompt)", prefill_chunk)
+        quantize_model(model, check_weights(weights, ("float", "int4")))
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
         self.device = next(model.parameters()).device

@@ -196,7 +196,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def load_model(spec: str | None = None, device: str | torch.device | None = "auto",
-               dtype: str | torch.dtype | None = "auto", log=None) -> LoadedModel:
+               dtype: str | torch.dtype | None = "auto", log=None, weights: str = "float") -> LoadedModel:
     """The one model loader of the CLI, eval and benches. ``spec``: ``tiny:<arch>`` (a random-weight model from
     ``sparsekv.tiny`` with the byte tokenizer), a GGUF file or a folder holding one (``find_gguf``; transformers
     dequantizes its weights, to float32 unless ``dtype`` says otherwise; a truncated or corrupt file is refused), a
@@ -204,8 +204,15 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     project's trained model, announced through ``log``. ``dtype``: a name or dtype, "auto" keeps the model's own.
     Weights holding NaN or infinite values are refused. Started by torchrun (several processes), a model folder is
     loaded with transformers' tensor parallelism: each process holds 1/N of every layer's heads (the process count
-    must divide the model's query and KV heads), on its own GPU (``cuda:LOCAL_RANK``) or on the CPU."""
+    must divide the model's query and KV heads), on its own GPU (``cuda:LOCAL_RANK``) or on the CPU. ``weights``
+    (``sparsekv.quant``): "float" as loaded (a GGUF's blocks dequantized), "int4" the decoder layers' linear weights
+    quantized to group-wise int4 after loading, "gguf" those layers on a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks,
+    as they are (GGUF files only)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .quant import check_weights, load_gguf_blocks, quantize_model
+
+    check_weights(weights)
 
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     sharded = parallel.launched()
@@ -222,10 +229,17 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
         if sharded:
             raise ConfigError("--model", "a model folder under torchrun (tensor parallelism loads saved weights)",
                               spec)
+        if weights == "gguf":
+            raise ConfigError("weights", "float or int4 for a tiny model (gguf: GGUF files only)", weights)
         model = tiny_model(spec[len(TINY_PREFIX):], dtype=dtype or torch.float32)
         check_finite(model, spec)
-        return LoadedModel(model.to(device), byte_tokenizer(), spec)
+        model = model.to(device)
+        quantize_model(model, weights)
+        return LoadedModel(model, byte_tokenizer(), spec)
     gguf = find_gguf(spec)
+    if weights == "gguf" and gguf is None:
+        raise ConfigError("weights", "float or int4 for a model that is not a GGUF file (gguf: GGUF files only)",
+                          weights)
     local = gguf is not None or Path(spec).is_dir()
     if not local and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
         raise FileNotFoundError(f"model: no model directory at {spec!r}")
@@ -269,4 +283,12 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return LoadedModel((model if sharded else model.to(device)).eval(), tokenizer, spec)
+    model = (model if sharded else model.to(device)).eval()
+    if weights == "gguf":
+        taken = load_gguf_blocks(model, gguf[0] / gguf[1])
+        if log is not None:
+            log("weights: the GGUF's own blocks for " + ", ".join(f"{n} {kind}" for kind, n in taken.items())
+                + " layer weights")
+    else:
+        quantize_model(model, weights)
+    return LoadedModel(model, tokenizer, spec)

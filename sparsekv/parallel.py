@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
+from .quant import QuantLinear
+
 
 def launched() -> bool:
     """Whether this process is one of several started by torchrun (which sets WORLD_SIZE)."""
@@ -105,10 +107,15 @@ def check_agree(values: dict[str, object]) -> None:
                              for name in differ))
 
 
+def output_rows(linear) -> torch.Tensor:
+    """The tensor whose rows are a projection's outputs: its weight, or a quantized layer's codes."""
+    return linear.codes if isinstance(linear, QuantLinear) else linear.weight
+
+
 def head_group(model) -> dist.ProcessGroup | None:
     """The process group over which transformers' tensor parallelism splits ``model``'s attention heads (the mesh
     of its sharded ``q_proj`` weight), or None when the heads are not split."""
-    weight = model.get_decoder().layers[0].self_attn.q_proj.weight
+    weight = output_rows(model.get_decoder().layers[0].self_attn.q_proj)
     mesh = getattr(weight, "device_mesh", None)  # set on DTensor parameters only
     if mesh is None:
         tp_size = getattr(model, "_tp_size", None) or 1
@@ -129,7 +136,7 @@ def local_heads(model) -> tuple[int, int]:
     """(query heads, KV heads) of one of ``model``'s attention layers held by this process: all of them, or this
     process's slice under tensor parallelism (read from the local projection weights, not the config)."""
     attn = model.get_decoder().layers[0].self_attn
-    rows = [getattr(p, "to_local", lambda: p)().shape[0] for p in (attn.q_proj.weight, attn.k_proj.weight)]
+    rows = [getattr(p, "to_local", lambda: p)().shape[0] for p in map(output_rows, (attn.q_proj, attn.k_proj))]
     return rows[0] // attn.head_dim, rows[1] // attn.head_dim
 
 

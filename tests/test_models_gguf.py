@@ -17,9 +17,10 @@ pytest.importorskip("accelerate")
 LAYERS, DIM, HEADS, KV_HEADS, FFN = 2, 64, 4, 2, 128
 
 
-def write_tiny_gguf(path, seed=0):
+def write_tiny_gguf(path, seed=0, kinds=None):
     """A 2-layer Llama (4 query / 2 KV heads, head_dim 16) with a byte-level BPE vocabulary of the 256 bytes plus
-    <|endoftext|> (BOS and EOS), float32 tensors of small random values."""
+    <|endoftext|> (BOS and EOS), float32 tensors of small random values; ``kinds``: GGUF quantization types of the
+    layers' weights by name (e.g. {"attn_q": "Q4_1"}), float32 for those not named."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte_chars = bytes_to_unicode()
@@ -46,18 +47,26 @@ def write_tiny_gguf(path, seed=0):
     def weight(*shape):
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
 
+    def layer_weight(i, name, *shape):
+        data, kind = weight(*shape), (kinds or {}).get(name)
+        if kind is None:
+            writer.add_tensor(f"blk.{i}.{name}.weight", data)
+        else:
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            writer.add_tensor(f"blk.{i}.{name}.weight", gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
     head_dim = DIM // HEADS
     writer.add_tensor("token_embd.weight", weight(len(tokens), DIM))
     for i in range(LAYERS):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(DIM, np.float32))
-        writer.add_tensor(f"blk.{i}.attn_q.weight", weight(HEADS * head_dim, DIM))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", weight(KV_HEADS * head_dim, DIM))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", weight(KV_HEADS * head_dim, DIM))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", weight(DIM, HEADS * head_dim))
+        layer_weight(i, "attn_q", HEADS * head_dim, DIM)
+        layer_weight(i, "attn_k", KV_HEADS * head_dim, DIM)
+        layer_weight(i, "attn_v", KV_HEADS * head_dim, DIM)
+        layer_weight(i, "attn_output", DIM, HEADS * head_dim)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(DIM, np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weight(FFN, DIM))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(FFN, DIM))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(DIM, FFN))
+        layer_weight(i, "ffn_gate", FFN, DIM)
+        layer_weight(i, "ffn_up", FFN, DIM)
+        layer_weight(i, "ffn_down", DIM, FFN)
     writer.add_tensor("output_norm.weight", np.ones(DIM, np.float32))
     writer.add_tensor("output.weight", weight(len(tokens), DIM))
     writer.write_header_to_file()

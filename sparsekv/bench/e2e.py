@@ -46,6 +46,7 @@ from ..methods.omnikv import OmniKVConfig
 from ..methods.quest import QuestConfig
 from ..methods.raas import RaaSConfig
 from ..models import check_context, load_model, resolve_device, resolve_dtype
+from ..quant import QuantLinear, quantize_model
 from ..spec import budget_arg
 from .common import (SHAPES, Timer, copy_bandwidth, device_name, int_arg, kernel_table, load_sharded,
                      markdown_table, memory_problem, model_shape, out_of_memory_lines, pyplot, run_args, shape_model,
@@ -116,6 +117,8 @@ def step_bytes(model, config, stats: dict, context: int, batch: int) -> int:
     page bounds where pages are scored, and OmniKV's filter-layer keys, read again to score the prompt."""
     cfg = model.config
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    weights += sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, QuantLinear)
+                   for t in (m.codes, m.scale, m.minimum))
     itemsize = next(model.parameters()).element_size()
     kv_heads, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -244,7 +247,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("vs dense", "vs_dense", "{:.2f}x"), ("vs transformers eager", "vs_transformers", "{:.2f}x"),
                ("vs compiled", "vs_compiled", "{:.2f}x"), ("peak GiB", "peak_device_gib", "{:.1f}"),
                ("KV device GiB", "kv_device_gib", "{:.2f}"), ("KV host GiB", "kv_host_gib", "{:.2f}")]
-    lines = [f"# End-to-end decode ({meta['model']}, {meta['device_name']}, {meta['dtype']})", "",
+    weights = "" if meta.get("weights", "float") == "float" else f", {meta['weights']} weights"
+    lines = [f"# End-to-end decode ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
              f"{how} fill = random: the cache was filled with random keys and values instead of a real prefill. "
              f"Command: `{meta['command']}`", "", *markdown_table(columns, rows)]
     return lines + out_of_memory_lines(meta["out_of_memory"])
@@ -306,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="contexts at which to time transformers' StaticCache + torch.compile loop too")
     parser.add_argument("--profile", type=int_arg(0), default=0, metavar="STEPS",
                         help="list the kernels of this many captured decode steps of each row (torch.profiler, CUDA)")
+    parser.add_argument("--weights", default="float", choices=["float", "int4"],
+                        help="int4: the layers' linear weights quantized to group-wise int4 after loading")
     run_args(parser, "e2e")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -337,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         model = bench_model(args.model, device, dtype, longest)
     except (FileNotFoundError, ImportError) as err:  # ImportError: a missing optional extra (gguf)
         parser.error(str(err))
+    quantize_model(model, args.weights)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if not weights:
         try:
             check_context(model, longest, "use smaller --contexts or --new-tokens")
@@ -351,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     # The floor is a GPU's: bytes a step reads over its bandwidth. The CPU's steps are timed, not floored.
     bandwidth = copy_bandwidth(device, Timer(device, reps=30)) if device.type == "cuda" else None
     rows, out_of_memory = [], []
-    meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
+    meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "weights": args.weights,
+            "new_tokens": args.new_tokens,
             "device_name": device_name(device) + (f" x {gpus} (tensor parallel)" if gpus > 1 else ""),
             "torch": torch.__version__, "bandwidth_tbs": None if bandwidth is None else bandwidth / 1e12,
             "out_of_memory": out_of_memory,

@@ -39,6 +39,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local model folder, GGUF file (or a folder holding one), or tiny:<arch> "
                    "(random weights); default: the project's trained model, models/sparsekv-llama-16m")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--weights", default="float", choices=["float", "int4", "gguf"],
+                   help="float: as loaded (a GGUF dequantized); int4: the layers' linear weights quantized to "
+                        "group-wise int4; gguf: a GGUF file's own Q4_0/Q4_1/Q8_0 blocks (default: float)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--out", help="output folder (default: eval_results/<task>)")
     p.add_argument("--haystack-dir", help="folder of .txt files for niah (default: $SPARSEKV_HAYSTACK_DIR, else "
@@ -72,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
                               prefill_tokens=args.prefill_tokens)
         spec = EvalSpec(task=args.task, methods=args.methods, budgets=args.budgets, lengths=args.lengths,
                         depths=args.depths, seed=args.seed, limit=args.limit, model=args.model, dtype=args.dtype,
-                        device=args.device, out=out, question_mode=args.question_mode, chat=args.chat,
-                        recall=args.recall, plots=not args.no_plots, options=options)
+                        weights=args.weights, device=args.device, out=out, question_mode=args.question_mode,
+                        chat=args.chat, recall=args.recall, plots=not args.no_plots, options=options)
         folder = run_eval(spec, progress=not args.no_progress)
     except (EvalError, ValueError) as e:
         print(f"sparsekv eval: error: {e}", file=sys.stderr)

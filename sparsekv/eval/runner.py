@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..methods.base import MethodConfig
+from ..quant import check_weights
 from ..models import LoadedModel, check_context, load_model
 from ..spec import build_config, takes_budget
 from .base import EvalError, Sample, TaskOptions
@@ -70,6 +71,7 @@ class EvalSpec:
     limit: int | None = None
     model: str | None = None
     dtype: str = "auto"
+    weights: str = "float"
     device: str = "auto"
     out: str = "eval_results"
     question_mode: str = "decode"
@@ -83,6 +85,7 @@ class EvalSpec:
             raise ConfigError("--question-mode", "decode or prefill", self.question_mode)
         if self.chat not in ("auto", "on", "off"):
             raise ConfigError("--chat", "auto, on or off", self.chat)
+        check_weights(self.weights)
         if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
             raise ConfigError("--limit", "an integer >= 1 (or unset: the task's default)", self.limit)
 
@@ -256,7 +259,7 @@ def _run_grid(spec: EvalSpec, task, lengths: list, depths: list, runs: list[Meth
     """``run_eval`` once the grid is checked and ``out`` is held."""
     if loaded is None:
         try:
-            loaded = load_model(spec.model, spec.device, spec.dtype, log)
+            loaded = load_model(spec.model, spec.device, spec.dtype, log, weights=spec.weights)
         except (FileNotFoundError, ImportError) as err:  # ImportError: a missing optional extra (gguf)
             raise EvalError(f"--model {spec.model}: {err}") from None
     if lengths[0] is not None:
@@ -264,6 +267,8 @@ def _run_grid(spec: EvalSpec, task, lengths: list, depths: list, runs: list[Meth
     chat = spec.chat == "on" or (spec.chat == "auto" and bool(getattr(loaded.tokenizer, "chat_template", None)))
     settings = {"question_mode": spec.question_mode, "chat": chat, "recall": spec.recall,
                 "max_new_tokens": spec.options.max_new_tokens, "dtype": spec.dtype}
+    if spec.weights != "float":  # absent for float weights: the settings of results made before the option
+        settings["weights"] = spec.weights
     if task.name == "perplexity":
         settings["prefill_tokens"] = spec.options.prefill_tokens
 

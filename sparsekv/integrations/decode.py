@@ -4,7 +4,8 @@ One token per sequence goes through the decoder: the embedding and rotary embedd
 norms, rotary function and activation around the cache and the method (``sparsekv_attention``, the same attention
 function as ``apply``'s), then the final norm and the head. What differs from the modules' own forward is the
 weights' products, the head's included: they run through ``kernels.linear`` (a matrix-vector kernel for one row on
-CUDA, ``F.linear`` otherwise), a layer's q/k/v projections as one product and its gate/up projections as another.
+CUDA, ``F.linear`` otherwise; ``kernels.linear_quantized`` for quantized layers), a layer's q/k/v projections as
+one product and its gate/up projections as another.
 
 At batch 1 a decode step is a stream of matrix-vector products whose time is the bytes of the weights they read;
 a few large products run nearer to the memory bandwidth than many small ones (Llama-3-8B on the H200: q/k/v 16.2
@@ -26,20 +27,29 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..quant import QuantLinear
 from .transformers import SparseKVCache, sparsekv_attention
 
 
 @dataclass(frozen=True)
 class Fused:
-    """Row blocks of one product: weight (sum of outs, in), bias (sum of outs,) or None, and each block's rows."""
+    """Row blocks of one product: weight (sum of outs, in), bias (sum of outs,) or None, and each block's rows. For
+    quantized layers (``QuantLinear``) weight holds the codes and scale, minimum the groups' (rows are
+    independent, so the blocks of codes, scales and minima stack as the weights do)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     sizes: tuple[int, ...]
+    scale: torch.Tensor | None = None
+    minimum: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: (..., in). Returns each block's (..., out_i)."""
-        return kernels.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        if self.scale is None:
+            out = kernels.linear(x, self.weight, self.bias)
+        else:
+            out = kernels.linear_quantized(x, self.weight, self.scale, self.minimum, self.bias)
+        return out.split(self.sizes, dim=-1)
 
 
 @dataclass(frozen=True)
@@ -60,21 +70,29 @@ class Products:
 
 
 def fuse(linears: Sequence[nn.Module]) -> Fused | None:
-    """One weight for ``linears`` (``nn.Linear`` of one input size, all with a bias or none), their weights and
-    biases becoming views of its row blocks; None when a weight is not a plain tensor. A group laid out so already
-    (by an earlier call) is taken as it is, so that no second copy is made."""
-    if not all(type(m) is nn.Linear and type(m.weight) is nn.Parameter for m in linears):
+    """One weight for ``linears`` (``nn.Linear`` of one input size, all with a bias or none; or ``QuantLinear`` of
+    one input size and code width), their weights and biases (codes, scales and minima) becoming views of its row
+    blocks; None when a weight is not a plain tensor. A group laid out so already (by an earlier call) is taken as
+    it is, so that no second copy is made."""
+    if all(type(m) is QuantLinear for m in linears):
+        names = ("codes", "scale", "minimum")
+        if len({m.bits for m in linears}) != 1:
+            return None
+    elif all(type(m) is nn.Linear and type(m.weight) is nn.Parameter for m in linears):
+        names = ("weight",)
+    else:
         return None
     if len({m.in_features for m in linears}) != 1 or len({m.bias is None for m in linears}) != 1:
         return None
     sizes = tuple(m.out_features for m in linears)
     bias = None if linears[0].bias is None else _one_tensor([m.bias for m in linears])
-    return Fused(_one_tensor([m.weight for m in linears]), bias, sizes)
+    tensors = [_one_tensor([getattr(m, name) for m in linears]) for name in names]
+    return Fused(tensors[0], bias, sizes, *tensors[1:])
 
 
-def _one_tensor(params: Sequence[nn.Parameter]) -> torch.Tensor:
-    """The tensor whose consecutive row blocks are ``params``: the one they are views of already, else their
-    concatenation, which they then become views of (``.data``: the same Parameter objects)."""
+def _one_tensor(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensor whose consecutive row blocks are ``params`` (parameters or buffers): the one they are views of
+    already, else their concatenation, which they then become views of (``.data``: the same tensor objects)."""
     whole = _adjacent(params)
     if whole is None:
         whole = torch.cat([p.detach() for p in params])

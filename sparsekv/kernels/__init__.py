@@ -139,6 +139,10 @@ def _linear_fake(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def _linear_quantized_fake(x, codes, scale, minimum, bias=None):
+    return x.new_empty(*x.shape[:-1], scale.shape[0])
+
+
 def _append_token_fake(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, has_holes):
     return None
 
@@ -160,6 +164,7 @@ append_token = _register("append_token", _append_token_fake,
                          mutates=("k", "v", "kmin", "kmax", "slot_page", "cur_slot"))
 raas_update = _register("raas_update", _raas_update_fake, mutates=("slot_page", "stamp"))
 linear = _register("linear", _linear_fake)
+linear_quantized = _register("linear_quantized", _linear_quantized_fake)
 
 
 def fused(fn: Callable) -> Callable:
@@ -186,4 +191,4 @@ weigh_window = reference.weigh_window
 
 __all__ = ["page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",
            "window_token_maxima", "weigh_window", "sparse_decode_tokens", "append_token", "raas_update",
-           "linear", "count_attended", "merge_attention", "observe", "fused", "reference"]
+           "linear", "linear_quantized", "count_attended", "merge_attention", "observe", "fused", "reference"]

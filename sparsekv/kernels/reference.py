@@ -134,6 +134,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
+# Weights in groups of GROUP along the input: w = scale * q + minimum, q an unsigned code of 4 or 8 bits.
+GROUP = 32
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, k: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The (N, k) weight of group-quantized codes: codes (N, G * 16) uint8 of 4 bits (GGUF's order: byte j of a
+    group holds its input j in the low nibble and input j + 16 in the high one) or (N, G * 32) of 8 bits (one byte
+    per input); scale, minimum (N, G), G = ceil(k / GROUP) (the codes of a last group's inputs past k are ignored).
+    ``scale * q + minimum`` is computed in float32 (float64 for ``dtype`` float64), then cast to ``dtype``."""
+    n, groups = scale.shape
+    exact = torch.float64 if dtype == torch.float64 else torch.float32
+    per_group = codes.shape[1] // groups
+    if per_group * groups != codes.shape[1] or per_group not in (GROUP // 2, GROUP) or -(-k // GROUP) != groups:
+        raise ValueError(f"codes of shape {tuple(codes.shape)} and scales of shape {tuple(scale.shape)} do not hold "
+                         f"{k} inputs in groups of {GROUP} of 4 or 8 bits")
+    q = codes.view(n, groups, per_group)
+    if per_group == GROUP // 2:
+        q = torch.cat([q & 15, q >> 4], dim=2)
+    w = q.to(exact) * scale.to(exact).unsqueeze(2) + minimum.to(exact).unsqueeze(2)
+    return w.view(n, groups * GROUP)[:, :k].to(dtype)
+
+
+def linear_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear`` of a group-quantized weight (``dequantize``'s codes, scale, minimum): x (..., K). Returns (..., N)
+    in x's dtype."""
+    weight = dequantize(codes, scale, minimum, x.shape[-1], torch.float64 if x.dtype == torch.float64 else x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def count_attended(slot_page: torch.Tensor, slots: torch.Tensor, seq_len: torch.Tensor, page_size: int) -> torch.Tensor:
     """Tokens each selection row attends in a decode step. slots: (B, Hs, K). Returns (B, Hs) int64."""
     b, hs, _ = slots.shape

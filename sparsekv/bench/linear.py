@@ -1,0 +1,136 @@
+"""The weights' products of a decode step at Llama-3-8B's shapes: group-quantized int4 (``linear_quantized``)
+against bf16 (``linear``), per product and input rows, with the fraction of the copy bandwidth each reaches.
+
+    python -m sparsekv.bench.linear                 # rows 1 4 16, the tuned launch parameters
+    python -m sparsekv.bench.linear --tune          # sweeps the int4 kernel's launch parameters at one row first
+
+Each product runs on enough copies of its weight in rotation (at least 1 GB) that none is read from the L2 cache,
+captured in a CUDA graph; times are per product (median of the graph's replays / copies). A product's bytes are
+its weight's: codes, scales and minima for int4 (0.625 bytes a weight), 2 bytes a weight for bf16. The fraction is
+of the copy bandwidth measured in the same run (bytes read plus written). Writes ``<tag>.json`` and ``<tag>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+from pathlib import Path
+
+import torch
+
+from .. import kernels
+from ..quant import quantize_int4
+from ..timing import Timer
+from .common import copy_bandwidth, device_name, markdown_table, write_results
+
+# Llama-3-8B's products: (out, in).
+SHAPES = {"q/k/v": (6144, 4096), "o": (4096, 4096), "gate/up": (28672, 4096), "down": (4096, 14336),
+          "head": (128256, 4096)}
+ROTATION_BYTES = 2**30
+# The launch parameters swept: of the one-row kernel, and of the several-row one (at 16 rows).
+SWEEPS = {1: {"qgemv_block_n": (1, 2, 4), "qgemv_block_g": (8, 16, 32, 64), "qgemv_warps": (4, 8),
+              "qgemv_stages": (2, 3)},
+          16: {"qgemm_block_n": (32, 64, 128), "qgemm_block_g": (2, 4, 8), "qgemm_warps": (4, 8),
+               "qgemm_stages": (2, 3)}}
+
+
+def weights(n: int, k: int, device: torch.device) -> tuple[list, list]:
+    """Copies of a random (n, k) weight in rotation: int4 (codes, scale, minimum) and bf16 ones."""
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5
+    quantized = quantize_int4(w)
+    copies = max(2, math.ceil(ROTATION_BYTES / sum(t.numel() * t.element_size() for t in quantized)))
+    int4 = [tuple(t.clone() for t in quantized) for _ in range(copies)]
+    bf16 = [w.clone() for _ in range(max(2, math.ceil(ROTATION_BYTES / (w.numel() * 2))))]
+    return int4, bf16
+
+
+def time_products(timer: Timer, x: torch.Tensor, copies: list, quantized: bool) -> float:
+    """Microseconds per product over the copies."""
+    def run():
+        for c in copies:
+            kernels.linear_quantized(x, *c) if quantized else kernels.linear(x, c)
+    return timer.graph(run) * 1e3 / len(copies)
+
+
+def error(x: torch.Tensor, codes, scale, minimum) -> float:
+    """The kernel's relative error against the float64 reference."""
+    exact = kernels.reference.linear_quantized(x.double(), codes, scale, minimum)
+    return ((kernels.linear_quantized(x, codes, scale, minimum).double() - exact).norm() / exact.norm()).item()
+
+
+def tune(device: torch.device, timer: Timer, log) -> dict:
+    """For each kernel, the launch parameters with the least summed time over the shapes (at 1 row, and at 16);
+    sets and returns them."""
+    from ..kernels.triton import TUNING
+
+    sets = {name: weights(n, k, device)[0][:8] for name, (n, k) in SHAPES.items()}  # 8 copies: enough to rank
+    found = {}
+    for rows, sweep in SWEEPS.items():
+        xs = {k: torch.randn(rows, k, device=device, dtype=torch.bfloat16) for _, k in SHAPES.values()}
+        results = []
+        for values in itertools.product(*sweep.values()):
+            TUNING.update(dict(zip(sweep, values)))
+            try:
+                times = {name: time_products(timer, xs[SHAPES[name][1]], c, True) for name, c in sets.items()}
+            except Exception as err:  # a launch the device refuses (registers, shared memory)
+                log(f"{values}: {type(err).__name__}")
+                continue
+            results.append((sum(times.values()), values, times))
+            log(f"rows {rows} {values}: " + ", ".join(f"{n} {t:.1f}" for n, t in times.items()))
+        results.sort(key=lambda r: r[0])
+        best = dict(zip(sweep, results[0][1]))
+        TUNING.update(best)
+        log(f"best at {rows} rows: {best}")
+        found[rows] = {"best": best, "top": [{"params": dict(zip(sweep, v)), "us": t} for _, v, t in results[:10]]}
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sparsekv.bench.linear", description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--tag", default="linear_int4")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    device = torch.device("cuda")
+    timer = Timer(device, reps=20)
+    log = print
+    tuning = tune(device, timer, log) if args.tune else None
+    from ..kernels.triton import TUNING
+
+    bandwidth = copy_bandwidth(device, timer)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        int4, bf16 = weights(n, k, device)
+        q_bytes = sum(t.numel() * t.element_size() for t in int4[0])
+        for m in args.rows:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            q_us = time_products(timer, x, int4, True)
+            b_us = time_products(timer, x, bf16, False)
+            row = {"product": name, "n": n, "k": k, "rows": m, "int4_us": q_us, "bf16_us": b_us,
+                   "int4_floor_us": q_bytes / bandwidth * 1e6, "bf16_floor_us": n * k * 2 / bandwidth * 1e6,
+                   "int4_bandwidth": q_bytes / (q_us * 1e-6) / bandwidth, "error": error(x, *int4[0])}
+            rows.append(row)
+            log(f"{name} rows {m}: int4 {q_us:.1f} us ({row['int4_bandwidth']:.0%} of copy bandwidth, floor "
+                f"{row['int4_floor_us']:.1f}), bf16 {b_us:.1f} us; error {row['error']:.1e}")
+        del int4, bf16
+        torch.cuda.empty_cache()
+    meta = {"device": device_name(device), "copy_bandwidth_GBs": bandwidth / 1e9,
+            "tuning": {k: v for k, v in TUNING.items() if k.startswith("qgemv")}, "torch": torch.__version__}
+    columns = [("product", "product", "{}"), ("out x in", lambda r: f"{r['n']} x {r['k']}", "{}"),
+               ("rows", "rows", "{}"), ("int4 us", "int4_us", "{:.1f}"), ("int4 floor us", "int4_floor_us", "{:.1f}"),
+               ("of copy bandwidth", "int4_bandwidth", "{:.0%}"), ("bf16 us", "bf16_us", "{:.1f}"),
+               ("bf16 / int4", lambda r: r["bf16_us"] / r["int4_us"], "{:.2f}"), ("rel. error", "error", "{:.1e}")]
+    lines = [f"# int4 products at Llama-3-8B's shapes ({meta['device']}, copy bandwidth "
+             f"{bandwidth / 1e12:.2f} TB/s)", "", f"Launch parameters: {meta['tuning']}", "",
+             *markdown_table(columns, rows)]
+    write_results(args.out, args.tag, meta, rows, lines, tuning=tuning)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,212 @@
+"""Group-quantized weights: the op's Triton kernel against the float64 reference on awkward shapes (in Triton's CPU
+interpreter without a GPU), int4 quantization, GGUF's Q4_0 / Q4_1 / Q8_0 blocks bit-exact against gguf's own
+dequantization, a GGUF file written here run on its own blocks, and the engine on int4 weights against ``apply`` +
+``model.generate`` of the same quantized model."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from sparsekv import DenseConfig, QuantLinear, QuestConfig, models
+from sparsekv.engine import Engine
+from sparsekv.errors import ConfigError
+from sparsekv.integrations.decode import fuse
+from sparsekv.kernels import reference as ref
+from sparsekv.quant import gguf_blocks, layer_linears, quantize_int4, quantize_model
+from sparsekv.tiny import tiny_model
+from test_engine import CONFIGS, NEW, prompts, reference
+
+ON_GPU = torch.cuda.is_available()
+DEV = torch.device("cuda" if ON_GPU else "cpu")
+F64 = torch.float64
+
+
+def random_codes(n, k, bits, seed):
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // 32)
+    codes = torch.randint(0, 256, (n, groups * 4 * bits), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n, groups, generator=g) * 0.1 / k ** 0.5).half()
+    minimum = (-torch.rand(n, groups, generator=g) * 0.1 * 2 ** bits / k ** 0.5).half()
+    return codes.to(DEV), scale.to(DEV), minimum.to(DEV)
+
+
+@pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1", reason="no GPU and no interpreter")
+@pytest.mark.parametrize("bits, rows, n, k, bias, dtype", [
+    (4, 1, 5, 96, False, torch.bfloat16), (4, 3, 33, 1000, True, torch.float32),
+    (4, 16, 7, 32 * 7, True, torch.bfloat16), (4, 9, 33, 1000, False, torch.bfloat16),
+    (8, 1, 33, 1000, True, torch.bfloat16),
+    (8, 16, 5, 96, False, torch.float32), (8, 3, 7, 32 * 7, True, torch.bfloat16)])
+def test_kernel_matches_float64_reference(bits, rows, n, k, bias, dtype, monkeypatch):
+    from sparsekv.kernels import triton as tops
+
+    # Slices of 2 groups: an odd group count (3, 7) leaves a partial slice, k=1000 a partial group; blocks of 4
+    # (one row) or 16 (several) output rows leave a partial block for n=5, 33, 7.
+    for name, value in (("qgemv_block_g", 2), ("qgemv_block_n", 4), ("qgemm_block_g", 2), ("qgemm_block_n", 16)):
+        monkeypatch.setitem(tops.TUNING, name, value)
+    codes, scale, minimum = random_codes(n, k, bits, seed=n * k + rows)
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    x = torch.randn(rows, k, generator=g, device=DEV).to(dtype)
+    b = torch.randn(n, generator=g, device=DEV).to(dtype) if bias else None
+    exact = ref.linear_quantized(x.to(F64), codes, scale, minimum, None if b is None else b.to(F64))
+    out = tops.linear_quantized(x, codes, scale, minimum, b)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    torch_err = (ref.linear_quantized(x.float(), codes, scale, minimum, None if b is None else b.float())
+                 .to(dtype).to(F64) - exact).norm() / exact.norm()
+    assert ((out.to(F64) - exact).norm() / exact.norm()).item() <= 2 * torch_err.item() + 1e-6
+
+
+def test_more_rows_than_the_kernel_takes_run_the_reference():
+    pytest.importorskip("triton")
+    from sparsekv.kernels import triton as tops
+
+    codes, scale, minimum = random_codes(6, 64, 4, seed=1)
+    x = torch.randn(2, 17, 64, device=DEV)
+    assert torch.equal(tops.linear_quantized(x, codes, scale, minimum), ref.linear_quantized(x, codes, scale, minimum))
+
+
+@pytest.mark.parametrize("k", [64, 100])
+def test_int4_round_trip(k):
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(9, k, generator=g)
+    w[0, :32] = 0.25  # a constant group: scale 0, exact
+    codes, scale, minimum = quantize_int4(w)
+    assert codes.shape == (9, -(-k // 32) * 16) and codes.dtype == torch.uint8
+    back = ref.dequantize(codes, scale, minimum, k)
+    assert torch.equal(back[0, :32], w[0, :32])
+    step = scale.float().repeat_interleave(32, dim=1)[:, :k]
+    assert ((back - w).abs() <= step * 0.5 + 1e-3).all()  # half a step, plus fp16's rounding of the minimum
+    assert ((back - w).abs().mean() / w.abs().mean()) < 0.1
+
+
+def test_dequantize_refuses_mismatched_shapes():
+    codes, scale, minimum = random_codes(4, 64, 4, seed=0)
+    with pytest.raises(ValueError, match="do not hold 100 inputs in groups of 32"):
+        ref.dequantize(codes, scale, minimum, 100)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_are_bit_exact(kind):
+    gguf = pytest.importorskip("gguf")
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    data = (np.random.default_rng(0).standard_normal((12, 32 * 5)) * 0.05).astype(np.float32)
+    blocks = gguf.quants.quantize(data, qtype)
+    codes, scale, minimum = gguf_blocks(blocks, kind)
+    ours = ref.dequantize(codes, scale, minimum, data.shape[1])
+    assert torch.equal(ours, torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy()))
+
+
+def test_fused_quantized_products_are_views_and_equal_the_modules():
+    torch.manual_seed(0)
+    linears = [QuantLinear(*quantize_int4(torch.randn(n, 64)), None, 64) for n in (32, 16, 16)]
+    x = torch.randn(1, 1, 64)
+    separate = [m(x) for m in linears]
+    fused = fuse(linears)
+    assert fused is not None and fused.weight.shape == (64, 32) and fused.scale.shape == (64, 2)
+    assert linears[1].codes.data_ptr() == fused.weight[32].data_ptr()  # the modules' codes are views
+    for a, b in zip(fused(x), separate):
+        torch.testing.assert_close(a, b)
+    eight = QuantLinear(torch.zeros(16, 64, dtype=torch.uint8), *torch.zeros(2, 16, 2).half(), None, 64)
+    assert fuse([linears[0], eight]) is None  # different code widths
+    assert fuse([linears[0], nn.Linear(64, 8)]) is None
+
+
+@pytest.fixture(scope="module")
+def int4_model():
+    m = tiny_model("llama", seed=1)
+    m.generation_config.eos_token_id = None
+    assert quantize_model(m, "int4") == 4 * 7  # q, k, v, o, gate, up, down of 4 layers
+    return m
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_engine_on_int4_weights_equals_generate(int4_model, name):
+    config = CONFIGS[name]
+    rows = prompts()
+    expected = reference(int4_model, config, rows)
+    engine = Engine(int4_model, config, max_batch=2, max_context=512, prefill_chunk=64, weights="int4")
+    assert engine.generate(rows, NEW, stop_tokens=()).tokens == expected
+
+
+def test_engine_quantizes_and_a_covering_budget_is_dense():
+    model = tiny_model("qwen3", seed=2)
+    model.generation_config.eos_token_id = None
+    rows = prompts((90,))
+    engine = Engine(model, DenseConfig(), max_context=256, weights="int4")
+    mlp = model.model.layers[0].mlp
+    assert {type(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)} == {QuantLinear}
+    assert not any(type(m) is nn.Linear for m in model.model.layers.modules())
+    dense = engine.generate(rows, NEW, stop_tokens=()).tokens
+    quest = Engine(model, QuestConfig(token_budget=128, dense_layers=0), max_context=256, weights="int4")
+    assert quest.generate(rows, NEW, stop_tokens=()).tokens == dense
+
+
+def test_weights_option_is_checked():
+    model = tiny_model("llama", seed=1)
+    with pytest.raises(ConfigError, match="weights"):
+        Engine(model, DenseConfig(), max_context=256, weights="int8")
+    with pytest.raises(ConfigError, match="gguf: GGUF files only"):
+        models.load_model("tiny:llama", "cpu", weights="gguf")
+    loaded = models.load_model("tiny:llama", "cpu", weights="int4")
+    assert type(loaded.model.model.layers[0].self_attn.q_proj) is QuantLinear
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory):
+    """The tiny GGUF Llama of test_models_gguf with its attention weights in Q4_0 (q, o), Q4_1 (k, v) and its MLP
+    in Q8_0 (gate, up) and Q4_1 (down)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from test_models_gguf import write_tiny_gguf
+
+    kinds = {"attn_q": "Q4_0", "attn_output": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q4_1", "ffn_gate": "Q8_0",
+             "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4.gguf", kinds=kinds)
+
+
+def test_gguf_blocks_run_as_the_dequantized_model(quantized_gguf):
+    floats = models.load_model(str(quantized_gguf), "cpu")
+    blocks = models.load_model(str(quantized_gguf), "cpu", weights="gguf")
+    layer = blocks.model.model.layers[1]
+    assert {type(m) for m in (layer.self_attn.q_proj, layer.mlp.gate_proj, layer.mlp.down_proj)} == {QuantLinear}
+    assert (layer.self_attn.q_proj.bits, layer.self_attn.k_proj.bits, layer.mlp.up_proj.bits) == (4, 4, 8)
+    quantized = dict(layer_linears(blocks.model))
+    for name, linear in layer_linears(floats.model):
+        assert torch.equal(quantized[name].dequantized(), linear.weight)  # bit-exact, q and k rows permuted
+    ids = blocks.tokenizer("The grass is green. " * 10, return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(blocks.model(ids).logits, floats.model(ids).logits, rtol=1e-5, atol=1e-5)
+    config = QuestConfig(token_budget=64, page_size=16, dense_layers=0)
+    want = Engine(floats.model, config, max_context=512).generate([ids[0].tolist()], 8, stop_tokens=()).tokens
+    assert Engine(blocks.model, config, max_context=512).generate([ids[0].tolist()], 8, stop_tokens=()).tokens == want
+
+
+def test_gguf_weights_need_quantized_blocks(tmp_path):
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from test_models_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "float.gguf")
+    with pytest.raises(ConfigError, match="no Q4_0, Q4_1 or Q8_0 layer weights"):
+        models.load_model(str(path), "cpu", weights="gguf")
+
+
+def test_cli_and_eval_take_weights(quantized_gguf, tmp_path, capsys):
+    from sparsekv.cli import main
+    from sparsekv.eval import EvalSpec, TaskOptions, run_eval
+
+    assert main(["generate", "--model", str(quantized_gguf), "--weights", "gguf", "--method", "quest", "--budget",
+                 "32", "--opt", "dense_layers=0", "--prompt", "The grass is green. " * 8, "--max-new-tokens", "4"]) == 0
+    assert "4 new tokens, decode" in capsys.readouterr().err
+    out = run_eval(EvalSpec(task="passkey", methods=["dense"], lengths=[320], depths=[0.5], limit=1,
+                            model="tiny:llama", weights="int4", out=str(tmp_path / "out"), plots=False,
+                            options=TaskOptions(max_new_tokens=2)), log=lambda *_: None, progress=False)
+    record = json.loads((out / "results.jsonl").read_text().splitlines()[0])
+    assert record["settings"]["weights"] == "int4"
+    with pytest.raises(ConfigError, match="weights"):
+        EvalSpec(task="passkey", weights="int8")

@@ -2,12 +2,13 @@
 
 from .errors import ConfigError
 from .integrations import DecodeStats, Session, SparseKVCache, apply
-from .methods import (METHODS, DenseConfig, H2OConfig, MethodConfig, OmniKVConfig, QuestConfig, RaaSConfig,
-                      SnapKVConfig, StreamingLLMConfig, TOVAConfig)
+from .methods import (METHODS, DenseConfig, H2OConfig, MethodConfig, OmniKVConfig, OracleConfig, QuestConfig,
+                      RaaSConfig, SnapKVConfig, StreamingLLMConfig, TOVAConfig)
 from .spec import build_config
 
 __version__ = "0.1.0"
 
 __all__ = ["apply", "build_config", "ConfigError", "DecodeStats", "Session", "SparseKVCache", "METHODS",
            "MethodConfig", "DenseConfig", "QuestConfig", "StreamingLLMConfig", "H2OConfig", "TOVAConfig",
-           "SnapKVConfig", "OmniKVConfig", "RaaSConfig", "__version__"]
+           "SnapKVConfig", "OmniKVConfig", "RaaSConfig", "OracleConfig",
+           "__version__"]

@@ -7,7 +7,7 @@ import torch
 
 import sparsekv
 from graph_replay import emulated_graph
-from sparsekv import (DenseConfig, H2OConfig, OmniKVConfig, QuestConfig, RaaSConfig, SnapKVConfig,
+from sparsekv import (DenseConfig, H2OConfig, OmniKVConfig, OracleConfig, QuestConfig, RaaSConfig, SnapKVConfig,
                       StreamingLLMConfig, TOVAConfig)
 from sparsekv import engine as engine_module
 from sparsekv.engine import Engine, Sampling
@@ -26,6 +26,9 @@ CONFIGS = {
     "h2o": H2OConfig(token_budget=64),
     "tova": TOVAConfig(token_budget=64),
     "snapkv": SnapKVConfig(token_budget=64, window=8),
+    "oracle": OracleConfig(token_budget=64, page_size=16, dense_layers=1),
+    "oracle-tokens": OracleConfig(token_budget=48, page_size=8, dense_layers=0, granularity="token",
+                                  per_query_head=True),
 }
 
 

@@ -2,8 +2,8 @@
 
 from .errors import ConfigError
 from .integrations import DecodeStats, Session, SparseKVCache, apply
-from .methods import (METHODS, DenseConfig, H2OConfig, MethodConfig, OmniKVConfig, OracleConfig, QuestConfig,
-                      RaaSConfig, SnapKVConfig, StreamingLLMConfig, TOVAConfig)
+from .methods import (METHODS, DenseConfig, H2OConfig, LowBitConfig, MethodConfig, OmniKVConfig, OracleConfig,
+                      QuestConfig, RaaSConfig, SnapKVConfig, StreamingLLMConfig, TOVAConfig)
 from .spec import build_config
 
 __version__ = "0.1.0"
@@ -11,4 +11,4 @@ __version__ = "0.1.0"
 __all__ = ["apply", "build_config", "ConfigError", "DecodeStats", "Session", "SparseKVCache", "METHODS",
            "MethodConfig", "DenseConfig", "QuestConfig", "StreamingLLMConfig", "H2OConfig", "TOVAConfig",
            "SnapKVConfig", "OmniKVConfig", "RaaSConfig", "OracleConfig",
-           "__version__"]
+           "LowBitConfig", "__version__"]

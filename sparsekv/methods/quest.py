@@ -46,6 +46,11 @@ class QuestConfig(MethodConfig):
 class Quest(Method):
     config: QuestConfig
 
+    def page_scores(self, layer_idx, q, layer, seq_len, scale):
+        """The bounds this method ranks pages by, (B, Hs, C + 1), -inf for free slots (see ``kernels.page_scores``);
+        for ``sparsekv.eval.selection``."""
+        return kernels.page_scores(q, layer.kmin, layer.kmax, layer.slot_page, self.config.per_query_head)
+
     def select(self, layer_idx, q, layer, seq_len):
         if layer_idx < self.config.dense_layers:
             return all_slots(layer)

@@ -38,6 +38,8 @@ from triton import knobs
 # gemv_*: the weights' products of one input row (``linear``): programs of gemv_block_n output rows read them in
 # pipelined slices of gemv_block_k inputs (one row per program: the most loads in flight; the best of 240 launches
 # swept per Llama-3-8B shape, or within 0.4 us of it); inputs longer than gemv_max_in (not measured) go to cuBLAS.
+# coded_*: page scores from low-bit key codes (``coded``), not yet tuned on a GPU: programs of coded_block tokens
+# (coded_block / page_size pages), coded_warps warps.
 # append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
 # starts a page in a cache with freed slots), with append_warps warps.
 TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
@@ -53,6 +55,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "window_programs_per_sm": 4,
           "raas_block": 1024, "raas_warps": 4, "raas_cand": 16,
           "gemv_block_n": 1, "gemv_block_k": 2048, "gemv_warps": 4, "gemv_stages": 2, "gemv_max_in": 16384,
+          "coded_block": 128, "coded_warps": 4,
           "append_search": 4096, "append_warps": 4}
 
 LOG2E = 1.4426950408889634

@@ -12,7 +12,7 @@ from sparsekv.errors import ConfigError
 from sparsekv.kernels import reference as ref
 from sparsekv.methods import METHODS, LowBitConfig, QuestConfig
 from sparsekv.methods.base import Tally
-from sparsekv.methods.lowbit import CODES
+from sparsekv.methods.lowbit import codes_entry
 
 F64 = torch.float64
 
@@ -86,7 +86,7 @@ def test_method_codes_every_page_it_holds_through_decoding():
         calls = []
         with kernels.observe(lambda name, a, r: calls.append(a["slots"]) if name == "sparse_decode" else 0):
             method.decode(0, torch.randn(b, h, d), layer, pages.seq_len, d ** -0.5, Tally(b, keys.device))
-        codes = layer.slot_state[CODES]
+        codes = layer.slot_state[codes_entry(2)]
         held = layer.slot_page >= 0
         assert torch.equal(codes[held], ref.key_codes(layer.k, layer.kmin, layer.kmax, 2)[held])
         assert calls[0].shape == (b, hkv, 2) and (calls[0] == layer.cur_slot.unsqueeze(-1)).any(-1).all()

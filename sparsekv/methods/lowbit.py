@@ -32,7 +32,11 @@ from ..kernels import reference
 from .base import Method, attend_all, require
 from .quest import QuestConfig
 
-CODES = "key_codes"  # the slot_state entry that holds a layer's codes
+
+def codes_entry(bits: int) -> str:
+    """The ``slot_state`` entry that holds a layer's codes of ``bits`` bits (one per width, so that methods of
+    different widths can score one cache side by side, as ``sparsekv.eval.selection`` does)."""
+    return f"key_codes_{bits}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,13 +77,14 @@ class LowBit(Method):
 
     def prefill(self, layer_idx, q, layer, plan, scale):
         if layer_idx >= self.config.dense_layers:
-            reference.check_code_bits(self.config.bits, layer.k.shape[-1])
-            layer.slot_state[CODES] = reference.key_codes(layer.k, layer.kmin, layer.kmax, self.config.bits)
+            bits = self.config.bits
+            reference.check_code_bits(bits, layer.k.shape[-1])
+            layer.slot_state[codes_entry(bits)] = reference.key_codes(layer.k, layer.kmin, layer.kmax, bits)
 
     def page_scores(self, layer_idx, q, layer, seq_len, scale):
         """Each page's estimated log share of the attention, (B, Hs, C + 1), -inf for free slots, after coding
         the current page's keys (``kernels.coded_scores``)."""
-        codes = layer.slot_state[CODES]
+        codes = layer.slot_state[codes_entry(self.config.bits)]
         slot = layer.cur_slot.clamp(min=0)
         new = page_codes(layer.k, layer.kmin, layer.kmax, slot, self.config.bits)
         codes.scatter_(2, slot.view(*slot.shape, 1, 1, 1).expand(*slot.shape, 1, *codes.shape[3:]), new.unsqueeze(2))

@@ -38,6 +38,10 @@ class OracleConfig(QuestConfig):
         require(self.granularity in GRANULARITIES, "granularity", f"one of {', '.join(GRANULARITIES)}",
                 self.granularity)
 
+    def metadata_bytes(self, head_dim: int, itemsize: int) -> int:
+        """Per page and KV head a step reads every key of the page (the dense attention it ranks by)."""
+        return self.page_size * head_dim * itemsize
+
     def method_class(self):
         return Oracle
 

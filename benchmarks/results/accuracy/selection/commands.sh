@@ -16,3 +16,9 @@ python -m sparsekv.eval --task niah --methods $M --lengths 1024 --depths 0.1 0.3
     --out $OUT/niah
 python -m sparsekv.eval --task niah --methods $M --lengths 2048 --depths 0.1 0.3 0.5 0.7 0.9 --limit 1 $COMMON \
     --out $OUT/niah
+
+# The project's model: Quest's pass-key claim at budget 64 (benchmarks/results/accuracy/passkey), rerun with the
+# oracle and the coded selection beside it.
+python -m sparsekv.eval --task passkey --methods dense quest oracle lowbit --budgets 64 --lengths 4096 \
+    --depths 0 0.25 0.5 0.75 1 --limit 2 --seed 0 --model models/sparsekv-llama-16m --dtype auto --chat off \
+    --no-progress --out $OUT/passkey

@@ -30,3 +30,9 @@ for T in ${TASKS:-"ruler_niah_single_1 ruler_niah_multivalue ruler_niah_multique
                 --chat off --no-progress --out $OUT/passkey ;;
     esac
 done
+
+# Two more budgets of the earlier grid on the noise-haystack needle.
+if [ -n "$MORE_BUDGETS" ]; then
+    python -m sparsekv.eval --task ruler_niah_single_1 --methods quest oracle lowbit --lengths 1024 --limit 6 \
+        ${COMMON/--budgets 64 256/--budgets 128 512} --out $OUT/ruler_niah_single_1
+fi

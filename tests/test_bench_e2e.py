@@ -8,11 +8,13 @@ from sparsekv.bench.e2e import main
 
 
 def test_e2e_bench_smoke(tmp_path):
-    assert main(["--model", "tiny:llama", "--contexts", "96", "--methods", "dense", "quest", "--budget", "32",
-                 "--new-tokens", "4", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert main(["--model", "tiny:llama", "--contexts", "96", "--methods", "dense", "quest", "lowbit", "--budget",
+                 "32", "--new-tokens", "4", "--device", "cpu", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["dense", "quest"]
+    assert [r["method"] for r in rows] == ["dense", "quest", "lowbit"]
     assert rows[1]["attended_per_head"] < rows[0]["attended_per_head"]
+    # Page metadata read per step: none for dense; the 2-bit codes add to Quest's min/max.
+    assert rows[0]["metadata_mib"] == 0 and 0 < rows[1]["metadata_mib"] < rows[2]["metadata_mib"]
     assert "| quest | 32 | 96 |" in (tmp_path / "e2e.md").read_text()
 
 

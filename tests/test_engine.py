@@ -7,8 +7,8 @@ import torch
 
 import sparsekv
 from graph_replay import emulated_graph
-from sparsekv import (DenseConfig, H2OConfig, OmniKVConfig, QuestConfig, RaaSConfig, SnapKVConfig,
-                      StreamingLLMConfig, TOVAConfig)
+from sparsekv import (DenseConfig, H2OConfig, LowBitConfig, OmniKVConfig, OracleConfig, QuestConfig, RaaSConfig,
+                      SnapKVConfig, StreamingLLMConfig, TOVAConfig)
 from sparsekv import engine as engine_module
 from sparsekv.engine import Engine, Sampling
 from sparsekv.tiny import tiny_model
@@ -26,6 +26,12 @@ CONFIGS = {
     "h2o": H2OConfig(token_budget=64),
     "tova": TOVAConfig(token_budget=64),
     "snapkv": SnapKVConfig(token_budget=64, window=8),
+    "oracle": OracleConfig(token_budget=64, page_size=16, dense_layers=1),
+    "oracle-tokens": OracleConfig(token_budget=48, page_size=8, dense_layers=0, granularity="token",
+                                  per_query_head=True),
+    "lowbit": LowBitConfig(token_budget=64, page_size=16, dense_layers=1),
+    "lowbit-1bit-per-query-head": LowBitConfig(token_budget=48, page_size=8, dense_layers=0, bits=1,
+                                               per_query_head=True),
 }
 
 
@@ -181,7 +187,7 @@ def test_cuda_graph_replays_the_eager_tokens(name):
     assert captured.stats == pytest.approx(eager.stats)
 
 
-@pytest.mark.parametrize("name", ["quest", "raas", "h2o", "omnikv"])
+@pytest.mark.parametrize("name", ["quest", "raas", "h2o", "omnikv", "lowbit"])
 def test_forced_tokens_go_through_the_decode_path(model, name):
     """Forced tokens are fed one per decode step after the prompt (the question of a pass-key sample), as a plain
     loop of ``model`` calls inside ``apply`` does; the new tokens follow them, also captured."""

@@ -9,7 +9,7 @@ from sparsekv.cache import PagedKVCache
 from sparsekv.kernels import reference as ref
 
 B, H, HKV, D, P = 2, 4, 2, 8, 4
-OPS = ("page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",
+OPS = ("page_scores", "select_pages", "quest_select", "coded_scores", "sparse_decode", "attend", "attend_with_weights",
        "window_token_maxima", "sparse_decode_tokens", "append_token", "raas_update")
 
 
@@ -42,6 +42,8 @@ def op_args(dtype=torch.float32):
         "page_scores": (q, layer.kmin, layer.kmax, layer.slot_page, True),
         "select_pages": (scores, layer.cur_slot, 2),
         "quest_select": (q, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot, 3, False),
+        "coded_scores": (q, layer.kmin, layer.kmax, ref.key_codes(layer.k, layer.kmin, layer.kmax, 2),
+                         layer.slot_page, seq_len, 0.3, 2, True),
         "sparse_decode": (q, layer.k, layer.v, layer.slot_page, slots, seq_len, 0.3),
         "attend": (q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots, q_pos, 0.3),
         "attend_with_weights": (q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots, q_pos, 0.3),

@@ -526,3 +526,25 @@ def test_linear_of_one_row_matches_reference(n, k, bias, block_n, dtype, monkeyp
     assert rel_err(out, exact) <= 2 * torch_err + 1e-6
     rows = torch.randn(3, k, generator=g, device=DEV).to(dtype)  # several rows: F.linear
     assert torch.equal(tops.linear(rows, w, b), torch.nn.functional.linear(rows, w, b))
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # pages without tokens
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", SHAPES)
+def test_coded_scores(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, dtype, bits):
+    """Page scores from low-bit key codes against float64 on the same codes: free slots -inf, and only they
+    (pages scattered over the slots, partial last pages, padded rows of several lengths)."""
+    k, _, kmin, kmax, slot_page, _, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths, dtype)
+    codes = ref.key_codes(k, kmin, kmax, bits)
+    q = torch.randn(batch, heads, head_dim, device=DEV).to(dtype)
+    scale = head_dim ** -0.5
+    scores = tops.coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_head)
+    exact = ref.coded_scores(*up(q, kmin, kmax), codes, slot_page, seq_len, scale, bits, per_head)
+    assert scores.shape == exact.shape and scores.dtype == torch.float32
+    assert torch.equal(scores.isinf(), exact.isinf()), "free slots must score -inf, and only they"
+    fin = exact.isfinite()
+    torch_err = rel_err(ref.coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_head)[fin],
+                        exact[fin])
+    # On the GPU the dequantized keys enter the product in the cache's dtype (tensor cores), rounding them once.
+    assert rel_err(scores[fin], exact[fin]) <= 2 * torch_err + (1e-2 if dtype != torch.float32 else 1e-6)

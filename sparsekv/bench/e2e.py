@@ -111,10 +111,27 @@ def random_fill(model):
     return fill
 
 
+def metadata_bytes(model, config, context: int, batch: int) -> int:
+    """Bytes of page metadata a decode step reads to choose pages, over all processes of tensor parallelism: per
+    scored page and KV head, Quest's bounds and what its variants read besides or instead (``metadata_bytes`` of
+    the config: the codes of ``lowbit``, every key for ``oracle``), RaaS's bounds in every layer."""
+    cfg = model.config
+    itemsize = next(model.parameters()).element_size()
+    kv_heads, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if isinstance(config, QuestConfig):
+        scored, per_page = layers - config.dense_layers, config.metadata_bytes(head_dim, itemsize)
+    elif isinstance(config, RaaSConfig):
+        scored, per_page = layers, 2 * head_dim * itemsize
+    else:
+        return 0
+    return scored * batch * kv_heads * math.ceil(context / config.page_size) * per_page
+
+
 def step_bytes(model, config, stats: dict, context: int, batch: int) -> int:
     """Bytes a decode step must read, over all processes of tensor parallelism: the weights (less the embedding
-    table, of which it reads B rows), the KV tokens it attends (the statistics' mean per layer and KV head), Quest's
-    page bounds where pages are scored, and OmniKV's filter-layer keys, read again to score the prompt."""
+    table, of which it reads B rows), the KV tokens it attends (the statistics' mean per layer and KV head), the
+    page metadata (``metadata_bytes``), and OmniKV's filter-layer keys, read again to score the prompt."""
     cfg = model.config
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     weights += sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, QuantLinear)
@@ -124,10 +141,8 @@ def step_bytes(model, config, stats: dict, context: int, batch: int) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     token = kv_heads * head_dim * itemsize  # one token's key (or value) in one layer
     kv = stats["attended_per_head"] * layers * batch * 2 * token
-    scored = {QuestConfig: layers - getattr(config, "dense_layers", 0), RaaSConfig: layers}.get(type(config), 0)
-    bounds = scored * batch * 2 * math.ceil(context / config.page_size) * token
     rescored = len(config.layers_for(layers)) * batch * context * token if isinstance(config, OmniKVConfig) else 0
-    return int(weights + kv + bounds + rescored)
+    return int(weights + kv + metadata_bytes(model, config, context, batch) + rescored)
 
 
 def engine_row(model, config, label: str, context: int, batch: int, args, device, bandwidth: float | None) -> dict:
@@ -150,6 +165,7 @@ def engine_row(model, config, label: str, context: int, batch: int, args, device
             "prefill_tokens_per_s": batch * context / out.prefill_seconds if real else None,
             "decode_ms": ms, "tokens_per_s": 1e3 * batch / ms, "floor_ms": floor_ms,
             "x_floor": None if floor_ms is None else ms / floor_ms,
+            "metadata_mib": metadata_bytes(model, config, context, batch) / 2**20,
             "captured": out.captured, "attended_per_head": out.stats["attended_per_head"],
             "kv_device_gib": out.kv_device_bytes / 2**30, "kv_host_gib": out.kv_host_bytes / 2**30,
             "peak_device_gib": None if out.peak_device_bytes is None else out.peak_device_bytes / 2**30,
@@ -245,7 +261,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("decode ms/step", "decode_ms", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
                *([("floor ms", "floor_ms", "{:.2f}"), ("x floor", "x_floor", "{:.2f}")] if gpu else []),
                ("vs dense", "vs_dense", "{:.2f}x"), ("vs transformers eager", "vs_transformers", "{:.2f}x"),
-               ("vs compiled", "vs_compiled", "{:.2f}x"), ("peak GiB", "peak_device_gib", "{:.1f}"),
+               ("vs compiled", "vs_compiled", "{:.2f}x"), ("metadata MiB/step", "metadata_mib", "{:.1f}"),
+               ("peak GiB", "peak_device_gib", "{:.1f}"),
                ("KV device GiB", "kv_device_gib", "{:.2f}"), ("KV host GiB", "kv_host_gib", "{:.2f}")]
     weights = "" if meta.get("weights", "float") == "float" else f", {meta['weights']} weights"
     lines = [f"# End-to-end decode ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
@@ -387,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         floor = "" if bandwidth is None else f"x floor {fmt(row['x_floor'])}, "
         say(f"{row['spec']:>24} ctx {row['context']:>7} b {row['batch']}: {row['decode_ms']:.2f} ms/step "
             f"({row['tokens_per_s']:.1f} tok/s, {floor}fill {row['fill']}), "
+            f"metadata {fmt(row.get('metadata_mib'), '{:.1f}')} MiB/step, "
             f"peak {fmt(row['peak_device_gib'], '{:.1f}')} GiB")
 
     # transformers' loops first, at batch 1: their caches grow by copying, which needs twice the KV memory.

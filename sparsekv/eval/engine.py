@@ -52,23 +52,29 @@ class Engine:
         models.check_context(self.model, tokens, "use smaller --lengths or --max-new-tokens")
 
     def _decoder(self, tokens: int) -> DecodeEngine:
-        """The decode engine for a sample of ``tokens`` tokens in all; the recall probe syncs with the host in every
-        step, so with it the step is not captured."""
+        """The decode engine for a sample of ``tokens`` tokens in all; a probe (``syncs_host``: the recall and the
+        selection probes) syncs with the host in every step, so with it the step is not captured."""
         return DecodeEngine(self.model, self.config, max_context=tokens,
-                            cuda_graph=False if isinstance(self.config, RecallConfig) else None)
+                            cuda_graph=False if getattr(self.config, "syncs_host", False) else None)
 
-    def generate(self, sample: Sample) -> dict:
+    def run(self, sample: Sample):
         """Greedy generation through the decode engine (the question fed through the decode steps); returns the
-        prediction and the run's measurements."""
+        engine's ``Generation`` (its ``method`` holds what a probe measured) and the prompt's token count."""
         ctx, question = self._ids(sample)
         total = len(ctx) + len(question) + sample.max_new_tokens
         self.check_length(total)
         eos = self.tokenizer.eos_token_id
         out = self._decoder(total).generate([ctx], sample.max_new_tokens, forced=[question] if question else None,
                                             stop_tokens=() if eos is None else [eos])
+        return out, len(ctx) + len(question)
+
+    def generate(self, sample: Sample) -> dict:
+        """``run``: the prediction and the run's measurements."""
+        out, prompt_tokens = self.run(sample)
+        eos = self.tokenizer.eos_token_id
         new = out.tokens[0]
         text = self.tokenizer.decode([t for t in new if t != eos], skip_special_tokens=True)
-        return {"prediction": text, "prompt_tokens": len(ctx) + len(question), "new_tokens": len(new),
+        return {"prediction": text, "prompt_tokens": prompt_tokens, "new_tokens": len(new),
                 **self._measures(out)}
 
     def perplexity(self, ids: list[int], prefill: int) -> dict:

@@ -21,6 +21,7 @@ diagnostic only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -34,6 +35,7 @@ class RecallConfig(MethodConfig):
     """``inner``: the method whose attention recall is measured; its page size is used."""
 
     inner: MethodConfig
+    syncs_host: ClassVar[bool] = True  # reads every step on the host: never captured in a CUDA graph
 
     def __post_init__(self):
         if not isinstance(self.inner, MethodConfig):
@@ -173,7 +175,8 @@ TOKEN_OPS = ("sparse_decode_tokens",)
 OBSERVED = (*SLOT_OPS, *TOKEN_OPS)
 # Ops of ``kernels`` that attend nothing (scores, selection, bookkeeping); any other op met in a decode step is an
 # attention the probe cannot read, and is refused rather than left out of the recall.
-NOT_ATTENTION = {"page_scores", "select_pages", "quest_select", "window_token_maxima", "append_token", "raas_update"}
+NOT_ATTENTION = {"page_scores", "select_pages", "quest_select", "coded_scores", "window_token_maxima", "append_token",
+                 "raas_update"}
 
 
 def _observing_attention(calls: list):

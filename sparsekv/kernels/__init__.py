@@ -143,6 +143,10 @@ def _linear_quantized_fake(x, codes, scale, minimum, bias=None):
     return x.new_empty(*x.shape[:-1], scale.shape[0])
 
 
+def _coded_scores_fake(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head=False):
+    return _page_scores_fake(q, kmin, kmax, slot_page, per_query_head)
+
+
 def _append_token_fake(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, has_holes):
     return None
 
@@ -155,6 +159,7 @@ def _raas_update_fake(scores, slot_page, cur_slot, stamp, step, seq_len, limit, 
 page_scores = _register("page_scores", _page_scores_fake)
 select_pages = _register("select_pages", _select_pages_fake)
 quest_select = _register("quest_select", _quest_select_fake)
+coded_scores = _register("coded_scores", _coded_scores_fake)
 sparse_decode = _register("sparse_decode", _sparse_decode_fake, mutates=("attended",))
 attend = _register("attend", _attend_fake)
 attend_with_weights = _register("attend_with_weights", _attend_with_weights_fake)
@@ -189,6 +194,7 @@ count_attended = fused(reference.count_attended)
 merge_attention = reference.merge_attention
 weigh_window = reference.weigh_window
 
-__all__ = ["page_scores", "select_pages", "quest_select", "sparse_decode", "attend", "attend_with_weights",
-           "window_token_maxima", "weigh_window", "sparse_decode_tokens", "append_token", "raas_update",
-           "linear", "linear_quantized", "count_attended", "merge_attention", "observe", "fused", "reference"]
+__all__ = ["page_scores", "select_pages", "quest_select", "coded_scores", "sparse_decode", "attend",
+           "attend_with_weights", "window_token_maxima", "weigh_window", "sparse_decode_tokens", "append_token",
+           "raas_update", "linear", "linear_quantized", "count_attended", "merge_attention", "observe", "fused",
+           "reference"]

@@ -318,3 +318,75 @@ def raas_update(scores: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.T
     victim = key.argmin(dim=-1, keepdim=True)
     evict = (starts_page & full & candidate.any(dim=-1)).unsqueeze(-1)
     slot_page.scatter_(2, torch.where(evict, victim, capacity), -1)
+
+
+def check_code_bits(bits: int, head_dim: int) -> None:
+    """Key codes of ``bits`` bits (1, 2 or 4) packed 8 // bits to a byte along the head dim, which must divide."""
+    if bits not in (1, 2, 4):
+        raise ValueError(f"bits must be 1, 2 or 4, got {bits}")
+    if head_dim % (8 // bits):
+        raise ValueError(f"{bits}-bit key codes pack {8 // bits} channels per byte: head_dim {head_dim} must be a "
+                         f"multiple of {8 // bits}")
+
+
+def key_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """Each key quantized to ``bits`` bits per channel on its page's range: ``round((k - min) / (max - min) * L)``
+    with L = 2^bits - 1 (0 where the range is empty or the slot free), packed along the head dim, channel d in bits
+    ``(d % n) * bits`` of byte ``d // n`` (n = 8 // bits).
+
+    k: (..., P, D); kmin, kmax: (..., D) the page bounds. Returns (..., P, D * bits / 8) uint8."""
+    check_code_bits(bits, k.shape[-1])
+    levels = (1 << bits) - 1
+    lo, width = kmin.float().unsqueeze(-2), (kmax.float() - kmin.float()).unsqueeze(-2)
+    x = torch.where(width > 0, (k.float() - lo) / width * levels, 0.0)
+    code = x.nan_to_num(0.0).round().clamp(0, levels).to(torch.uint8)
+    n = 8 // bits
+    shifts = torch.arange(n, device=k.device, dtype=torch.uint8) * bits
+    return (code.view(*code.shape[:-1], -1, n) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``key_codes``' packed codes (..., D * bits / 8) uint8 back to (..., D) integer levels (uint8)."""
+    n = 8 // bits
+    shifts = torch.arange(n, device=codes.device, dtype=torch.uint8) * bits
+    return ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
+
+
+def coded_page_lse(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
+                   slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float, bits: int) -> torch.Tensor:
+    """Per query head and page, the log-sum-exp of the estimated logits ``scale * q . k~`` of its tokens, k~ the
+    dequantized key ``min + code * (max - min) / L``.
+
+    q: (B, H, D); kmin, kmax: (B, Hkv, C, D); codes: (B, Hkv, C, P, D * bits / 8) uint8 (``key_codes``);
+    slot_page: (B, Hkv, C); seq_len: (B,). Tokens at positions >= seq_len and free slots are left out.
+    Returns (B, H, C) float32 (float64 for float64 inputs), -inf for free slots."""
+    b, h, d = q.shape
+    hkv, c, p = codes.shape[1], codes.shape[2], codes.shape[3]
+    check_code_bits(bits, d)
+    acc = acc_dtype(q.dtype)
+    used = (slot_page >= 0).unsqueeze(-1)
+    lo = torch.where(used, kmin.to(acc), 0.0)
+    step = torch.where(used, (kmax.to(acc) - kmin.to(acc)) / ((1 << bits) - 1), 0.0)
+    keys = lo.unsqueeze(-2) + step.unsqueeze(-2) * unpack_codes(codes, bits).to(acc)  # (B, Hkv, C, P, D)
+    logits = torch.einsum("bngd,bncpd->bngcp", q.to(acc).view(b, hkv, h // hkv, d), keys) * scale
+    pos = slot_page.unsqueeze(-1) * p + torch.arange(p, device=q.device)
+    ok = (slot_page.unsqueeze(-1) >= 0) & (pos < seq_len.view(b, 1, 1, 1))  # (B, Hkv, C, P)
+    return logits.masked_fill(~ok.unsqueeze(2), float("-inf")).logsumexp(-1).view(b, h, c)
+
+
+def page_mass(page_lse: torch.Tensor, kv_heads: int, per_query_head: bool = False) -> torch.Tensor:
+    """Log of each page's share of a head's attention from per-head page log-sum-exps (B, H, C): the page's minus
+    the head's total; per KV head (``per_query_head`` False), the log of the shares summed over the group.
+    Returns (B, Hs, C) in page_lse's dtype, -inf for pages without tokens."""
+    b, h, c = page_lse.shape
+    share = page_lse - page_lse.logsumexp(-1, keepdim=True).nan_to_num(neginf=0.0)
+    return share if per_query_head else share.view(b, kv_heads, h // kv_heads, c).logsumexp(2)
+
+
+def coded_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
+                 slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float, bits: int,
+                 per_query_head: bool = False) -> torch.Tensor:
+    """Page scores from low-bit key codes: the log of each page's estimated share of the attention,
+    ``page_mass(coded_page_lse(...))`` (shapes there). Returns (B, Hs, C), -inf for free slots."""
+    return page_mass(coded_page_lse(q, kmin, kmax, codes, slot_page, seq_len, scale, bits), kmin.shape[1],
+                     per_query_head)

@@ -3,7 +3,9 @@
 from .base import Method, MethodConfig
 from .dense import DenseConfig
 from .h2o import H2OConfig
+from .lowbit import LowBitConfig
 from .omnikv import OmniKVConfig
+from .oracle import OracleConfig
 from .quest import QuestConfig
 from .raas import RaaSConfig
 from .snapkv import SnapKVConfig
@@ -12,7 +14,7 @@ from .tova import TOVAConfig
 
 METHODS: dict[str, type[MethodConfig]] = {"dense": DenseConfig, "quest": QuestConfig}
 METHODS.update(streamingllm=StreamingLLMConfig, h2o=H2OConfig, tova=TOVAConfig, snapkv=SnapKVConfig)
-METHODS.update(omnikv=OmniKVConfig, raas=RaaSConfig)
+METHODS.update(omnikv=OmniKVConfig, raas=RaaSConfig, oracle=OracleConfig, lowbit=LowBitConfig)
 
 __all__ = ["METHODS", "Method", "MethodConfig", "DenseConfig", "QuestConfig", "StreamingLLMConfig", "H2OConfig",
-           "TOVAConfig", "SnapKVConfig", "OmniKVConfig", "RaaSConfig"]
+           "TOVAConfig", "SnapKVConfig", "OmniKVConfig", "RaaSConfig", "OracleConfig", "LowBitConfig"]

@@ -35,6 +35,10 @@ class QuestConfig(MethodConfig):
         require(isinstance(self.dense_layers, int) and self.dense_layers >= 0,
                 "dense_layers", "an integer >= 0", self.dense_layers)
 
+    def metadata_bytes(self, head_dim: int, itemsize: int) -> int:
+        """Bytes of selection metadata a decode step reads per page and KV head: the page's min and max."""
+        return 2 * head_dim * itemsize
+
     def check_model(self, num_layers: int) -> None:
         require(self.dense_layers <= num_layers, "dense_layers",
                 f"at most the model's {num_layers} layers", self.dense_layers)
@@ -45,6 +49,11 @@ class QuestConfig(MethodConfig):
 
 class Quest(Method):
     config: QuestConfig
+
+    def page_scores(self, layer_idx, q, layer, seq_len, scale):
+        """The bounds this method ranks pages by, (B, Hs, C + 1), -inf for free slots (see ``kernels.page_scores``);
+        for ``sparsekv.eval.selection``."""
+        return kernels.page_scores(q, layer.kmin, layer.kmax, layer.slot_page, self.config.per_query_head)
 
     def select(self, layer_idx, q, layer, seq_len):
         if layer_idx < self.config.dense_layers:

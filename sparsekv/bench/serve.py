@@ -56,6 +56,7 @@ from ..eval.runner import method_runs
 from ..methods import METHODS
 from ..models import load_model, resolve_device, resolve_dtype
 from ..serve import Request, ServingEngine
+from ..serve.runner import POOL_FIELD
 from ..spec import budget_arg
 from .common import (device_name, int_arg, markdown_table, out_of_memory_lines, pyplot, run_args, shape_model,
                      write_results)
@@ -327,12 +328,17 @@ def static_step_ms(model, config, work: list[Work], batch: int, args) -> float:
 
 def largest_batch(make, most: int) -> int:
     """The largest max batch up to ``most`` for which ``make(batch)`` (an engine run for one short request) does
-    not run out of device memory: halving from ``most``, then bisection. 0 when not even one row fits."""
+    not run out of device memory, nor is refused by the engine for a pool the device's free memory cannot hold:
+    halving from ``most``, then bisection. 0 when not even one row fits."""
     def fits(batch: int) -> bool:
         try:
             make(batch)
             return True
         except torch.OutOfMemoryError:
+            return False
+        except ConfigError as err:
+            if err.field != POOL_FIELD:
+                raise
             return False
         finally:
             if torch.cuda.is_initialized():  # give the candidate's memory back before the next one

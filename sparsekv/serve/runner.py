@@ -34,6 +34,9 @@ from ..integrations.decode import DecodeModel
 from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
 from ..methods.base import require
 
+# The field a pool that the device's free memory cannot hold is refused under (benchmarks search the largest pool).
+POOL_FIELD = "max_batch and max_context"
+
 
 def available_device_bytes(device: torch.device) -> int | None:
     """Free memory of a CUDA device, None elsewhere (host memory is not checked)."""
@@ -85,7 +88,7 @@ class Runner:
         pool_bytes = max_batch * sum(s + 1 for s in slots) * (page * self.token_bytes + self.page_bytes + 16 * kv_heads)
         prefill_bytes = self.max_context * self.num_layers * self.token_bytes  # one prompt's KV, before any eviction
         free = available_device_bytes(self.device)
-        require(free is None or pool_bytes + prefill_bytes <= free, "max_batch and max_context",
+        require(free is None or pool_bytes + prefill_bytes <= free, POOL_FIELD,
                 f"small enough that the pool of rows ({pool_bytes / 2**30:.2f} GiB) and one prompt's prefill "
                 f"({prefill_bytes / 2**30:.2f} GiB) fit the device's free {(free or 0) / 2**30:.2f} GiB",
                 (max_batch, self.max_context))

@@ -153,3 +153,12 @@ def test_probe_hands_every_method_hook_to_the_inner_method():
     assert isinstance(probe, Method) and probe.accepts_chunks is False
     with pytest.raises(ValueError, match="filter_layers must be layer indices below the model's 2 layers"):
         RecallConfig(inner=METHODS["omnikv"](filter_layers=(1, 4))).build(2)
+
+
+def test_the_probe_is_not_served():
+    from sparsekv.serve import ServingEngine
+    from sparsekv.tiny import tiny_model
+
+    with pytest.raises(ValueError, match="not the attention-recall probe"):
+        ServingEngine(tiny_model("llama", layers=2), RecallConfig(inner=METHODS["quest"](token_budget=32)),
+                      max_batch=2, max_context=64)

@@ -27,6 +27,7 @@ import torch
 
 from .. import kernels
 from ..cache import PagedLayer
+from ..errors import ConfigError
 from ..methods.base import Method, MethodConfig
 
 
@@ -91,6 +92,30 @@ class RecallProbe(Method):
 
     def planned_tokens(self, prompt_lengths, total):
         return self.inner.planned_tokens(prompt_lengths, total)
+
+    def held_tokens(self, prompt_len, total):
+        return self.inner.held_tokens(prompt_len, total)
+
+    def host_tokens(self, prompt_len):
+        return self.inner.host_tokens(prompt_len)
+
+    # The probe keeps every key of one generation by position: it measures a generation through the engine or
+    # ``apply``, and a serving pool (rows joining and leaving) is refused when it is made.
+    def pool_pages(self, max_context):
+        raise ConfigError("method", "a method to serve, not the attention-recall probe (it measures one generation "
+                                    "through Engine or apply)", self.config.name)
+
+    def start_pool(self, layers, max_context):
+        self.pool_pages(max_context)
+
+    def request_config(self):
+        return self.pool_pages(None)
+
+    def copy_row(self, row, source, source_row, prompt_len):
+        self.pool_pages(None)
+
+    def rows(self, n, decode_tokens):
+        return self.pool_pages(None)
 
     def prefill(self, layer_idx, q, layer, plan, scale):
         self._remember(layer_idx, layer, int(max(plan.new_len)))  # before a compressing method drops any

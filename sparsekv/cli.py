@@ -300,7 +300,8 @@ def cmd_serve(args) -> int:
                         weights=args.weights)
     kv_memory = None if args.kv_memory_gib is None else int(args.kv_memory_gib * 2**30)
     engine = ServingEngine(loaded.model, config, tokenizer=loaded.tokenizer, max_batch=args.max_batch,
-                           max_context=args.max_context, prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
+                           max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+                           prefill_share=args.prefill_share, max_queue=args.max_queue,
                            compile=args.compile, kv_memory_bytes=kv_memory)
     name = args.name or served_name(args.model)
     print(f"sparsekv serve: {name} with {config.name} on {device} ({dtype}), at http://{args.host}:{args.port}/v1",
@@ -381,6 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="largest prompt plus max_tokens of a request (default: the model's positions)")
     srv.add_argument("--prefill-chunk", type=int, default=4096,
                      help="prompt tokens prefilled between two decode steps of the running requests")
+    srv.add_argument("--prefill-share", type=float, default=None,
+                     help="decode priority: while requests decode, prompts' prefill takes at most about this share of "
+                          "the decode steps' time (time per output token near (1 + share) x the step; a prompt that "
+                          "arrives meanwhile waits about (1 + share) / share times its prefill); default: a chunk "
+                          "per step")
     srv.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission (beyond: 429)")
     srv.add_argument("--kv-memory-gib", type=float, default=None,
                      help="device memory for the KV cache of all requests (default: the engine's own)")

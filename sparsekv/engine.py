@@ -419,12 +419,7 @@ class Engine:
     def _prefill(self, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Runs the prompt through the model (``prefill_passes`` to the end); returns the last column's logits
         (B, V)."""
-        passes = prefill_passes(self.model, cache, ids, mask, self.prefill_chunk)
-        while True:
-            try:
-                next(passes)
-            except StopIteration as done:
-                return done.value
+        return run_passes(prefill_passes(self.model, cache, ids, mask, self.prefill_chunk))
 
     def _decode(self, cache, logits: torch.Tensor, forced: torch.Tensor, starts: list[int], new_tokens: int,
                 sampling: Sampling, seeds: torch.Tensor | None, stops: list[int], stream, time_steps: bool):
@@ -522,6 +517,15 @@ def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor,
         hidden[:, begin:end] = out[0] if isinstance(out, tuple) else out
         yield (end - begin) * ids.shape[0]
     return model.lm_head(decoder.norm(hidden[:, -1:]))[:, -1]
+
+
+def run_passes(passes: Generator[int, None, torch.Tensor]) -> torch.Tensor:
+    """Runs every pass of a prefill (``prefill_passes`` or one of its signature); returns what it returns."""
+    while True:
+        try:
+            next(passes)
+        except StopIteration as done:
+            return done.value
 
 
 def prompt_passes(cache, mask: torch.Tensor, chunk: int, num_layers: int) -> Iterator[tuple[int, int, int]]:

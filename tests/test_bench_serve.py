@@ -28,8 +28,22 @@ def test_serve_bench_smoke(tmp_path):
     assert len({r["output_tokens"] for r in rows}) == 1
     series = result["series"]["quest engine"]
     assert max(s[1] for s in series) <= 3 and len(series[0]) == len(result["series_columns"])
-    assert "| quest | 32 | http | 5 |" in (tmp_path / "serve.md").read_text()
+    assert "| quest | 32 | http | prefill | 5 |" in (tmp_path / "serve.md").read_text()
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_random_fill_and_decode_priority(tmp_path):
+    """Prompts' KV as random keys and values (no model prefill), labelled as such; decode-phase tokens/s reported."""
+    assert main(["--model", "shape:tiny", "--device", "cpu", "--methods", "dense", "quest", "--budget", "32",
+                 "--requests", "4", "--prompt-len", "40", "90", "--output-len", "6", "6", "--max-batch", "2",
+                 "--fill", "random", "--prefill-share", "0.2", "--prefill-chunk", "32", "--via", "engine",
+                 "--out", str(tmp_path), "--tag", "fill"]) == 0
+    result = json.loads((tmp_path / "fill.json").read_text())
+    assert result["meta"]["fill"] == "random" and result["meta"]["prefill_share"] == 0.2
+    for r in result["rows"]:
+        assert r["fill"] == "random" and r["requests_done"] == 4 and r["output_tokens"] == 24
+        assert r["decode_tokens_per_s"] > 0 and r["decode_vs_dense"] > 0
+    assert "| dense | - | engine | random |" in (tmp_path / "fill.md").read_text()
 
 
 def test_capacity_mode_stops_when_memory_is_full(tmp_path):
@@ -47,6 +61,8 @@ def test_capacity_mode_stops_when_memory_is_full(tmp_path):
 def test_serve_bench_refuses_bad_options(tmp_path, capsys):
     assert main(["--model", "tiny:llama", "--prompt-len", "9", "3", "--out", str(tmp_path)]) == 2
     assert "--prompt-len must be MIN <= MAX" in capsys.readouterr().err
+    assert main(["--model", "tiny:llama", "--prefill-share", "0", "--out", str(tmp_path)]) == 2
+    assert "--prefill-share must be a number > 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("refusal", ["out of memory", "pool refused"])

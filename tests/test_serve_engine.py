@@ -9,7 +9,8 @@ from graph_replay import emulated_graph
 from sparsekv import (DenseConfig, H2OConfig, LowBitConfig, OmniKVConfig, OracleConfig, QuestConfig, RaaSConfig,
                       SnapKVConfig, StreamingLLMConfig, TOVAConfig)
 from sparsekv.engine import Engine, Sampling
-from sparsekv.serve import QueueFull, Request, RequestError, ServingEngine
+from sparsekv.errors import ConfigError
+from sparsekv.serve import PrefillPacer, QueueFull, Request, RequestError, ServingEngine
 from sparsekv.tiny import tiny_model
 
 CONFIGS = {
@@ -159,6 +160,60 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(model):
         produced += sum(len(e.tokens) for e in events if e.request_id == first)
         assert engine.metrics()["prefilling"] == 1
     assert produced == 3
+
+
+def test_the_pacer_spends_on_prefill_a_share_of_the_decode_time():
+    """A credit in seconds: a quarter of each 10 ms decode step; an 8.192 ms pass (8192 token-layers) overdraws it,
+    and is paid back before the next pass; the allowance is what the credit pays for at the last measured rate."""
+    pacer = PrefillPacer(0.25)
+    assert pacer.budget() == 0  # nothing decoded yet: nothing paid for
+    pacer.decoded(0.010)
+    assert pacer.budget() == 1  # no rate measured yet: one pass
+    pacer.prefilled(0.008192, 8192, decoding=True)
+    assert pacer.credit == pytest.approx(0.0025 - 0.008192)
+    allowed = []
+    for _ in range(4):
+        pacer.decoded(0.010)
+        allowed.append(pacer.budget())
+    assert allowed[:2] == [0, 0] and abs(allowed[2] - 1808) <= 1 and abs(allowed[3] - 2500) <= 1
+    pacer.prefilled(1.0, 8192, decoding=False)  # no row decoding: the prefill costs no credit
+    assert abs(pacer.budget() - 0.0025 * 8192) <= 1
+    for bad in (0, -0.5, float("nan"), float("inf"), True, "0.2"):
+        with pytest.raises(ConfigError, match="prefill_share"):
+            PrefillPacer(bad)
+
+
+@pytest.mark.parametrize("name", ["dense", "quest", "omnikv-offload", "raas", "snapkv"])
+def test_decode_priority_changes_no_result(model, name):
+    config = CONFIGS[name]
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new, _ in PLAN]
+    chunked, _ = run(ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK), requests)
+    for share in (0.05, 1e-9):
+        engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
+                               prefill_share=share)
+        assert run(engine, requests)[0] == chunked
+
+
+def test_decode_priority_bounds_the_prefill_run_while_rows_decode(model):
+    """With a vanishing share, a prompt that arrives while a request decodes runs one pass (one chunk through one
+    layer: the first credit) and then waits until the decoding request ends; with no row decoding it runs a chunk
+    through every layer per step."""
+    engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           prefill_share=1e-9)
+    first = engine.submit(Request(prompt=prompt(20), max_tokens=30))
+    engine.step()
+    assert engine.metrics()["running"] == 1 and engine.metrics()["prefill_work"] == 20 * 3
+    engine.submit(Request(prompt=prompt(128), max_tokens=5))
+    work, done = [], False
+    while not done:
+        before = engine.metrics()["prefill_work"]
+        done = any(e.finished for e in engine.step() if e.request_id == first)
+        work.append(engine.metrics()["prefill_work"] - before)
+    assert len(work) == 28 and sorted(work) == [0] * 27 + [CHUNK]  # the first decoded its last 28 tokens meanwhile
+    assert engine.metrics()["prefilling"] == 1 and engine.metrics()["running"] == 0
+    before = engine.metrics()["prefill_work"]
+    engine.step()
+    assert engine.metrics()["prefill_work"] - before == CHUNK * 3
 
 
 def test_cancelled_requests_free_their_rows_wherever_they_are(model):

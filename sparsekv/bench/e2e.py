@@ -31,12 +31,13 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from typing import Generator
 
 import torch
 import torch.distributed as dist
 
 from .. import parallel
-from ..engine import Engine, prompt_passes
+from ..engine import Engine, prompt_passes, run_passes
 from ..errors import ConfigError
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
@@ -85,30 +86,31 @@ def memory_problems(device: torch.device, weights: tuple[int, int] | None, kv: i
             or memory_problem({"float32 weights while building": building}, device))
 
 
-def random_fill(model):
-    """An engine ``prefill`` that writes random keys and values instead of running the model: the same appends
-    and method hooks as a real chunked prefill (random queries stand for the prompt's), without its compute. It
-    fills layer by layer, so a method that moves a layer's prompt to host memory at the layer's last chunk
-    (OmniKV's offload) holds one offloaded layer on the device at a time."""
-    cfg = model.config
+def random_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor,
+                  chunk: int) -> Generator[int, None, torch.Tensor]:
+    """``engine.prefill_passes`` with random keys and values instead of the model: the same appends and method hooks
+    as a real chunked prefill (random queries stand for the prompt's), without its compute, pass by pass (layer
+    major), yielding the tokens of each pass; returns zero logits (B, V). Layer by layer, so a method that moves a
+    layer's prompt to host memory at the layer's last chunk (OmniKV's offload) holds one offloaded layer on the
+    device at a time."""
     heads, kv_heads = parallel.local_heads(model)
     head_dim = model.get_decoder().layers[0].self_attn.head_dim
     dtype = next(model.parameters()).dtype
+    b, scale, pages = ids.shape[0], head_dim ** -0.5, cache.pages
+    for layer, begin, end in prompt_passes(cache, mask, chunk, model.config.num_hidden_layers):
+        k = torch.randn(b, kv_heads, end - begin, head_dim, dtype=dtype, device=ids.device)
+        cache.update(k, torch.randn_like(k), layer)
+        q = torch.randn(b, heads, end - begin, head_dim, dtype=dtype, device=ids.device)
+        cache.method.prefill_chunk(layer, q, pages.layers[layer], pages.plan, scale)
+        if pages.plan.prompt_end:
+            cache.method.prefill(layer, q, pages.layers[layer], pages.plan, scale)
+        yield (end - begin) * b
+    return torch.zeros(b, model.config.vocab_size, device=ids.device)
 
-    def fill(cache, ids, mask):
-        b = ids.shape[0]
-        scale = head_dim ** -0.5
-        pages = cache.pages
-        for layer, begin, end in prompt_passes(cache, mask, FILL_CHUNK, cfg.num_hidden_layers):
-            k = torch.randn(b, kv_heads, end - begin, head_dim, dtype=dtype, device=ids.device)
-            cache.update(k, torch.randn_like(k), layer)
-            q = torch.randn(b, heads, end - begin, head_dim, dtype=dtype, device=ids.device)
-            cache.method.prefill_chunk(layer, q, pages.layers[layer], pages.plan, scale)
-            if pages.plan.prompt_end:
-                cache.method.prefill(layer, q, pages.layers[layer], pages.plan, scale)
-        return torch.zeros(b, cfg.vocab_size, device=ids.device)
 
-    return fill
+def random_fill(model):
+    """An engine ``prefill`` (``Engine.generate(prefill=...)``) that runs ``random_passes`` to the end."""
+    return lambda cache, ids, mask: run_passes(random_passes(model, cache, ids, mask, FILL_CHUNK))
 
 
 def metadata_bytes(model, config, context: int, batch: int) -> int:

@@ -7,6 +7,8 @@ one run, directly through the engine and through the HTTP server with a real cli
         --prompt-len 512 512 --output-len 8192 8192 --max-batch 64 --kv-memory-gib 20
     python -m sparsekv.bench.serve --capacity --methods dense omnikv:offload=true quest --requests 64 \\
         --prompt-len 131072 131072 --output-len 256 256 --max-batch 64
+    python -m sparsekv.bench.serve --methods dense quest --requests 64 --prompt-len 32768 131072 --output-len 256 256 \
+        --fill random --prefill-share 0.2 --fit --static --via engine
     python -m sparsekv.bench.serve --model tiny:llama --device cpu --requests 6 --prompt-len 16 64 \\
         --output-len 4 16 --max-batch 4       # smoke test
 
@@ -15,10 +17,17 @@ clients that each send their next request when the last one ends. Prompt lengths
 lengths (the model's end-of-sequence tokens ignored, so each request makes exactly its tokens) are drawn uniformly
 from the given ranges, the same workload for every method. Per run: output tokens/s and requests/s over the run,
 time to first token (submit to the first token) and time per output token ((last - first token) / (tokens - 1)) at
-p50/p90/p99, the decode step (median engine step without prefill work, engine runs), the running and queued
+p50/p90/p99, the decode step (median engine step without prefill work, engine runs) and the decode-phase output
+tokens/s (the tokens of those steps over their time: what the decode side sustains, prefill aside), the running and
+queued
 requests over time (the engine's metrics), the most requests running at once, peak device memory
 (``torch.cuda.max_memory_allocated``), peak host RSS and host KV (offload). ``--static`` also times the static
 engine's step (``sparsekv.engine.Engine``) at the run's median running batch, on prompts of the workload's lengths.
+``--prefill-share S`` runs the engine with decode priority (``sparsekv.serve.PrefillPacer``). ``--fill random``
+fills each prompt's KV with random keys and values (``bench.e2e.random_passes``) instead of running the model's
+prefill, so that the decode side of a workload whose real prefill takes far longer than a run (64 prompts of
+32K-128K: about 5M prompt tokens) can be measured; its time to first token and overall tokens/s are not those of
+a real prefill (the tables say ``fill random``).
 Before each run short requests step every batch size up to the max batch (``--no-warmup``: not), so that the CUDA
 graph of each size is captured before the measurement.
 
@@ -49,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine import Engine
+from ..engine import Engine, prefill_passes
 from ..errors import ConfigError
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
@@ -60,7 +69,7 @@ from ..serve.runner import POOL_FIELD
 from ..spec import budget_arg
 from .common import (device_name, int_arg, markdown_table, out_of_memory_lines, pyplot, run_args, shape_model,
                      write_results)
-from .e2e import random_fill
+from .e2e import random_fill, random_passes
 
 GIB = 2**30
 # Seconds between samples of the engine's metrics during an HTTP run (engine runs sample every step).
@@ -100,12 +109,13 @@ class Record:
 
 @dataclass
 class Trace:
-    """A run's records, (time, running, queued, prefilling, KV bytes in use, host KV bytes, RSS) samples, decode
-    step times and start/end."""
+    """A run's records, (time, running, queued, prefilling, KV bytes in use, host KV bytes, RSS) samples, the times
+    of the steps that ran no prefill and the tokens they made, and start/end."""
 
     records: list[Record] = field(default_factory=list)
     samples: list[tuple] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
+    step_tokens: int = 0
     start: float = 0.0
     end: float = 0.0
     stopped_early: bool = False
@@ -173,15 +183,16 @@ def run_engine(engine: ServingEngine, work: list[Work], concurrency: int | None,
         began = time.perf_counter()
         events = engine.step()
         ended = time.perf_counter()
-        if not before["prefilling"] and not before["queued"]:
+        metrics = engine.metrics()
+        if metrics["prefill_work"] == before["prefill_work"] and before["running"]:
             trace.steps.append(ended - began)
+            trace.step_tokens += sum(len(event.tokens) for event in events)
         for event in events:
             record = live[event.request_id]
             record.tokens_in(ended - trace.start, len(event.tokens))
             if event.finished:
                 record.done = True
                 del live[event.request_id]
-        metrics = engine.metrics()
         trace.sample(metrics)
         if saturated is not None and saturated(metrics, len(pending)):
             trace.stopped_early = bool(live or pending)
@@ -305,6 +316,7 @@ def summarize(trace: Trace) -> dict:
             **{f"ttft_{k}_ms": None if v is None else 1e3 * v for k, v in ttft.items()},
             **{f"tpot_{k}_ms": None if v is None else 1e3 * v for k, v in tpot.items()},
             "step_p50_ms": 1e3 * statistics.median(trace.steps) if trace.steps else None,
+            "decode_tokens_per_s": trace.step_tokens / sum(trace.steps) if trace.steps else None,
             "max_running": max((s[1] for s in trace.samples), default=0),
             "median_running": statistics.median(decoding) if decoding else None,
             "peak_kv_gib": max((s[4] for s in trace.samples), default=0) / GIB,
@@ -320,7 +332,7 @@ def static_step_ms(model, config, work: list[Work], batch: int, args) -> float:
     rows += [work[i % len(work)].prompt for i in range(len(rows), batch)]
     engine = Engine(model, config, max_batch=batch, max_context=max(map(len, rows)) + STATIC_STEPS,
                     prefill_chunk=args.prefill_chunk, compile=args.compile)
-    real = sum(map(len, rows)) <= args.max_prefill
+    real = args.fill == "prefill" and sum(map(len, rows)) <= args.max_prefill
     out = engine.generate(rows, STATIC_STEPS, stop_tokens=(), time_steps=True,
                           prefill=None if real else random_fill(model))
     return 1e3 * statistics.median(out.step_seconds[2:] or out.step_seconds)
@@ -358,9 +370,10 @@ def largest_batch(make, most: int) -> int:
 
 
 def markdown(meta: dict, rows: list[dict]) -> list[str]:
-    columns = [("method", "spec", "{}"), ("budget", "budget", "{}"), ("via", "via", "{}"),
+    columns = [("method", "spec", "{}"), ("budget", "budget", "{}"), ("via", "via", "{}"), ("fill", "fill", "{}"),
                ("done", "requests_done", "{}"), ("out tok/s", "output_tokens_per_s", "{:.1f}"),
-               ("req/s", "requests_per_s", "{:.3f}"), ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"),
+               ("decode tok/s", "decode_tokens_per_s", "{:.1f}"), ("req/s", "requests_per_s", "{:.3f}"),
+               ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"),
                ("TTFT p90", "ttft_p90_ms", "{:.0f}"), ("TTFT p99", "ttft_p99_ms", "{:.0f}"),
                ("TPOT p50 ms", "tpot_p50_ms", "{:.2f}"), ("TPOT p90", "tpot_p90_ms", "{:.2f}"),
                ("TPOT p99", "tpot_p99_ms", "{:.2f}"), ("step p50 ms", "step_p50_ms", "{:.2f}"),
@@ -368,18 +381,24 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("step / static", "step_vs_static", "{:.2f}x"),
                ("max batch", "max_batch", "{}"), ("max running", "max_running", "{}"),
                ("median running", "median_running", "{:.0f}"),
-               ("vs dense tok/s", "vs_dense", "{:.2f}x"), ("peak device GiB", "peak_device_gib", "{:.1f}"),
+               ("vs dense tok/s", "vs_dense", "{:.2f}x"), ("vs dense decode", "decode_vs_dense", "{:.2f}x"),
+               ("peak device GiB", "peak_device_gib", "{:.1f}"),
                ("peak KV GiB", "peak_kv_gib", "{:.2f}"), ("host KV GiB", "peak_host_kv_gib", "{:.2f}"),
                ("peak RSS GiB", "peak_rss_gib", "{:.1f}")]
     kv = meta["kv_memory_bytes"]
     kv = "max batch x max context" if kv is None else f"{kv / GIB:.3g} GiB"
     load = (f"{meta['concurrency']} clients at a time" if meta["concurrency"] else
             "all at once" if not math.isfinite(meta["rate"]) else f"Poisson arrivals at {meta['rate']} requests/s")
+    share = meta["prefill_share"]
+    prefill = "a chunk per step" if share is None else f"at most {share} of the decode time (decode priority)"
+    fill = ("; fill random: each prompt's KV is random keys and values, no model prefill (TTFT and overall tokens/s "
+            "are not those of a real prefill)" if meta["fill"] == "random" else "")
     lines = [f"# Serving under load ({meta['model']}, {meta['device_name']}, {meta['dtype']})", "",
              f"{meta['requests']} requests, {load}; prompts of {meta['prompt_len'][0]}-{meta['prompt_len'][1]} "
              f"tokens, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens; max batch "
              f"{meta['max_batch']}{' (or the most the device holds)' if meta['fit'] else ''}, KV memory {kv}"
-             f"{'; --capacity: runs stop once memory keeps requests waiting' if meta['capacity'] else ''}. "
+             f"{'; --capacity: runs stop once memory keeps requests waiting' if meta['capacity'] else ''}; "
+             f"prefill {prefill}{fill}. "
              f"via engine: the engine stepped in the bench's thread; via http: the server in this process, the "
              f"openai client streaming. Command: `{meta['command']}`", ""]
     return lines + markdown_table(columns, rows) + out_of_memory_lines(meta["out_of_memory"])
@@ -425,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="drive the engine directly, through the HTTP server, or both (each method)")
     parser.add_argument("--max-batch", type=int_arg(1), default=64)
     parser.add_argument("--prefill-chunk", type=int_arg(1), default=8192)
+    parser.add_argument("--prefill-share", type=float, default=None,
+                        help="decode priority: prefill takes at most about this share of the decode steps' time while "
+                             "requests decode (default: a chunk per step)")
+    parser.add_argument("--fill", choices=["prefill", "random"], default="prefill",
+                        help="random: prompts' KV filled with random keys and values instead of the model's prefill")
     parser.add_argument("--kv-memory-gib", type=float, default=None,
                         help="KV memory admission may fill (default: the engine's pool)")
     parser.add_argument("--fit", action="store_true",
@@ -447,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = method_runs(args.methods, [args.budget])
         if not args.rate > 0:
             raise ConfigError("--rate", "a number of requests per second > 0 (inf: all at once)", args.rate)
+        if args.prefill_share is not None and not (math.isfinite(args.prefill_share) and args.prefill_share > 0):
+            raise ConfigError("--prefill-share", "a number > 0", args.prefill_share)
         for name, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
             if low > high:
                 raise ConfigError(name, "MIN <= MAX", f"{low} {high}")
@@ -473,16 +499,18 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "device_name": device_name(device),
             "torch": torch.__version__, "requests": args.requests, "rate": args.rate,
             "concurrency": args.concurrency, "prompt_len": args.prompt_len, "output_len": args.output_len,
-            "max_batch": args.max_batch, "kv_memory_bytes": kv_memory,
+            "max_batch": args.max_batch, "kv_memory_bytes": kv_memory, "fill": args.fill,
+            "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk,
             "capacity": args.capacity, "fit": args.fit or args.capacity, "out_of_memory": [],
             "command": "python -m sparsekv.bench.serve " + " ".join(argv)}
     rows: list[dict] = []
 
     def save() -> None:
-        dense = {r["via"]: r["output_tokens_per_s"] for r in rows if r["method"] == "dense"}
-        for r in rows:
-            base = dense.get(r["via"])
-            r["vs_dense"] = r["output_tokens_per_s"] / base if base and r["output_tokens_per_s"] else None
+        for key, ratio in (("output_tokens_per_s", "vs_dense"), ("decode_tokens_per_s", "decode_vs_dense")):
+            dense = {r["via"]: r[key] for r in rows if r["method"] == "dense"}
+            for r in rows:
+                base = dense.get(r["via"])
+                r[ratio] = r[key] / base if base and r[key] else None
         write_results(args.out, args.tag, meta, [{k: v for k, v in r.items() if k != "series"} for r in rows],
                       markdown(meta, rows), series={f"{r['spec']} {r['via']}": r["series"] for r in rows},
                       series_columns=["seconds", "running", "queued", "prefilling", "kv_bytes", "host_kv_bytes",
@@ -490,8 +518,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def make(config, batch: int) -> ServingEngine:
         return ServingEngine(model, config, tokenizer=tokenizer, max_batch=batch, max_context=max_context,
-                             prefill_chunk=args.prefill_chunk, max_queue=args.requests, compile=args.compile,
-                             kv_memory_bytes=kv_memory)
+                             prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
+                             max_queue=args.requests, compile=args.compile, kv_memory_bytes=kv_memory,
+                             prefill=random_passes if args.fill == "random" else prefill_passes)
 
     def probe(config, batch: int) -> None:
         """An engine of ``batch`` rows runs one request of a prefill chunk and two tokens."""
@@ -522,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
                 del engine
                 peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
                 row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,
-                       "max_batch": batch, **summarize(trace), "peak_device_gib": peak, "series": trace.samples}
+                       "fill": args.fill, "max_batch": batch, **summarize(trace), "peak_device_gib": peak,
+                       "series": trace.samples}
             except torch.OutOfMemoryError:
                 meta["out_of_memory"].append(label)
                 print(f"{label:>32}: out of device memory", flush=True)

@@ -2,6 +2,6 @@
 batching), each admitted when its KV fits. ``ServingEngine`` is the scheduler's loop (``scheduler``); the model
 runs in ``runner``."""
 
-from .scheduler import Event, QueueFull, Request, RequestError, ServingEngine
+from .scheduler import Event, PrefillPacer, QueueFull, Request, RequestError, ServingEngine
 
-__all__ = ["Event", "QueueFull", "Request", "RequestError", "ServingEngine"]
+__all__ = ["Event", "PrefillPacer", "QueueFull", "Request", "RequestError", "ServingEngine"]

@@ -22,7 +22,7 @@ same calls in the same order; one process serves HTTP and broadcasts the schedul
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generator
+from typing import Callable, Generator
 
 import torch
 
@@ -56,13 +56,14 @@ class Prefill:
 
 class Runner:
     """Runs ``config``'s method on ``model`` for up to ``max_batch`` requests at once (see ``Engine`` for the
-    arguments, validated the same way). Requests are known by a key the caller gives (``join``)."""
+    arguments, validated the same way). Requests are known by a key the caller gives (``join``). ``passes``: a
+    prompt's prefill, ``engine.prefill_passes``'s signature (benchmarks give random keys and values instead)."""
 
     def __init__(self, model, config, *, max_batch: int, max_context: int | None, prefill_chunk: int,
-                 cuda_graph: bool | None, compile: bool):
+                 cuda_graph: bool | None, compile: bool, passes: Callable = prefill_passes):
         self.engine = Engine(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
-        self.model, self.config = model, config
+        self.model, self.config, self.passes = model, config, passes
         self.max_batch, self.max_context = max_batch, self.engine.max_context
         self.device = self.engine.device
         self.num_layers = model.config.num_hidden_layers
@@ -139,7 +140,7 @@ class Runner:
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         # Only the prompt: the request decodes in its row of the pool.
         cache.pages.planned_tokens = method.planned_tokens([len(prompt)], len(prompt))
-        passes = prefill_passes(self.model, cache, ids, torch.ones_like(ids), self.engine.prefill_chunk)
+        passes = self.passes(self.model, cache, ids, torch.ones_like(ids), self.engine.prefill_chunk)
         return Prefill(cache, passes, len(prompt))
 
     def prefill(self, job: Prefill, budget: int) -> int:
@@ -154,6 +155,11 @@ class Runner:
                     job.logits = done.value
                     break
         return max(used, 1)
+
+    def synchronize(self) -> None:
+        """Waits for the device's queued work (so that a host clock times it)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def first_token(self, job: Prefill, sampling: Sampling, seed: int) -> int:
         """The request's first new token, drawn from its prompt's logits (token index 0)."""

@@ -3,7 +3,8 @@
 A request, as data::
 
     submit -> validate (RequestError) -> queue (QueueFull when max_queue wait) -> admitted when its KV fits
-           -> prefill (in passes, at most about one chunk per step) -> first token -> a running row
+           -> prefill (in passes: about one chunk per step, or what the PrefillPacer allows while rows decode)
+           -> first token -> a running row
            -> one token per step -> stop token, max_tokens or cancel: its row is freed at the step boundary
 
 ``submit`` and ``cancel`` may come from any thread; ``step`` runs in one thread (the server's loop), which alone
@@ -12,12 +13,15 @@ touches the runner and the model.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
-from ..engine import Sampling, _is_count, is_token_ids
+from ..engine import Sampling, _is_count, is_token_ids, prefill_passes
 from ..errors import ConfigError
 from .runner import Prefill, Runner
 
@@ -80,6 +84,46 @@ class Event:
     completion_tokens: int
 
 
+class PrefillPacer:
+    """Decode priority: while requests decode, the prefill passes run between decode steps take at most about
+    ``share`` times the decode steps' time, so that a running request's time per output token stays near
+    (1 + share) x the decode step. A credit in seconds: each decode step adds ``share`` x its measured time (a
+    positive credit is capped at one step's worth, so that no burst follows an idle prefill queue); each prefill run
+    while rows decode spends its measured time. The prefill runs while the credit is positive, at most the
+    token-layers the credit pays for at the last measured seconds per token-layer, and at least one pass (a pass is
+    one chunk through one layer): a pass longer than a step's credit is paid back over the next steps.
+
+    The price is the time to first token of a request that arrives while others decode: its prefill gets
+    share / (1 + share) of the time instead of about all of it, so it takes about (1 + share) / share times as
+    long as alone (share 0.25: 5x); with no row decoding the prefill runs at full speed."""
+
+    def __init__(self, share: float):
+        if not (isinstance(share, (int, float)) and not isinstance(share, bool) and math.isfinite(share)
+                and share > 0):
+            raise ConfigError("prefill_share", "None (a chunk per step) or a number > 0", share)
+        self.share = float(share)
+        self.credit = 0.0  # seconds of prefill the decode steps have paid for
+        self.per_work: float | None = None  # seconds per token-layer of the last prefill run
+
+    def budget(self) -> int:
+        """Token-layers of prefill allowed now (0: none; the runner runs at least one pass for any other)."""
+        if self.credit <= 0:
+            return 0
+        if self.per_work is None:
+            return 1
+        return max(int(self.credit / self.per_work), 1)
+
+    def decoded(self, seconds: float) -> None:
+        """A decode step took ``seconds``."""
+        self.credit = min(self.credit + self.share * seconds, self.share * seconds)
+
+    def prefilled(self, seconds: float, work: int, decoding: bool) -> None:
+        """A prefill run of ``work`` token-layers took ``seconds``; ``decoding``: rows were running meanwhile."""
+        self.per_work = seconds / work
+        if decoding:
+            self.credit -= seconds
+
+
 @dataclass
 class _Live:
     """A request inside the engine: its id, what it asked, its seed, its prefill while it runs, the tokens it has
@@ -98,17 +142,22 @@ class ServingEngine:
     boundaries; a new request's prompt is prefilled in passes interleaved with the decode steps.
 
     max_batch: rows decoded together; max_context: tokens per request (prompt plus new ones; default the model's
-    limit); prefill_chunk: prompt tokens per pass, and about the prefill work done per step; max_queue: requests
-    that may wait; cuda_graph, compile: as in ``Engine``; kv_memory_bytes: the KV memory requests may hold at once
-    (default: what the runner's pool holds for ``max_batch`` rows). tokenizer: gives the default stop tokens."""
+    limit); prefill_chunk: prompt tokens per pass, and about the prefill work done per step (one chunk through
+    every layer); prefill_share: None, or decode priority (``PrefillPacer``): while requests decode, prefill takes
+    at most about this share of the decode steps' time; max_queue: requests that may wait; cuda_graph, compile: as
+    in ``Engine``; kv_memory_bytes: the KV memory requests may hold at once (default: what the runner's pool holds
+    for ``max_batch`` rows). tokenizer: gives the default stop tokens. prefill: a prompt's prefill,
+    ``engine.prefill_passes``'s signature (benchmarks give ``bench.e2e.random_passes``: random keys and values)."""
 
     def __init__(self, model, config, *, tokenizer=None, max_batch: int = 8, max_context: int | None = None,
-                 prefill_chunk: int = 4096, max_queue: int = 256, cuda_graph: bool | None = None,
-                 compile: bool = False, kv_memory_bytes: int | None = None):
+                 prefill_chunk: int = 4096, prefill_share: float | None = None, max_queue: int = 256,
+                 cuda_graph: bool | None = None, compile: bool = False, kv_memory_bytes: int | None = None,
+                 prefill: Callable = prefill_passes):
         if not _is_count(max_queue, 1):
             raise ConfigError("max_queue", "an int >= 1", max_queue)
+        self.pacer = None if prefill_share is None else PrefillPacer(prefill_share)
         self.runner = Runner(model, config, max_batch=max_batch, max_context=max_context,
-                             prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
+                             prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile, passes=prefill)
         capacity = self.runner.capacity_bytes()
         if kv_memory_bytes is None:
             kv_memory_bytes = capacity
@@ -124,6 +173,7 @@ class ServingEngine:
         self._in_use = 0  # KV bytes of the admitted requests
         self._generated = 0
         self._finished = 0
+        self._prefill_work = 0  # token-layers of prefill run
 
     @property
     def stop_tokens_default(self) -> tuple[int, ...]:
@@ -181,17 +231,31 @@ class ServingEngine:
         return {"running": running, "queued": queued, "prefilling": prefilling,
                 "free_rows": self.runner.max_batch - running - prefilling, "kv_bytes_in_use": self._in_use,
                 "kv_bytes_capacity": self.kv_memory_bytes, "host_kv_bytes": self.runner.host_bytes(),
-                "generated_tokens": self._generated, "finished_requests": self._finished}
+                "generated_tokens": self._generated, "finished_requests": self._finished,
+                "prefill_work": self._prefill_work}
 
     def step(self) -> list[Event]:
-        """One iteration: cancellations, admission, about one chunk of prefill, one decode step over the running
-        rows. Returns the events of this step. Call from one thread only."""
+        """One iteration: cancellations, admission, prefill (about one chunk, or what the pacer allows while rows
+        decode), one decode step over the running rows. Returns the events of this step. Call from one thread
+        only."""
         events: list[Event] = []
         self._cancelled(events)
         self._admit()
-        self._prefill(events)
+        pacer = self.pacer
+        if pacer is None:
+            self._prefill(events, self.runner.prefill_budget)
+        elif self._prefilling and (not self._running or pacer.budget()):
+            decoding = bool(self._running)
+            began = time.perf_counter()
+            work = self._prefill(events, pacer.budget() if decoding else self.runner.prefill_budget)
+            self.runner.synchronize()
+            pacer.prefilled(time.perf_counter() - began, work, decoding)
         if self._running:
-            for rid, token in self.runner.decode().items():
+            began = time.perf_counter()
+            tokens = self.runner.decode()  # reads the tokens back: the step's work is done
+            if pacer is not None:
+                pacer.decoded(time.perf_counter() - began)
+            for rid, token in tokens.items():
                 self._emit(self._running[rid], token, events)
         return events
 
@@ -225,15 +289,17 @@ class ServingEngine:
                 live.prefill = self.runner.start(live.request.prompt)
                 self._prefilling.append(live)
 
-    def _prefill(self, events: list[Event]) -> None:
-        """Runs about one chunk of prompt work (``prefill_chunk`` tokens through every layer), oldest request
-        first; a finished prefill's first token is drawn and the request joins the running rows."""
-        budget = self.runner.prefill_budget
+    def _prefill(self, events: list[Event], budget: int) -> int:
+        """Runs about ``budget`` token-layers of prompt work (at least one pass), oldest request first; a finished
+        prefill's first token is drawn and the request joins the running rows. Returns the token-layers run."""
+        start = budget
         while self._prefilling and budget > 0:
             live = self._prefilling[0]
             request = live.request
             try:
-                budget -= self.runner.prefill(live.prefill, budget)
+                work = self.runner.prefill(live.prefill, budget)
+                budget -= work
+                self._prefill_work += work
                 if live.prefill.logits is None:
                     continue
                 first = self.runner.first_token(live.prefill, request.sampling, live.seed)
@@ -250,6 +316,7 @@ class ServingEngine:
             with self._lock:
                 self._prefilling.pop(0)
                 self._running[live.id] = live
+        return start - budget
 
     def _emit(self, live: _Live, token: int, events: list[Event]) -> bool:
         """Records the request's new token; ends it on a stop token or at max_tokens. Returns whether it ended."""

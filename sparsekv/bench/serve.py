@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache.host_store import HostMemoryError
 from ..engine import Engine, prefill_passes
 from ..errors import ConfigError
 from ..eval.base import EvalError
@@ -119,6 +120,7 @@ class Trace:
     start: float = 0.0
     end: float = 0.0
     stopped_early: bool = False
+    stopped_at: str | None = None  # "capacity" or "duration"
 
     def sample(self, metrics: dict) -> None:
         self.samples.append((time.perf_counter() - self.start, metrics["running"], metrics["queued"],
@@ -162,9 +164,11 @@ class Saturated:
         return self.still >= STALL_STEPS
 
 
-def run_engine(engine: ServingEngine, work: list[Work], concurrency: int | None, capacity: bool) -> Trace:
+def run_engine(engine: ServingEngine, work: list[Work], concurrency: int | None, capacity: bool,
+               duration: float | None = None) -> Trace:
     """Submits the workload to ``engine`` at its arrival times (or ``concurrency`` at a time) and steps it in this
-    thread until every request is done (``capacity``: until memory is full), recording every event."""
+    thread until every request is done (``capacity``: until memory is full; ``duration``: at most that many
+    seconds), recording every event."""
     trace = Trace(start=time.perf_counter())
     pending = list(work)
     live: dict[int, Record] = {}
@@ -195,7 +199,10 @@ def run_engine(engine: ServingEngine, work: list[Work], concurrency: int | None,
                 del live[event.request_id]
         trace.sample(metrics)
         if saturated is not None and saturated(metrics, len(pending)):
-            trace.stopped_early = bool(live or pending)
+            trace.stopped_early, trace.stopped_at = bool(live or pending), "capacity"
+            break
+        if duration is not None and ended - trace.start >= duration:
+            trace.stopped_early, trace.stopped_at = bool(live or pending), "duration"
             break
     trace.end = time.perf_counter() - trace.start
     for rid in list(live):  # --capacity: what still runs or waits
@@ -272,7 +279,7 @@ def run_http(engine: ServingEngine, tokenizer, work: list[Work], concurrency: in
                     trace.sample(loop.metrics)
                     waiting = len(work) - len(trace.records) + sum(r.first is None for r in trace.records)
                     if saturated is not None and saturated(loop.metrics, waiting):
-                        trace.stopped_early = True
+                        trace.stopped_early, trace.stopped_at = True, "capacity"
                         for t in tasks:
                             t.cancel()
                         return
@@ -322,7 +329,8 @@ def summarize(trace: Trace) -> dict:
             "peak_kv_gib": max((s[4] for s in trace.samples), default=0) / GIB,
             "peak_host_kv_gib": max((s[5] for s in trace.samples), default=0) / GIB,
             "peak_rss_gib": max((s[6] for s in trace.samples), default=rss()) / GIB,
-            "stopped_at_capacity": trace.stopped_early}
+            "stopped_at_capacity": trace.stopped_at == "capacity",
+            "stopped_at_duration": trace.stopped_at == "duration"}
 
 
 def static_step_ms(model, config, work: list[Work], batch: int, args) -> float:
@@ -340,13 +348,14 @@ def static_step_ms(model, config, work: list[Work], batch: int, args) -> float:
 
 def largest_batch(make, most: int) -> int:
     """The largest max batch up to ``most`` for which ``make(batch)`` (an engine run for one short request) does
-    not run out of device memory, nor is refused by the engine for a pool the device's free memory cannot hold:
-    halving from ``most``, then bisection. 0 when not even one row fits."""
+    not run out of device memory, nor is refused by the engine for a pool the device's free memory cannot hold, nor
+    for an offloaded store the host's free memory cannot hold: halving from ``most``, then bisection. 0 when not even
+    one row fits."""
     def fits(batch: int) -> bool:
         try:
             make(batch)
             return True
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, HostMemoryError):
             return False
         except ConfigError as err:
             if err.field != POOL_FIELD:
@@ -390,6 +399,7 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     load = (f"{meta['concurrency']} clients at a time" if meta["concurrency"] else
             "all at once" if not math.isfinite(meta["rate"]) else f"Poisson arrivals at {meta['rate']} requests/s")
     share = meta["prefill_share"]
+    window = "" if meta["duration"] is None else f"; engine runs stopped after {meta['duration']} s"
     prefill = "a chunk per step" if share is None else f"at most {share} of the decode time (decode priority)"
     fill = ("; fill random: each prompt's KV is random keys and values, no model prefill (TTFT and overall tokens/s "
             "are not those of a real prefill)" if meta["fill"] == "random" else "")
@@ -398,7 +408,7 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
              f"tokens, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens; max batch "
              f"{meta['max_batch']}{' (or the most the device holds)' if meta['fit'] else ''}, KV memory {kv}"
              f"{'; --capacity: runs stop once memory keeps requests waiting' if meta['capacity'] else ''}; "
-             f"prefill {prefill}{fill}. "
+             f"prefill {prefill}{fill}{window}. "
              f"via engine: the engine stepped in the bench's thread; via http: the server in this process, the "
              f"openai client streaming. Command: `{meta['command']}`", ""]
     return lines + markdown_table(columns, rows) + out_of_memory_lines(meta["out_of_memory"])
@@ -456,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", action="store_true",
                         help="--fit, then stop each run once requests wait that cannot be admitted: max running is "
                              "the capacity")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="engine runs stop after this many seconds (what runs is cancelled): throughput over a "
+                             "window of a long workload")
     parser.add_argument("--static", action="store_true",
                         help="also time the static engine's step at each run's median running batch")
     parser.add_argument("--max-prefill", type=int, default=131072,
@@ -471,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = method_runs(args.methods, [args.budget])
         if not args.rate > 0:
             raise ConfigError("--rate", "a number of requests per second > 0 (inf: all at once)", args.rate)
+        if args.duration is not None and not (args.duration > 0 and args.via == ["engine"]):
+            raise ConfigError("--duration", "seconds > 0, with --via engine", args.duration)
         if args.prefill_share is not None and not (math.isfinite(args.prefill_share) and args.prefill_share > 0):
             raise ConfigError("--prefill-share", "a number > 0", args.prefill_share)
         for name, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
@@ -499,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "device_name": device_name(device),
             "torch": torch.__version__, "requests": args.requests, "rate": args.rate,
             "concurrency": args.concurrency, "prompt_len": args.prompt_len, "output_len": args.output_len,
-            "max_batch": args.max_batch, "kv_memory_bytes": kv_memory, "fill": args.fill,
+            "max_batch": args.max_batch, "kv_memory_bytes": kv_memory, "fill": args.fill, "duration": args.duration,
             "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk,
             "capacity": args.capacity, "fit": args.fit or args.capacity, "out_of_memory": [],
             "command": "python -m sparsekv.bench.serve " + " ".join(argv)}
@@ -546,8 +561,8 @@ def main(argv: list[str] | None = None) -> int:
                 engine = make(run.config, batch)
                 if args.warmup:
                     warm_up(engine, batch, model.config.vocab_size)
-                trace = (run_engine(engine, work, args.concurrency, args.capacity) if via == "engine" else
-                         run_http(engine, tokenizer, work, args.concurrency, args.capacity))
+                trace = (run_engine(engine, work, args.concurrency, args.capacity, args.duration)
+                         if via == "engine" else run_http(engine, tokenizer, work, args.concurrency, args.capacity))
                 del engine
                 peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
                 row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,

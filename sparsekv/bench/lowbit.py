@@ -76,7 +76,7 @@ def pieces(copies: list[dict], bits: tuple[int, ...], num_pages: int, baseline) 
 
         def coding(c, w=w):
             codes, slot = c["codes"][w], c["cur_slot"]
-            new = page_codes[w](c["k"], c["kmin"], c["kmax"], slot)
+            new = page_codes(c["k"], c["kmin"], c["kmax"], slot, w)
             codes.scatter_(2, slot.view(*slot.shape, 1, 1, 1).expand(*slot.shape, 1, *codes.shape[3:]),
                            new.unsqueeze(2))
 
@@ -116,6 +116,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int_arg(), default=50)
     ap.add_argument("--variants", type=json.loads, default=[], metavar="JSON",
                     help="a JSON list of TUNING overrides under which to time coded_scores again")
+    ap.add_argument("--variant-bits", type=int, nargs="+", default=[2], choices=[1, 2, 4],
+                    help="the code widths timed under each of --variants")
     ap.add_argument("--baseline", type=Path, help="a Python file whose coded_scores (the op's signature) to time too")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--tag", default="lowbit_pieces")
@@ -151,7 +153,7 @@ def main(argv=None) -> None:
     scale = SHAPES[args.shape].head_dim ** -0.5
     for override in args.variants:
         TUNING.update(override)
-        for w in bits:
+        for w in args.variant_bits:
             def fn(c, w=w):
                 kernels.coded_scores(c["q"], c["kmin"], c["kmax"], c["codes"][w], c["slot_page"], c["seq_len"],
                                      scale, w)

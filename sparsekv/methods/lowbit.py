@@ -68,17 +68,9 @@ def _page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot: t
     return reference.key_codes(keys, *bounds, bits)
 
 
-def _page_codes_of(bits: int):
-    """``_page_codes`` of one width: the width a constant of the function, so that torch.compile traces a graph of
-    its own per width (an int argument that changes between calls becomes a symbolic value in a recompile)."""
-    def page_codes(k, kmin, kmax, slot):
-        return _page_codes(k, kmin, kmax, slot, bits)
-
-    return page_codes
-
-
-# One fused function per width.
-page_codes = {bits: kernels.fused(_page_codes_of(bits)) for bits in (1, 2, 4)}
+# dynamic=False: the width, an int argument, stays a constant of each compiled graph (one per width); left to
+# torch.compile, a second width makes it a symbolic int, which ``key_codes`` cannot shift by.
+page_codes = kernels.fused(_page_codes, dynamic=False)
 
 
 class LowBit(Method):
@@ -96,7 +88,7 @@ class LowBit(Method):
         the current page's keys (``kernels.coded_scores``)."""
         codes = layer.slot_state[codes_entry(self.config.bits)]
         slot = layer.cur_slot.clamp(min=0)
-        new = page_codes[self.config.bits](layer.k, layer.kmin, layer.kmax, slot)
+        new = page_codes(layer.k, layer.kmin, layer.kmax, slot, self.config.bits)
         codes.scatter_(2, slot.view(*slot.shape, 1, 1, 1).expand(*slot.shape, 1, *codes.shape[3:]), new.unsqueeze(2))
         return kernels.coded_scores(q, layer.kmin, layer.kmax, codes, layer.slot_page, seq_len, scale,
                                     self.config.bits, self.config.per_query_head)

@@ -159,9 +159,11 @@ def main(argv=None) -> None:
                                      scale, w)
             nbytes = 2 * copies[0]["kmin"].numel() * 2 + copies[0]["codes"][w].numel()
             us = time_piece(timer, fn, copies)
+            err = check(copies[0], w, num_pages)
             rows.append({"piece": f"coded_scores b{w}", "tuning": json.dumps(override), "us": us,
+                         "rel_err": err["rel_err"], "top_overlap": err["top_overlap"],
                          "floor_us": nbytes / bw * 1e6, "x_floor": us * bw / 1e6 / nbytes, "MiB": nbytes / 2**20})
-            print(f"coded_scores b{w} {override}: {us:.1f} us", flush=True)
+            print(f"coded_scores b{w} {override}: {us:.1f} us {err}", flush=True)
         us = time_piece(timer, lambda c: kernels.select_pages(c["scores"], c["cur_slot"], num_pages), copies)
         rows.append({"piece": "select_pages", "tuning": json.dumps(override), "us": us})
         print(f"select_pages {override}: {us:.1f} us", flush=True)
@@ -171,7 +173,8 @@ def main(argv=None) -> None:
             args.page_size, "budget": args.budget, "copies": len(copies), "copy_bw_TBps": bw / 1e12,
             "checks": checks}
     cols = [("piece", "piece", "{}"), ("TUNING overrides", "tuning", "{}"), ("us per layer", "us", "{:.1f}"),
-            ("floor us", "floor_us", "{:.1f}"), ("x floor", "x_floor", "{:.2f}"), ("MiB read", "MiB", "{:.1f}")]
+            ("floor us", "floor_us", "{:.1f}"), ("x floor", "x_floor", "{:.2f}"), ("MiB read", "MiB", "{:.1f}"),
+            ("rel. error", "rel_err", "{:.1e}"), ("top overlap", "top_overlap", "{:.3f}")]
     lines = [f"# lowbit's selection pieces ({args.shape}, batch 1, {args.context} tokens, {device_name(device)})",
              "", f"Copy bandwidth {bw / 1e12:.2f} TB/s; {len(copies)} cache copies rotated; budget {args.budget}.", "",
              *markdown_table(cols, rows), "", "Checks against float64: " + json.dumps(checks)]

@@ -61,7 +61,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "qgemv_block_n": 4, "qgemv_block_g": 32, "qgemv_warps": 4, "qgemv_stages": 2, "qgemv_max_rows": 16,
           "qgemm_block_n": 32, "qgemm_block_g": 8, "qgemm_warps": 4, "qgemm_stages": 2,
           "coded_block": 128, "coded_warps": 4, "coded_chunks": 1, "coded_stages": 2, "coded_heads": 8,
-          "coded_dot3": False,
+          "coded_dot3": False, "coded_fold": False,
           "mass_block": 1024, "mass_parts": 1024, "mass_warps": 4,
           "append_search": 4096, "append_warps": 4}
 

@@ -26,11 +26,6 @@ _TWO_23 = tl.constexpr(8388608.0)
 _TWO_23_BITS = tl.constexpr(0x4B000000)  # float32 2^23: its ulp is 1, so its low mantissa bits hold an integer
 
 
-# Per dtype of the products: mantissa bits and the bits of 1.0.
-_MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
-_ONE = {torch.float32: 0x3F800000, torch.bfloat16: 0x3F80, torch.float16: 0x3C00}
-
-
 @triton.jit
 def _lse(x, axis: tl.constexpr):
     """Log-sum-exp of x along axis, -inf where every entry is -inf."""
@@ -44,11 +39,10 @@ def _lse(x, axis: tl.constexpr):
 def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, out_ptr, part_ptr, n_slots, n_parts,
                       scale, sq_b, sq_h, sm_b, sm_h, sm_c, sc_b, sc_h, sc_c, sc_p, ss_b, ss_h, so_b, so_h,
                       HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                      BLOCK_B: tl.constexpr, P: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
-                      BITS: tl.constexpr, DOT3: tl.constexpr, FOLD: tl.constexpr, MANT: tl.constexpr,
-                      ONE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Per head, the log-sum-exp of each page's estimated logits (out, (B, H, C)) and of each block of BLOCK_C
-    slots (part, (B * H, n_parts)); CHUNKS blocks per program."""
+                      BLOCK_B: tl.constexpr, P: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr,
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Per head, the log-sum-exp of each page's estimated logits (out, (B, H, C)) and of the program's block of
+    BLOCK_C slots (part, (B * H, n_parts))."""
     PER: tl.constexpr = 8 // BITS
     LEVELS: tl.constexpr = (1 << BITS) - 1
     row = tl.program_id(0)
@@ -62,66 +56,34 @@ def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, out
     q_off = b * sq_b + (kvh * G + g)[:, None] * sq_h + i[None, :] * PER
     q_mask = in_g[:, None] & (i < D // PER)[None, :]
     n = tl.load(len_ptr + b)
-    for chunk in range(CHUNKS):  # a loop, so that the loads of the next block overlap this one's products
-        blk = tl.program_id(1) * CHUNKS + chunk
-        c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
-        in_c = c < n_slots
-        c3 = c[:, None, None].to(tl.int64)
-        # Codes and bounds are loaded without waiting for the page table: a free slot's rows (any codes, +-inf
-        # bounds) give NaN or inf in their own rows of the product only, which the mask below replaces.
-        m_mask = in_c[:, None, None] & in_b  # (BLOCK_C, 1, BLOCK_B)
-        byte = tl.load(codes_ptr + b * sc_b + kvh * sc_h + c3 * sc_c + j[None, :, None] * sc_p + i[None, None, :],
-                       mask=m_mask, other=0).to(tl.int32)  # (BLOCK_C, P, BLOCK_B)
-        m_off = b * sm_b + kvh * sm_h + c3 * sm_c + i[None, None, :] * PER
-        if DOT3 or FOLD:
-            logits = tl.zeros((BLOCK_C, P, G_PAD), dtype=tl.float32)
-            offset = tl.zeros((BLOCK_C, G_PAD), dtype=tl.float32)
+    blk = tl.program_id(1)
+    c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_c = c < n_slots
+    c3 = c[:, None, None].to(tl.int64)
+    # Codes and bounds are loaded without waiting for the page table: a free slot's rows (any codes, +-inf bounds)
+    # give NaN or inf in their own rows of the product only, which the mask below replaces.
+    m_mask = in_c[:, None, None] & in_b  # (BLOCK_C, 1, BLOCK_B)
+    byte = tl.load(codes_ptr + b * sc_b + kvh * sc_h + c3 * sc_c + j[None, :, None] * sc_p + i[None, None, :],
+                   mask=m_mask, other=0).to(tl.int32)  # (BLOCK_C, P, BLOCK_B)
+    m_off = b * sm_b + kvh * sm_h + c3 * sm_c + i[None, None, :] * PER
+    logits = tl.zeros((BLOCK_C * P, G_PAD), dtype=tl.float32)
+    for k in tl.static_range(PER):
+        lo = tl.load(kmin_ptr + m_off + k, mask=m_mask, other=0.0).to(tl.float32)
+        step = (tl.load(kmax_ptr + m_off + k, mask=m_mask, other=0.0).to(tl.float32) - lo) / LEVELS
+        level = (((byte >> (k * BITS)) & LEVELS) | _TWO_23_BITS).to(tl.float32, bitcast=True) - _TWO_23
+        keys = tl.reshape(lo + step * level, (BLOCK_C * P, BLOCK_B))
+        q = tl.load(q_ptr + q_off + k, mask=q_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
         else:
-            logits = tl.zeros((BLOCK_C * P, G_PAD), dtype=tl.float32)
-        for k in tl.static_range(PER):
-            lo = tl.load(kmin_ptr + m_off + k, mask=m_mask, other=0.0).to(tl.float32)
-            step = (tl.load(kmax_ptr + m_off + k, mask=m_mask, other=0.0).to(tl.float32) - lo) / LEVELS
-            q = tl.load(q_ptr + q_off + k, mask=q_mask, other=0.0)
-            if FOLD:
-                # level = 2^BITS * (v - 1) with v = 1 + level / 2^BITS, the field ORed into the mantissa of 1.0:
-                # q . k = q . (min - width) + (q * width) . v, width = 2^BITS * step, the second a product of the
-                # codes as they are with the page's scaled query.
-                width = step * (1 << BITS)
-                offset = tl.dot(tl.reshape(lo - width, (BLOCK_C, BLOCK_B)), tl.trans(q.to(tl.float32)), offset,
-                                input_precision=PRECISION)
-                wq = tl.permute(width, (0, 2, 1)) * tl.trans(q.to(tl.float32))[None, :, :]  # (BLOCK_C, BLOCK_B, G_PAD)
-                v = ((byte >> (k * BITS)) & LEVELS) << (MANT - BITS) | ONE
-                if MANT == 23:
-                    v = v.to(tl.float32, bitcast=True)
-                else:
-                    v = v.to(tl.int16).to(q.dtype, bitcast=True)
-                    wq = wq.to(q.dtype)
-                logits = tl.dot(v, wq, logits, input_precision=PRECISION)
-            else:
-                level = (((byte >> (k * BITS)) & LEVELS) | _TWO_23_BITS).to(tl.float32, bitcast=True) - _TWO_23
-                keys = lo + step * level
-                if UPCAST:
-                    q = q.to(tl.float32)
-                else:
-                    keys = keys.to(q.dtype)
-            if FOLD:
-                pass
-            elif DOT3:
-                qt = tl.broadcast_to(tl.trans(q)[None, :, :], (BLOCK_C, BLOCK_B, G_PAD))
-                logits = tl.dot(keys, qt, logits, input_precision=PRECISION)  # (BLOCK_C, P, G_PAD)
-            else:
-                logits = tl.dot(tl.reshape(keys, (BLOCK_C * P, BLOCK_B)), tl.trans(q), logits,
-                                input_precision=PRECISION)  # (BLOCK_C * P, G_PAD)
-        if DOT3 or FOLD:
-            logits += offset[:, None, :]
-        page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
-        ok = (page[:, None] >= 0) & (page[:, None] * P + j[None, :] < n)  # (BLOCK_C, P)
-        logits = tl.where(ok[:, :, None], tl.reshape(logits * scale, (BLOCK_C, P, G_PAD)), float("-inf"))
-        lse = _lse(logits, 1)  # (BLOCK_C, G_PAD)
-        tl.store(out_ptr + b * so_b + (kvh * G + g)[None, :] * so_h + c[:, None], lse,
-                 mask=in_c[:, None] & in_g[None, :])
-        tl.store(part_ptr + (row * G + g).to(tl.int64) * n_parts + blk, _lse(lse, 0),
-                 mask=in_g & (g * 0 + blk < n_parts))
+            keys = keys.to(q.dtype)
+        logits = tl.dot(keys, tl.trans(q), logits, input_precision=PRECISION)  # (BLOCK_C * P, G_PAD)
+    page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
+    ok = (page[:, None] >= 0) & (page[:, None] * P + j[None, :] < n)  # (BLOCK_C, P)
+    logits = tl.where(ok[:, :, None], tl.reshape(logits * scale, (BLOCK_C, P, G_PAD)), float("-inf"))
+    lse = _lse(logits, 1)  # (BLOCK_C, G_PAD)
+    tl.store(out_ptr + b * so_b + (kvh * G + g)[None, :] * so_h + c[:, None], lse, mask=in_c[:, None] & in_g[None, :])
+    tl.store(part_ptr + (row * G + g).to(tl.int64) * n_parts + blk, _lse(lse, 0), mask=in_g)
 
 
 @triton.jit
@@ -165,25 +127,21 @@ def coded_page_lse(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, code
     b, h, d = q.shape
     hkv, c, p = codes.shape[1], codes.shape[2], codes.shape[3]
     reference.check_code_bits(bits, d)
-    dot = torch.float32 if interpreted_bf16(q.dtype) else q.dtype  # the dtype of the codes' product
     if codes.stride(-1) != 1:
         codes = codes.contiguous()
     # At least 16 tokens and 16 bytes per field: tl.dot's smallest tile.
     block_c = max(max(1, 16 // p), min(max(1, TUNING["coded_block"] // p), triton.next_power_of_2(c)))
     n_parts = triton.cdiv(c, block_c)
-    chunks = min(TUNING["coded_chunks"], n_parts)
     out = torch.empty(b, h, c, dtype=torch.float32, device=q.device)
     part = torch.empty(b * h, n_parts, dtype=torch.float32, device=q.device)
-    _coded_lse_kernel[(b * hkv, triton.cdiv(n_parts, chunks))](
+    _coded_lse_kernel[(b * hkv, n_parts)](
         q, kmin, kmax, codes, slot_page, seq_len, out, part, c, n_parts, scale,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
         codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
         slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1),
         HKV=hkv, G=h // hkv, G_PAD=max(TUNING["coded_heads"], triton.next_power_of_2(h // hkv)), D=d,
-        BLOCK_B=max(16, triton.next_power_of_2(d * bits // 8)), P=p, BLOCK_C=block_c, CHUNKS=chunks, BITS=bits,
-        DOT3=TUNING["coded_dot3"], FOLD=TUNING["coded_fold"], MANT=_MANTISSA[dot], ONE=_ONE[dot],
-        PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype),
-        num_warps=TUNING["coded_warps"], num_stages=TUNING["coded_stages"])
+        BLOCK_B=max(16, triton.next_power_of_2(d * bits // 8)), P=p, BLOCK_C=block_c, BITS=bits,
+        PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), num_warps=TUNING["coded_warps"])
     return out, part
 
 

@@ -84,8 +84,8 @@ def pieces(copies: list[dict], bits: tuple[int, ...], num_pages: int, baseline) 
             return fn(c["q"], c["kmin"], c["kmax"], c["codes"][w], c["slot_page"], c["seq_len"], scale, w)
 
         def lse(c, w=w):
-            from ..kernels.triton.coded import coded_page_lse
-            return coded_page_lse(c["q"], c["kmin"], c["kmax"], c["codes"][w], c["slot_page"], c["seq_len"], scale,
+            from ..kernels.triton.coded import coded_lse_parts
+            return coded_lse_parts(c["q"], c["kmin"], c["kmax"], c["codes"][w], c["slot_page"], c["seq_len"], scale,
                                   w)
 
         def step(c, w=w):

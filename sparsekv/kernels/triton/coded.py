@@ -118,12 +118,12 @@ def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, n_slots, n_parts, sl_b, sl_h, 
         tl.store(out_ptr + b * so_b + kvh * so_h + c, _lse(share, 0), mask=in_c)
 
 
-def coded_page_lse(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
+def coded_lse_parts(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
                    slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float,
                    bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.coded_page_lse`` (B, H, C) float32, and each head's log-sum-exp over each block of
-    ``coded_block`` tokens (B * H, blocks) float32."""
-    check(q, kmin, "coded_page_lse")
+    ``coded_block`` tokens (B * H, blocks) float32, from which ``coded_scores`` takes the heads' totals."""
+    check(q, kmin, "coded_scores")
     b, h, d = q.shape
     hkv, c, p = codes.shape[1], codes.shape[2], codes.shape[3]
     reference.check_code_bits(bits, d)
@@ -148,10 +148,10 @@ def coded_page_lse(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, code
 def coded_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
                  slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float, bits: int,
                  per_query_head: bool = False) -> torch.Tensor:
-    """``reference.coded_scores``: the page log-sum-exps (``coded_page_lse``), then the shares."""
+    """``reference.coded_scores``: the page log-sum-exps (``coded_lse_parts``), then the shares."""
     if q.dtype == torch.float64:
         return reference.coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head)
-    lse, part = coded_page_lse(q, kmin, kmax, codes, slot_page, seq_len, scale, bits)
+    lse, part = coded_lse_parts(q, kmin, kmax, codes, slot_page, seq_len, scale, bits)
     b, h, c = lse.shape
     hkv = kmin.shape[1]
     out = torch.empty(b, h if per_query_head else hkv, c, dtype=torch.float32, device=q.device)

@@ -126,3 +126,18 @@ def test_finds_the_aligned_key_on_a_page_of_alike_keys_where_quests_bound_fails(
     assert int(mass[0, 0].argmax()) == needle
     assert int(low.page_scores(0, q, layer, pages.seq_len, scale)[0, 0, :n_pages].argmax()) == needle
     assert int(quest.page_scores(0, q, layer, pages.seq_len, scale)[0, 0, :n_pages].argmax()) != needle
+
+
+def test_page_codes_compile_for_every_width_in_one_process():
+    """The current page's codes through torch.compile, one width after another (as ``bench.e2e`` runs
+    ``lowbit`` then ``lowbit:bits=1``): each width compiles as a constant and matches the eager codes."""
+    from sparsekv.methods.lowbit import _page_codes
+
+    compiled = torch.compile(_page_codes, fullgraph=True, dynamic=False)
+    torch.manual_seed(3)
+    for bits in (2, 1, 4):
+        for kv_heads in (2, 3):
+            k = torch.randn(1, kv_heads, 5, 4, 16)
+            slot = torch.tensor([[1] * kv_heads])
+            assert torch.equal(compiled(k, k.amin(3), k.amax(3), slot, bits),
+                               _page_codes(k, k.amin(3), k.amax(3), slot, bits))

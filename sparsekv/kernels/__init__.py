@@ -172,9 +172,10 @@ linear = _register("linear", _linear_fake)
 linear_quantized = _register("linear_quantized", _linear_quantized_fake)
 
 
-def fused(fn: Callable) -> Callable:
+def fused(fn: Callable, dynamic: bool | None = None) -> Callable:
     """``fn`` (a pure composition of torch ops) fused by torch.compile for CUDA tensors, so that a decode step's
-    small bookkeeping costs one kernel instead of a dozen; CPU tensors run ``fn`` as it is."""
+    small bookkeeping costs one kernel instead of a dozen; CPU tensors run ``fn`` as it is. ``dynamic``: as
+    torch.compile's (False: a graph per distinct shape and int argument)."""
     compiled = None
 
     def op(first, *args, **kwargs):
@@ -182,7 +183,7 @@ def fused(fn: Callable) -> Callable:
         if not first.is_cuda:
             return fn(first, *args, **kwargs)
         if compiled is None:
-            compiled = torch.compile(fn, fullgraph=True)
+            compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
         return compiled(first, *args, **kwargs)
 
     op.__name__ = fn.__name__

@@ -68,7 +68,9 @@ def _page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot: t
     return reference.key_codes(keys, *bounds, bits)
 
 
-page_codes = kernels.fused(_page_codes)
+# dynamic=False: the width, an int argument, stays a constant of each compiled graph (one per width); left to
+# torch.compile, a second width makes it a symbolic int, which ``key_codes`` cannot shift by.
+page_codes = kernels.fused(_page_codes, dynamic=False)
 
 
 class LowBit(Method):

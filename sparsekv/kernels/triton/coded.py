@@ -1,10 +1,17 @@
-"""Page scores from low-bit key codes (``reference.coded_scores``).
+"""Page scores from low-bit key codes (``reference.coded_scores``), in two launches.
 
-One program per (sequence, KV head, block of ``coded_block`` slots) dequantizes the keys of its pages from their
-codes and the pages' min/max (``min + code * (max - min) / L``), takes the estimated logits of all query heads of
-the group in one product, and writes each head's log-sum-exp per page; the bounds and codes are read once per KV
-head. ``reference.page_mass`` then turns these into each page's share of its heads' attention (a few elementwise
-ops and reductions over (B, H, C), fused by torch.compile)."""
+``_coded_lse_kernel``: one program per (sequence, KV head, block of ``coded_block`` tokens) reads the codes of its
+pages once, as bytes. Channel ``PER * i + k`` of a key is field k of its byte i (PER = 8 // bits fields of ``bits``
+bits), so the product over the head dim is PER products, one per field, over channels k, k + PER, ...: each takes
+its field with a constant shift and no conversion instruction (the field ORed into the low mantissa bits of 2^23,
+less 2^23, is its level as a float), dequantizes it with its pages' min and step broadcast over their tokens
+(``min + level * (max - min) / L``) and adds the field's share of the logits, a tensor-core product with the
+block's tokens as rows and the group's query heads as columns. The program writes each head's log-sum-exp per page
+and over its whole block.
+
+``_page_mass_kernel``: per (sequence, KV head, block of ``mass_block`` slots), each head's total from the blocks'
+log-sum-exps, then each page's share of it, summed over the group's heads unless per query head
+(``reference.page_mass``)."""
 
 from __future__ import annotations
 
@@ -12,90 +19,146 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import fused, reference
-from .common import TUNING, block_d, check, group_pad, interpreted_bf16, precision
+from .. import reference
+from .common import TUNING, check, interpreted_bf16, precision
+
+_TWO_23 = tl.constexpr(8388608.0)
+_TWO_23_BITS = tl.constexpr(0x4B000000)  # float32 2^23: its ulp is 1, so its low mantissa bits hold an integer
 
 
 @triton.jit
-def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, out_ptr, n_slots, scale,
-                      sq_b, sq_h, sm_b, sm_h, sm_c, sc_b, sc_h, sc_c, sc_p, ss_b, ss_h, so_b, so_h,
+def _lse(x, axis: tl.constexpr):
+    """Log-sum-exp of x along axis, -inf where every entry is -inf."""
+    top = tl.max(x, axis=axis)
+    safe = tl.where(top > float("-inf"), top, 0.0)
+    out = safe + tl.log(tl.sum(tl.exp(x - tl.expand_dims(safe, axis)), axis=axis))
+    return tl.where(top > float("-inf"), out, float("-inf"))
+
+
+@triton.jit
+def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, out_ptr, part_ptr, n_slots, n_parts,
+                      scale, sq_b, sq_h, sm_b, sm_h, sm_c, sc_b, sc_h, sc_c, sc_p, ss_b, ss_h, so_b, so_h,
                       HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                      BLOCK_D: tl.constexpr, P: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr,
+                      BLOCK_B: tl.constexpr, P: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr,
                       PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Per head, the log-sum-exp of each page's estimated logits (out, (B, H, C)) and of the program's block of
+    BLOCK_C slots (part, (B * H, n_parts))."""
+    PER: tl.constexpr = 8 // BITS
+    LEVELS: tl.constexpr = (1 << BITS) - 1
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     kvh = row % HKV
+    j = tl.arange(0, P)
+    i = tl.arange(0, BLOCK_B)
     g = tl.arange(0, G_PAD)
-    d = tl.arange(0, BLOCK_D)
+    in_g = g < G
+    in_b = (i < D // PER)[None, None, :]
+    q_off = b * sq_b + (kvh * G + g)[:, None] * sq_h + i[None, :] * PER
+    q_mask = in_g[:, None] & (i < D // PER)[None, :]
+    n = tl.load(len_ptr + b)
+    blk = tl.program_id(1)
+    c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_c = c < n_slots
+    c3 = c[:, None, None].to(tl.int64)
+    # Codes and bounds are loaded without waiting for the page table: a free slot's rows (any codes, +-inf bounds)
+    # give NaN or inf in their own rows of the product only, which the mask below replaces.
+    m_mask = in_c[:, None, None] & in_b  # (BLOCK_C, 1, BLOCK_B)
+    byte = tl.load(codes_ptr + b * sc_b + kvh * sc_h + c3 * sc_c + j[None, :, None] * sc_p + i[None, None, :],
+                   mask=m_mask, other=0).to(tl.int32)  # (BLOCK_C, P, BLOCK_B)
+    m_off = b * sm_b + kvh * sm_h + c3 * sm_c + i[None, None, :] * PER
+    logits = tl.zeros((BLOCK_C * P, G_PAD), dtype=tl.float32)
+    for k in tl.static_range(PER):
+        lo = tl.load(kmin_ptr + m_off + k, mask=m_mask, other=0.0).to(tl.float32)
+        step = (tl.load(kmax_ptr + m_off + k, mask=m_mask, other=0.0).to(tl.float32) - lo) / LEVELS
+        level = (((byte >> (k * BITS)) & LEVELS) | _TWO_23_BITS).to(tl.float32, bitcast=True) - _TWO_23
+        keys = tl.reshape(lo + step * level, (BLOCK_C * P, BLOCK_B))
+        q = tl.load(q_ptr + q_off + k, mask=q_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        else:
+            keys = keys.to(q.dtype)
+        logits = tl.dot(keys, tl.trans(q), logits, input_precision=PRECISION)  # (BLOCK_C * P, G_PAD)
+    page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
+    ok = (page[:, None] >= 0) & (page[:, None] * P + j[None, :] < n)  # (BLOCK_C, P)
+    logits = tl.where(ok[:, :, None], tl.reshape(logits * scale, (BLOCK_C, P, G_PAD)), float("-inf"))
+    lse = _lse(logits, 1)  # (BLOCK_C, G_PAD)
+    tl.store(out_ptr + b * so_b + (kvh * G + g)[None, :] * so_h + c[:, None], lse, mask=in_c[:, None] & in_g[None, :])
+    tl.store(part_ptr + (row * G + g).to(tl.int64) * n_parts + blk, _lse(lse, 0), mask=in_g)
+
+
+@triton.jit
+def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, n_slots, n_parts, sl_b, sl_h, so_b, so_h,
+                      HKV: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BLOCK_C: tl.constexpr,
+                      BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr):
+    row = tl.program_id(0)
+    b = (row // HKV).to(tl.int64)
+    kvh = row % HKV
+    g = tl.arange(0, G_P2)
+    in_g = g < G
+    part = part_ptr + (row * G + g)[:, None].to(tl.int64) * n_parts
+    # Each head's total, an online log-sum-exp over the blocks' log-sum-exps.
+    top = tl.full((G_P2,), float("-inf"), tl.float32)
+    total = tl.zeros((G_P2,), tl.float32)
+    for p0 in range(0, n_parts, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        x = tl.load(part + p[None, :], mask=in_g[:, None] & (p < n_parts)[None, :], other=float("-inf"))
+        new = tl.maximum(top, tl.max(x, axis=1))
+        safe = tl.where(new > float("-inf"), new, 0.0)
+        total = total * tl.exp(top - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
+        top = new
+    total = tl.where(top > float("-inf"), top + tl.log(total), 0.0)  # a head without pages: its shares stay -inf
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_c = c < n_slots
-    page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
-    used = page >= 0
-    m_off = b * sm_b + kvh * sm_h + c[:, None].to(tl.int64) * sm_c + d[None, :]
-    m_mask = used[:, None] & (d[None, :] < D)
-    lo = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0).to(tl.float32)
-    step = (tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0).to(tl.float32) - lo) / ((1 << BITS) - 1)
-    # Every token of the block's pages: row t is token t % P of slot c[t // P].
-    t = tl.arange(0, BLOCK_C * P)
-    slot = tl.program_id(1) * BLOCK_C + t // P
-    j = t % P
-    per: tl.constexpr = 8 // BITS
-    c_off = (b * sc_b + kvh * sc_h + slot[:, None].to(tl.int64) * sc_c + j[:, None] * sc_p + d[None, :] // per)
-    t_page = tl.reshape(tl.broadcast_to(page[:, None], (BLOCK_C, P)), (BLOCK_C * P,))
-    byte = tl.load(codes_ptr + c_off, mask=(t_page >= 0)[:, None] & (d[None, :] < D), other=0)
-    code = ((byte >> ((d[None, :] % per) * BITS).to(tl.uint8)) & ((1 << BITS) - 1)).to(tl.float32)
-    lo_t = tl.reshape(tl.broadcast_to(lo[:, None, :], (BLOCK_C, P, BLOCK_D)), (BLOCK_C * P, BLOCK_D))
-    step_t = tl.reshape(tl.broadcast_to(step[:, None, :], (BLOCK_C, P, BLOCK_D)), (BLOCK_C * P, BLOCK_D))
-    q = tl.load(q_ptr + b * sq_b + (kvh * G + g)[:, None] * sq_h + d[None, :],
-                mask=(g[:, None] < G) & (d[None, :] < D), other=0.0)
-    keys = lo_t + step_t * code
-    if UPCAST:
-        q = q.to(tl.float32)
+    head = kvh * G + g
+    share = tl.load(lse_ptr + b * sl_b + head[:, None] * sl_h + c[None, :], mask=in_g[:, None] & in_c[None, :],
+                    other=float("-inf")) - total[:, None]
+    if PER_HEAD:
+        tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], share, mask=in_g[:, None] & in_c[None, :])
     else:
-        keys = keys.to(q.dtype)
-    logits = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale  # (G_PAD, BLOCK_C * P)
-    n = tl.load(len_ptr + b)
-    ok = (t_page >= 0) & (t_page * P + j < n)
-    logits = tl.where(ok[None, :], logits, float("-inf"))
-    logits = tl.reshape(logits, (G_PAD, BLOCK_C, P))
-    top = tl.max(logits, axis=2)
-    safe = tl.where(top > float("-inf"), top, 0.0)
-    lse = safe + tl.log(tl.sum(tl.exp(logits - safe[:, :, None]), axis=2))
-    lse = tl.where(top > float("-inf"), lse, float("-inf"))
-    tl.store(out_ptr + b * so_b + (kvh * G + g)[:, None] * so_h + c[None, :], lse,
-             mask=(g[:, None] < G) & in_c[None, :])
+        tl.store(out_ptr + b * so_b + kvh * so_h + c, _lse(share, 0), mask=in_c)
 
 
-def coded_page_lse(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
-                   slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float, bits: int) -> torch.Tensor:
-    """``reference.coded_page_lse``: (B, H, C) float32."""
-    check(q, kmin, "coded_page_lse")
+def coded_lse_parts(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
+                   slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float,
+                   bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.coded_page_lse`` (B, H, C) float32, and each head's log-sum-exp over each block of
+    ``coded_block`` tokens (B * H, blocks) float32, from which ``coded_scores`` takes the heads' totals."""
+    check(q, kmin, "coded_scores")
     b, h, d = q.shape
     hkv, c, p = codes.shape[1], codes.shape[2], codes.shape[3]
     reference.check_code_bits(bits, d)
-    if codes.stride(-1) != 1 or codes.stride(-2) != codes.shape[-1]:
+    if codes.stride(-1) != 1:
         codes = codes.contiguous()
-    out = torch.empty(b, h, c, dtype=torch.float32, device=q.device)
-    # At least 16 tokens per block: tl.dot's smallest tile.
+    # At least 16 tokens and 16 bytes per field: tl.dot's smallest tile.
     block_c = max(max(1, 16 // p), min(max(1, TUNING["coded_block"] // p), triton.next_power_of_2(c)))
-    _coded_lse_kernel[(b * hkv, triton.cdiv(c, block_c))](
-        q, kmin, kmax, codes, slot_page, seq_len, out, c, scale,
+    n_parts = triton.cdiv(c, block_c)
+    out = torch.empty(b, h, c, dtype=torch.float32, device=q.device)
+    part = torch.empty(b * h, n_parts, dtype=torch.float32, device=q.device)
+    _coded_lse_kernel[(b * hkv, n_parts)](
+        q, kmin, kmax, codes, slot_page, seq_len, out, part, c, n_parts, scale,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
         codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
         slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1),
-        HKV=hkv, G=h // hkv, G_PAD=group_pad(h // hkv), D=d, BLOCK_D=block_d(d), P=p, BLOCK_C=block_c, BITS=bits,
+        HKV=hkv, G=h // hkv, G_PAD=max(TUNING["coded_heads"], triton.next_power_of_2(h // hkv)), D=d,
+        BLOCK_B=max(16, triton.next_power_of_2(d * bits // 8)), P=p, BLOCK_C=block_c, BITS=bits,
         PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), num_warps=TUNING["coded_warps"])
-    return out
-
-
-page_mass = fused(reference.page_mass)
+    return out, part
 
 
 def coded_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
                  slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float, bits: int,
                  per_query_head: bool = False) -> torch.Tensor:
-    """``reference.coded_scores``: the kernel's per-head page log-sum-exps, then ``page_mass``."""
+    """``reference.coded_scores``: the page log-sum-exps (``coded_lse_parts``), then the shares."""
     if q.dtype == torch.float64:
         return reference.coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head)
-    return page_mass(coded_page_lse(q, kmin, kmax, codes, slot_page, seq_len, scale, bits), kmin.shape[1],
-                     per_query_head)
+    lse, part = coded_lse_parts(q, kmin, kmax, codes, slot_page, seq_len, scale, bits)
+    b, h, c = lse.shape
+    hkv = kmin.shape[1]
+    out = torch.empty(b, h if per_query_head else hkv, c, dtype=torch.float32, device=q.device)
+    block = min(TUNING["mass_block"], triton.next_power_of_2(c))
+    _page_mass_kernel[(b * hkv, triton.cdiv(c, block))](
+        lse, part, out, c, part.shape[1], lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        HKV=hkv, G=h // hkv, G_P2=triton.next_power_of_2(h // hkv), BLOCK_C=block,
+        BLOCK_P=min(TUNING["mass_parts"], triton.next_power_of_2(part.shape[1])), PER_HEAD=per_query_head,
+        num_warps=TUNING["mass_warps"])
+    return out

@@ -41,8 +41,12 @@ from triton import knobs
 # qgemv_*: the products of group-quantized weights (``quant``) for one input row: programs of qgemv_block_n output
 # rows read slices of qgemv_block_g groups of 32 inputs; qgemm_*: the same for 2 to qgemv_max_rows rows, through
 # tensor cores; more rows go to the reference (dequantized weight, cuBLAS).
-# coded_*: page scores from low-bit key codes (``coded``), not yet tuned on a GPU: programs of coded_block tokens
-# (coded_block / page_size pages), coded_warps warps.
+# coded_*: page scores from low-bit key codes (``coded``): programs of coded_block tokens (coded_block / page_size
+# pages), coded_warps warps, the group's query heads padded to at least coded_heads columns of the product. On the
+# H200 at Llama-3-8B, batch 1, 128K, 2-bit codes (``python -m sparsekv.bench.lowbit``): 96 us per layer with
+# 128 / 4 / 8; 111 with blocks of 64, 120 with 256 tokens and 8 warps, 128 with 16 head columns.
+# mass_*: the page shares from the coded kernel's log-sum-exps: programs of mass_block slots (mass_warps warps)
+# that read the per-block totals mass_parts at a time.
 # append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
 # starts a page in a cache with freed slots), with append_warps warps.
 TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
@@ -60,7 +64,8 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "gemv_block_n": 1, "gemv_block_k": 2048, "gemv_warps": 4, "gemv_stages": 2, "gemv_max_in": 16384,
           "qgemv_block_n": 4, "qgemv_block_g": 32, "qgemv_warps": 4, "qgemv_stages": 2, "qgemv_max_rows": 16,
           "qgemm_block_n": 32, "qgemm_block_g": 8, "qgemm_warps": 4, "qgemm_stages": 2,
-          "coded_block": 128, "coded_warps": 4,
+          "coded_block": 128, "coded_warps": 4, "coded_heads": 8,
+          "mass_block": 1024, "mass_parts": 1024, "mass_warps": 4,
           "append_search": 4096, "append_warps": 4}
 
 LOG2E = 1.4426950408889634

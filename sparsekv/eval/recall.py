@@ -105,6 +105,9 @@ class RecallProbe(Method):
         raise ConfigError("method", "a method to serve, not the attention-recall probe (it measures one generation "
                                     "through Engine or apply)", self.config.name)
 
+    def pool_host_tokens(self, max_context):
+        return self.pool_pages(max_context, None)
+
     def start_pool(self, layers, max_context):
         self.pool_pages(max_context, None)
 

@@ -130,6 +130,12 @@ class Method:
         ``max_new_tokens`` of them new."""
         return [-(-max_context // self.config.page_size)] * self.num_layers
 
+    def pool_host_tokens(self, max_context: int) -> int:
+        """KV tokens summed over layers that a pool's host store keeps per row for requests of up to
+        ``max_context`` tokens (a prompt of that many tokens keeps as many in its own store while it is
+        prefilled)."""
+        return 0
+
     def start_pool(self, layers: list[PagedLayer], max_context: int) -> None:
         """Makes this method the state of a pool whose layers (B rows, ``pool_pages`` slots) are ``layers``: per-row
         state for B rows, and limits fixed for any request (a decode step captured once serves them all)."""

@@ -330,6 +330,9 @@ class OmniKV(Method):
         return [min(-(-(page - 1 + max_new_tokens) // page), full) if i in offloaded else full
                 for i in range(self.num_layers)]
 
+    def pool_host_tokens(self, max_context):
+        return max_context * len(self._pool_offloaded())
+
     def start_pool(self, layers, max_context):
         # Every row takes up to the pool's widest choice (its own ``per_row``), and lists its decode tokens over
         # the whole store: fixed shapes whatever the rows' prompts.

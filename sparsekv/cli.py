@@ -166,7 +166,7 @@ def _setup(args, method: str, default_budget: int | None = None) -> tuple[torch.
     with a budget when neither --budget nor the spec or --opt set token_budget."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    if "max_new_tokens" in vars(args):  # a command that generates once (serve takes these per request)
+    if "temperature" in vars(args):  # a command that generates once (serve takes these per request)
         check_sampling(args.max_new_tokens, args.temperature, args.top_p)
     budget = args.budget
     if budget is None and takes_budget(method, args.opt):
@@ -300,9 +300,9 @@ def cmd_serve(args) -> int:
                         weights=args.weights)
     kv_memory = None if args.kv_memory_gib is None else int(args.kv_memory_gib * 2**30)
     engine = ServingEngine(loaded.model, config, tokenizer=loaded.tokenizer, max_batch=args.max_batch,
-                           max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                           prefill_share=args.prefill_share, max_queue=args.max_queue,
-                           compile=args.compile, kv_memory_bytes=kv_memory)
+                           max_context=args.max_context, max_new_tokens=args.max_new_tokens,
+                           prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
+                           max_queue=args.max_queue, compile=args.compile, kv_memory_bytes=kv_memory)
     name = args.name or served_name(args.model)
     print(f"sparsekv serve: {name} with {config.name} on {device} ({dtype}), at http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
@@ -380,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-batch", type=int, default=8, help="requests decoding at once (rows)")
     srv.add_argument("--max-context", type=int, default=None,
                      help="largest prompt plus max_tokens of a request (default: the model's positions)")
+    srv.add_argument("--max-new-tokens", type=int, default=None,
+                     help="largest max_tokens of a request (default: --max-context); a smaller one shrinks the device "
+                          "rows of OmniKV's offloaded layers (they hold only the decode tokens there)")
     srv.add_argument("--prefill-chunk", type=int, default=4096,
                      help="prompt tokens prefilled between two decode steps of the running requests")
     srv.add_argument("--prefill-share", type=float, default=None,

@@ -65,6 +65,30 @@ def test_serve_bench_refuses_bad_options(tmp_path, capsys):
     assert "--prefill-share must be a number > 0" in capsys.readouterr().err
 
 
+def test_capacity_plan_at_128k_without_a_device(tmp_path):
+    """The H200's numbers (141 GB = 131.3 GiB, 125 GiB of host memory, Llama-3-8B shape, bf16): dense holds 5 rows of
+    128K; OmniKV with offload and 256 new tokens holds 23 on the device but 9 in host memory (12 GiB per row)."""
+    assert main(["--plan", "--device-gib", "131.3", "--host-gib", "125", "--methods", "dense", "omnikv:offload=true",
+                 "--prompt-len", "131072", "131072", "--output-len", "256", "256", "--max-new-tokens", "256",
+                 "--out", str(tmp_path), "--tag", "plan"]) == 0
+    dense, offload = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    assert (dense["rows"], dense["binds"], dense["rows_by_host"]) == (5, "device", None)
+    assert (offload["rows_by_device"], offload["rows_by_host"], offload["rows"], offload["binds"]) == \
+        (23, 9, 9, "host")
+    assert offload["host_row_gib"] == pytest.approx(24 * 131328 * 4096 / 2**30)  # 24 offloaded layers
+    assert offload["host_gib_for_2x_dense"] == pytest.approx(11 * offload["host_row_gib"])
+    assert "not a run" in (tmp_path / "plan.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--output-len", "8", "8", "--max-new-tokens", "4"], "--max-new-tokens must be at least the --output-len MAX"),
+    (["--plan", "--device-gib", "80"], "--plan must be a shape: model with --device-gib and --host-gib"),
+])
+def test_serve_bench_refuses_bad_pool_options(tmp_path, capsys, argv, message):
+    assert main(["--model", "shape:tiny", *argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("refusal", ["out of memory", "pool refused"])
 @pytest.mark.parametrize("limit", [0, 1, 5, 37, 63, 64])
 def test_largest_batch_finds_the_most_rows_that_fit(limit, refusal):

@@ -100,6 +100,39 @@ def test_batching_changes_no_result(model, name):
     assert metrics["generated_tokens"] == sum(len(t) for t in tokens.values())
 
 
+def test_offloaded_rows_sized_by_new_tokens_give_the_alone_tokens(model):
+    """With max_new_tokens, OmniKV's offloaded layers hold rows of the prompt's last partial page and the decode
+    tokens only: every request still gets its alone-tokens, the pool's device bytes shrink by those layers' rows,
+    and a request of more new tokens is refused at submit."""
+    config = CONFIGS["omnikv-offload"]
+    room = max(new for _, _, new, _ in PLAN)
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new, _ in PLAN]
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new, _ in PLAN]
+    wide = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+    engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK, max_new_tokens=room)
+    tokens, _ = run(engine, requests)
+    assert [tokens[i] for i in range(len(PLAN))] == expected
+    page, offloaded = config.page_size, engine.runner.method.offloaded
+    narrow, full = -(-(page - 1 + room) // page), -(-CONTEXT // page)
+    assert offloaded and [layer.capacity for layer in engine.runner.pool.pages.layers] == \
+        [narrow if i in offloaded else full for i in range(3)]
+    b, h, _, p, d = engine.runner.pool.pages.layers[0].k.shape
+    per_slot = 2 * p * d * 4 + 2 * d * 4 + 8  # keys, values, key bounds (float32), page table
+    assert wide.runner.capacity_bytes() - engine.runner.capacity_bytes() == \
+        len(offloaded) * b * h * (full - narrow) * per_slot
+    assert engine.runner.host_bytes() == wide.runner.host_bytes()  # the prompt's home stays
+    with pytest.raises(RequestError, match=rf"max_tokens must be at most max_new_tokens \({room}\)"):
+        engine.submit(Request(prompt=prompt(10), max_tokens=room + 1))
+
+
+@pytest.mark.parametrize("value", [0, CONTEXT + 1, 2.5, True])
+def test_bad_max_new_tokens_is_refused(model, value):
+    with pytest.raises(ConfigError, match="max_new_tokens must be None"):
+        ServingEngine(model, CONFIGS["dense"], max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
+                      max_new_tokens=value)
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_captured_steps_give_the_eager_tokens(model, name):
     """Each batch size's step is captured once (an emulated CUDA graph on the CPU) and replayed, over rows that

@@ -178,6 +178,19 @@ def test_prompt_over_capacity_gives_400_naming_the_limit(client):
     check_still_serves(client)
 
 
+def test_max_tokens_over_max_new_tokens_gives_400_naming_the_limit():
+    tokenizer = byte_tokenizer()
+    engine = ServingEngine(tiny_model("llama", layers=1, max_positions=256), build_config("dense"),
+                           tokenizer=tokenizer, max_batch=1, max_context=256, prefill_chunk=64, max_new_tokens=8)
+    with running(create_app(engine, tokenizer, NAME)) as url:
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 9}
+        r = httpx.post(url + "/v1/completions", json=body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "max_tokens" and "max_new_tokens (8)" in error["message"]
+        r = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 8, "ignore_eos": True}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+
 def test_full_queue_gives_429_and_a_disconnect_frees_rows(server, client):
     """MAX_BATCH long requests run, MAX_QUEUE wait; one more is refused with 429. Every client then leaves
     mid-stream: the rows come back to the pool, and the server still answers."""
@@ -293,6 +306,7 @@ def test_no_chat_template_and_a_failing_engine():
     (["--method", "quest", "--budget", "0"], "token_budget must be a positive multiple"),
     (["--chat-template", "/no/such/template.jinja"], "--chat-template: no file"),
     (["--max-batch", "0"], "max_batch"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
 ])
 def test_serve_command_errors(argv, message, capsys):
     from sparsekv.cli import main

@@ -66,10 +66,10 @@ from ..eval.runner import method_runs
 from ..methods import METHODS
 from ..models import load_model, resolve_device, resolve_dtype
 from ..serve import Request, ServingEngine
-from ..serve.runner import POOL_FIELD
+from ..serve.runner import POOL_FIELD, row_bytes
 from ..spec import budget_arg
-from .common import (device_name, int_arg, markdown_table, out_of_memory_lines, pyplot, run_args, shape_model,
-                     write_results)
+from .common import (ModelShape, device_name, int_arg, markdown_table, model_shape, out_of_memory_lines, pyplot,
+                     run_args, shape_model, write_results)
 from .e2e import random_fill, random_passes
 
 GIB = 2**30
@@ -219,7 +219,8 @@ def warm_up(engine: ServingEngine, max_batch: int, vocab: int) -> None:
     submitted = steps = 0
     while submitted < max_batch or engine.has_work():
         if submitted < max_batch and steps % 2 == 0:
-            engine.submit(Request(prompt=[rng.randrange(vocab) for _ in range(16)], max_tokens=2 * max_batch + 2))
+            engine.submit(Request(prompt=[rng.randrange(vocab) for _ in range(16)],
+                                  max_tokens=min(2 * max_batch + 2, engine.runner.max_new_tokens)))
             submitted += 1
         engine.step()
         steps += 1
@@ -378,6 +379,46 @@ def largest_batch(make, most: int) -> int:
     return low
 
 
+def plan(config, shape: ModelShape, itemsize: int, max_context: int, max_new_tokens: int, device_bytes: int,
+         host_bytes: int) -> dict:
+    """The planner's rows (no device used) of a pool of ``config``'s method for requests of ``max_context`` tokens,
+    at most ``max_new_tokens`` new, by the runner's own accounting: a device row is ``runner.row_bytes`` of
+    ``Method.pool_pages``; the rows and one prompt's prefill cache must fit ``device_bytes`` less the weights (the
+    runner's check before it allocates); a host row is ``Method.pool_host_tokens``, and the pool's host store plus
+    one prompt's own store while it is prefilled must fit ``host_bytes``. The method's other per-row state (OmniKV's
+    fetch buffer: its budget times the offloaded layers' token bytes) and the activations are not counted."""
+    method = config.build(shape.layers)
+    _, kv_heads, head_dim = shape.attention
+    page = config.page_size
+    token_bytes = 2 * kv_heads * head_dim * itemsize  # keys and values of a token in one layer, as the runner counts
+    row = row_bytes(method.pool_pages(max_context, max_new_tokens), page, token_bytes, token_bytes if page > 1 else 0,
+                    kv_heads)
+    weights = shape.parameters * itemsize
+    prefill = max_context * shape.layers * token_bytes
+    host_row = method.pool_host_tokens(max_context) * token_bytes
+    by_device = max((device_bytes - weights - prefill) // row, 0)
+    by_host = max(host_bytes // host_row - 1, 0) if host_row else None
+    rows = by_device if by_host is None else min(by_device, by_host)
+    return {"method": config.name, "device_row_gib": row / GIB, "host_row_gib": host_row / GIB,
+            "weights_gib": weights / GIB, "prefill_gib": prefill / GIB, "rows_by_device": by_device,
+            "rows_by_host": by_host, "rows": rows,
+            "binds": "device" if by_host is None or by_device <= by_host else "host"}
+
+
+def plan_markdown(meta: dict, rows: list[dict]) -> list[str]:
+    columns = [("method", "spec", "{}"), ("device row GiB", "device_row_gib", "{:.2f}"),
+               ("host row GiB", "host_row_gib", "{:.2f}"), ("rows by device", "rows_by_device", "{}"),
+               ("rows by host", "rows_by_host", "{}"), ("rows", "rows", "{}"), ("binds", "binds", "{}"),
+               ("vs dense", "vs_dense", "{:.2f}x"), ("host GiB for 2x dense", "host_gib_for_2x_dense", "{:.1f}")]
+    lines = [f"# Capacity plan ({meta['model']}, {meta['dtype']}): the planner's numbers, not a run", "",
+             f"Requests of {meta['max_context']} tokens, at most {meta['max_new_tokens']} new; {meta['device_gib']} "
+             f"GiB of device memory less the weights ({rows[0]['weights_gib']:.2f} GiB) for the rows and one "
+             f"prompt's prefill cache ({rows[0]['prefill_gib']:.2f} GiB); {meta['host_gib']} GiB of host memory for "
+             f"the host store's rows and one prompt's own store. Activations and a method's per-row state beyond the "
+             f"pages (OmniKV's fetch buffer) are not counted. Command: `{meta['command']}`", ""]
+    return lines + markdown_table(columns, rows)
+
+
 def markdown(meta: dict, rows: list[dict]) -> list[str]:
     columns = [("method", "spec", "{}"), ("budget", "budget", "{}"), ("via", "via", "{}"), ("fill", "fill", "{}"),
                ("done", "requests_done", "{}"), ("out tok/s", "output_tokens_per_s", "{:.1f}"),
@@ -477,6 +518,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="before each run, step every batch size up to the max batch twice (CUDA graphs "
                              "captured before the measurement)")
     parser.add_argument("--compile", action="store_true", help="ServingEngine(compile=True)")
+    parser.add_argument("--max-new-tokens", type=int_arg(1), default=None,
+                        help="ServingEngine(max_new_tokens=...): at least the --output-len MAX; sizes the device rows "
+                             "of OmniKV's offloaded layers (default: the max context)")
+    parser.add_argument("--plan", action="store_true",
+                        help="no run: the rows each method's pool holds for the longest request in --device-gib and "
+                             "--host-gib, by the runner's accounting (a shape: model, no device used)")
+    parser.add_argument("--device-gib", type=float, default=None, help="--plan: the device's memory")
+    parser.add_argument("--host-gib", type=float, default=None, help="--plan: host memory free for offloaded KV")
     run_args(parser, "serve")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -491,7 +540,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
             if low > high:
                 raise ConfigError(name, "MIN <= MAX", f"{low} {high}")
-        if "http" in args.via:
+        if args.max_new_tokens is not None and args.max_new_tokens < args.output_len[1]:
+            raise ConfigError("--max-new-tokens", f"at least the --output-len MAX ({args.output_len[1]})",
+                              args.max_new_tokens)
+        if args.plan and not (args.model.startswith("shape:") and args.device_gib and args.host_gib):
+            raise ConfigError("--plan", "a shape: model with --device-gib and --host-gib > 0",
+                              f"{args.model} {args.device_gib} {args.host_gib}")
+        if "http" in args.via and not args.plan:
             missing = [name for name in ("fastapi", "uvicorn", "openai", "httpx") if importlib.util.find_spec(name)
                        is None]
             if missing:
@@ -501,8 +556,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sparsekv.bench.serve: error: {err}", file=sys.stderr)
         return 2
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" or args.plan else "float32"))
     max_context = args.prompt_len[1] + args.output_len[1]
+    command = "python -m sparsekv.bench.serve " + " ".join(argv)
+    if args.plan:
+        return capacity_plan(args, runs, model_shape(args.model[len("shape:"):]), dtype, max_context, command)
     if args.model.startswith("shape:"):
         model = shape_model(args.model[len("shape:"):], device, dtype, max_context + STATIC_STEPS)
         tokenizer = stand_in_tokenizer(model.config.vocab_size)
@@ -517,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_batch": args.max_batch, "kv_memory_bytes": kv_memory, "fill": args.fill, "duration": args.duration,
             "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk,
             "capacity": args.capacity, "fit": args.fit or args.capacity, "out_of_memory": [],
-            "command": "python -m sparsekv.bench.serve " + " ".join(argv)}
+            "command": command}
     rows: list[dict] = []
 
     def save() -> None:
@@ -535,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
         return ServingEngine(model, config, tokenizer=tokenizer, max_batch=batch, max_context=max_context,
                              prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
                              max_queue=args.requests, compile=args.compile, kv_memory_bytes=kv_memory,
-                             prefill=random_passes if args.fill == "random" else prefill_passes)
+                             prefill=random_passes if args.fill == "random" else prefill_passes,
+                             max_new_tokens=args.max_new_tokens)
 
     def probe(config, batch: int) -> None:
         """An engine of ``batch`` rows runs one request of a prefill chunk and two tokens."""
@@ -597,6 +656,25 @@ def main(argv: list[str] | None = None) -> int:
     save()
     plot(args.out / f"{args.tag}.png", rows)
     print((args.out / f"{args.tag}.md").read_text())
+    return 0
+
+
+def capacity_plan(args, runs, shape: ModelShape, dtype: torch.dtype, max_context: int, command: str) -> int:
+    """--plan: ``plan`` for each method, written and printed like a run's results."""
+    new = args.max_new_tokens or max_context
+    rows = [{"spec": run.label, **plan(run.config, shape, dtype.itemsize, max_context, new,
+                                       int(args.device_gib * GIB), int(args.host_gib * GIB))} for run in runs]
+    dense = next((r["rows"] for r in rows if r["method"] == "dense"), None)
+    for r in rows:
+        r["vs_dense"] = r["rows"] / dense if dense else None
+        if dense and r["host_row_gib"]:
+            r["host_gib_for_2x_dense"] = (2 * dense + 1) * r["host_row_gib"]
+    meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "max_context": max_context,
+            "max_new_tokens": new, "device_gib": args.device_gib, "host_gib": args.host_gib, "plan": True,
+            "command": command}
+    lines = plan_markdown(meta, rows)
+    write_results(args.out, args.tag, meta, rows, lines)
+    print("\n".join(lines))
     return 0
 
 

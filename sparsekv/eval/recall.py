@@ -101,21 +101,24 @@ class RecallProbe(Method):
 
     # The probe keeps every key of one generation by position: it measures a generation through the engine or
     # ``apply``, and a serving pool (rows joining and leaving) is refused when it is made.
-    def pool_pages(self, max_context):
+    def pool_pages(self, max_context, max_new_tokens):
         raise ConfigError("method", "a method to serve, not the attention-recall probe (it measures one generation "
                                     "through Engine or apply)", self.config.name)
 
+    def pool_host_tokens(self, max_context):
+        return self.pool_pages(max_context, None)
+
     def start_pool(self, layers, max_context):
-        self.pool_pages(max_context)
+        self.pool_pages(max_context, None)
 
     def request_config(self):
-        return self.pool_pages(None)
+        return self.pool_pages(None, None)
 
     def copy_row(self, row, source, source_row, prompt_len):
-        self.pool_pages(None)
+        self.pool_pages(None, None)
 
     def rows(self, n, decode_tokens):
-        return self.pool_pages(None)
+        return self.pool_pages(None, None)
 
     def prefill(self, layer_idx, q, layer, plan, scale):
         self._remember(layer_idx, layer, int(max(plan.new_len)))  # before a compressing method drops any

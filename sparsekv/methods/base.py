@@ -125,9 +125,16 @@ class Method:
     # ``request_config``) in a cache of one row; ``copy_row`` then moves it into a row of the pool, and the decode
     # steps run on ``rows(n)``, the method of the pool's first n rows.
 
-    def pool_pages(self, max_context: int) -> list[int]:
-        """Page slots per row each layer of a pool needs for any request of up to ``max_context`` tokens."""
+    def pool_pages(self, max_context: int, max_new_tokens: int) -> list[int]:
+        """Page slots per row each layer of a pool needs for any request of up to ``max_context`` tokens, at most
+        ``max_new_tokens`` of them new."""
         return [-(-max_context // self.config.page_size)] * self.num_layers
+
+    def pool_host_tokens(self, max_context: int) -> int:
+        """KV tokens summed over layers that a pool's host store keeps per row for requests of up to
+        ``max_context`` tokens (a prompt of that many tokens keeps as many in its own store while it is
+        prefilled)."""
+        return 0
 
     def start_pool(self, layers: list[PagedLayer], max_context: int) -> None:
         """Makes this method the state of a pool whose layers (B rows, ``pool_pages`` slots) are ``layers``: per-row

@@ -89,7 +89,7 @@ class EvictionMethod(Method):
         if max(held) + 1 < layer.capacity:
             layer.compact(max(held) + 1)  # room for the next token without growing again
 
-    def pool_pages(self, max_context):
+    def pool_pages(self, max_context, max_new_tokens):
         budget = self.config.token_budget
         return [budget if self.evicts_in_decode and not self.dense(i) else max_context
                 for i in range(self.num_layers)]

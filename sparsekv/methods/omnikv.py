@@ -316,6 +316,23 @@ class OmniKV(Method):
     def _sparse(self) -> list[int]:
         return [i for i, role in enumerate(self.role) if role == "sparse"]
 
+    def _pool_offloaded(self) -> set[int]:
+        """The sparse layers a pool keeps in host memory: all but the lowest ``device_layers`` (None: none kept)."""
+        return set(self._sparse()[self.config.device_layers or 0:]) if self.config.offload else set()
+
+    def pool_pages(self, max_context, max_new_tokens):
+        # An offloaded layer's row holds the prompt's last partial page (moved to the row's first slot when the
+        # prompt went to the host) and the decode tokens: at most page_size - 1 + max_new_tokens tokens, and never
+        # more than the whole context.
+        page = self.config.page_size
+        full = -(-max_context // page)
+        offloaded = self._pool_offloaded()
+        return [min(-(-(page - 1 + max_new_tokens) // page), full) if i in offloaded else full
+                for i in range(self.num_layers)]
+
+    def pool_host_tokens(self, max_context):
+        return max_context * len(self._pool_offloaded())
+
     def start_pool(self, layers, max_context):
         # Every row takes up to the pool's widest choice (its own ``per_row``), and lists its decode tokens over
         # the whole store: fixed shapes whatever the rows' prompts.
@@ -331,7 +348,7 @@ class OmniKV(Method):
         self.window_pos = {f: torch.full((b, self.width), -1, dtype=torch.long, device=device) for f in self.filters}
         self.window_q.clear()  # (B, H, W, D), made at the first row's copy (H: the query heads)
         sparse = self._sparse()
-        self.offloaded = set(sparse[self.config.device_layers or 0:]) if self.config.offload else set()
+        self.offloaded = self._pool_offloaded()
         self.store_tokens = {i: (layers[i].capacity + 1) * layers[i].page_size for i in sparse}
         for i in sparse:
             self.decode_start[i] = torch.zeros(b, dtype=torch.long, device=device)

@@ -2,7 +2,8 @@
 
 A pool, as data::
 
-    a cache of max_batch rows (every layer allocated once, each row sized for any request of max_context tokens)
+    a cache of max_batch rows (every layer allocated once, each row sized for any request of max_context tokens,
+    at most max_new_tokens of them new: ``Method.pool_pages``)
     + the method's state for those rows + per-row next token, sampling, seed and token index
     running rows packed low: rows [0, n) run, n = the running requests; a request that ends gives its row to the
     last running one (its pages, bounds and state copied over), so a step runs over rows [0, n) only
@@ -28,7 +29,7 @@ import torch
 
 from .. import parallel
 from ..cache import PagedLayer
-from ..engine import CapturedStep, Engine, Sampling, argmax, counter_noise, draw, prefill_passes
+from ..engine import CapturedStep, Engine, Sampling, _is_count, argmax, counter_noise, draw, prefill_passes
 from ..integrations import apply
 from ..integrations.decode import DecodeModel
 from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
@@ -36,6 +37,13 @@ from ..methods.base import require
 
 # The field a pool that the device's free memory cannot hold is refused under (benchmarks search the largest pool).
 POOL_FIELD = "max_batch and max_context"
+
+
+def row_bytes(slots: list[int], page_size: int, token_bytes: int, page_bytes: int, kv_heads: int) -> int:
+    """Device bytes of one row of a pool whose layers have ``slots`` page slots each (``Method.pool_pages``), plus
+    each layer's scratch slot: per slot, keys and values, key bounds, the page table and a method's per-slot state
+    (8 bytes each per KV head)."""
+    return sum(s + 1 for s in slots) * (page_size * token_bytes + page_bytes + 16 * kv_heads)
 
 
 def available_device_bytes(device: torch.device) -> int | None:
@@ -56,15 +64,21 @@ class Prefill:
 
 class Runner:
     """Runs ``config``'s method on ``model`` for up to ``max_batch`` requests at once (see ``Engine`` for the
-    arguments, validated the same way). Requests are known by a key the caller gives (``join``). ``passes``: a
-    prompt's prefill, ``engine.prefill_passes``'s signature (benchmarks give random keys and values instead)."""
+    arguments, validated the same way). ``max_new_tokens``: the most new tokens of any request (None:
+    max_context), which sizes the rows of layers that hold only a request's decode tokens on the device (OmniKV's
+    offloaded layers). Requests are known by a key the caller gives (``join``). ``passes``: a prompt's prefill,
+    ``engine.prefill_passes``'s signature (benchmarks give random keys and values instead)."""
 
     def __init__(self, model, config, *, max_batch: int, max_context: int | None, prefill_chunk: int,
-                 cuda_graph: bool | None, compile: bool, passes: Callable = prefill_passes):
+                 cuda_graph: bool | None, compile: bool, passes: Callable = prefill_passes,
+                 max_new_tokens: int | None = None):
         self.engine = Engine(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
         self.model, self.config, self.passes = model, config, passes
         self.max_batch, self.max_context = max_batch, self.engine.max_context
+        self.max_new_tokens = self.max_context if max_new_tokens is None else max_new_tokens
+        require(_is_count(self.max_new_tokens, 1) and self.max_new_tokens <= self.max_context, "max_new_tokens",
+                f"None (max_context) or an int from 1 to max_context ({self.max_context})", max_new_tokens)
         self.device = self.engine.device
         self.num_layers = model.config.num_hidden_layers
         self.vocab_size = model.config.vocab_size
@@ -84,9 +98,8 @@ class Runner:
         page = config.page_size
         self.token_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize
         self.page_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize if page > 1 else 0  # key bounds
-        slots = self.method.pool_pages(self.max_context)
-        # Per slot: keys and values, key bounds, the page table and a method's per-slot state (8 bytes each).
-        pool_bytes = max_batch * sum(s + 1 for s in slots) * (page * self.token_bytes + self.page_bytes + 16 * kv_heads)
+        slots = self.method.pool_pages(self.max_context, self.max_new_tokens)
+        pool_bytes = max_batch * row_bytes(slots, page, self.token_bytes, self.page_bytes, kv_heads)
         prefill_bytes = self.max_context * self.num_layers * self.token_bytes  # one prompt's KV, before any eviction
         free = available_device_bytes(self.device)
         require(free is None or pool_bytes + prefill_bytes <= free, POOL_FIELD,

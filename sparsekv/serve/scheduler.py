@@ -142,22 +142,25 @@ class ServingEngine:
     boundaries; a new request's prompt is prefilled in passes interleaved with the decode steps.
 
     max_batch: rows decoded together; max_context: tokens per request (prompt plus new ones; default the model's
-    limit); prefill_chunk: prompt tokens per pass, and about the prefill work done per step (one chunk through
-    every layer); prefill_share: None, or decode priority (``PrefillPacer``): while requests decode, prefill takes
-    at most about this share of the decode steps' time; max_queue: requests that may wait; cuda_graph, compile: as
-    in ``Engine``; kv_memory_bytes: the KV memory requests may hold at once (default: what the runner's pool holds
-    for ``max_batch`` rows). tokenizer: gives the default stop tokens. prefill: a prompt's prefill,
-    ``engine.prefill_passes``'s signature (benchmarks give ``bench.e2e.random_passes``: random keys and values)."""
+    limit); max_new_tokens: new tokens per request (default max_context; a smaller one shrinks the rows of layers
+    that hold only the decode tokens on the device, OmniKV's offloaded layers); prefill_chunk: prompt tokens per
+    pass, and about the prefill work done per step (one chunk through every layer); prefill_share: None, or decode
+    priority (``PrefillPacer``): while requests decode, prefill takes at most about this share of the decode steps'
+    time; max_queue: requests that may wait; cuda_graph, compile: as in ``Engine``; kv_memory_bytes: the KV memory
+    requests may hold at once (default: what the runner's pool holds for ``max_batch`` rows). tokenizer: gives the
+    default stop tokens. prefill: a prompt's prefill, ``engine.prefill_passes``'s signature (benchmarks give
+    ``bench.e2e.random_passes``: random keys and values)."""
 
     def __init__(self, model, config, *, tokenizer=None, max_batch: int = 8, max_context: int | None = None,
                  prefill_chunk: int = 4096, prefill_share: float | None = None, max_queue: int = 256,
                  cuda_graph: bool | None = None, compile: bool = False, kv_memory_bytes: int | None = None,
-                 prefill: Callable = prefill_passes):
+                 prefill: Callable = prefill_passes, max_new_tokens: int | None = None):
         if not _is_count(max_queue, 1):
             raise ConfigError("max_queue", "an int >= 1", max_queue)
         self.pacer = None if prefill_share is None else PrefillPacer(prefill_share)
         self.runner = Runner(model, config, max_batch=max_batch, max_context=max_context,
-                             prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile, passes=prefill)
+                             prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile, passes=prefill,
+                             max_new_tokens=max_new_tokens)
         capacity = self.runner.capacity_bytes()
         if kv_memory_bytes is None:
             kv_memory_bytes = capacity
@@ -185,8 +188,8 @@ class ServingEngine:
 
     def submit(self, request: Request) -> int:
         """Queues ``request`` and returns its id. Raises RequestError when it can never run here (its tokens
-        outside the vocabulary, longer than max_context, or more KV than kv_memory_bytes), QueueFull when
-        max_queue requests wait already. Thread-safe."""
+        outside the vocabulary, longer than max_context, more new tokens than max_new_tokens, or more KV than
+        kv_memory_bytes), QueueFull when max_queue requests wait already. Thread-safe."""
         if not isinstance(request, Request):
             raise TypeError(f"submit takes a sparsekv.serve.Request, got {type(request).__name__}")
         runner = self.runner
@@ -195,6 +198,8 @@ class ServingEngine:
             raise RequestError("prompt", f"token ids below the vocabulary size ({vocab})", _short(request.prompt))
         if request.stop_tokens and max(request.stop_tokens) >= vocab:
             raise RequestError("stop_tokens", f"token ids below the vocabulary size ({vocab})", request.stop_tokens)
+        if request.max_tokens > runner.max_new_tokens:
+            raise RequestError("max_tokens", f"at most max_new_tokens ({runner.max_new_tokens})", request.max_tokens)
         total = len(request.prompt) + request.max_tokens
         if total > runner.max_context:
             raise RequestError("max_tokens", f"at most max_context ({runner.max_context}) less the prompt's "

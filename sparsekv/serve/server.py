@@ -301,7 +301,7 @@ class Service:
         self.loop = EngineLoop(engine)
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
-        self.max_context = engine.runner.max_context
+        self.max_context, self.max_new_tokens = engine.runner.max_context, engine.runner.max_new_tokens
         self.draining = False
         self.created = int(time.time())
 
@@ -338,8 +338,8 @@ class Service:
     def submit(self, body: _Generation, prompt: list[int], max_tokens: int | None) -> tuple[int, _Subscriber]:
         if self.draining:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-        if max_tokens is None:  # a chat answer may take what the context leaves
-            max_tokens = max(self.max_context - len(prompt), 1)
+        if max_tokens is None:  # a chat answer may take what the limits leave
+            max_tokens = max(min(self.max_context - len(prompt), self.max_new_tokens), 1)
         stops = () if body.ignore_eos else tuple(self.engine.stop_tokens_default)
         try:
             sampling = Sampling(temperature=body.temperature, top_p=body.top_p)

@@ -1,5 +1,5 @@
 """Paged KV storage and page metadata."""
 
-from .paged import AppendPlan, PagedKVCache, PagedLayer, check_page_size
+from .paged import KV_DTYPES, AppendPlan, PagedKVCache, PagedLayer, check_kv_dtype, check_page_size
 
-__all__ = ["AppendPlan", "PagedKVCache", "PagedLayer", "check_page_size"]
+__all__ = ["KV_DTYPES", "AppendPlan", "PagedKVCache", "PagedLayer", "check_kv_dtype", "check_page_size"]

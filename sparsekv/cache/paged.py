@@ -29,6 +29,13 @@ from ..errors import ConfigError
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Storage of the keys, values and page bounds: "auto" the model's dtype, "fp8" float8_e4m3fn (1 byte per element).
 KV_DTYPES = {"auto": None, "fp8": kernels.reference.FP8}
+KV_DTYPE_HELP = ("storage of keys, values and page bounds: auto (the model's dtype) or fp8 (float8_e4m3fn, 1 byte "
+                 "per element; default: auto)")
+
+
+def storage_dtype(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a cache of ``kv_dtype`` for a model computing in ``dtype``."""
+    return KV_DTYPES[kv_dtype] or dtype
 
 
 def check_kv_dtype(kv_dtype: str) -> None:
@@ -407,7 +414,7 @@ class PagedKVCache:
         need = max(self.needed_pages(layer), 1)
         if layer is None:
             b, h, _, d = k.shape
-            layer = PagedLayer(b, h, d, self.page_size, self._size(need, None), KV_DTYPES[self.kv_dtype] or k.dtype,
+            layer = PagedLayer(b, h, d, self.page_size, self._size(need, None), storage_dtype(self.kv_dtype, k.dtype),
                                k.device)
             self.layers[layer_idx] = layer
         elif layer.capacity < need:

@@ -27,7 +27,7 @@ from typing import Generator
 import torch
 
 from .. import parallel
-from ..cache import PagedLayer
+from ..cache import PagedLayer, storage_dtype
 from ..engine import CapturedStep, Engine, Sampling, argmax, counter_noise, draw, prefill_passes
 from ..integrations import apply
 from ..integrations.decode import DecodeModel
@@ -81,8 +81,9 @@ class Runner:
         self.pool = SparseKVCache(self.method, DecodeStats(tp_group=self.tp_group), self.window)
         pages = self.pool.pages
         page = config.page_size
-        self.token_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize
-        self.page_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize if page > 1 else 0  # key bounds
+        kv_dtype = storage_dtype(config.kv_dtype, dtype)
+        self.token_bytes = 2 * kv_heads * attn.head_dim * kv_dtype.itemsize
+        self.page_bytes = 2 * kv_heads * attn.head_dim * kv_dtype.itemsize if page > 1 else 0  # key bounds
         slots = self.method.pool_pages(self.max_context)
         # Per slot: keys and values, key bounds, the page table and a method's per-slot state (8 bytes each).
         pool_bytes = max_batch * sum(s + 1 for s in slots) * (page * self.token_bytes + self.page_bytes + 16 * kv_heads)
@@ -92,7 +93,8 @@ class Runner:
                 f"small enough that the pool of rows ({pool_bytes / 2**30:.2f} GiB) and one prompt's prefill "
                 f"({prefill_bytes / 2**30:.2f} GiB) fit the device's free {(free or 0) / 2**30:.2f} GiB",
                 (max_batch, self.max_context))
-        pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, n, dtype, self.device) for n in slots]
+        pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, n, kv_dtype, self.device)
+                        for n in slots]
         pages.lengths = [0] * max_batch
         pages.seq_len = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         pages.in_prompt = False

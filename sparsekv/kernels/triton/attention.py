@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import LOG2E, TUNING, block_d, check, f16_products, group_pad, interpreted_bf16, num_sms, precision
+from .common import LOG2E, TUNING, block_d, check, group_pad, interpreted_bf16, num_sms, precision
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
                             HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                             TOKENS: tl.constexpr, COUNT: tl.constexpr, PRECISION: tl.constexpr,
-                            UPCAST: tl.constexpr, F16: tl.constexpr):
+                            UPCAST: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = (row // HS).to(tl.int64)
@@ -45,8 +45,6 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
     q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=(g[:, None] < G) & d_ok, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    if F16:
-        q = q.to(tl.float16)
     k_base = k_ptr + b * sk_b + kvh * sk_h
     v_base = v_ptr + b * sv_b + kvh * sv_h
     sel_base = sel_ptr + b * sl_b + r * sl_h
@@ -183,7 +181,7 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None):
         sel.stride(0), 0 if hs == 1 else sel.stride(1),
         HS=rows_per_b, ROWS_PER_KV=rows_per_b // hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_N=block_n, P=p, TOKENS=tokens, COUNT=counting, PRECISION=precision(q.dtype),
-        UPCAST=interpreted_bf16(q.dtype), F16=f16_products(q, k), num_warps=warps, num_stages=stages)
+        UPCAST=interpreted_bf16(q.dtype), num_warps=warps, num_stages=stages)
     fp32_out = tokens or interpreted_bf16(q.dtype)
     out = torch.empty(b, h, d, dtype=torch.float32 if fp32_out else q.dtype, device=q.device)
     lse = torch.empty(b, h, dtype=torch.float32, device=q.device) if tokens else out

@@ -53,7 +53,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4,
           "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8,
           "attn_max_splits": 64, "attn_long_tokens": 16384, "attn_long_block_n": 64, "attn_long_stages": 2,
-          "attn_long_programs_per_sm": 4, "attn_long_max_splits": 128, "attn_long_warps": 4, "fp8_f16": True,
+          "attn_long_programs_per_sm": 4, "attn_long_max_splits": 128, "attn_long_warps": 4,
           "window_block_n": 64, "window_tile": 8192, "window_rows": 128, "window_warps": 4, "window_stages": 2,
           "window_programs_per_sm": 4,
           "raas_block": 1024, "raas_warps": 4, "raas_cand": 16,
@@ -73,14 +73,6 @@ def check(q: torch.Tensor, k: torch.Tensor, name: str) -> None:
                          "on the Triton path")
     if k.stride(-1) != 1:
         raise ValueError(f"{name}: the cache's last (head_dim) dimension must be contiguous")
-
-
-def f16_products(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether bf16 queries over an fp8 cache take their products in fp16 (``TUNING["fp8_f16"]``): e4m3 converts
-    to fp16 in one instruction per pair and exactly, to bf16 through fp32; q's bf16 values fit fp16 (11-bit
-    mantissa) unless beyond 65504 or below 6e-8."""
-    return TUNING["fp8_f16"] and k.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 and \
-        not knobs.runtime.interpret
 
 
 def interpreted_bf16(dtype: torch.dtype) -> bool:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 
 import torch
 
 from . import parallel
+from .cache import KV_DTYPE_HELP
 from .engine import Engine, Sampling
 from .errors import ConfigError
 from .eval import cli as eval_cli
@@ -151,6 +152,7 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str, extra_cho
     parser.add_argument("--weights", default="float", choices=["float", "int4", "gguf"],
                         help="float: as loaded (a GGUF dequantized); int4: the layers' linear weights quantized to "
                              "group-wise int4; gguf: a GGUF file's own Q4_0/Q4_1/Q8_0 blocks (default: float)")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"], help=KV_DTYPE_HELP)
     if not generation:
         return
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -171,7 +173,8 @@ def _setup(args, method: str, default_budget: int | None = None) -> tuple[torch.
     budget = args.budget
     if budget is None and takes_budget(method, args.opt):
         budget = default_budget
-    return device, dtype, build_config(method, budget, args.opt)
+    config = build_config(method, budget, args.opt)
+    return device, dtype, config if args.kv_dtype == "auto" else replace(config, kv_dtype=args.kv_dtype)
 
 
 # Options that may differ between the processes of a torchrun launch: what the command is, and what each process

@@ -548,3 +548,68 @@ def test_coded_scores(batch, heads, kv_heads, head_dim, page_size, lengths, n_pa
                         exact[fin])
     # On the GPU the dequantized keys enter the product in the cache's dtype (tensor cores), rounding them once.
     assert rel_err(scores[fin], exact[fin]) <= 2 * torch_err + (1e-2 if dtype != torch.float32 else 1e-6)
+
+
+FP8_SHAPES = [*SHAPES, pytest.param(16, 8, 1, 32, 4, [1 + 3 * i for i in range(16)], 2, False, id="b16-gqa8")]
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # pages without tokens
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", FP8_SHAPES)
+def test_fp8_cache_ops(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, dtype):
+    """Every op that reads the cache, over an fp8 cache (keys, values and bounds float8_e4m3fn) with queries in
+    ``dtype``, against float64 on the same fp8 values: the kernels dequantize in registers, so their error is the
+    one of a cache in q's dtype holding those values. Keys of magnitude past 448 saturate; the append stores
+    quantized keys and bounds that are their exact min and max."""
+    k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
+                                                                torch.float32, spare=3)
+    k, v, kmin, kmax = (ref.to_cache(t * 4, ref.FP8) for t in (k, v, kmin, kmax))  # some beyond fp8's normal range
+    q = torch.randn(batch, heads, head_dim, device=DEV).to(dtype)
+    scale = head_dim ** -0.5
+    bound = 1e-2 if dtype == torch.bfloat16 else 5e-5  # bf16: outputs rounded to it; fp32: GPU reductions
+
+    def close(got, exact, fn_args_exact):
+        fin = exact.isfinite()
+        assert torch.equal(got.isinf(), exact.isinf())
+        assert rel_err(got[fin], exact[fin]) <= bound, fn_args_exact
+
+    exact = ref.page_scores(*up(q, kmin, kmax), slot_page, per_head)
+    close(tops.page_scores(q, kmin, kmax, slot_page, per_head), exact, "page_scores")
+    slots = ref.select_pages(exact, cur_slot, n_pages)
+    assert torch.equal(tops.quest_select(q, kmin, kmax, slot_page, cur_slot, n_pages, per_head).sort(-1).values,
+                       ref.quest_select(*up(q, kmin, kmax), slot_page, cur_slot, n_pages, per_head).sort(-1).values)
+    exact = ref.sparse_decode(*up(q, k, v), slot_page, slots, seq_len, scale)
+    close(tops.sparse_decode(q, k, v, slot_page, slots, seq_len, scale), exact, "sparse_decode")
+
+    flat_k, flat_v = k.flatten(2, 3), v.flatten(2, 3)
+    tokens = torch.randint(-1, flat_k.shape[2], (batch, kv_heads, 9), device=DEV)
+    out, lse = tops.sparse_decode_tokens(q, flat_k, flat_v, tokens, scale)
+    exact, exact_lse = ref.sparse_decode_tokens(*up(q, flat_k, flat_v), tokens, scale)
+    close(out, exact, "sparse_decode_tokens")
+    close(lse, exact_lse, "sparse_decode_tokens lse")
+
+    key_pos = torch.where(slot_page.unsqueeze(-1) >= 0, slot_page.unsqueeze(-1) * page_size
+                          + torch.arange(page_size, device=DEV), -1)[:, 0].flatten(1)  # (B, N) of KV head 0
+    key_pos = torch.where(key_pos < seq_len.view(-1, 1), key_pos, -1)
+    wq = q.view(batch, heads, 1, head_dim)
+    got = tops.window_token_maxima(wq, flat_k, key_pos, seq_len.view(-1, 1) - 1, seq_len, scale)
+    close(got, ref.window_token_maxima(*up(wq, flat_k), key_pos, seq_len.view(-1, 1) - 1, seq_len, scale),
+          "window_token_maxima")
+
+    codes = ref.key_codes(k, kmin, kmax, 2)
+    close(tops.coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, 2, per_head),
+          ref.coded_scores(*up(q, kmin, kmax), codes, slot_page, seq_len, scale, 2, per_head), "coded_scores")
+
+    no_token = (torch.arange(batch, device=DEV) == 1)  # the second sequence, if any, has no token
+    position = torch.where(no_token, -1, seq_len)
+    k_new, v_new = (torch.randn(batch, kv_heads, head_dim, device=DEV).to(dtype) * 300 for _ in range(2))
+    state = [t.clone() for t in (k, v, kmin, kmax, slot_page, cur_slot)]
+    ref.append_token(*state, position, k_new, v_new, False)
+    tops.append_token(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, False)
+    for got, want in zip((k, v, kmin, kmax, slot_page, cur_slot), state):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == ref.FP8 else got,
+                           want.view(torch.uint8) if want.dtype == ref.FP8 else want)
+    bi, hi = torch.arange(batch, device=DEV).view(-1, 1), torch.arange(kv_heads, device=DEV).view(1, -1)
+    written = k[bi, hi, cur_slot, (seq_len % page_size).view(-1, 1)][~no_token]  # (rows, Hkv, D)
+    assert torch.equal(written.float(), ref.to_cache(k_new[~no_token], ref.FP8).float())
+    assert written.float().abs().max() == ref.FP8_MAX  # saturated

@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 
+from ..cache import KV_DTYPE_HELP
 from ..engine import Engine
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
 from ..models import check_context, resolve_device
 from .common import device_name, int_arg, markdown_table, write_results
-from .e2e import bench_model, memory_problems, random_fill, shape_weights
+from .e2e import bench_model, kv_itemsize, memory_problems, random_fill, shape_weights
 
 
 def _free(device) -> None:
@@ -70,9 +71,9 @@ def ladder(model, runs, args, device, rows: list[dict], save) -> None:
 
 
 def long_decode(model, runs, args, device, rows: list[dict], save) -> None:
-    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
-        (model.config.hidden_size // model.config.num_attention_heads) * next(model.parameters()).element_size()
     for run in runs:
+        per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
+            (model.config.hidden_size // model.config.num_attention_heads) * kv_itemsize(model, run.config)
         engine = Engine(model, run.config, max_context=args.prompt + args.decode + 1, compile=args.compile,
                         check_every=1024)
         ids = [torch.randint(0, model.config.vocab_size, (args.prompt,)).tolist()]
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens decoded; the steps after the first two are timed")
     parser.add_argument("--window", type=int_arg(), default=1024)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"], help=KV_DTYPE_HELP)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--tag", default=None)
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv, args.tag = argv, args.tag or args.mode
     try:
-        runs = method_runs(args.methods, [args.budget])
+        runs = method_runs(args.methods, [args.budget], args.kv_dtype)
     except EvalError as err:
         print(f"sparsekv.bench.capacity: error: {err}", file=sys.stderr)
         return 2

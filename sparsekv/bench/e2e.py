@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel
+from ..cache import KV_DTYPE_HELP, storage_dtype
 from ..engine import Engine, prompt_passes, run_passes
 from ..errors import ConfigError
 from ..eval.base import EvalError
@@ -113,12 +114,17 @@ def random_fill(model):
     return lambda cache, ids, mask: run_passes(random_passes(model, cache, ids, mask, FILL_CHUNK))
 
 
+def kv_itemsize(model, config) -> int:
+    """Bytes per stored key or value element of ``config``'s cache (``kv_dtype``) for ``model``."""
+    return storage_dtype(config.kv_dtype, next(model.parameters()).dtype).itemsize
+
+
 def metadata_bytes(model, config, context: int, batch: int) -> int:
     """Bytes of page metadata a decode step reads to choose pages, over all processes of tensor parallelism: per
     scored page and KV head, Quest's bounds and what its variants read besides or instead (``metadata_bytes`` of
     the config: the codes of ``lowbit``, every key for ``oracle``), RaaS's bounds in every layer."""
     cfg = model.config
-    itemsize = next(model.parameters()).element_size()
+    itemsize = kv_itemsize(model, config)
     kv_heads, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if isinstance(config, QuestConfig):
@@ -138,7 +144,7 @@ def step_bytes(model, config, stats: dict, context: int, batch: int) -> int:
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     weights += sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, QuantLinear)
                    for t in (m.codes, m.scale, m.minimum))
-    itemsize = next(model.parameters()).element_size()
+    itemsize = kv_itemsize(model, config)
     kv_heads, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     token = kv_heads * head_dim * itemsize  # one token's key (or value) in one layer
@@ -267,6 +273,7 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("peak GiB", "peak_device_gib", "{:.1f}"),
                ("KV device GiB", "kv_device_gib", "{:.2f}"), ("KV host GiB", "kv_host_gib", "{:.2f}")]
     weights = "" if meta.get("weights", "float") == "float" else f", {meta['weights']} weights"
+    weights += "" if meta.get("kv_dtype", "auto") == "auto" else f", {meta['kv_dtype']} KV"
     lines = [f"# End-to-end decode ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
              f"{how} fill = random: the cache was filled with random keys and values instead of a real prefill. "
              f"Command: `{meta['command']}`", "", *markdown_table(columns, rows)]
@@ -331,11 +338,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="list the kernels of this many captured decode steps of each row (torch.profiler, CUDA)")
     parser.add_argument("--weights", default="float", choices=["float", "int4"],
                         help="int4: the layers' linear weights quantized to group-wise int4 after loading")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"], help=KV_DTYPE_HELP)
     run_args(parser, "e2e")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:
-        runs = method_runs(args.methods, [args.budget])
+        runs = method_runs(args.methods, [args.budget], args.kv_dtype)
     except (ConfigError, EvalError) as err:
         print(f"sparsekv.bench.e2e: error: {err}", file=sys.stderr)
         return 2
@@ -355,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if weights:  # a shape: model is checked before it is built; a loaded model once it is there
         shape = SHAPES[args.model.removeprefix("shape:")]
         problem = memory_problems(device, weights, kv_bytes(args, shape.layers, shape.kv_heads, shape.head_dim,
-                                                            dtype.itemsize), gpus)
+                                                            storage_dtype(args.kv_dtype, dtype).itemsize), gpus)
         if problem:
             return _too_big(args, problem)
     try:
@@ -372,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--contexts {max(args.contexts)} with --new-tokens {args.new_tokens}: {err}")
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv = kv_bytes(args, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype.itemsize)
+        kv = kv_bytes(args, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
+                      storage_dtype(args.kv_dtype, dtype).itemsize)
         problem = memory_problems(device, None, kv, gpus)
         if problem:
             return _too_big(args, problem)
@@ -380,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(device, Timer(device, reps=30)) if device.type == "cuda" else None
     rows, out_of_memory = [], []
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "weights": args.weights,
+            "kv_dtype": args.kv_dtype,
             "new_tokens": args.new_tokens,
             "device_name": device_name(device) + (f" x {gpus} (tensor parallel)" if gpus > 1 else ""),
             "torch": torch.__version__, "bandwidth_tbs": None if bandwidth is None else bandwidth / 1e12,

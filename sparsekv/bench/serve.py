@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache import storage_dtype
 from ..cache.host_store import HostMemoryError
 from ..engine import Engine, prefill_passes
 from ..errors import ConfigError
@@ -379,7 +380,7 @@ def largest_batch(make, most: int) -> int:
     return low
 
 
-def plan(config, shape: ModelShape, itemsize: int, max_context: int, max_new_tokens: int, device_bytes: int,
+def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_new_tokens: int, device_bytes: int,
          host_bytes: int) -> dict:
     """The planner's rows (no device used) of a pool of ``config``'s method for requests of ``max_context`` tokens,
     at most ``max_new_tokens`` new, by the runner's own accounting: a device row is ``runner.row_bytes`` of
@@ -390,10 +391,11 @@ def plan(config, shape: ModelShape, itemsize: int, max_context: int, max_new_tok
     method = config.build(shape.layers)
     _, kv_heads, head_dim = shape.attention
     page = config.page_size
-    token_bytes = 2 * kv_heads * head_dim * itemsize  # keys and values of a token in one layer, as the runner counts
+    # Keys and values of a token in one layer, in the cache's dtype, as the runner counts.
+    token_bytes = 2 * kv_heads * head_dim * storage_dtype(config.kv_dtype, dtype).itemsize
     row = row_bytes(method.pool_pages(max_context, max_new_tokens), page, token_bytes, token_bytes if page > 1 else 0,
                     kv_heads)
-    weights = shape.parameters * itemsize
+    weights = shape.parameters * dtype.itemsize
     prefill = max_context * shape.layers * token_bytes
     host_row = method.pool_host_tokens(max_context) * token_bytes
     by_device = max((device_bytes - weights - prefill) // row, 0)
@@ -662,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
 def capacity_plan(args, runs, shape: ModelShape, dtype: torch.dtype, max_context: int, command: str) -> int:
     """--plan: ``plan`` for each method, written and printed like a run's results."""
     new = args.max_new_tokens or max_context
-    rows = [{"spec": run.label, **plan(run.config, shape, dtype.itemsize, max_context, new,
+    rows = [{"spec": run.label, **plan(run.config, shape, dtype, max_context, new,
                                        int(args.device_gib * GIB), int(args.host_gib * GIB))} for run in runs]
     dense = next((r["rows"] for r in rows if r["method"] == "dense"), None)
     for r in rows:

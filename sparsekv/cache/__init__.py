@@ -1,5 +1,7 @@
 """Paged KV storage and page metadata."""
 
-from .paged import AppendPlan, PagedKVCache, PagedLayer, check_page_size
+from .paged import (KV_DTYPE_HELP, KV_DTYPES, AppendPlan, PagedKVCache, PagedLayer, check_kv_dtype, check_page_size,
+                    storage_dtype)
 
-__all__ = ["AppendPlan", "PagedKVCache", "PagedLayer", "check_page_size"]
+__all__ = ["KV_DTYPE_HELP", "KV_DTYPES", "AppendPlan", "PagedKVCache", "PagedLayer", "check_kv_dtype",
+           "check_page_size", "storage_dtype"]

@@ -8,7 +8,9 @@ that evicts frees slots (``PagedLayer.free``) and the next new page takes the lo
 growing once the method caps the slot count (``PagedKVCache.max_pages``).
 
 Keys are stored after RoPE, exactly as the model attends to them, and every slot keeps the channel-wise min and
-max of its keys, updated on every append (prefill and decode alike, the last partial page included).
+max of its keys, updated on every append (prefill and decode alike, the last partial page included). With
+``kv_dtype="fp8"`` keys, values and bounds are float8_e4m3fn, unscaled (saturated at +-448); the bounds are the min
+and max of the stored (quantized) keys, which fp8 holds exactly, so Quest's bound stays a bound of what is attended.
 
 One extra *scratch* slot at the end of each row receives the padding tokens of a batch, so that appends are a
 single scatter with a fixed shape; it never holds a page and is never attended.
@@ -25,6 +27,32 @@ from .. import kernels
 from ..errors import ConfigError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Storage of the keys, values and page bounds: "auto" the model's dtype, "fp8" float8_e4m3fn (1 byte per element).
+KV_DTYPES = {"auto": None, "fp8": kernels.reference.FP8}
+KV_DTYPE_HELP = ("storage of keys, values and page bounds: auto (the model's dtype) or fp8 (float8_e4m3fn, 1 byte "
+                 "per element; default: auto)")
+
+
+def storage_dtype(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a cache of ``kv_dtype`` for a model computing in ``dtype``."""
+    return KV_DTYPES[kv_dtype] or dtype
+
+
+def check_kv_dtype(kv_dtype: str) -> None:
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError("kv_dtype", " or ".join(map(repr, KV_DTYPES)), kv_dtype)
+
+
+def bound_fill(dtype: torch.dtype, upper: bool) -> float:
+    """The bound of a slot without keys: +inf for the min, -inf for the max; fp8 has no infinity, and its largest
+    finite magnitude bounds every stored key (``to_cache`` saturates there)."""
+    big = kernels.reference.FP8_MAX if dtype == kernels.reference.FP8 else float("inf")
+    return -big if upper else big
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """``t`` for moving data only: fp8 as its bytes, since torch has no fp8 scatter or gather on the CPU."""
+    return t.view(torch.uint8) if t.dtype == kernels.reference.FP8 else t
 
 
 def check_page_size(page_size: int) -> None:
@@ -61,7 +89,7 @@ class AppendPlan:
 class PagedLayer:
     """The pages of one layer.
 
-    k, v: (B, Hkv, C + 1, P, D) with C page slots plus the scratch slot.
+    k, v: (B, Hkv, C + 1, P, D) with C page slots plus the scratch slot, in the model's dtype or fp8.
     kmin, kmax: (B, Hkv, C + 1, D), channel-wise bounds of the keys in each slot; with one token per page they are
     views of ``k`` (a token is its own bound), so token-granular methods store nothing extra.
     slot_page: (B, Hkv, C + 1) int64, logical page held by each slot, -1 if free.
@@ -81,8 +109,8 @@ class PagedLayer:
         self.k = torch.zeros(*shape, page_size, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         if page_size > 1:
-            self._kmin = torch.full((*shape, head_dim), float("inf"), dtype=dtype, device=device)
-            self._kmax = torch.full((*shape, head_dim), float("-inf"), dtype=dtype, device=device)
+            self._kmin = torch.full((*shape, head_dim), bound_fill(dtype, False), dtype=dtype, device=device)
+            self._kmax = torch.full((*shape, head_dim), bound_fill(dtype, True), dtype=dtype, device=device)
         self.slot_page = torch.full(shape, -1, dtype=torch.long, device=device)
         self.cur_slot = torch.full(shape[:2], -1, dtype=torch.long, device=device)
         # Until a slot is freed, slot j holds page j and allocation needs no search.
@@ -129,8 +157,9 @@ class PagedLayer:
             new[:, :, :old] = t[:, :, :old]
             return new
 
+        dtype = self.k.dtype
         for name in self.stored:
-            fill = {"_kmin": float("inf"), "_kmax": float("-inf"), "slot_page": -1}.get(name, 0)
+            fill = {"_kmin": bound_fill(dtype, False), "_kmax": bound_fill(dtype, True), "slot_page": -1}.get(name, 0)
             setattr(self, name, grown(getattr(self, name), fill))
         self.slot_state = {name: grown(t, 0) for name, t in self.slot_state.items()}
         self.capacity = capacity
@@ -148,7 +177,7 @@ class PagedLayer:
         def take(t: torch.Tensor) -> torch.Tensor:
             idx = with_scratch.view(*with_scratch.shape, *[1] * (t.dim() - 3)).expand(*with_scratch.shape,
                                                                                       *t.shape[3:])
-            return t.gather(2, idx)
+            return raw(t).gather(2, idx).view(t.dtype)
 
         for name in self.stored:
             setattr(self, name, take(getattr(self, name)))
@@ -246,17 +275,27 @@ class PagedLayer:
         self.slot_page[:, :, cap] = -1
 
         flat = (slot * p + offset.unsqueeze(1)).unsqueeze(-1).expand(b, h, s, d)
-        self.k.view(b, h, -1, d).scatter_(2, flat, k_new.to(self.k.dtype))
-        self.v.view(b, h, -1, d).scatter_(2, flat, v_new.to(self.v.dtype))
+        dtype = self.k.dtype
+        k_new, v_new = kernels.reference.to_cache(k_new, dtype), kernels.reference.to_cache(v_new, dtype)
+        raw(self.k).view(b, h, -1, d).scatter_(2, flat, raw(k_new))
+        raw(self.v).view(b, h, -1, d).scatter_(2, flat, raw(v_new))
         if p > 1:
+            # fp8 bounds are reduced in float32, which holds them exactly (torch has no fp8 reductions on the CPU):
+            # a prompt pass converts the layer's bounds twice, a cost of the prefill, never of a decode step.
+            wide = torch.float32 if dtype == kernels.reference.FP8 else dtype
+            lo, up, k_new = self._kmin.to(wide), self._kmax.to(wide), k_new.to(wide)
+            low, high = bound_fill(dtype, False), bound_fill(dtype, True)
             fresh = torch.where((plan.valid & ~in_current.squeeze(1)).unsqueeze(1), slot, cap)
-            self._kmin.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), float("inf"))
-            self._kmax.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), float("-inf"))
+            lo.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), low)
+            up.scatter_(2, fresh.unsqueeze(-1).expand(b, h, s, d), high)
             idx = slot.unsqueeze(-1).expand(b, h, s, d)
-            self._kmin.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amin")
-            self._kmax.scatter_reduce_(2, idx, k_new.to(self.k.dtype), "amax")
-            self._kmin[:, :, cap] = float("inf")  # padding keys were reduced into the scratch slot
-            self._kmax[:, :, cap] = float("-inf")
+            lo.scatter_reduce_(2, idx, k_new, "amin")
+            up.scatter_reduce_(2, idx, k_new, "amax")
+            lo[:, :, cap] = low  # padding keys were reduced into the scratch slot
+            up[:, :, cap] = high
+            if wide != dtype:
+                self._kmin.copy_(lo)
+                self._kmax.copy_(up)
 
         last_col = torch.where(plan.valid, plan.position, -1).argmax(dim=1)  # (B,)
         last_slot = slot.gather(2, last_col.view(b, 1, 1).expand(b, h, 1)).squeeze(-1)
@@ -274,9 +313,11 @@ class PagedKVCache:
     new tokens), so that layers are allocated once at that size rather than grown by doubling.
     """
 
-    def __init__(self, num_layers: int, page_size: int = 16, max_pages: int | None = None):
+    def __init__(self, num_layers: int, page_size: int = 16, max_pages: int | None = None, kv_dtype: str = "auto"):
         check_page_size(page_size)
+        check_kv_dtype(kv_dtype)
         self.page_size = page_size
+        self.kv_dtype = kv_dtype
         self.max_pages = max_pages
         self.layers: list[PagedLayer | None] = [None] * num_layers
         self.lengths: list[int] = []
@@ -373,7 +414,8 @@ class PagedKVCache:
         need = max(self.needed_pages(layer), 1)
         if layer is None:
             b, h, _, d = k.shape
-            layer = PagedLayer(b, h, d, self.page_size, self._size(need, None), k.dtype, k.device)
+            layer = PagedLayer(b, h, d, self.page_size, self._size(need, None), storage_dtype(self.kv_dtype, k.dtype),
+                               k.device)
             self.layers[layer_idx] = layer
         elif layer.capacity < need:
             layer.grow(self._size(need, layer))

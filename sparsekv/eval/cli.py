@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..cache import KV_DTYPE_HELP
 from ..spec import budget_arg
 from ..methods import METHODS
 from .base import EvalError, TaskOptions
@@ -42,6 +43,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="float", choices=["float", "int4", "gguf"],
                    help="float: as loaded (a GGUF dequantized); int4: the layers' linear weights quantized to "
                         "group-wise int4; gguf: a GGUF file's own Q4_0/Q4_1/Q8_0 blocks (default: float)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"], help=KV_DTYPE_HELP)
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--out", help="output folder (default: eval_results/<task>)")
     p.add_argument("--haystack-dir", help="folder of .txt files for niah (default: $SPARSEKV_HAYSTACK_DIR, else "
@@ -75,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
                               prefill_tokens=args.prefill_tokens)
         spec = EvalSpec(task=args.task, methods=args.methods, budgets=args.budgets, lengths=args.lengths,
                         depths=args.depths, seed=args.seed, limit=args.limit, model=args.model, dtype=args.dtype,
-                        weights=args.weights, device=args.device, out=out, question_mode=args.question_mode,
-                        chat=args.chat, recall=args.recall, plots=not args.no_plots, options=options)
+                        weights=args.weights, kv_dtype=args.kv_dtype, device=args.device, out=out,
+                        question_mode=args.question_mode, chat=args.chat, recall=args.recall,
+                        plots=not args.no_plots, options=options)
         folder = run_eval(spec, progress=not args.no_progress)
     except (EvalError, ValueError) as e:
         print(f"sparsekv eval: error: {e}", file=sys.stderr)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..cache import check_kv_dtype
 from ..errors import ConfigError
 from ..methods.base import MethodConfig
 from ..quant import check_weights
@@ -43,9 +44,10 @@ class MethodRun:
     config: MethodConfig
 
 
-def method_runs(specs: list[str], budgets: list[int | float] | None) -> list[MethodRun]:
+def method_runs(specs: list[str], budgets: list[int | float] | None, kv_dtype: str = "auto") -> list[MethodRun]:
     """Configs for every method spec (``spec.build_config``'s syntax, e.g. ``quest:per_query_head=true``) and
-    budget: a method with a ``token_budget`` the spec leaves unset runs once per budget."""
+    budget: a method with a ``token_budget`` the spec leaves unset runs once per budget. ``kv_dtype`` other than
+    "auto" (the --kv-dtype option) sets every config's."""
     runs = []
     for spec in specs:
         if not takes_budget(spec):
@@ -55,7 +57,11 @@ def method_runs(specs: list[str], budgets: list[int | float] | None) -> list[Met
         if not budgets:
             raise EvalError(f"method {spec} needs --budgets (KV tokens attended per layer and KV head)")
         runs += [MethodRun(spec, budget, build_config(spec, budget)) for budget in budgets]
-    return runs
+    return runs if kv_dtype == "auto" else [with_kv_dtype(run, kv_dtype) for run in runs]
+
+
+def with_kv_dtype(run: MethodRun, kv_dtype: str) -> MethodRun:
+    return dataclasses.replace(run, config=dataclasses.replace(run.config, kv_dtype=kv_dtype))
 
 
 @dataclass
@@ -72,6 +78,7 @@ class EvalSpec:
     model: str | None = None
     dtype: str = "auto"
     weights: str = "float"
+    kv_dtype: str = "auto"
     device: str = "auto"
     out: str = "eval_results"
     question_mode: str = "decode"
@@ -86,6 +93,7 @@ class EvalSpec:
         if self.chat not in ("auto", "on", "off"):
             raise ConfigError("--chat", "auto, on or off", self.chat)
         check_weights(self.weights)
+        check_kv_dtype(self.kv_dtype)
         if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
             raise ConfigError("--limit", "an integer >= 1 (or unset: the task's default)", self.limit)
 
@@ -239,7 +247,7 @@ def run_eval(spec: EvalSpec, log=print, progress: bool = True, loaded: LoadedMod
     for values, option in ((spec.methods, "--methods"), (spec.budgets or [], "--budgets"), (lengths, "--lengths"),
                            (depths, "--depths")):
         _once(list(values), option)
-    runs = method_runs(spec.methods, spec.budgets)
+    runs = method_runs(spec.methods, spec.budgets, spec.kv_dtype)
     for i, run in enumerate(runs):
         for other in runs[:i]:
             if other.config == run.config:
@@ -269,6 +277,8 @@ def _run_grid(spec: EvalSpec, task, lengths: list, depths: list, runs: list[Meth
                 "max_new_tokens": spec.options.max_new_tokens, "dtype": spec.dtype}
     if spec.weights != "float":  # absent for float weights: the settings of results made before the option
         settings["weights"] = spec.weights
+    if spec.kv_dtype != "auto":
+        settings["kv_dtype"] = spec.kv_dtype
     if task.name == "perplexity":
         settings["prefill_tokens"] = spec.options.prefill_tokens
 

@@ -190,7 +190,8 @@ class SparseKVCache(Cache):
     """
 
     def __init__(self, method: Method, stats: DecodeStats | None = None, sliding_window: int | None = None):
-        self.pages = PagedKVCache(method.num_layers, method.config.page_size, method.max_pages)
+        self.pages = PagedKVCache(method.num_layers, method.config.page_size, method.max_pages,
+                                  method.config.kv_dtype)
         self.method = method
         self.stats = stats if stats is not None else DecodeStats()
         self.sliding_window = sliding_window
@@ -256,7 +257,8 @@ class SparseKVCache(Cache):
                                   "supported by sparsekv)")
 
     def reset(self):
-        self.pages = PagedKVCache(self.method.num_layers, self.method.config.page_size, self.method.max_pages)
+        self.pages = PagedKVCache(self.method.num_layers, self.method.config.page_size, self.method.max_pages,
+                                  self.method.config.kv_dtype)
         self.columns = 0
 
     def held_bytes(self) -> int:

@@ -15,6 +15,16 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in a cache of ``dtype``; into fp8 (e4m3fn: no infinity, and a cast past its range may give NaN)
+    saturated at +-448, unscaled: keys and values are stored as they are, like a unit per-tensor scale."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(dtype) if dtype == FP8 else x.to(dtype)
+
+
 def row_index(batch: int, rows: int, kv_heads: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Broadcastable (B, 1, 1) batch and (1, Hs, 1) KV-head indices of the ``rows`` selection rows."""
     bi = torch.arange(batch, device=device).view(batch, 1, 1)
@@ -266,14 +276,16 @@ def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
     si = torch.where(off == 0, fresh_slot, cur_slot).clamp(min=0)
     bi = torch.arange(b, device=k.device).view(b, 1)
     hd = torch.arange(h, device=k.device).view(1, h)
-    # Rows without a token write back what they read, so the op has fixed shapes and no host sync.
-    kn = torch.where(ok, k_new.to(k.dtype), k[bi, hd, si, off])
-    k[bi, hd, si, off] = kn
-    v[bi, hd, si, off] = torch.where(ok, v_new.to(v.dtype), v[bi, hd, si, off])
+    # Compared and selected in the accumulation dtype, which holds every cache dtype exactly (torch has no fp8
+    # comparisons on the CPU). Rows without a token write back what they read: fixed shapes, no host sync.
+    wide = acc_dtype(k.dtype)
+    kn = torch.where(ok, to_cache(k_new, k.dtype).to(wide), k[bi, hd, si, off].to(wide))
+    k[bi, hd, si, off] = kn.to(k.dtype)
+    v[bi, hd, si, off] = torch.where(ok, to_cache(v_new, v.dtype).to(wide), v[bi, hd, si, off].to(wide)).to(v.dtype)
     starts = (off == 0).unsqueeze(-1)
-    lo, up = kmin[bi, hd, si], kmax[bi, hd, si]
-    kmin[bi, hd, si] = torch.where(ok, torch.where(starts, kn, torch.minimum(lo, kn)), lo)
-    kmax[bi, hd, si] = torch.where(ok, torch.where(starts, kn, torch.maximum(up, kn)), up)
+    lo, up = kmin[bi, hd, si].to(wide), kmax[bi, hd, si].to(wide)
+    kmin[bi, hd, si] = torch.where(ok, torch.where(starts, kn, torch.minimum(lo, kn)), lo).to(kmin.dtype)
+    kmax[bi, hd, si] = torch.where(ok, torch.where(starts, kn, torch.maximum(up, kn)), up).to(kmax.dtype)
     slot_page[bi, hd, si] = torch.where(ok.view(b, 1), pos // p, slot_page[bi, hd, si])
     cur_slot.copy_(torch.where(ok.view(b, 1), si, cur_slot))
 

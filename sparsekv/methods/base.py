@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..cache import AppendPlan, PagedLayer, check_page_size
+from ..cache import AppendPlan, PagedLayer, check_kv_dtype, check_page_size
 from ..errors import ConfigError
 
 
@@ -50,9 +50,12 @@ def require(ok: bool, field: str, allowed: str, value) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class MethodConfig:
-    """Fields every method has. ``page_size``: tokens per KV page, a power of two from 1 to 256."""
+    """Fields every method has. ``page_size``: tokens per KV page, a power of two from 1 to 256. ``kv_dtype``: the
+    storage of keys, values and page bounds, "auto" (the model's dtype) or "fp8" (float8_e4m3fn, see
+    ``sparsekv.cache.paged``)."""
 
     page_size: int = 16
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         # Counts and indices go to kernels as int32 or int64: a larger one would overflow there, far from its field.
@@ -62,6 +65,7 @@ class MethodConfig:
                 require(not isinstance(x, int) or abs(x) < MAX_INT, f.name, "a number of magnitude below 2**31",
                         value)
         check_page_size(self.page_size)
+        check_kv_dtype(self.kv_dtype)
 
     @property
     def name(self) -> str:

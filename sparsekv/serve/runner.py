@@ -28,7 +28,7 @@ from typing import Callable, Generator
 import torch
 
 from .. import parallel
-from ..cache import PagedLayer
+from ..cache import PagedLayer, storage_dtype
 from ..engine import CapturedStep, Engine, Sampling, _is_count, argmax, counter_noise, draw, prefill_passes
 from ..integrations import apply
 from ..integrations.decode import DecodeModel
@@ -96,8 +96,9 @@ class Runner:
         self.pool = SparseKVCache(self.method, DecodeStats(tp_group=self.tp_group), self.window)
         pages = self.pool.pages
         page = config.page_size
-        self.token_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize
-        self.page_bytes = 2 * kv_heads * attn.head_dim * dtype.itemsize if page > 1 else 0  # key bounds
+        kv_dtype = storage_dtype(config.kv_dtype, dtype)
+        self.token_bytes = 2 * kv_heads * attn.head_dim * kv_dtype.itemsize
+        self.page_bytes = 2 * kv_heads * attn.head_dim * kv_dtype.itemsize if page > 1 else 0  # key bounds
         slots = self.method.pool_pages(self.max_context, self.max_new_tokens)
         pool_bytes = max_batch * row_bytes(slots, page, self.token_bytes, self.page_bytes, kv_heads)
         prefill_bytes = self.max_context * self.num_layers * self.token_bytes  # one prompt's KV, before any eviction
@@ -106,7 +107,8 @@ class Runner:
                 f"small enough that the pool of rows ({pool_bytes / 2**30:.2f} GiB) and one prompt's prefill "
                 f"({prefill_bytes / 2**30:.2f} GiB) fit the device's free {(free or 0) / 2**30:.2f} GiB",
                 (max_batch, self.max_context))
-        pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, n, dtype, self.device) for n in slots]
+        pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, n, kv_dtype, self.device)
+                        for n in slots]
         pages.lengths = [0] * max_batch
         pages.seq_len = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         pages.in_prompt = False

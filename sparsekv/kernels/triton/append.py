@@ -66,6 +66,8 @@ def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
     b, hkv, c, p, d = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1 or kmin.stride() != kmax.stride() or kmin.stride(-1) != 1:
         raise ValueError("append_token: k, v, kmin and kmax must be contiguous in head_dim, kmin/kmax alike")
+    if k.dtype == reference.FP8:  # saturated by torch, as the reference does (Triton's cast need not saturate)
+        k_new, v_new = reference.to_cache(k_new, k.dtype), reference.to_cache(v_new, v.dtype)
     if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
         k_new, v_new = k_new.contiguous(), v_new.contiguous()
     _append_token_kernel[(b * hkv,)](

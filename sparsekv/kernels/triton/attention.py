@@ -70,8 +70,7 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
             trow = slot * P + off
         kt = tl.load(k_base + trow[:, None] * sk_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
         vt = tl.load(v_base + trow[:, None] * sv_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
-        if UPCAST:
-            kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+        kt, vt = kt.to(q.dtype), vt.to(q.dtype)  # an fp8 cache is dequantized here; otherwise q's own dtype
         qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # (G_PAD, BLOCK_N)
         qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))

@@ -72,8 +72,10 @@ LOG2E = 1.4426950408889634
 
 
 def check(q: torch.Tensor, k: torch.Tensor, name: str) -> None:
-    if q.dtype != k.dtype:
-        raise ValueError(f"{name}: q ({q.dtype}) must have the cache's dtype ({k.dtype}) on the Triton path")
+    """q and a cache tensor: the same dtype, or an fp8 cache (its tiles are converted to q's dtype in registers)."""
+    if q.dtype != k.dtype and k.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name}: q ({q.dtype}) must have the cache's dtype ({k.dtype}) or the cache float8_e4m3fn "
+                         "on the Triton path")
     if k.stride(-1) != 1:
         raise ValueError(f"{name}: the cache's last (head_dim) dimension must be contiguous")
 

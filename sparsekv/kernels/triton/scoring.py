@@ -57,16 +57,13 @@ def _tokens(kp_ptr, b, j, n, sk_b, sk_n, lim_ptr, sl_b):
 
 
 @triton.jit
-def _logits(q, k_row, sk_n, j, load, D: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-            UPCAST: tl.constexpr):
+def _logits(q, k_row, sk_n, j, load, D: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """q . k of the query rows and tokens j (rows, BLOCK_N) in fp32; only the keys of ``load`` are read (the
     others give 0, masked by the caller)."""
     d = tl.arange(0, BLOCK_D)
     kt = tl.load(k_row + j[:, None].to(tl.int64) * sk_n + d[None, :], mask=load[:, None] & (d[None, :] < D),
                  other=0.0)
-    if UPCAST:
-        kt = kt.to(tl.float32)
-    return tl.dot(q, tl.trans(kt), input_precision=PRECISION)
+    return tl.dot(q, tl.trans(kt.to(q.dtype)), input_precision=PRECISION)  # an fp8 cache is dequantized here
 
 
 @triton.jit
@@ -94,7 +91,7 @@ def _window_stats_kernel(q_ptr, k_ptr, kp_ptr, qp_ptr, lim_ptr, stat_ptr, n, blo
     for blk in range(first, last):
         j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         kpos, cand = _tokens(kp_ptr, b, j, n, skp_b, skp_n, lim_ptr, sl_b)
-        s = _logits(q, k_row, sk_n, j, cand & (kpos <= last_pos), D, BLOCK_D, PRECISION, UPCAST) * scale_log2
+        s = _logits(q, k_row, sk_n, j, cand & (kpos <= last_pos), D, BLOCK_D, PRECISION) * scale_log2
         s = tl.where(cand[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
@@ -140,7 +137,7 @@ def _window_maxima_kernel(q_ptr, k_ptr, kp_ptr, qp_ptr, lim_ptr, lse_ptr, out_pt
         w = tl.arange(0, HC_PAD * W_PAD) % W_PAD
         lse = tl.load(lse_ptr + (b * HKV * G + head) * W + w, mask=real, other=0.0)
         k_row = k_ptr + b * sk_b + kvh * sk_h
-        s = _logits(q, k_row, sk_n, j, cand & (kpos <= tl.max(pos, axis=0)), D, BLOCK_D, PRECISION, UPCAST)
+        s = _logits(q, k_row, sk_n, j, cand & (kpos <= tl.max(pos, axis=0)), D, BLOCK_D, PRECISION)
         sees = cand[None, :] & (kpos[None, :] <= pos[:, None])
         best = tl.maximum(best, tl.where(sees, tl.math.exp2(s * scale_log2 - lse[:, None]), 0.0))
     maxima = tl.max(tl.reshape(best, (HC_PAD, W_PAD, BLOCK_N)), axis=0)  # rows are (head, query) row-major

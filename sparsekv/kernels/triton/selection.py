@@ -66,8 +66,7 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
             m_mask = in_c[:, None] & (d[None, :] < D)
             kmax = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0)
             kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
-            if UPCAST:
-                kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
+            kmax, kmin = kmax.to(q.dtype), kmin.to(q.dtype)  # an fp8 cache's bounds are dequantized here
             s += tl.dot(q_plus, tl.trans(kmax), input_precision=PRECISION)
             s += tl.dot(q_minus, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
         s = tl.where((page >= 0)[None, :], s, float("-inf"))

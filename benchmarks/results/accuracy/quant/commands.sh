@@ -105,3 +105,19 @@ for name, m in quant.layer_linears(floats.model):
 print(json.dumps({"groups": groups, "groups_exact": same, "layers": len(quant.layer_linears(floats.model)),
                   "layers_exact": layers_exact, "max_abs_error": worst}))
 PY
+
+# FP8 KV (float weights): the grids under fp8kv/
+COMMON="--seed 0 --model $SMOL --chat off --question-mode prefill --no-progress --weights float --kv-dtype fp8 --methods dense quest"
+python -m sparsekv.eval --task perplexity --budgets 64 256 --lengths 1152 --prefill-tokens 1024 --limit 1 \
+    $COMMON --out $OUT/fp8kv/perplexity
+python -m sparsekv.eval --task niah --budgets 64 128 256 --lengths 1024 --depths 0.1 0.5 0.9 --limit 1 \
+    $COMMON --out $OUT/fp8kv/niah
+for T in ruler_niah_single_1 ruler_niah_multivalue; do
+    python -m sparsekv.eval --task $T --budgets 64 256 --lengths 1024 --limit 2 $COMMON --out $OUT/fp8kv/$T
+done
+# RULER multivalue over 8 samples, float32 and FP8 KV: ../kv/multivalue8_{auto,fp8}
+for KV in auto fp8; do
+    python -m sparsekv.eval --task ruler_niah_multivalue --budgets 64 256 --lengths 1024 --limit 8 --no-plots \
+        --seed 0 --model $SMOL --chat off --question-mode prefill --no-progress --weights float --kv-dtype $KV \
+        --methods dense quest --out benchmarks/results/accuracy/kv/multivalue8_$KV
+done

@@ -1,0 +1,105 @@
+"""The FP8 KV cache (``kv_dtype="fp8"``): the engine on int4 weights and an fp8 cache gives ``apply`` +
+``model.generate``'s tokens with the same quantized model and cache for every method, a budget covering the
+context gives the dense fp8 tokens, the pages and bounds hold exactly the quantized keys, and the memory counts
+one byte per element."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from sparsekv import DenseConfig, QuestConfig, RaaSConfig
+from sparsekv.cache import PagedKVCache
+from sparsekv.engine import Engine
+from sparsekv.errors import ConfigError
+from sparsekv.kernels import reference as ref
+from sparsekv.quant import quantize_model
+from sparsekv.tiny import tiny_model
+from test_engine import CONFIGS, NEW, prompts, reference
+
+
+def fp8(config):
+    return dataclasses.replace(config, kv_dtype="fp8")
+
+
+@pytest.fixture(scope="module")
+def int4_model():
+    m = tiny_model("llama", seed=1)
+    m.generation_config.eos_token_id = None
+    quantize_model(m, "int4")
+    return m
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_engine_on_int4_weights_and_fp8_kv_equals_generate(int4_model, name):
+    config = fp8(CONFIGS[name])
+    rows = prompts()
+    expected = reference(int4_model, config, rows)
+    engine = Engine(int4_model, config, max_batch=2, max_context=512, prefill_chunk=64, weights="int4")
+    out = engine.generate(rows, NEW, stop_tokens=())
+    assert out.tokens == expected
+
+
+@pytest.mark.parametrize("config", [QuestConfig(token_budget=128, dense_layers=0), RaaSConfig(token_budget=128)],
+                         ids=["quest", "raas"])
+def test_covering_budget_gives_the_dense_fp8_tokens(int4_model, config):
+    rows = prompts((90,))
+    dense = Engine(int4_model, fp8(DenseConfig()), max_context=256, weights="int4").generate(rows, NEW, stop_tokens=())
+    out = Engine(int4_model, fp8(config), max_context=256, prefill_chunk=32, weights="int4").generate(
+        rows, NEW, stop_tokens=())
+    assert out.tokens == dense.tokens
+    auto = Engine(int4_model, DenseConfig(), max_context=256, weights="int4").generate(rows, NEW, stop_tokens=())
+    # Half the bytes of a float32 model's cache is a quarter: one byte per element, bounds included.
+    assert dense.kv_device_bytes < auto.kv_device_bytes / 3
+
+
+def test_fp8_pages_hold_the_quantized_keys_and_exact_bounds():
+    """Chunks of a prompt by scatters, then decode tokens by the fused append: keys and values are the saturated
+    fp8 of what came in, each page's bounds the min and max of its stored keys, and resident bytes count 1 byte per
+    element."""
+    torch.manual_seed(0)
+    b, h, d, p = 2, 3, 8, 4
+    cache = PagedKVCache(1, page_size=p, kv_dtype="fp8")
+    keys, values = [], []
+    for n, prompt_end in ((7, False), (6, True), (1, False), (1, False)):
+        cache.begin(n, None, b, torch.device("cpu"), prompt_end=prompt_end)
+        k, v = torch.randn(2, b, h, n, d) * 100  # some past fp8's 448
+        keys.append(k)
+        values.append(v)
+        layer = cache.append(0, k, v)
+    k, v = torch.cat(keys, 2), torch.cat(values, 2)  # (B, H, 15, D)
+    assert layer.k.dtype == layer.kmin.dtype == ref.FP8
+    stored_k = layer.k[:, :, :4].flatten(2, 3)[:, :, :15].float()
+    assert torch.equal(stored_k, ref.to_cache(k, ref.FP8).float())
+    assert torch.equal(layer.v[:, :, :4].flatten(2, 3)[:, :, :15].float(), ref.to_cache(v, ref.FP8).float())
+    pages = torch.nn.functional.pad(stored_k, (0, 0, 0, 1), value=float("nan")).view(b, h, 4, p, d)
+    assert torch.equal(layer.kmin[:, :, :4].float(), pages.nan_to_num(float("inf")).amin(3))
+    assert torch.equal(layer.kmax[:, :, :4].float(), pages.nan_to_num(float("-inf")).amax(3))
+    slots = layer.capacity + 1
+    assert cache.resident_bytes() == b * h * slots * (2 * p * d + 2 * d + 8)
+
+
+def test_kv_dtype_is_checked():
+    with pytest.raises(ConfigError, match="kv_dtype must be 'auto' or 'fp8'"):
+        QuestConfig(kv_dtype="int8")
+    with pytest.raises(ConfigError, match="kv_dtype"):
+        PagedKVCache(1, kv_dtype="float8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", CONFIGS)
+def test_cuda_graph_replays_the_eager_fp8_tokens(name):
+    """On the GPU (bf16 model, fp8 cache, the Triton kernels): the captured decode step gives the eager tokens."""
+    from sparsekv import engine as engine_module
+
+    model = tiny_model("llama", seed=1, dtype=torch.bfloat16).cuda()
+    model.generation_config.eos_token_id = None
+    rows = prompts((300, 211))
+    engine = Engine(model, fp8(CONFIGS[name]), max_batch=2, max_context=512, prefill_chunk=64, cuda_graph=False)
+    eager = engine.generate(rows, 40, stop_tokens=())
+    engine.capture = engine_module.capture_graph
+    captured = engine.generate(rows, 40, stop_tokens=())
+    assert captured.captured and captured.tokens == eager.tokens
+    assert captured.stats == pytest.approx(eager.stats)

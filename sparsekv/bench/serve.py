@@ -112,12 +112,14 @@ class Record:
 @dataclass
 class Trace:
     """A run's records, (time, running, queued, prefilling, KV bytes in use, host KV bytes, RSS) samples, the times
-    of the steps that ran no prefill and the tokens they made, and start/end."""
+    of the steps that ran no prefill and the tokens they made, the most requests running at once (the engine's own
+    loop's count after every step, which a sample of an HTTP run can miss), and start/end."""
 
     records: list[Record] = field(default_factory=list)
     samples: list[tuple] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
     step_tokens: int = 0
+    peak_running: int = 0
     start: float = 0.0
     end: float = 0.0
     stopped_early: bool = False
@@ -297,6 +299,7 @@ def run_http(engine: ServingEngine, tokenizer, work: list[Work], concurrency: in
             await asyncio.gather(*tasks, return_exceptions=capacity)
             trace.end = time.perf_counter() - trace.start
             sampler.cancel()
+            trace.peak_running = loop.peak_running
             await http.aclose()
 
         asyncio.run(main())
@@ -326,7 +329,7 @@ def summarize(trace: Trace) -> dict:
             **{f"tpot_{k}_ms": None if v is None else 1e3 * v for k, v in tpot.items()},
             "step_p50_ms": 1e3 * statistics.median(trace.steps) if trace.steps else None,
             "decode_tokens_per_s": trace.step_tokens / sum(trace.steps) if trace.steps else None,
-            "max_running": max((s[1] for s in trace.samples), default=0),
+            "max_running": max(trace.peak_running, *(s[1] for s in trace.samples)),
             "median_running": statistics.median(decoding) if decoding else None,
             "peak_kv_gib": max((s[4] for s in trace.samples), default=0) / GIB,
             "peak_host_kv_gib": max((s[5] for s in trace.samples), default=0) / GIB,

@@ -217,6 +217,7 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.stopping = False
         self.metrics = engine.metrics()
+        self.peak_running = 0  # the most requests decoding at once, seen after every step
         self.samples: collections.deque = collections.deque()
         self.thread = threading.Thread(target=self._run, name="sparsekv-engine", daemon=True)
 
@@ -254,6 +255,7 @@ class EngineLoop:
 
     def _sample(self) -> None:
         self.metrics = self.engine.metrics()
+        self.peak_running = max(self.peak_running, self.metrics["running"])
         now = time.monotonic()
         self.samples.append((now, self.metrics["generated_tokens"]))
         while self.samples and self.samples[0][0] < now - 2 * RATE_WINDOW:

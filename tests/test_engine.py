@@ -2,6 +2,8 @@
 decode step that survives capture (checked on the CPU with an emulated CUDA graph), sampling, stop tokens,
 streaming, and the capacity checks."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -172,15 +174,18 @@ def test_capacity_is_checked_before_running(model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_cuda_graph_replays_the_eager_tokens(name):
-    """On the GPU (bf16): the captured decode step gives the eager engine's tokens, batched and chunked."""
+def test_cuda_graph_replays_the_eager_tokens(name, kv_dtype):
+    """On the GPU (bf16 model, a bf16 or fp8 cache): the captured decode step gives the eager engine's tokens,
+    batched and chunked."""
     model = tiny_model("llama", seed=1, dtype=torch.bfloat16).cuda()
     model.generation_config.eos_token_id = None
     rows = prompts((300, 211))
-    engine = Engine(model, CONFIGS[name], max_batch=2, max_context=512, prefill_chunk=64, cuda_graph=False)
+    config = dataclasses.replace(CONFIGS[name], kv_dtype=kv_dtype)
+    engine = Engine(model, config, max_batch=2, max_context=512, prefill_chunk=64, cuda_graph=False)
     eager = engine.generate(rows, 40, stop_tokens=())
-    assert Engine(model, CONFIGS[name]).capture is engine_module.capture_graph  # the default on CUDA
+    assert Engine(model, config).capture is engine_module.capture_graph  # the default on CUDA
     engine.capture = engine_module.capture_graph
     captured = engine.generate(rows, 40, stop_tokens=())
     assert captured.captured and captured.tokens == eager.tokens

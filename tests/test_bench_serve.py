@@ -80,6 +80,18 @@ def test_capacity_plan_at_128k_without_a_device(tmp_path):
     assert "not a run" in (tmp_path / "plan.md").read_text()
 
 
+def test_capacity_plan_counts_an_fp8_cache_at_one_byte(tmp_path):
+    """An fp8 cache halves every row, on the device and in the host store (the same H200 numbers as above)."""
+    assert main(["--plan", "--device-gib", "131.3", "--host-gib", "125", "--methods", "dense", "dense:kv_dtype=fp8",
+                 "omnikv:offload=true", "omnikv:offload=true,kv_dtype=fp8", "--prompt-len", "131072", "131072",
+                 "--output-len", "256", "256", "--max-new-tokens", "256", "--out", str(tmp_path), "--tag", "plan"]) == 0
+    dense, dense8, offload, offload8 = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    # keys, values and bounds halve; the page table and per-slot state (16 bytes per slot and KV head) do not
+    assert dense8["device_row_gib"] == pytest.approx(dense["device_row_gib"] / 2, rel=3e-3)
+    assert offload8["host_row_gib"] == pytest.approx(offload["host_row_gib"] / 2)
+    assert (dense8["rows"], offload8["rows"], offload8["binds"]) == (12, 19, "host")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--output-len", "8", "8", "--max-new-tokens", "4"], "--max-new-tokens must be at least the --output-len MAX"),
     (["--plan", "--device-gib", "80"], "--plan must be a shape: model with --device-gib and --host-gib"),

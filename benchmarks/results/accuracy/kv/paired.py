@@ -23,7 +23,8 @@ for task in ("ruler_niah_multivalue", "ruler_niah_multiquery"):
         diff = [fp8[k] - auto[k] for k in keys]
         se = statistics.stdev(diff) / math.sqrt(len(diff)) if len(diff) > 1 else float("nan")
         out.append({"task": task, "method": method, "budget": budget, "samples": len(keys),
-                    "float32_kv": statistics.mean(auto[k] for k in keys), "fp8_kv": statistics.mean(fp8[k] for k in keys),
+                    "float32_kv": statistics.mean(auto[k] for k in keys),
+                    "fp8_kv": statistics.mean(fp8[k] for k in keys),
                     "mean_difference": statistics.mean(diff), "standard_error": se,
                     "samples_changed": sum(d != 0 for d in diff)})
 (HERE / "paired.json").write_text(json.dumps(out, indent=1) + "\n")

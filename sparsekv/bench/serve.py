@@ -329,7 +329,7 @@ def summarize(trace: Trace) -> dict:
             **{f"tpot_{k}_ms": None if v is None else 1e3 * v for k, v in tpot.items()},
             "step_p50_ms": 1e3 * statistics.median(trace.steps) if trace.steps else None,
             "decode_tokens_per_s": trace.step_tokens / sum(trace.steps) if trace.steps else None,
-            "max_running": max(trace.peak_running, *(s[1] for s in trace.samples)),
+            "max_running": max(trace.peak_running, max((s[1] for s in trace.samples), default=0)),
             "median_running": statistics.median(decoding) if decoding else None,
             "peak_kv_gib": max((s[4] for s in trace.samples), default=0) / GIB,
             "peak_host_kv_gib": max((s[5] for s in trace.samples), default=0) / GIB,

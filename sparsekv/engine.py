@@ -32,7 +32,7 @@ from .errors import ConfigError
 from .integrations import apply
 from .integrations.decode import DecodeModel, Parts
 from .integrations.transformers import _sliding_window, cache_argument
-from .methods.base import MethodConfig, require
+from .methods.base import MethodConfig, is_real, require
 from .models import synchronize
 from .quant import check_weights, quantize_model
 from .timing import Timer
@@ -55,11 +55,9 @@ class Sampling:
     top_k: int = 0
 
     def __post_init__(self):
-        require(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-                and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")), "temperature",
-                f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}", self.temperature)
-        require(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1,
-                "top_p", "in (0, 1]", self.top_p)
+        require(is_real(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
+                "temperature", f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}", self.temperature)
+        require(is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         require(_is_count(self.top_k, 0), "top_k", "an int >= 0 (0: no cut)", self.top_k)
 
     @property

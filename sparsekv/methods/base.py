@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,11 @@ class Tally:
 
 
 MAX_INT = 2**31  # bound on the integers of a config (tokens, layers, pages)
+
+
+def is_real(x) -> bool:
+    """Whether ``x`` is a finite int or float (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def require(ok: bool, field: str, allowed: str, value) -> None:

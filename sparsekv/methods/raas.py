@@ -18,13 +18,12 @@ the budget (and whatever share the decode pages do not use yet); decode pages fo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from .. import kernels
-from .base import Method, MethodConfig, all_slots, require
+from .base import Method, MethodConfig, all_slots, is_real, require
 
 PREFILL_MODES = ("keep", "quest")
 
@@ -53,12 +52,12 @@ class RaaSConfig(MethodConfig):
         require((self.top_fraction is None) != (self.alpha is None), "top_fraction / alpha",
                 "exactly one of the two set (top_fraction=None to use alpha)", (self.top_fraction, self.alpha))
         if self.top_fraction is not None:
-            require(_is_real(self.top_fraction) and 0 < self.top_fraction <= 1, "top_fraction", "in (0, 1]",
+            require(is_real(self.top_fraction) and 0 < self.top_fraction <= 1, "top_fraction", "in (0, 1]",
                     self.top_fraction)
         if self.alpha is not None:
-            require(_is_real(self.alpha) and 0 < self.alpha < 1, "alpha", "in (0, 1)", self.alpha)
+            require(is_real(self.alpha) and 0 < self.alpha < 1, "alpha", "in (0, 1)", self.alpha)
         require(self.prefill in PREFILL_MODES, "prefill", f"one of {', '.join(PREFILL_MODES)}", self.prefill)
-        require(_is_real(self.prefill_share) and 0 < self.prefill_share < 1, "prefill_share", "in (0, 1)",
+        require(is_real(self.prefill_share) and 0 < self.prefill_share < 1, "prefill_share", "in (0, 1)",
                 self.prefill_share)
         if self.prefill == "quest":
             require(1 <= self.prefill_pages < self.budget_pages, "token_budget",
@@ -76,10 +75,6 @@ class RaaSConfig(MethodConfig):
 
     def method_class(self):
         return RaaS
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 STAMP = "raas_stamp"

@@ -13,7 +13,6 @@ touches the runner and the model.
 
 from __future__ import annotations
 
-import math
 import random
 import threading
 import time
@@ -23,6 +22,7 @@ from typing import Callable
 
 from ..engine import Sampling, _is_count, is_token_ids, prefill_passes
 from ..errors import ConfigError
+from ..methods.base import is_real, require
 from .runner import Prefill, Runner
 
 
@@ -98,9 +98,7 @@ class PrefillPacer:
     long as alone (share 0.25: 5x); with no row decoding the prefill runs at full speed."""
 
     def __init__(self, share: float):
-        if not (isinstance(share, (int, float)) and not isinstance(share, bool) and math.isfinite(share)
-                and share > 0):
-            raise ConfigError("prefill_share", "None (a chunk per step) or a number > 0", share)
+        require(is_real(share) and share > 0, "prefill_share", "None (a chunk per step) or a number > 0", share)
         self.share = float(share)
         self.credit = 0.0  # seconds of prefill the decode steps have paid for
         self.per_work: float | None = None  # seconds per token-layer of the last prefill run

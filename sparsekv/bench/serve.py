@@ -58,7 +58,6 @@ from pathlib import Path
 
 import torch
 
-from ..cache import storage_dtype
 from ..cache.host_store import HostMemoryError
 from ..engine import Engine, prefill_passes
 from ..errors import ConfigError
@@ -67,7 +66,7 @@ from ..eval.runner import method_runs
 from ..methods import METHODS
 from ..models import load_model, resolve_device, resolve_dtype
 from ..serve import Request, ServingEngine
-from ..serve.runner import POOL_FIELD, row_bytes
+from ..serve.runner import POOL_FIELD, cache_bytes, row_bytes
 from ..spec import budget_arg
 from .common import (ModelShape, device_name, int_arg, markdown_table, model_shape, out_of_memory_lines, pyplot,
                      run_args, shape_model, write_results)
@@ -393,10 +392,8 @@ def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_ne
     fetch buffer: its budget times the offloaded layers' token bytes) and the activations are not counted."""
     method = config.build(shape.layers)
     _, kv_heads, head_dim = shape.attention
-    page = config.page_size
-    # Keys and values of a token in one layer, in the cache's dtype, as the runner counts.
-    token_bytes = 2 * kv_heads * head_dim * storage_dtype(config.kv_dtype, dtype).itemsize
-    row = row_bytes(method.pool_pages(max_context, max_new_tokens), page, token_bytes, token_bytes if page > 1 else 0,
+    token_bytes, page_bytes = cache_bytes(config, kv_heads, head_dim, dtype)
+    row = row_bytes(method.pool_pages(max_context, max_new_tokens), config.page_size, token_bytes, page_bytes,
                     kv_heads)
     weights = shape.parameters * dtype.itemsize
     prefill = max_context * shape.layers * token_bytes

@@ -39,6 +39,13 @@ from ..methods.base import require
 POOL_FIELD = "max_batch and max_context"
 
 
+def cache_bytes(config, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes of one token's keys and values in one layer, and of one page's key bounds (0 for pages of one token,
+    whose bounds are the key), in ``config``'s cache dtype (``kv_dtype``) for a model computing in ``dtype``."""
+    token = 2 * kv_heads * head_dim * storage_dtype(config.kv_dtype, dtype).itemsize
+    return token, token if config.page_size > 1 else 0
+
+
 def row_bytes(slots: list[int], page_size: int, token_bytes: int, page_bytes: int, kv_heads: int) -> int:
     """Device bytes of one row of a pool whose layers have ``slots`` page slots each (``Method.pool_pages``), plus
     each layer's scratch slot: per slot, keys and values, key bounds, the page table and a method's per-slot state
@@ -96,9 +103,7 @@ class Runner:
         self.pool = SparseKVCache(self.method, DecodeStats(tp_group=self.tp_group), self.window)
         pages = self.pool.pages
         page = config.page_size
-        kv_dtype = storage_dtype(config.kv_dtype, dtype)
-        self.token_bytes = 2 * kv_heads * attn.head_dim * kv_dtype.itemsize
-        self.page_bytes = 2 * kv_heads * attn.head_dim * kv_dtype.itemsize if page > 1 else 0  # key bounds
+        self.token_bytes, self.page_bytes = cache_bytes(config, kv_heads, attn.head_dim, dtype)
         slots = self.method.pool_pages(self.max_context, self.max_new_tokens)
         pool_bytes = max_batch * row_bytes(slots, page, self.token_bytes, self.page_bytes, kv_heads)
         prefill_bytes = self.max_context * self.num_layers * self.token_bytes  # one prompt's KV, before any eviction
@@ -107,8 +112,8 @@ class Runner:
                 f"small enough that the pool of rows ({pool_bytes / 2**30:.2f} GiB) and one prompt's prefill "
                 f"({prefill_bytes / 2**30:.2f} GiB) fit the device's free {(free or 0) / 2**30:.2f} GiB",
                 (max_batch, self.max_context))
-        pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, n, kv_dtype, self.device)
-                        for n in slots]
+        kv_dtype = storage_dtype(config.kv_dtype, dtype)
+        pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, n, kv_dtype, self.device) for n in slots]
         pages.lengths = [0] * max_batch
         pages.seq_len = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         pages.in_prompt = False

@@ -55,6 +55,11 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == kernels.reference.FP8 else t
 
 
+def gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """``t.gather(dim, index)`` for a cache tensor of any dtype (fp8 gathered as its bytes)."""
+    return raw(t).gather(dim, index).view(t.dtype)
+
+
 def check_page_size(page_size: int) -> None:
     if not isinstance(page_size, int) or page_size < 1 or page_size > 256 or page_size & (page_size - 1):
         raise ConfigError("page_size", "a power of two from 1 to 256", page_size)
@@ -177,7 +182,7 @@ class PagedLayer:
         def take(t: torch.Tensor) -> torch.Tensor:
             idx = with_scratch.view(*with_scratch.shape, *[1] * (t.dim() - 3)).expand(*with_scratch.shape,
                                                                                       *t.shape[3:])
-            return raw(t).gather(2, idx).view(t.dtype)
+            return gather(t, 2, idx)
 
         for name in self.stored:
             setattr(self, name, take(getattr(self, name)))

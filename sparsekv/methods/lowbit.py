@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..cache.paged import raw
+from ..cache.paged import gather
 from ..kernels import reference
 from .base import Method, attend_all, require
 from .quest import QuestConfig
@@ -63,9 +63,9 @@ def _page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot: t
                 bits: int) -> torch.Tensor:
     """Codes (B, Hkv, P, D * bits / 8) of the page in slot (B, Hkv) of every row, on its current range."""
     idx = slot.view(*slot.shape, 1, 1)
-    bounds = raw(kmin).gather(2, idx.expand(*slot.shape, 1, kmin.shape[3])).squeeze(2).view(kmin.dtype), \
-        raw(kmax).gather(2, idx.expand(*slot.shape, 1, kmax.shape[3])).squeeze(2).view(kmax.dtype)
-    keys = raw(k).gather(2, idx.unsqueeze(-1).expand(*slot.shape, 1, *k.shape[3:])).squeeze(2).view(k.dtype)
+    bounds = gather(kmin, 2, idx.expand(*slot.shape, 1, kmin.shape[3])).squeeze(2), \
+        gather(kmax, 2, idx.expand(*slot.shape, 1, kmax.shape[3])).squeeze(2)
+    keys = gather(k, 2, idx.unsqueeze(-1).expand(*slot.shape, 1, *k.shape[3:])).squeeze(2)
     return reference.key_codes(keys, *bounds, bits)
 
 

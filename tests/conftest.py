@@ -19,3 +19,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def int4_model():
+    """The tiny Llama with its linear layers' weights quantized to int4 (sparsekv is imported here, after the
+    interpreter's switch above)."""
+    from sparsekv.quant import quantize_model
+    from sparsekv.tiny import tiny_model
+
+    m = tiny_model("llama", seed=1)
+    m.generation_config.eos_token_id = None
+    assert quantize_model(m, "int4") == 4 * 7  # q, k, v, o, gate, up, down of 4 layers
+    return m

@@ -1,7 +1,6 @@
-"""The FP8 KV cache (``kv_dtype="fp8"``): the engine on int4 weights and an fp8 cache gives ``apply`` +
-``model.generate``'s tokens with the same quantized model and cache for every method, a budget covering the
-context gives the dense fp8 tokens, the pages and bounds hold exactly the quantized keys, and the memory counts
-one byte per element."""
+"""The FP8 KV cache (``kv_dtype="fp8"``; the engine on int4 weights and an fp8 cache against ``apply`` +
+``model.generate`` for every method is in ``test_quant``): a budget covering the context gives the dense fp8
+tokens, the pages and bounds hold exactly the quantized keys, and the memory counts one byte per element."""
 
 from __future__ import annotations
 
@@ -15,31 +14,11 @@ from sparsekv.cache import PagedKVCache
 from sparsekv.engine import Engine
 from sparsekv.errors import ConfigError
 from sparsekv.kernels import reference as ref
-from sparsekv.quant import quantize_model
-from sparsekv.tiny import tiny_model
-from test_engine import CONFIGS, NEW, prompts, reference
+from test_engine import NEW, prompts
 
 
 def fp8(config):
     return dataclasses.replace(config, kv_dtype="fp8")
-
-
-@pytest.fixture(scope="module")
-def int4_model():
-    m = tiny_model("llama", seed=1)
-    m.generation_config.eos_token_id = None
-    quantize_model(m, "int4")
-    return m
-
-
-@pytest.mark.parametrize("name", CONFIGS)
-def test_engine_on_int4_weights_and_fp8_kv_equals_generate(int4_model, name):
-    config = fp8(CONFIGS[name])
-    rows = prompts()
-    expected = reference(int4_model, config, rows)
-    engine = Engine(int4_model, config, max_batch=2, max_context=512, prefill_chunk=64, weights="int4")
-    out = engine.generate(rows, NEW, stop_tokens=())
-    assert out.tokens == expected
 
 
 @pytest.mark.parametrize("config", [QuestConfig(token_budget=128, dense_layers=0), RaaSConfig(token_budget=128)],

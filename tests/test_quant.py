@@ -5,6 +5,7 @@ dequantization, a GGUF file written here run on its own blocks, and the engine o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -18,7 +19,7 @@ from sparsekv.engine import Engine
 from sparsekv.errors import ConfigError
 from sparsekv.integrations.decode import fuse
 from sparsekv.kernels import reference as ref
-from sparsekv.quant import gguf_blocks, layer_linears, quantize_int4, quantize_model
+from sparsekv.quant import gguf_blocks, layer_linears, quantize_int4
 from sparsekv.tiny import tiny_model
 from test_engine import CONFIGS, NEW, prompts, reference
 
@@ -116,17 +117,12 @@ def test_fused_quantized_products_are_views_and_equal_the_modules():
     assert fuse([linears[0], nn.Linear(64, 8)]) is None
 
 
-@pytest.fixture(scope="module")
-def int4_model():
-    m = tiny_model("llama", seed=1)
-    m.generation_config.eos_token_id = None
-    assert quantize_model(m, "int4") == 4 * 7  # q, k, v, o, gate, up, down of 4 layers
-    return m
-
-
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_engine_on_int4_weights_equals_generate(int4_model, name):
-    config = CONFIGS[name]
+def test_engine_on_int4_weights_equals_generate(int4_model, name, kv_dtype):
+    """The engine on int4 weights, with a cache in the model's dtype or in fp8, gives apply + generate's tokens
+    with the same quantized model and cache."""
+    config = dataclasses.replace(CONFIGS[name], kv_dtype=kv_dtype)
     rows = prompts()
     expected = reference(int4_model, config, rows)
     engine = Engine(int4_model, config, max_batch=2, max_context=512, prefill_chunk=64, weights="int4")

@@ -67,23 +67,29 @@ def test_serve_bench_refuses_bad_options(tmp_path, capsys):
 
 def test_capacity_plan_at_128k_without_a_device(tmp_path):
     """The H200's numbers (141 GB = 131.3 GiB, 125 GiB of host memory, Llama-3-8B shape, bf16): dense holds 5 rows of
-    128K; OmniKV with offload and 256 new tokens holds 23 on the device but 9 in host memory (12 GiB per row)."""
-    assert main(["--plan", "--device-gib", "131.3", "--host-gib", "125", "--methods", "dense", "omnikv:offload=true",
-                 "--prompt-len", "131072", "131072", "--output-len", "256", "256", "--max-new-tokens", "256",
-                 "--out", str(tmp_path), "--tag", "plan"]) == 0
-    dense, offload = json.loads((tmp_path / "plan.json").read_text())["rows"]
-    assert (dense["rows"], dense["binds"], dense["rows_by_host"]) == (5, "device", None)
+    128K; OmniKV with every sparse layer offloaded and 256 new tokens holds 23 on the device but 9 in host memory (12
+    GiB per row); with device_layers left to the pool, 7 of its 24 sparse layers stay on the device and both
+    memories hold 12 rows."""
+    assert main(["--plan", "--device-gib", "131.3", "--host-gib", "125", "--methods", "dense",
+                 "omnikv:offload=true,device_layers=0", "omnikv:offload=true", "--prompt-len", "131072", "131072",
+                 "--output-len", "256", "256", "--max-new-tokens", "256", "--out", str(tmp_path), "--tag", "plan"]) == 0
+    dense, offload, balanced = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    assert (dense["rows"], dense["binds"], dense["rows_by_host"], dense["device_layers"]) == (5, "device", None, None)
     assert (offload["rows_by_device"], offload["rows_by_host"], offload["rows"], offload["binds"]) == \
         (23, 9, 9, "host")
     assert offload["host_row_gib"] == pytest.approx(24 * 131328 * 4096 / 2**30)  # 24 offloaded layers
     assert offload["host_gib_for_2x_dense"] == pytest.approx(11 * offload["host_row_gib"])
+    assert (balanced["device_layers"], balanced["rows_by_device"], balanced["rows_by_host"], balanced["rows"]) == \
+        (7, 12, 13, 12)
+    assert balanced["host_row_gib"] == pytest.approx(17 * 131328 * 4096 / 2**30)
     assert "not a run" in (tmp_path / "plan.md").read_text()
 
 
 def test_capacity_plan_counts_an_fp8_cache_at_one_byte(tmp_path):
     """An fp8 cache halves every row, on the device and in the host store (the same H200 numbers as above)."""
     assert main(["--plan", "--device-gib", "131.3", "--host-gib", "125", "--methods", "dense", "dense:kv_dtype=fp8",
-                 "omnikv:offload=true", "omnikv:offload=true,kv_dtype=fp8", "--prompt-len", "131072", "131072",
+                 "omnikv:offload=true,device_layers=0", "omnikv:offload=true,device_layers=0,kv_dtype=fp8",
+                 "--prompt-len", "131072", "131072",
                  "--output-len", "256", "256", "--max-new-tokens", "256", "--out", str(tmp_path), "--tag", "plan"]) == 0
     dense, dense8, offload, offload8 = json.loads((tmp_path / "plan.json").read_text())["rows"]
     # keys, values and bounds halve; the page table and per-slot state (16 bytes per slot and KV head) do not

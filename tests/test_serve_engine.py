@@ -126,6 +126,28 @@ def test_offloaded_rows_sized_by_new_tokens_give_the_alone_tokens(model):
         engine.submit(Request(prompt=prompt(10), max_tokens=room + 1))
 
 
+def test_the_pool_keeps_on_the_device_the_offloaded_layers_its_free_memory_holds(model, monkeypatch):
+    """OmniKV with offload and device_layers=None: the pool keeps a sparse layer on the device when its rows fit the
+    free memory with the steps' margin to spare, and offloads it when they do not; with the device's memory unknown
+    (here, the CPU) it offloads. The tokens are the alone-tokens either way."""
+    from sparsekv.serve import runner
+
+    config = CONFIGS["omnikv-offload"]  # 3 layers, filters 0 and 2: layer 1 is the one sparse layer
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new, _ in PLAN]
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new, _ in PLAN]
+    offloaded = {}
+    for free in (None, runner.DEVICE_MARGIN + 10_000_000, runner.DEVICE_MARGIN):
+        monkeypatch.setattr(runner, "available_device_bytes", lambda device, free=free: free)
+        engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+        offloaded[free] = engine.runner.method.offloaded
+        assert engine.runner.config.device_layers == 1 - len(offloaded[free])
+        assert (engine.runner.host_bytes() > 0) == bool(offloaded[free])
+        tokens, _ = run(engine, requests)
+        assert [tokens[i] for i in range(len(PLAN))] == expected
+    assert offloaded == {None: {1}, runner.DEVICE_MARGIN + 10_000_000: set(), runner.DEVICE_MARGIN: {1}}
+
+
 @pytest.mark.parametrize("value", [0, CONTEXT + 1, 2.5, True])
 def test_bad_max_new_tokens_is_refused(model, value):
     with pytest.raises(ConfigError, match="max_new_tokens must be None"):

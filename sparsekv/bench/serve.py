@@ -64,6 +64,7 @@ from ..errors import ConfigError
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
 from ..methods import METHODS
+from ..methods.base import DEVICE_MARGIN
 from ..models import load_model, resolve_device, resolve_dtype
 from ..serve import Request, ServingEngine
 from ..serve.runner import POOL_FIELD, cache_bytes, row_bytes
@@ -388,27 +389,37 @@ def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_ne
     at most ``max_new_tokens`` new, by the runner's own accounting: a device row is ``runner.row_bytes`` of
     ``Method.pool_pages``; the rows and one prompt's prefill cache must fit ``device_bytes`` less the weights (the
     runner's check before it allocates); a host row is ``Method.pool_host_tokens``, and the pool's host store plus
-    one prompt's own store while it is prefilled must fit ``host_bytes``. The method's other per-row state (OmniKV's
-    fetch buffer: its budget times the offloaded layers' token bytes) and the activations are not counted."""
-    method = config.build(shape.layers)
+    one prompt's own store while it is prefilled must fit ``host_bytes``. Of the configs the method leaves open
+    (``Method.pool_configs``: OmniKV's device layers) the one with the most rows, the first of equals; the runner
+    takes it for that many rows (the first whose rows fit the device with ``DEVICE_MARGIN`` to spare). The method's
+    other per-row state (OmniKV's fetch buffer: its budget times the offloaded layers' token bytes) and the
+    activations are not counted."""
     _, kv_heads, head_dim = shape.attention
     token_bytes, page_bytes = cache_bytes(config, kv_heads, head_dim, dtype)
-    row = row_bytes(method.pool_pages(max_context, max_new_tokens), config.page_size, token_bytes, page_bytes,
-                    kv_heads)
     weights = shape.parameters * dtype.itemsize
     prefill = max_context * shape.layers * token_bytes
-    host_row = method.pool_host_tokens(max_context) * token_bytes
-    by_device = max((device_bytes - weights - prefill) // row, 0)
-    by_host = max(host_bytes // host_row - 1, 0) if host_row else None
-    rows = by_device if by_host is None else min(by_device, by_host)
-    return {"method": config.name, "device_row_gib": row / GIB, "host_row_gib": host_row / GIB,
-            "weights_gib": weights / GIB, "prefill_gib": prefill / GIB, "rows_by_device": by_device,
-            "rows_by_host": by_host, "rows": rows,
-            "binds": "device" if by_host is None or by_device <= by_host else "host"}
+    best = None
+    choices = config.build(shape.layers).pool_configs()
+    for choice in choices:
+        method = choice.build(shape.layers)
+        row = row_bytes(method.pool_pages(max_context, max_new_tokens), config.page_size, token_bytes, page_bytes,
+                        kv_heads)
+        margin = DEVICE_MARGIN if choice is not choices[-1] else 0
+        host_row = method.pool_host_tokens(max_context) * token_bytes
+        by_device = max((device_bytes - weights - prefill - margin) // row, 0)
+        by_host = max(host_bytes // host_row - 1, 0) if host_row else None
+        rows = by_device if by_host is None else min(by_device, by_host)
+        if best is None or rows > best["rows"]:
+            best = {"method": config.name, "device_layers": getattr(choice, "device_layers", None),
+                    "device_row_gib": row / GIB, "host_row_gib": host_row / GIB, "weights_gib": weights / GIB,
+                    "prefill_gib": prefill / GIB, "rows_by_device": by_device, "rows_by_host": by_host,
+                    "rows": rows, "binds": "device" if by_host is None or by_device <= by_host else "host"}
+    return best
 
 
 def plan_markdown(meta: dict, rows: list[dict]) -> list[str]:
-    columns = [("method", "spec", "{}"), ("device row GiB", "device_row_gib", "{:.2f}"),
+    columns = [("method", "spec", "{}"), ("device layers", "device_layers", "{}"),
+               ("device row GiB", "device_row_gib", "{:.2f}"),
                ("host row GiB", "host_row_gib", "{:.2f}"), ("rows by device", "rows_by_device", "{}"),
                ("rows by host", "rows_by_host", "{}"), ("rows", "rows", "{}"), ("binds", "binds", "{}"),
                ("vs dense", "vs_dense", "{:.2f}x"), ("host GiB for 2x dense", "host_gib_for_2x_dense", "{:.1f}")]

@@ -17,6 +17,10 @@ from .. import kernels
 from ..cache import AppendPlan, PagedLayer, check_kv_dtype, check_page_size
 from ..errors import ConfigError
 
+# Bytes of device memory left free where a method or a pool places KV by the device's free memory: the decode steps'
+# activations and buffers.
+DEVICE_MARGIN = 4 << 30
+
 
 class Tally:
     """Where one layer's decode steps count the KV tokens they attend, for the decode statistics.
@@ -145,6 +149,12 @@ class Method:
         ``max_context`` tokens (a prompt of that many tokens keeps as many in its own store while it is
         prefilled)."""
         return 0
+
+    def pool_configs(self) -> list[MethodConfig]:
+        """The configs a pool of this method may run, the one that keeps the most on the device first; a pool takes
+        the first whose rows fit (``serve.runner.Runner``, ``bench.serve.plan``). One unless the config leaves the
+        split of device and host memory open."""
+        return [self.config]
 
     def start_pool(self, layers: list[PagedLayer], max_context: int) -> None:
         """Makes this method the state of a pool whose layers (B rows, ``pool_pages`` slots) are ``layers``: per-row

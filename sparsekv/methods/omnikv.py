@@ -26,12 +26,11 @@ import torch
 
 from .. import kernels, parallel
 from ..cache.host_store import HostKVStore, require_host
-from .base import Method, MethodConfig, all_slots, attend_all, require
+from .base import DEVICE_MARGIN, Method, MethodConfig, all_slots, attend_all, require
 
 SELECTORS = ("last", "uniform", "exponential")
 PAPER_LAYERS = 32
 PAPER_FILTER_LAYERS = (2, 8, 18)  # Llama-3-8B (32 layers) in the paper
-DEVICE_MARGIN = 4 << 30  # bytes of device memory left free when placing layers: decode steps, activations
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +41,8 @@ class OmniKVConfig(MethodConfig):
     window: queries in the observation window ("last" uses only the newest). wait_layers: fully attending layers
     after each filter layer. offload: keep the sparse layers' prompt KV in host memory. device_layers (with
     offload): sparse layers whose prompt KV stays on the device, the lowest ones; None: as many as the device's free
-    memory holds once the prompt is in (on CUDA; elsewhere none)."""
+    memory holds once the prompt is in (on CUDA; elsewhere none), and in a serving pool as many as its rows leave room
+    for (``pool_configs``)."""
 
     token_budget: int | float = 2048
     filter_layers: tuple[int, ...] | None = None
@@ -317,8 +317,15 @@ class OmniKV(Method):
         return [i for i, role in enumerate(self.role) if role == "sparse"]
 
     def _pool_offloaded(self) -> set[int]:
-        """The sparse layers a pool keeps in host memory: all but the lowest ``device_layers`` (None: none kept)."""
+        """The sparse layers a pool keeps in host memory: all but the lowest ``device_layers`` (the pool's runner
+        resolves None: ``pool_configs``)."""
         return set(self._sparse()[self.config.device_layers or 0:]) if self.config.offload else set()
+
+    def pool_configs(self):
+        # device_layers=None leaves the split to the pool: every count of sparse layers kept on the device, most first.
+        if not self.config.offload or self.config.device_layers is not None:
+            return [self.config]
+        return [replace(self.config, device_layers=n) for n in range(len(self._sparse()), -1, -1)]
 
     def pool_pages(self, max_context, max_new_tokens):
         # An offloaded layer's row holds the prompt's last partial page (moved to the row's first slot when the

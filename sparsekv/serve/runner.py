@@ -33,7 +33,7 @@ from ..engine import CapturedStep, Engine, Sampling, _is_count, argmax, counter_
 from ..integrations import apply
 from ..integrations.decode import DecodeModel
 from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
-from ..methods.base import require
+from ..methods.base import DEVICE_MARGIN, require
 
 # The field a pool that the device's free memory cannot hold is refused under (benchmarks search the largest pool).
 POOL_FIELD = "max_batch and max_context"
@@ -81,37 +81,46 @@ class Runner:
                  max_new_tokens: int | None = None):
         self.engine = Engine(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
-        self.model, self.config, self.passes = model, config, passes
         self.max_batch, self.max_context = max_batch, self.engine.max_context
-        self.max_new_tokens = self.max_context if max_new_tokens is None else max_new_tokens
-        require(_is_count(self.max_new_tokens, 1) and self.max_new_tokens <= self.max_context, "max_new_tokens",
-                f"None (max_context) or an int from 1 to max_context ({self.max_context})", max_new_tokens)
         self.device = self.engine.device
         self.num_layers = model.config.num_hidden_layers
+        attn = model.get_decoder().layers[0].self_attn
+        self.tp_group = parallel.head_group(model)
+        kv_heads = model.config.num_key_value_heads // parallel.size(self.tp_group)
+        dtype = next(model.parameters()).dtype
+        self.token_bytes, self.page_bytes = cache_bytes(config, kv_heads, attn.head_dim, dtype)
+        max_context = self.max_context
+        self.max_new_tokens = max_context if max_new_tokens is None else max_new_tokens
+        require(_is_count(self.max_new_tokens, 1) and self.max_new_tokens <= max_context, "max_new_tokens",
+                f"None (max_context) or an int from 1 to max_context ({max_context})", max_new_tokens)
+        prefill_bytes = max_context * self.num_layers * self.token_bytes  # one prompt's KV, before any eviction
+        free = available_device_bytes(self.device)
+
+        def pool_bytes(method) -> int:
+            slots = method.pool_pages(max_context, self.max_new_tokens)
+            return max_batch * row_bytes(slots, config.page_size, self.token_bytes, self.page_bytes, kv_heads)
+
+        # Of the configs the method leaves open (OmniKV's device layers), the first whose rows leave room for the
+        # steps; with the device's memory unknown, the last, which keeps the least there.
+        choices = [c.build(self.num_layers) for c in config.build(self.num_layers).pool_configs()]
+        self.method = choices[-1] if free is None else next(
+            (m for m in choices if pool_bytes(m) + prefill_bytes + DEVICE_MARGIN * (m is not choices[-1]) <= free),
+            choices[-1])
+        require(free is None or pool_bytes(self.method) + prefill_bytes <= free, POOL_FIELD,
+                f"small enough that the pool of rows ({pool_bytes(self.method) / 2**30:.2f} GiB) and one prompt's "
+                f"prefill ({prefill_bytes / 2**30:.2f} GiB) fit the device's free {(free or 0) / 2**30:.2f} GiB",
+                (max_batch, max_context))
+        self.model, self.config, self.passes = model, self.method.config, passes
         self.vocab_size = model.config.vocab_size
         # About one chunk of the prompt through every layer per call of ``prefill``.
         self.prefill_budget = prefill_chunk * self.num_layers
         self.window = _sliding_window(model.config)
         self.decoder = DecodeModel(model, self.engine.parts)
-        self.tp_group = parallel.head_group(model)
-
-        attn = model.get_decoder().layers[0].self_attn
-        kv_heads = model.config.num_key_value_heads // parallel.size(self.tp_group)
-        dtype = next(model.parameters()).dtype
-        self.method = config.build(self.num_layers)
         self.method.tp_group = self.tp_group
         self.pool = SparseKVCache(self.method, DecodeStats(tp_group=self.tp_group), self.window)
         pages = self.pool.pages
         page = config.page_size
-        self.token_bytes, self.page_bytes = cache_bytes(config, kv_heads, attn.head_dim, dtype)
         slots = self.method.pool_pages(self.max_context, self.max_new_tokens)
-        pool_bytes = max_batch * row_bytes(slots, page, self.token_bytes, self.page_bytes, kv_heads)
-        prefill_bytes = self.max_context * self.num_layers * self.token_bytes  # one prompt's KV, before any eviction
-        free = available_device_bytes(self.device)
-        require(free is None or pool_bytes + prefill_bytes <= free, POOL_FIELD,
-                f"small enough that the pool of rows ({pool_bytes / 2**30:.2f} GiB) and one prompt's prefill "
-                f"({prefill_bytes / 2**30:.2f} GiB) fit the device's free {(free or 0) / 2**30:.2f} GiB",
-                (max_batch, self.max_context))
         kv_dtype = storage_dtype(config.kv_dtype, dtype)
         pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, n, kv_dtype, self.device) for n in slots]
         pages.lengths = [0] * max_batch

@@ -635,10 +635,13 @@ def main(argv: list[str] | None = None) -> int:
                     warm_up(engine, batch, model.config.vocab_size)
                 trace = (run_engine(engine, work, args.concurrency, args.capacity, args.duration)
                          if via == "engine" else run_http(engine, tokenizer, work, args.concurrency, args.capacity))
+                # The pool's own choice where the config left it open (OmniKV's device layers).
+                device_layers = getattr(engine.runner.config, "device_layers", None)
                 del engine
                 peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
                 row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,
-                       "fill": args.fill, "max_batch": batch, **summarize(trace), "peak_device_gib": peak,
+                       "fill": args.fill, "max_batch": batch, "device_layers": device_layers, **summarize(trace),
+                       "peak_device_gib": peak,
                        "series": trace.samples}
             except torch.OutOfMemoryError:
                 meta["out_of_memory"].append(label)

@@ -174,6 +174,12 @@ class Method:
         ``sized_by_decode_tokens``."""
         return copy.copy(self)
 
+    def step_slots(self, n: int) -> int | None:
+        """Page slots per row that a decode step over the pool's rows [0, n) needs to read (every page of those rows
+        lies in slots [0, that)), for a method whose step costs less over fewer slots; None: all of them. The runner
+        keeps a step per value, and ``rows(n, ...)`` reads it."""
+        return None
+
     def held_tokens(self, prompt_len: int, total: int) -> int:
         """KV tokens summed over layers that a row of a ``prompt_len``-token prompt and ``total`` tokens in all holds
         on the device at most after its prompt."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from .base import Method, MethodConfig, all_slots, is_real, require
+from .base import Method, MethodConfig, is_real, require
 
 PREFILL_MODES = ("keep", "quest")
 
@@ -85,7 +85,10 @@ class RaaS(Method):
     was last refreshed at (it moves with the slots when the cache grows or reorders), and ``layer.max_pages``, the
     largest row limit. Per prompt: ``prompt_pages`` and ``limit`` (B,), the prompt's pages and the pages a row may
     hold; ``decode_pages``, the most decode pages a row holds; ``step`` (L,) int64, each layer's decode steps, on
-    the device so that a captured step advances it."""
+    the device so that a captured step advances it. A pool also keeps each row's limit on the host (``row_limit``):
+    a row's pages lie in its first ``limit`` slots (it never holds more, and a new page takes the lowest free slot),
+    so a step over rows whose limits are small reads only the first slots of a pool sized for long prompts
+    (``slots``, from ``step_slots``)."""
 
     config: RaaSConfig
     accepts_chunks = False
@@ -96,6 +99,9 @@ class RaaS(Method):
         self.prompt_pages: torch.Tensor | None = None
         self.limit: torch.Tensor | None = None
         self.decode_pages = 0
+        self.row_limit: list[int] | None = None
+        self.pool_slots = 0
+        self.slots: int | None = None
 
     def _limits(self, prompt_lengths: list[int]) -> tuple[list[int], list[int]]:
         """Each row's prompt pages and the pages it may hold."""
@@ -127,6 +133,8 @@ class RaaS(Method):
         self.limit = torch.zeros(b, dtype=torch.long, device=device)
         self.decode_pages = self.config.budget_pages  # at least any row's decode pages, in either prefill mode
         self.step = torch.zeros(self.num_layers, dtype=torch.long, device=device)
+        self.row_limit = [0] * b
+        self.pool_slots = min(layer.capacity for layer in layers)
         for layer in layers:
             layer.max_pages = layer.capacity
             layer.slot_state[STAMP] = torch.zeros(layer.shape[:3], dtype=torch.long, device=device)
@@ -136,22 +144,33 @@ class RaaS(Method):
         # from the request's own.
         self.prompt_pages[row] = source.prompt_pages[source_row]
         self.limit[row] = source.limit[source_row]
+        self.row_limit[row] = self._limits([prompt_len])[1][0]
+
+    def step_slots(self, n):
+        # A power of two, so that few steps are made; slot ``slots`` is then free in every row, as the scratch slot.
+        most = max(self.row_limit[:n], default=1)
+        return min(1 << (most - 1).bit_length(), self.pool_slots)
 
     def rows(self, n, decode_tokens):
         view = super().rows(n, decode_tokens)
         view.prompt_pages, view.limit = self.prompt_pages[:n], self.limit[:n]
+        view.slots = self.step_slots(n)
         return view
 
     def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         step = self.step[layer_idx]
         step.add_(1)
-        stamp = layer.slot_state[STAMP]
-        scores = kernels.page_scores(q, layer.kmin, layer.kmax, layer.slot_page)  # (B, Hkv, C + 1)
+        # The first c slots and one more, free in every row, that stands for the scratch slot (all of them outside a
+        # pool): (B, Hkv, c + 1) views.
+        c = layer.capacity if self.slots is None else self.slots
+        stamp, slot_page = layer.slot_state[STAMP][:, :, :c + 1], layer.slot_page[:, :, :c + 1]
+        scores = kernels.page_scores(q, layer.kmin[:, :, :c + 1], layer.kmax[:, :, :c + 1], slot_page)
         if self.config.prefill == "keep":
-            slots = all_slots(layer)
+            b, h, _ = slot_page.shape
+            slots = layer.slot_ids[:c + 1].expand(b, h, c + 1)
         else:
             # Decode pages are always attended; free slots (page -1, "below" the prompt) keep their -inf score.
-            ranked = torch.where(layer.slot_page < self.prompt_pages.view(-1, 1, 1), scores, float("inf"))
+            ranked = torch.where(slot_page < self.prompt_pages.view(-1, 1, 1), scores, float("inf"))
             slots = kernels.select_pages(ranked, layer.cur_slot, self.config.budget_pages)
         out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale,
                                     tally.rows(slots.shape[1]))
@@ -160,8 +179,8 @@ class RaaS(Method):
         # Stamps and the eviction in one op: in place, as a captured step reads and writes them at the same address.
         # The freed slots are found again by the next page's append: the layer evicts (``max_pages``), so the cache
         # searches for free slots.
-        kernels.raas_update(scores, layer.slot_page, layer.cur_slot, stamp, step, seq_len, self.limit,
-                            self.prompt_pages, layer.page_size, layer.capacity, self.decode_pages, cfg.top_fraction,
+        kernels.raas_update(scores, slot_page, layer.cur_slot, stamp, step, seq_len, self.limit,
+                            self.prompt_pages, layer.page_size, c, self.decode_pages, cfg.top_fraction,
                             cfg.alpha, scale)
         return out
 

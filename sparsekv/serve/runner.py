@@ -147,7 +147,7 @@ class Runner:
         self.sampled: list[bool] = []
         self.prompt_lens: list[int] = []
         self.max_tokens: list[int] = []
-        self.steps: dict[tuple[int, bool, int], tuple[SparseKVCache, CapturedStep]] = {}
+        self.steps: dict[tuple[int, bool, int, int | None], tuple[SparseKVCache, CapturedStep]] = {}
 
     @property
     def free_rows(self) -> int:
@@ -265,7 +265,7 @@ class Runner:
         room = self.max_context
         if self.method.sized_by_decode_tokens:  # a step per power of two of the rows' longest decode
             room = min(room, 1 << (max(self.max_tokens) - 1).bit_length())
-        cache, run = self._step(n, any(self.sampled), room)
+        cache, run = self._step(n, any(self.sampled), room, self.method.step_slots(n))
         pages = self.pool.pages
         cache.pages.lengths = pages.lengths[:n]
         for layer, view in zip(pages.layers, cache.pages.layers):
@@ -275,12 +275,13 @@ class Runner:
         pages.lengths[:n] = cache.pages.lengths
         return dict(zip(self.keys, self.token[:n, 0].tolist()))
 
-    def _step(self, n: int, sampled: bool, room: int) -> tuple[SparseKVCache, CapturedStep]:
+    def _step(self, n: int, sampled: bool, room: int, slots: int | None) -> tuple[SparseKVCache, CapturedStep]:
         """The decode step over rows [0, n) (``sampled``: some row samples; ``room``: no row holds more tokens after
-        its prompt), made at its first use: a cache and method that are views of the pool's first n rows, and the
-        step (captured at its second run where the engine captures)."""
-        if (n, sampled, room) in self.steps:
-            return self.steps[n, sampled, room]
+        its prompt; ``slots``: ``Method.step_slots``), made at its first use: a cache and method that are views of
+        the pool's first n rows, and the step (captured at its second run where the engine captures)."""
+        key = (n, sampled, room, slots)
+        if key in self.steps:
+            return self.steps[key]
         cache = SparseKVCache(self.method.rows(n, room), DecodeStats(tp_group=self.tp_group), self.window)
         cache.pages = self.pool.pages.rows(n)
         token, seq_len = self.token[:n], self.pool.pages.seq_len[:n]
@@ -296,5 +297,5 @@ class Runner:
             token.copy_(nxt.view(n, 1))
             index.add_(1)
 
-        self.steps[n, sampled, room] = cache, CapturedStep(step, cache, self.engine.capture)
-        return self.steps[n, sampled, room]
+        self.steps[key] = cache, CapturedStep(step, cache, self.engine.capture)
+        return self.steps[key]

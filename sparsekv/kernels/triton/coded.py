@@ -1,14 +1,13 @@
 """Page scores from low-bit key codes (``reference.coded_scores``), in two launches.
 
 ``_coded_lse_kernel``: one program per (sequence, KV head, block of ``coded_block`` tokens) reads the codes of its
-pages once, as bytes. A dequantized key is ``lo + step * level`` (lo the page's min, step its range / L), so its
-logit splits into a per-page part and a per-token product of the integer levels:
-``q . k~ = q . lo + (q * step) . level``. The levels (0..L, exact in fp16) enter the tensor cores as they are,
-against the page's own ``q * step`` (a batched product, one 16-token page per batch, the group's query heads as
-columns); per token there is only the unpacking of each level (a shift and a mask: channel ``PER * i + k`` of a key
-is field k of its byte i, PER = 8 // bits), where dequantizing every key channel and handing the keys over to the
-tensor cores took several times longer. The program writes each head's log-sum-exp per page and over its whole
-block.
+pages once, as bytes. Channel ``PER * i + k`` of a key is field k of its byte i (PER = 8 // bits fields of ``bits``
+bits), so the product over the head dim is PER products, one per field, over channels k, k + PER, ...: each takes
+its field with a constant shift and no conversion instruction (the field ORed into the low mantissa bits of 2^23,
+less 2^23, is its level as a float), dequantizes it with its pages' min and step broadcast over their tokens
+(``min + level * (max - min) / L``) and adds the field's share of the logits, a tensor-core product with the
+block's tokens as rows and the group's query heads as columns. The program writes each head's log-sum-exp per page
+and over its whole block.
 
 ``_page_mass_kernel``: per (sequence, KV head, block of ``mass_block`` slots), each head's total from the blocks'
 log-sum-exps, then each page's share of it, summed over the group's heads unless per query head
@@ -21,7 +20,10 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import TUNING, check, precision
+from .common import TUNING, check, interpreted_bf16, precision
+
+_TWO_23 = tl.constexpr(8388608.0)
+_TWO_23_BITS = tl.constexpr(0x4B000000)  # float32 2^23: its ulp is 1, so its low mantissa bits hold an integer
 
 
 @triton.jit
@@ -38,7 +40,7 @@ def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, out
                       scale, sq_b, sq_h, sm_b, sm_h, sm_c, sc_b, sc_h, sc_c, sc_p, ss_b, ss_h, so_b, so_h,
                       HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       BLOCK_B: tl.constexpr, P: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr,
-                      PRECISION: tl.constexpr, HALF: tl.constexpr):
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Per head, the log-sum-exp of each page's estimated logits (out, (B, H, C)) and of the program's block of
     BLOCK_C slots (part, (B * H, n_parts))."""
     PER: tl.constexpr = 8 // BITS
@@ -50,36 +52,36 @@ def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, out
     i = tl.arange(0, BLOCK_B)
     g = tl.arange(0, G_PAD)
     in_g = g < G
-    in_i = i < D // PER
+    in_b = (i < D // PER)[None, None, :]
     q_off = b * sq_b + (kvh * G + g)[:, None] * sq_h + i[None, :] * PER
-    q_mask = in_g[:, None] & in_i[None, :]
+    q_mask = in_g[:, None] & (i < D // PER)[None, :]
     n = tl.load(len_ptr + b)
     blk = tl.program_id(1)
     c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
     in_c = c < n_slots
-    c64 = c.to(tl.int64)
-    # Codes and bounds are loaded without waiting for the page table: a free slot's pages (any codes, +-inf bounds)
+    c3 = c[:, None, None].to(tl.int64)
+    # Codes and bounds are loaded without waiting for the page table: a free slot's rows (any codes, +-inf bounds)
     # give NaN or inf in their own rows of the product only, which the mask below replaces.
-    byte = tl.load(codes_ptr + b * sc_b + kvh * sc_h + c64[:, None, None] * sc_c + j[None, :, None] * sc_p
-                   + i[None, None, :], mask=in_c[:, None, None] & in_i[None, None, :], other=0)  # (BLOCK_C, P, BLOCK_B)
-    m_off = b * sm_b + kvh * sm_h + c64[:, None] * sm_c + i[None, :] * PER
-    m_mask = in_c[:, None] & in_i[None, :]
-    logits = tl.zeros((BLOCK_C, P, G_PAD), dtype=tl.float32)
-    base = tl.zeros((BLOCK_C, G_PAD), dtype=tl.float32)
+    m_mask = in_c[:, None, None] & in_b  # (BLOCK_C, 1, BLOCK_B)
+    byte = tl.load(codes_ptr + b * sc_b + kvh * sc_h + c3 * sc_c + j[None, :, None] * sc_p + i[None, None, :],
+                   mask=m_mask, other=0).to(tl.int32)  # (BLOCK_C, P, BLOCK_B)
+    m_off = b * sm_b + kvh * sm_h + c3 * sm_c + i[None, None, :] * PER
+    logits = tl.zeros((BLOCK_C * P, G_PAD), dtype=tl.float32)
     for k in tl.static_range(PER):
-        lo = tl.load(kmin_ptr + m_off + k, mask=m_mask, other=0.0).to(tl.float32)  # (BLOCK_C, BLOCK_B)
+        lo = tl.load(kmin_ptr + m_off + k, mask=m_mask, other=0.0).to(tl.float32)
         step = (tl.load(kmax_ptr + m_off + k, mask=m_mask, other=0.0).to(tl.float32) - lo) / LEVELS
-        q = tl.load(q_ptr + q_off + k, mask=q_mask, other=0.0).to(tl.float32) * scale  # (G_PAD, BLOCK_B)
-        base += tl.sum(lo[:, None, :] * q[None, :, :], axis=2)
-        qs = step[:, :, None] * tl.trans(q)[None, :, :]  # (BLOCK_C, BLOCK_B, G_PAD)
-        level = (byte >> (k * BITS)) & LEVELS
-        if HALF:  # q * step rounded to fp16's 11 bits (bf16 keeps 8): |q * scale * step| stays far below 65504
-            logits = tl.dot(level.to(tl.float16), qs.to(tl.float16), logits)
+        level = (((byte >> (k * BITS)) & LEVELS) | _TWO_23_BITS).to(tl.float32, bitcast=True) - _TWO_23
+        keys = tl.reshape(lo + step * level, (BLOCK_C * P, BLOCK_B))
+        q = tl.load(q_ptr + q_off + k, mask=q_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
         else:
-            logits = tl.dot(level.to(tl.float32), qs, logits, input_precision=PRECISION)
+            keys = keys.to(q.dtype)
+        logits = tl.dot(keys, tl.trans(q), logits, input_precision=PRECISION)  # (BLOCK_C * P, G_PAD)
     page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
     ok = (page[:, None] >= 0) & (page[:, None] * P + j[None, :] < n)  # (BLOCK_C, P)
-    lse = _lse(tl.where(ok[:, :, None], logits + base[:, None, :], float("-inf")), 1)  # (BLOCK_C, G_PAD)
+    logits = tl.where(ok[:, :, None], tl.reshape(logits * scale, (BLOCK_C, P, G_PAD)), float("-inf"))
+    lse = _lse(logits, 1)  # (BLOCK_C, G_PAD)
     tl.store(out_ptr + b * so_b + (kvh * G + g)[None, :] * so_h + c[:, None], lse, mask=in_c[:, None] & in_g[None, :])
     tl.store(part_ptr + (row * G + g).to(tl.int64) * n_parts + blk, _lse(lse, 0), mask=in_g)
 
@@ -139,7 +141,7 @@ def coded_lse_parts(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, cod
         slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1),
         HKV=hkv, G=h // hkv, G_PAD=max(TUNING["coded_heads"], triton.next_power_of_2(h // hkv)), D=d,
         BLOCK_B=max(16, triton.next_power_of_2(d * bits // 8)), P=p, BLOCK_C=block_c, BITS=bits,
-        PRECISION=precision(q.dtype), HALF=q.dtype != torch.float32, num_warps=TUNING["coded_warps"])
+        PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), num_warps=TUNING["coded_warps"])
     return out, part
 
 

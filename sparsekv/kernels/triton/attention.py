@@ -19,7 +19,29 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import LOG2E, TUNING, block_d, check, group_pad, interpreted_bf16, num_sms, precision
+from .common import (F8_BITS_SCALE, LOG2E, TUNING, block_d, cache_tile, check, fp8_products, group_pad,
+                     interpreted_bf16, num_sms, precision, product_query)
+
+
+@triton.jit
+def _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_t, sv_t, d, d_ok,
+                 BLOCK_N: tl.constexpr, P: tl.constexpr, TOKENS: tl.constexpr):
+    """Key and value tiles (BLOCK_N, BLOCK_D) of block blk of the row's tokens (nothing read past block last) and
+    which tokens are attended."""
+    j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_j = (j < n_tok) & (blk < last)
+    if TOKENS:  # rows of a flat token store; every listed token is attended
+        trow = tl.load(sel_base + j, mask=in_j, other=-1)
+        ok = trow >= 0
+    else:
+        slot = tl.load(sel_base + j // P, mask=in_j, other=-1)
+        off = j % P
+        page = tl.load(sp_base + slot, mask=slot >= 0, other=-1)
+        ok = (slot >= 0) & (page >= 0) & (page * P + off <= q_pos)
+        trow = slot * P + off
+    kt = tl.load(k_base + trow[:, None] * sk_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
+    vt = tl.load(v_base + trow[:, None] * sv_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
+    return kt, vt, ok
 
 
 @triton.jit
@@ -29,15 +51,14 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
                             HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                             TOKENS: tl.constexpr, COUNT: tl.constexpr, PRECISION: tl.constexpr,
-                            UPCAST: tl.constexpr):
+                            UPCAST: tl.constexpr, F8: tl.constexpr, PREFETCH: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = (row // HS).to(tl.int64)
     r = row % HS
     kvh = r // ROWS_PER_KV
     n_tok = n_sel if TOKENS else n_sel * P
-    if not TOKENS:
-        q_pos = tl.load(seq_ptr + b) - 1
+    q_pos = 0 if TOKENS else tl.load(seq_ptr + b) - 1
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, BLOCK_D)
     d_ok = d[None, :] < D
@@ -45,6 +66,7 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
     q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=(g[:, None] < G) & d_ok, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    q = product_query(q, F8)
     k_base = k_ptr + b * sk_b + kvh * sk_h
     v_base = v_ptr + b * sv_b + kvh * sv_h
     sel_base = sel_ptr + b * sl_b + r * sl_h
@@ -56,21 +78,17 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
     n_ok = tl.zeros((BLOCK_N,), tl.int32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n_tok, BLOCK_N))
+    if PREFETCH:  # block first's tiles; each iteration loads the next block's before its products
+        kt, vt, ok = _block_tiles(first, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_t, sv_t, d,
+                                  d_ok, BLOCK_N, P, TOKENS)
     for blk in range(first, last):
-        j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_j = j < n_tok
-        if TOKENS:  # rows of a flat token store; every listed token is attended
-            trow = tl.load(sel_base + j, mask=in_j, other=-1)
-            ok = trow >= 0
+        if PREFETCH:
+            k_next, v_next, ok_next = _block_tiles(blk + 1, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos,
+                                                   sk_t, sv_t, d, d_ok, BLOCK_N, P, TOKENS)
         else:
-            slot = tl.load(sel_base + j // P, mask=in_j, other=-1)
-            off = j % P
-            page = tl.load(sp_base + slot, mask=slot >= 0, other=-1)
-            ok = (slot >= 0) & (page >= 0) & (page * P + off <= q_pos)
-            trow = slot * P + off
-        kt = tl.load(k_base + trow[:, None] * sk_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
-        vt = tl.load(v_base + trow[:, None] * sv_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
-        kt, vt = kt.to(q.dtype), vt.to(q.dtype)  # an fp8 cache is dequantized here; otherwise q's own dtype
+            kt, vt, ok = _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_t, sv_t, d,
+                                      d_ok, BLOCK_N, P, TOKENS)
+        kt, vt = cache_tile(kt, q.dtype, F8), cache_tile(vt, q.dtype, F8)  # an fp8 cache is dequantized here
         qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # (G_PAD, BLOCK_N)
         qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -88,7 +106,11 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
         m_i = m_new
         if COUNT:
             n_ok += ok.to(tl.int32)
+        if PREFETCH:
+            kt, vt, ok = k_next, v_next, ok_next
 
+    if F8 == "bits":
+        acc = acc * F8_BITS_SCALE
     out_row = (b * HS * G + head) * n_splits + split  # partials laid out (B, H, splits, ...)
     g_ok = g < G
     tl.store(part_ptr + out_row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok)
@@ -173,15 +195,18 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None):
     stats = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
     counting = attended is not None
     split_counts = torch.empty(rows, splits, dtype=torch.int32, device=q.device) if counting else stats
+    f8 = fp8_products(q, k)
     page_args = (sel, sel, 0, 0) if tokens else (slot_page, seq_len, slot_page.stride(0), slot_page.stride(1))
     _split_attention_kernel[(rows, splits)](
-        q, k, v, page_args[0], sel, page_args[1], part, stats, split_counts, n_sel, per_split, splits, scale * LOG2E,
+        q, k, v, page_args[0], sel, page_args[1], part, stats, split_counts, n_sel, per_split, splits,
+        scale * LOG2E * (F8_BITS_SCALE.value if f8 == "bits" else 1.0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2 if tokens else 3),
         v.stride(0), v.stride(1), v.stride(2 if tokens else 3), page_args[2], page_args[3],
         sel.stride(0), 0 if hs == 1 else sel.stride(1),
         HS=rows_per_b, ROWS_PER_KV=rows_per_b // hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_N=block_n, P=p, TOKENS=tokens, COUNT=counting, PRECISION=precision(q.dtype),
-        UPCAST=interpreted_bf16(q.dtype), num_warps=warps, num_stages=stages)
+        UPCAST=interpreted_bf16(q.dtype), F8=f8, PREFETCH=TUNING["attn_prefetch"], num_warps=warps,
+        num_stages=stages)
     fp32_out = tokens or interpreted_bf16(q.dtype)
     out = torch.empty(b, h, d, dtype=torch.float32 if fp32_out else q.dtype, device=q.device)
     lse = torch.empty(b, h, dtype=torch.float32, device=q.device) if tokens else out

@@ -8,6 +8,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 from triton import knobs
 
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
@@ -66,7 +67,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "qgemm_block_n": 32, "qgemm_block_g": 8, "qgemm_warps": 4, "qgemm_stages": 2,
           "coded_block": 128, "coded_warps": 4, "coded_heads": 8,
           "mass_block": 1024, "mass_parts": 1024, "mass_warps": 4,
-          "append_search": 4096, "append_warps": 4}
+          "append_search": 4096, "append_warps": 4, "fp8_products": "query", "attn_prefetch": False}
 
 LOG2E = 1.4426950408889634
 
@@ -78,6 +79,41 @@ def check(q: torch.Tensor, k: torch.Tensor, name: str) -> None:
                          "on the Triton path")
     if k.stride(-1) != 1:
         raise ValueError(f"{name}: the cache's last (head_dim) dimension must be contiguous")
+
+
+def fp8_products(q: torch.Tensor, k: torch.Tensor) -> str:
+    """How a kernel multiplies q by an fp8 cache's tiles (``F8`` of ``cache_tile``): "query" converts the tiles to
+    q's dtype; with 16-bit queries, "f16" converts both to fp16 (e4m3 -> fp16 is one exact instruction per pair,
+    -> bf16 goes through fp16 and two more), "bits" builds the fp16 from the tile's bits (values times 2^-8)."""
+    if k.dtype != torch.float8_e4m3fn or q.dtype not in (torch.bfloat16, torch.float16):
+        return "query"
+    return TUNING["fp8_products"]
+
+
+@triton.jit
+def product_query(q, F8: tl.constexpr):
+    """q as it enters the products with cache tiles: fp16 (bf16 values past fp16's range clamped) unless F8 is
+    "query"."""
+    if F8 != "query":
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
+def cache_tile(x, dtype, F8: tl.constexpr):
+    """A cache tile in the products' dtype: ``dtype`` (q's) for "query", else fp16; for "bits" the fp16 holds the
+    e4m3 value times 2^-8 (sign to bit 15, exponent and mantissa shifted into place: exact for normals and
+    subnormals; the cache holds no NaN), which the caller undoes on its results (``F8_BITS_SCALE``)."""
+    if F8 == "bits":
+        u = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+        return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    elif F8 == "f16":
+        return x.to(tl.float16)
+    else:
+        return x.to(dtype)
+
+
+F8_BITS_SCALE = tl.constexpr(256.0)  # "bits" tiles hold the values over this
 
 
 def interpreted_bf16(dtype: torch.dtype) -> bool:

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import TUNING, block_d, check, group_pad, interpreted_bf16, precision
+from .common import (F8_BITS_SCALE, TUNING, block_d, cache_tile, check, fp8_products, group_pad, interpreted_bf16,
+                     precision, product_query)
 
 
 @triton.jit
@@ -33,7 +34,8 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
                         sq_b, sq_h, sm_b, sm_h, sm_c, ss_b, ss_h, so_b, so_h, cu_b, cu_h,
                         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
-                        PER_HEAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr):
+                        PER_HEAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr,
+                        F8: tl.constexpr):
     """Scores of BLOCK_C slots per chunk; with GS > 0 also the maxima of the score keys (``_key_of``) of each group
     of GS consecutive slots, per selection row, for the group filter of the top-k (rows of n_groups int32)."""
     row = tl.program_id(0)
@@ -57,6 +59,7 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
                         mask=(g[:, None] < G) & (d[None, :] < D), other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
+            q = product_query(q, F8)
             zero = tl.zeros_like(q)
             q_plus = tl.maximum(q, zero).to(q.dtype)  # triton may compute bf16 max in fp32
             q_minus = tl.minimum(q, zero).to(q.dtype)
@@ -66,9 +69,11 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
             m_mask = in_c[:, None] & (d[None, :] < D)
             kmax = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0)
             kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
-            kmax, kmin = kmax.to(q.dtype), kmin.to(q.dtype)  # an fp8 cache's bounds are dequantized here
+            kmax, kmin = cache_tile(kmax, q.dtype, F8), cache_tile(kmin, q.dtype, F8)  # fp8 bounds dequantized
             s += tl.dot(q_plus, tl.trans(kmax), input_precision=PRECISION)
             s += tl.dot(q_minus, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
+        if F8 == "bits":
+            s = s * F8_BITS_SCALE
         s = tl.where((page >= 0)[None, :], s, float("-inf"))
         if PER_HEAD:
             tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], s,
@@ -378,7 +383,7 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0):
         HKV=hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_K=min(block_d(d), TUNING["page_block_k"]), BLOCK_C=block_c, CHUNKS=chunks,
         PER_HEAD=per_query_head, PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), GS=gs,
-        num_warps=TUNING["page_warps"], num_stages=TUNING["page_stages"])
+        F8=fp8_products(q, kmin), num_warps=TUNING["page_warps"], num_stages=TUNING["page_stages"])
     return out, gmax
 
 

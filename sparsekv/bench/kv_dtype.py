@@ -31,24 +31,16 @@ from .common import SHAPES, Timer, copy_bandwidth, device_name, int_arg, markdow
 L2_BYTES = 60 * 2**20
 DTYPES = {"bf16": torch.bfloat16, "fp8": ref.FP8}
 # Each variant: a name, the ops it is timed on and its TUNING overrides (applied to fp8 caches only; bf16 runs
-# the defaults). Dense rows of at least attn_long_tokens tokens take the attn_long_* launch, budgets of 2048 at
-# batch 1 (8 rows) the attn_few_* one.
+# the defaults): here the fp8 launches (``fp8_*`` keys) against their neighbours. Dense rows of at least
+# attn_long_tokens tokens take the attn_long_* launch, budgets of 2048 at batch 1 (8 rows) the attn_few_* one.
 VARIANTS = [
     {"name": "current", "ops": ["dense", "sparse", "scores"], "tuning": {}},
-    {"name": "f16", "ops": ["dense", "sparse", "scores"], "tuning": {"fp8_products": "f16"}},
-    {"name": "bits", "ops": ["dense", "sparse", "scores"], "tuning": {"fp8_products": "bits"}},
-    *({"name": f"{mode} prefetch n{n} w{w} p{pp}", "ops": ["dense"],
-       "tuning": {"fp8_products": mode, "attn_prefetch": True, "attn_long_block_n": n, "attn_long_warps": w,
-                  "attn_long_programs_per_sm": pp, "attn_long_stages": 1}}
-      for mode in ("f16", "bits") for n, w, pp in ((64, 4, 2), (64, 8, 4), (128, 8, 4), (32, 4, 4))),
-    {"name": "f16 n128 w8 p4 s2", "ops": ["dense"],
-     "tuning": {"fp8_products": "f16", "attn_long_block_n": 128, "attn_long_warps": 8}},
-    *({"name": f"{mode} prefetch few n{n} w{w} p{pp}", "ops": ["sparse"],
-       "tuning": {"fp8_products": mode, "attn_prefetch": True, "attn_few_block_n": n, "attn_warps": w,
-                  "attn_few_programs_per_sm": pp, "attn_few_stages": 1}}
-      for mode in ("f16", "bits") for n, w, pp in ((64, 4, 4), (32, 4, 8))),
-    *({"name": f"{mode} scores b128", "ops": ["scores"], "tuning": {"fp8_products": mode, "page_block": 128}}
-      for mode in ("f16", "bits")),
+    *({"name": f"long n{n} w{w} p{pp} s{st}", "ops": ["dense"],
+       "tuning": {"fp8_attn_long_block_n": n, "fp8_attn_long_warps": w, "fp8_attn_long_programs_per_sm": pp,
+                  "fp8_attn_long_stages": st}}
+      for n, w, pp, st in ((64, 4, 1, 1), (64, 4, 3, 1), (64, 4, 2, 2), (32, 4, 2, 1), (128, 8, 2, 1))),
+    *({"name": f"few p{pp}", "ops": ["sparse"], "tuning": {"fp8_attn_few_programs_per_sm": pp}} for pp in (2, 8)),
+    *({"name": f"scores b{b}", "ops": ["scores"], "tuning": {"fp8_page_block": b}} for b in (64, 256)),
 ]
 
 
@@ -130,17 +122,21 @@ def main(argv=None) -> None:
     base = dict(TUNING)
     rows = []
 
+    def tune(overrides: dict) -> None:
+        TUNING.clear()
+        TUNING.update(base, **overrides)
+
     def timed(fn, calls: int) -> float:
         return 1e3 * (timer.graph(fn) if device.type == "cuda" else timer.eager(fn)) / calls
 
     for kv in DTYPES:
         dtype = DTYPES[kv]
         for var in variants if kv == "fp8" else variants[:1]:
-            TUNING.update(base, **var["tuning"])
+            tune(var["tuning"])
             errs = check(shape, dtype, args.check_tokens, args.budget, p, device)
             print(f"{kv} {var['name']}: rel_err vs float64 {errs}", flush=True)
             rows.append({"kv": kv, "variant": var["name"], "op": "check", **{f"err_{k}": e for k, e in errs.items()}})
-        TUNING.update(base)
+        tune({})
     for context in args.contexts:
         for kv, dtype in DTYPES.items():
             size = dtype.itemsize
@@ -166,7 +162,7 @@ def main(argv=None) -> None:
                                     for lo, hi in bounds], n_copies, score_bytes),
             }
             for var in variants if kv == "fp8" else variants[:1]:
-                TUNING.update(base, **var["tuning"])
+                tune(var["tuning"])
                 for op in var["ops"]:
                     fn, calls, nbytes = ops[op]
                     try:
@@ -180,7 +176,7 @@ def main(argv=None) -> None:
                                  "floor_us": floor_us, "bytes": nbytes})
                     print(f"{context} {kv} {op} {var['name']}: {us:.1f} us, {rows[-1]['gbps']:.0f} GB/s, "
                           f"{rows[-1]['x_floor']:.2f}x floor", flush=True)
-            TUNING.update(base)
+            tune({})
         write_results(args.out, args.tag, meta, rows, markdown(meta, rows))
     write_results(args.out, args.tag, meta, rows, markdown(meta, rows))
     print("\n".join(summary(rows)))

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import (F8_BITS_SCALE, LOG2E, TUNING, block_d, cache_tile, check, fp8_products, group_pad,
-                     interpreted_bf16, num_sms, precision, product_query)
+from .common import (LOG2E, TUNING, block_d, check, f16_products, fp8_launch, group_pad, interpreted_bf16, num_sms,
+                     precision, product_query)
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_
     """Key and value tiles (BLOCK_N, BLOCK_D) of block blk of the row's tokens (nothing read past block last) and
     which tokens are attended."""
     j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_j = (j < n_tok) & (blk < last)
+    in_j = j < tl.minimum(n_tok, last * BLOCK_N)
     if TOKENS:  # rows of a flat token store; every listed token is attended
         trow = tl.load(sel_base + j, mask=in_j, other=-1)
         ok = trow >= 0
@@ -51,7 +51,7 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
                             HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                             TOKENS: tl.constexpr, COUNT: tl.constexpr, PRECISION: tl.constexpr,
-                            UPCAST: tl.constexpr, F8: tl.constexpr, PREFETCH: tl.constexpr):
+                            UPCAST: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = (row // HS).to(tl.int64)
@@ -66,7 +66,7 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
     q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=(g[:, None] < G) & d_ok, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    q = product_query(q, F8)
+    q = product_query(q, F16)
     k_base = k_ptr + b * sk_b + kvh * sk_h
     v_base = v_ptr + b * sv_b + kvh * sv_h
     sel_base = sel_ptr + b * sl_b + r * sl_h
@@ -88,7 +88,7 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
         else:
             kt, vt, ok = _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_t, sv_t, d,
                                       d_ok, BLOCK_N, P, TOKENS)
-        kt, vt = cache_tile(kt, q.dtype, F8), cache_tile(vt, q.dtype, F8)  # an fp8 cache is dequantized here
+        kt, vt = kt.to(q.dtype), vt.to(q.dtype)  # an fp8 cache is dequantized here; otherwise q's own dtype
         qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # (G_PAD, BLOCK_N)
         qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -109,8 +109,6 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
         if PREFETCH:
             kt, vt, ok = k_next, v_next, ok_next
 
-    if F8 == "bits":
-        acc = acc * F8_BITS_SCALE
     out_row = (b * HS * G + head) * n_splits + split  # partials laid out (B, H, splits, ...)
     g_ok = g < G
     tl.store(part_ptr + out_row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok)
@@ -181,7 +179,8 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None):
                 "attn_long_warps")
     elif rows <= TUNING["attn_few_rows"]:
         keys = ("attn_few_block_n", "attn_few_stages", "attn_few_programs_per_sm", "attn_max_splits", "attn_warps")
-    block_n, stages, per_sm, max_splits, warps = (TUNING[key] for key in keys)
+    fp8 = k.dtype == torch.float8_e4m3fn
+    block_n, stages, per_sm, max_splits, warps = (fp8_launch(key, fp8) for key in keys)
     if d > 128:
         block_n //= 2
     if q.dtype == torch.float32:
@@ -195,18 +194,15 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None):
     stats = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
     counting = attended is not None
     split_counts = torch.empty(rows, splits, dtype=torch.int32, device=q.device) if counting else stats
-    f8 = fp8_products(q, k)
     page_args = (sel, sel, 0, 0) if tokens else (slot_page, seq_len, slot_page.stride(0), slot_page.stride(1))
     _split_attention_kernel[(rows, splits)](
-        q, k, v, page_args[0], sel, page_args[1], part, stats, split_counts, n_sel, per_split, splits,
-        scale * LOG2E * (F8_BITS_SCALE.value if f8 == "bits" else 1.0),
+        q, k, v, page_args[0], sel, page_args[1], part, stats, split_counts, n_sel, per_split, splits, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2 if tokens else 3),
         v.stride(0), v.stride(1), v.stride(2 if tokens else 3), page_args[2], page_args[3],
         sel.stride(0), 0 if hs == 1 else sel.stride(1),
         HS=rows_per_b, ROWS_PER_KV=rows_per_b // hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_N=block_n, P=p, TOKENS=tokens, COUNT=counting, PRECISION=precision(q.dtype),
-        UPCAST=interpreted_bf16(q.dtype), F8=f8, PREFETCH=TUNING["attn_prefetch"], num_warps=warps,
-        num_stages=stages)
+        UPCAST=interpreted_bf16(q.dtype), F16=f16_products(q, k), PREFETCH=fp8, num_warps=warps, num_stages=stages)
     fp32_out = tokens or interpreted_bf16(q.dtype)
     out = torch.empty(b, h, d, dtype=torch.float32 if fp32_out else q.dtype, device=q.device)
     lse = torch.empty(b, h, dtype=torch.float32, device=q.device) if tokens else out

@@ -48,6 +48,13 @@ from triton import knobs
 # 128 / 4 / 8; 111 with blocks of 64, 120 with 256 tokens and 8 warps, 128 with 16 head columns.
 # mass_*: the page shares from the coded kernel's log-sum-exps: programs of mass_block slots (mass_warps warps)
 # that read the per-block totals mass_parts at a time.
+# fp8_*: an fp8 cache's launch where it differs from the key without the prefix (``fp8_launch``). Its attention
+# kernel loads the next block's tiles into registers before the current block's products (the tiles' addresses
+# come from the page table, so Triton's pipeliner cannot prefetch them), converts them there and stages them in
+# shared memory for the products as 16-bit tiles; that takes ~220 registers, so dense rows run 2 programs per
+# multiprocessor in 1 stage. On the H200 at Llama-3-8B batch 1 (``python -m sparsekv.bench.kv_dtype``), dense at
+# 1M tokens 1409 us with fp16 products alone, 1323 with the prefetch (bf16 cache: 1008); the page scores read
+# blocks of 128 slots (45.4 -> 39.6 us at 1M).
 # append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
 # starts a page in a cache with freed slots), with append_warps warps.
 TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
@@ -67,7 +74,9 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "qgemm_block_n": 32, "qgemm_block_g": 8, "qgemm_warps": 4, "qgemm_stages": 2,
           "coded_block": 128, "coded_warps": 4, "coded_heads": 8,
           "mass_block": 1024, "mass_parts": 1024, "mass_warps": 4,
-          "append_search": 4096, "append_warps": 4, "fp8_products": "query", "attn_prefetch": False}
+          "append_search": 4096, "append_warps": 4,
+          "fp8_attn_block_n": 64, "fp8_attn_long_programs_per_sm": 2, "fp8_attn_long_stages": 1,
+          "fp8_attn_few_programs_per_sm": 4, "fp8_page_block": 128}
 
 LOG2E = 1.4426950408889634
 
@@ -81,39 +90,26 @@ def check(q: torch.Tensor, k: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: the cache's last (head_dim) dimension must be contiguous")
 
 
-def fp8_products(q: torch.Tensor, k: torch.Tensor) -> str:
-    """How a kernel multiplies q by an fp8 cache's tiles (``F8`` of ``cache_tile``): "query" converts the tiles to
-    q's dtype; with 16-bit queries, "f16" converts both to fp16 (e4m3 -> fp16 is one exact instruction per pair,
-    -> bf16 goes through fp16 and two more), "bits" builds the fp16 from the tile's bits (values times 2^-8)."""
-    if k.dtype != torch.float8_e4m3fn or q.dtype not in (torch.bfloat16, torch.float16):
-        return "query"
-    return TUNING["fp8_products"]
+def f16_products(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether q's products with the tiles of the cache k are taken in fp16 (``F16`` of ``product_query``; the
+    tiles are converted to q's dtype): for an fp8 cache and 16-bit queries, since e4m3 converts to fp16 exactly in
+    one instruction per pair, to bf16 only through fp16 and two more (on the H200 at Llama-3-8B batch 1, 1M
+    tokens: dense attention 1634 -> 1409 us, page scores 57.4 -> 45.4 us; benchmarks/results/fp8kv)."""
+    return k.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
+
+
+def fp8_launch(key: str, fp8: bool):
+    """``TUNING[key]``, or for an fp8 cache ``TUNING["fp8_" + key]`` where it has one: its tiles are half the bytes
+    and its kernels convert them, so some launches differ."""
+    return TUNING.get(f"fp8_{key}", TUNING[key]) if fp8 else TUNING[key]
 
 
 @triton.jit
-def product_query(q, F8: tl.constexpr):
-    """q as it enters the products with cache tiles: fp16 (bf16 values past fp16's range clamped) unless F8 is
-    "query"."""
-    if F8 != "query":
+def product_query(q, F16: tl.constexpr):
+    """q as it enters the products with cache tiles: with F16, fp16 (bf16 values past fp16's range clamped)."""
+    if F16:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     return q
-
-
-@triton.jit
-def cache_tile(x, dtype, F8: tl.constexpr):
-    """A cache tile in the products' dtype: ``dtype`` (q's) for "query", else fp16; for "bits" the fp16 holds the
-    e4m3 value times 2^-8 (sign to bit 15, exponent and mantissa shifted into place: exact for normals and
-    subnormals; the cache holds no NaN), which the caller undoes on its results (``F8_BITS_SCALE``)."""
-    if F8 == "bits":
-        u = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-        return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True)
-    elif F8 == "f16":
-        return x.to(tl.float16)
-    else:
-        return x.to(dtype)
-
-
-F8_BITS_SCALE = tl.constexpr(256.0)  # "bits" tiles hold the values over this
 
 
 def interpreted_bf16(dtype: torch.dtype) -> bool:

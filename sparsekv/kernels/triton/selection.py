@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import (F8_BITS_SCALE, TUNING, block_d, cache_tile, check, fp8_products, group_pad, interpreted_bf16,
-                     precision, product_query)
+from .common import (TUNING, block_d, check, f16_products, fp8_launch, group_pad, interpreted_bf16, precision,
+                     product_query)
 
 
 @triton.jit
@@ -35,7 +35,7 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
                         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
                         PER_HEAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr,
-                        F8: tl.constexpr):
+                        F16: tl.constexpr):
     """Scores of BLOCK_C slots per chunk; with GS > 0 also the maxima of the score keys (``_key_of``) of each group
     of GS consecutive slots, per selection row, for the group filter of the top-k (rows of n_groups int32)."""
     row = tl.program_id(0)
@@ -59,7 +59,7 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
                         mask=(g[:, None] < G) & (d[None, :] < D), other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
-            q = product_query(q, F8)
+            q = product_query(q, F16)
             zero = tl.zeros_like(q)
             q_plus = tl.maximum(q, zero).to(q.dtype)  # triton may compute bf16 max in fp32
             q_minus = tl.minimum(q, zero).to(q.dtype)
@@ -69,11 +69,9 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
             m_mask = in_c[:, None] & (d[None, :] < D)
             kmax = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0)
             kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
-            kmax, kmin = cache_tile(kmax, q.dtype, F8), cache_tile(kmin, q.dtype, F8)  # fp8 bounds dequantized
+            kmax, kmin = kmax.to(q.dtype), kmin.to(q.dtype)  # an fp8 cache's bounds are dequantized here
             s += tl.dot(q_plus, tl.trans(kmax), input_precision=PRECISION)
             s += tl.dot(q_minus, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
-        if F8 == "bits":
-            s = s * F8_BITS_SCALE
         s = tl.where((page >= 0)[None, :], s, float("-inf"))
         if PER_HEAD:
             tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], s,
@@ -375,7 +373,8 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0):
     n_groups = triton.cdiv(c, gs) if gs else 0
     gmax = torch.empty(b * out.shape[1], n_groups, dtype=torch.int32, device=q.device) if gs else out
     cur = cur_slot if gs else slot_page
-    block_c, chunks = max(TUNING["page_block"], gs), TUNING["page_chunks"]  # groups within one block
+    block_c = max(fp8_launch("page_block", kmin.dtype == torch.float8_e4m3fn), gs)  # groups within one block
+    chunks = TUNING["page_chunks"]
     _page_scores_kernel[(b * hkv, triton.cdiv(c, block_c * chunks))](
         q, kmin, kmax, slot_page, out, cur, gmax, c, n_groups,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
@@ -383,7 +382,7 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0):
         HKV=hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_K=min(block_d(d), TUNING["page_block_k"]), BLOCK_C=block_c, CHUNKS=chunks,
         PER_HEAD=per_query_head, PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), GS=gs,
-        F8=fp8_products(q, kmin), num_warps=TUNING["page_warps"], num_stages=TUNING["page_stages"])
+        F16=f16_products(q, kmin), num_warps=TUNING["page_warps"], num_stages=TUNING["page_stages"])
     return out, gmax
 
 

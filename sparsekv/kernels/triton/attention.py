@@ -5,7 +5,9 @@ output with its running max and sum (and, when counted, its attended tokens). A 
 head, merges the splits (log-sum-exp) and, for the token variant, writes the fp32 output with its log-sum-exp
 (``merge_attention`` combines such parts); for the page variant it can add each row's attended tokens into a running
 total (``attended``), so that the decode statistics cost no kernel of their own. Invalid entries (-1, free slots,
-positions after the current token) are masked, never branched on.
+positions after the current token) are masked, never branched on. Over an fp8 cache a program loads the next
+block's tiles into registers before the current block's products (their addresses come from the page table, so
+Triton's pipeliner cannot prefetch them), and with 16-bit queries multiplies in fp16 (``f16_products``).
 
 Merging in the row's last program to finish (an arrival counter per row) instead of a second kernel measured slower
 on the H200 at Llama-3-8B batch 1: 45.1 against 43.2 us per layer at 32K and 138.1 against 134.9 at 128K, one

@@ -27,3 +27,23 @@ def test_attention_bench_cpu_table_says_host_clock_and_no_floor(tmp_path, capsys
     row, = json.loads((tmp_path / "t.json").read_text())["rows"]
     assert row["quest_floor_ratio"] is None and row["quest_eager_us"] > 0
     assert "floor" not in capsys.readouterr().out.lower()
+
+
+def test_kv_dtype_bench_rows_checks_and_tuning_restored(tmp_path):
+    from sparsekv.bench import kv_dtype
+    from sparsekv.kernels.triton import TUNING
+
+    before = dict(TUNING)
+    kv_dtype.main(["--shape", "tiny", "--contexts", "256", "--check-tokens", "256", "--budget", "32", "--reps", "1",
+                   "--device", "cpu", "--out", str(tmp_path), "--tag", "t", "--variants",
+                   '[{"name": "current", "ops": ["dense", "sparse", "scores"], "tuning": {}},'
+                   ' {"name": "pages 32", "ops": ["scores"], "tuning": {"fp8_page_block": 32}}]'])
+    assert TUNING == before
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    checks = [r for r in rows if r["op"] == "check"]
+    assert [(r["kv"], r["variant"]) for r in checks] == [("bf16", "current"), ("fp8", "current"), ("fp8", "pages 32")]
+    assert all(r[f"err_{op}"] < 1e-2 for r in checks for op in ("dense", "sparse", "scores"))
+    timed = [(r["kv"], r["op"], r["variant"]) for r in rows if r["op"] != "check"]
+    assert timed == [("bf16", op, "current") for op in ("dense", "sparse", "scores")] + \
+        [("fp8", op, "current") for op in ("dense", "sparse", "scores")] + [("fp8", "scores", "pages 32")]
+    assert "| 256 | dense |" in (tmp_path / "t.md").read_text()

@@ -8,6 +8,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 from triton import knobs
 
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
@@ -47,6 +48,13 @@ from triton import knobs
 # 128 / 4 / 8; 111 with blocks of 64, 120 with 256 tokens and 8 warps, 128 with 16 head columns.
 # mass_*: the page shares from the coded kernel's log-sum-exps: programs of mass_block slots (mass_warps warps)
 # that read the per-block totals mass_parts at a time.
+# fp8_*: an fp8 cache's launch where it differs from the key without the prefix (``fp8_launch``). Its attention
+# kernel loads the next block's tiles into registers before the current block's products (the tiles' addresses
+# come from the page table, so Triton's pipeliner cannot prefetch them), converts them there and stages them in
+# shared memory for the products as 16-bit tiles; that takes ~220 registers, so dense rows run 2 programs per
+# multiprocessor in 1 stage. On the H200 at Llama-3-8B batch 1 (``python -m sparsekv.bench.kv_dtype``), dense at
+# 1M tokens 1409 us with fp16 products alone, 1323 with the prefetch (bf16 cache: 1008); the page scores read
+# blocks of 128 slots (45.4 -> 39.6 us at 1M).
 # append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
 # starts a page in a cache with freed slots), with append_warps warps.
 TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
@@ -66,7 +74,9 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "qgemm_block_n": 32, "qgemm_block_g": 8, "qgemm_warps": 4, "qgemm_stages": 2,
           "coded_block": 128, "coded_warps": 4, "coded_heads": 8,
           "mass_block": 1024, "mass_parts": 1024, "mass_warps": 4,
-          "append_search": 4096, "append_warps": 4}
+          "append_search": 4096, "append_warps": 4,
+          "fp8_attn_block_n": 64, "fp8_attn_long_programs_per_sm": 2, "fp8_attn_long_stages": 1,
+          "fp8_attn_few_programs_per_sm": 4, "fp8_page_block": 128}
 
 LOG2E = 1.4426950408889634
 
@@ -78,6 +88,28 @@ def check(q: torch.Tensor, k: torch.Tensor, name: str) -> None:
                          "on the Triton path")
     if k.stride(-1) != 1:
         raise ValueError(f"{name}: the cache's last (head_dim) dimension must be contiguous")
+
+
+def f16_products(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether q's products with the tiles of the cache k are taken in fp16 (``F16`` of ``product_query``; the
+    tiles are converted to q's dtype): for an fp8 cache and 16-bit queries, since e4m3 converts to fp16 exactly in
+    one instruction per pair, to bf16 only through fp16 and two more (on the H200 at Llama-3-8B batch 1, 1M
+    tokens: dense attention 1634 -> 1409 us, page scores 57.4 -> 45.4 us; benchmarks/results/fp8kv)."""
+    return k.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
+
+
+def fp8_launch(key: str, fp8: bool):
+    """``TUNING[key]``, or for an fp8 cache ``TUNING["fp8_" + key]`` where it has one: its tiles are half the bytes
+    and its kernels convert them, so some launches differ."""
+    return TUNING.get(f"fp8_{key}", TUNING[key]) if fp8 else TUNING[key]
+
+
+@triton.jit
+def product_query(q, F16: tl.constexpr):
+    """q as it enters the products with cache tiles: with F16, fp16 (bf16 values past fp16's range clamped)."""
+    if F16:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
 
 
 def interpreted_bf16(dtype: torch.dtype) -> bool:

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import TUNING, block_d, check, group_pad, interpreted_bf16, precision
+from .common import (TUNING, block_d, check, f16_products, fp8_launch, group_pad, interpreted_bf16, precision,
+                     product_query)
 
 
 @triton.jit
@@ -33,7 +34,8 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
                         sq_b, sq_h, sm_b, sm_h, sm_c, ss_b, ss_h, so_b, so_h, cu_b, cu_h,
                         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
-                        PER_HEAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr):
+                        PER_HEAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr,
+                        F16: tl.constexpr):
     """Scores of BLOCK_C slots per chunk; with GS > 0 also the maxima of the score keys (``_key_of``) of each group
     of GS consecutive slots, per selection row, for the group filter of the top-k (rows of n_groups int32)."""
     row = tl.program_id(0)
@@ -57,6 +59,7 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
                         mask=(g[:, None] < G) & (d[None, :] < D), other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
+            q = product_query(q, F16)
             zero = tl.zeros_like(q)
             q_plus = tl.maximum(q, zero).to(q.dtype)  # triton may compute bf16 max in fp32
             q_minus = tl.minimum(q, zero).to(q.dtype)
@@ -370,7 +373,8 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0):
     n_groups = triton.cdiv(c, gs) if gs else 0
     gmax = torch.empty(b * out.shape[1], n_groups, dtype=torch.int32, device=q.device) if gs else out
     cur = cur_slot if gs else slot_page
-    block_c, chunks = max(TUNING["page_block"], gs), TUNING["page_chunks"]  # groups within one block
+    block_c = max(fp8_launch("page_block", kmin.dtype == torch.float8_e4m3fn), gs)  # groups within one block
+    chunks = TUNING["page_chunks"]
     _page_scores_kernel[(b * hkv, triton.cdiv(c, block_c * chunks))](
         q, kmin, kmax, slot_page, out, cur, gmax, c, n_groups,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
@@ -378,7 +382,7 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0):
         HKV=hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_K=min(block_d(d), TUNING["page_block_k"]), BLOCK_C=block_c, CHUNKS=chunks,
         PER_HEAD=per_query_head, PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), GS=gs,
-        num_warps=TUNING["page_warps"], num_stages=TUNING["page_stages"])
+        F16=f16_products(q, kmin), num_warps=TUNING["page_warps"], num_stages=TUNING["page_stages"])
     return out, gmax
 
 

@@ -163,9 +163,9 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, 
                          f"{k} inputs in groups of {GROUP} of 4 or 8 bits")
     q = codes.view(n, groups, per_group)
     if per_group == GROUP // 2:
-        words = q.contiguous().view(torch.int32).unsqueeze(3)
-        nibbles = (words >> torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)) & 15  # (N, G, 4, 8)
-        q = torch.stack([nibbles[..., :4], nibbles[..., 4:]], dim=4).view(n, groups, GROUP)
+        # (N, G, word, half, byte, nibble): input 2 * (2 * byte + nibble) + half of the word (bytes little-endian)
+        q = torch.stack([q & 15, q >> 4], dim=3).view(n, groups, 4, 2, 2, 2)
+        q = q.permute(0, 1, 2, 4, 5, 3).reshape(n, groups, GROUP)
     w = q.to(exact) * scale.to(exact).unsqueeze(2) + minimum.to(exact).unsqueeze(2)
     return w.view(n, groups * GROUP)[:, :k].to(dtype)
 

@@ -176,7 +176,8 @@ _TINYGEMM: dict[tuple, tuple] = {}
 def _tinygemm_operands(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, k: int):
     """tinygemm's packed weight and (G, N, 2) bf16 scales and zeros for 4-bit ``codes``, made on first use."""
     key = (codes.data_ptr(), tuple(codes.shape), scale.data_ptr(), minimum.data_ptr())
-    versions = (codes._version, scale._version, minimum._version)
+    # In-place changes (load_state_dict's copies) bump the version; inference tensors have none.
+    versions = tuple(-1 if t.is_inference() else t._version for t in (codes, scale, minimum))
     kept = _TINYGEMM.get(key)
     if kept is None or kept[0] != versions:
         q = reference.dequantize(codes, torch.ones_like(scale), torch.zeros_like(minimum), k).to(torch.int32)

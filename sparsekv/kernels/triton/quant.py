@@ -169,14 +169,17 @@ TINYGEMM_K_TILES = 8
 
 
 # tinygemm's operands per weight, keyed by the addresses and shape of codes, scale and minimum: an entry lives as
-# long as the codes tensor it was made for (an alias of it, as torch.compile may pass, finds it by address).
+# long as the storage of the codes it was made for, not the tensor object: the decode step's fused weights are new
+# tensors over the same storage each time a step is built (every generate), and an alias passed by torch.compile
+# finds the entry by address.
 _TINYGEMM: dict[tuple, tuple] = {}
 
 
 def _tinygemm_operands(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, k: int):
     """tinygemm's packed weight and (G, N, 2) bf16 scales and zeros for 4-bit ``codes``, made on first use."""
     key = (codes.data_ptr(), tuple(codes.shape), scale.data_ptr(), minimum.data_ptr())
-    # In-place changes (load_state_dict's copies) bump the version; inference tensors have none.
+    # In-place changes (load_state_dict's copies) bump the version; inference tensors have none. A tensor object
+    # counts its own versions: a new one over the same storage may repack once more.
     versions = tuple(-1 if t.is_inference() else t._version for t in (codes, scale, minimum))
     kept = _TINYGEMM.get(key)
     if kept is None or kept[0] != versions:
@@ -185,7 +188,7 @@ def _tinygemm_operands(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.
         s = scale.float()
         zeros = torch.stack([s, minimum.float() + 8 * s], dim=2).transpose(0, 1).contiguous().to(torch.bfloat16)
         if kept is None:
-            weakref.finalize(codes, _TINYGEMM.pop, key, None)
+            weakref.finalize(codes.untyped_storage(), _TINYGEMM.pop, key, None)
         kept = _TINYGEMM[key] = (versions, packed, zeros)
     return kept[1], kept[2]
 

@@ -7,14 +7,20 @@ share an fp16 ``scale`` and ``minimum`` and each weight is ``scale * q + minimum
 - ``"int4"``: float weights quantized at load, asymmetric (the group's minimum and (max - min) / 15, both rounded to
   fp16, then q = round((w - minimum) / scale) in 0..15). 4 bits plus 32 bits of scale and minimum per 32 weights:
   5 bits a weight, 3.2x fewer bytes than bf16.
-- ``"gguf"``: a GGUF file's Q4_0, Q4_1 and Q8_0 tensors taken as they are, with no requantization: Q4_1 blocks are
-  this format (fp16 d and m, the same nibble order), Q4_0's ``d * (q - 8)`` is ``d * q + (-8 d)`` and Q8_0's
+- ``"gguf"``: a GGUF file's Q4_0, Q4_1 and Q8_0 tensors taken with no requantization: Q4_1 blocks are this
+  format (fp16 d and m; only the nibbles are reordered), Q4_0's ``d * (q - 8)`` is ``d * q + (-8 d)`` and Q8_0's
   ``d * q`` (q signed) is ``d * (q + 128) + (-128 d)``; the minima -8d and -128d are exact in fp16 and each weight
   is computed exactly as gguf's own dequantization computes it (fp32 products and sums of the same values).
 
 The linear layers of the decoder's layers (attention and MLP projections) are replaced by ``QuantLinear``; the
 embedding and the output head stay in the model's dtype: the head is the embedding itself in tied models (SmolLM2,
 Llama-3.2), and the logits are the one product whose error is not averaged out by later layers.
+
+Layout (internal): codes (N, G * 16) uint8 of 4 bits, each 4 bytes (a little-endian 32-bit word) holding 8
+consecutive inputs: the even ones in the low 16 bits and the odd ones in the high 16, the first of each in the
+lowest nibble (``pack_nibbles``), so that one or-and of a word with a 16-bit float's bits gives the floats of two
+consecutive inputs in the order a tensor-core product takes them; GGUF's 4-bit blocks (byte j: inputs j and
+j + 16) are reordered so at load. 8-bit codes are one byte per input, as GGUF's Q8_0 has them.
 """
 
 from __future__ import annotations
@@ -69,6 +75,14 @@ class QuantLinear(nn.Module):
                f"bias={self.bias is not None}"
 
 
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (..., 8 * J) uint8 in 0..15 packed as the module's docstring says: (..., 4 * J) uint8."""
+    q = q.view(*q.shape[:-1], -1, 4, 2).to(torch.int32)  # (word, pair, even/odd)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device).view(2, 4).T  # (pair, even/odd)
+    words = (q << shifts).sum((-2, -1), dtype=torch.int32)
+    return words.view(torch.uint8).view(*q.shape[:-3], -1)
+
+
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight (N, K) float. Returns codes (N, G * 16) uint8, scale and minimum (N, G) fp16, G = ceil(K / 32): each
     group's minimum and (max - min) / 15 rounded to fp16, the codes rounded to nearest against those (a last
@@ -85,8 +99,7 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
         raise ValueError("weights: a weight beyond fp16's range (65504) cannot be quantized to int4 with fp16 scales")
     s, m = scale.float().unsqueeze(2), minimum.float().unsqueeze(2)
     q = torch.where(s > 0, ((w - m) / s.clamp(min=torch.finfo(torch.float32).tiny)).round(), 0).clamp(0, 15)
-    q = q.to(torch.uint8)
-    codes = q[..., :GROUP // 2] | (q[..., GROUP // 2:] << 4)
+    codes = pack_nibbles(q.to(torch.uint8))
     return codes.reshape(n, groups * GROUP // 2).contiguous(), scale, minimum
 
 
@@ -135,6 +148,9 @@ def gguf_blocks(data, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     blocks = raw.view(n, -1, size)
     d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(2)
     codes = blocks[..., start:].reshape(n, -1)
+    if kind != "Q8_0":  # byte j of a block: inputs j and j + 16
+        codes = pack_nibbles(torch.cat([codes.view(n, -1, 16) & 15, codes.view(n, -1, 16) >> 4], dim=2))
+        codes = codes.reshape(n, -1)
     if kind == "Q4_1":
         minimum = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(2)
     elif kind == "Q4_0":

@@ -43,13 +43,16 @@ def random_codes(n, k, bits, seed):
     (4, 16, 7, 32 * 7, True, torch.bfloat16), (4, 9, 33, 1000, False, torch.bfloat16),
     (8, 1, 33, 1000, True, torch.bfloat16),
     (8, 16, 5, 96, False, torch.float32), (8, 3, 7, 32 * 7, True, torch.bfloat16)])
-def test_kernel_matches_float64_reference(bits, rows, n, k, bias, dtype, monkeypatch):
+@pytest.mark.parametrize("split", [1, 2])
+def test_kernel_matches_float64_reference(bits, rows, n, k, bias, dtype, split, monkeypatch):
     from sparsekv.kernels import triton as tops
 
-    # Slices of 2 groups: an odd group count (3, 7) leaves a partial slice, k=1000 a partial group; blocks of 4
-    # (one row) or 16 (several) output rows leave a partial block for n=5, 33, 7.
-    for name, value in (("qgemv_block_g", 2), ("qgemv_block_n", 4), ("qgemm_block_g", 2), ("qgemm_block_n", 16)):
-        monkeypatch.setitem(tops.TUNING, name, value)
+    # Slices of 2 groups (16 at one row): an odd group count (3, 7) leaves a partial slice, k=1000 a partial
+    # group; blocks of 16 output rows leave a partial block for n=5, 33, 7.
+    for size in (1, 4, 16):
+        monkeypatch.setitem(tops.TUNING, f"qmm{size}_block_g", 2)
+        monkeypatch.setitem(tops.TUNING, f"qmm{size}_block_n", 16)
+        monkeypatch.setitem(tops.TUNING, f"qmm{size}_split", split)
     codes, scale, minimum = random_codes(n, k, bits, seed=n * k + rows)
     g = torch.Generator(device=DEV).manual_seed(rows)
     x = torch.randn(rows, k, generator=g, device=DEV).to(dtype)
@@ -60,6 +63,30 @@ def test_kernel_matches_float64_reference(bits, rows, n, k, bias, dtype, monkeyp
     torch_err = (ref.linear_quantized(x.float(), codes, scale, minimum, None if b is None else b.float())
                  .to(dtype).to(F64) - exact).norm() / exact.norm()
     assert ((out.to(F64) - exact).norm() / exact.norm()).item() <= 2 * torch_err.item() + 1e-6
+    if split > 1:  # the counts are back to zero: a second launch (as a CUDA graph's replay) adds up the same
+        assert torch.equal(tops.linear_quantized(x, codes, scale, minimum, b), out)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="tinygemm runs on CUDA only")
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_tinygemm_path_matches_float64_reference(rows):
+    from sparsekv.kernels import triton as tops
+
+    n, k = 264, 1152  # tinygemm's multiples: n of 8, k of 128
+    codes, scale, minimum = random_codes(n, k, 4, seed=rows)
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    x = torch.randn(rows, k, generator=g, device=DEV).bfloat16()
+    b = torch.randn(n, generator=g, device=DEV).bfloat16()
+    exact = ref.linear_quantized(x.to(F64), codes, scale, minimum, b.to(F64))
+    out = tops.linear_quantized(x, codes, scale, minimum, b)
+    key = (codes.data_ptr(), (n, k // 2), scale.data_ptr(), minimum.data_ptr())
+    packed = tops.quant._TINYGEMM[key][1]
+    # Another tensor object over the same storage (the decode step's fused weights, rebuilt per generate) finds it.
+    assert torch.equal(tops.linear_quantized(x, codes.view(n, k // 2), scale, minimum, b), out)
+    assert tops.quant._TINYGEMM[key][1] is packed
+    assert out.shape == (rows, n)
+    torch_err = (ref.linear_quantized(x, codes, scale, minimum, b).to(F64) - exact).norm() / exact.norm()
+    assert ((out.to(F64) - exact).norm() / exact.norm()).item() <= 2 * torch_err.item()
 
 
 def test_more_rows_than_the_kernel_takes_run_the_reference():

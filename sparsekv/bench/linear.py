@@ -1,8 +1,9 @@
-"""The weights' products of a decode step at Llama-3-8B's shapes: group-quantized int4 (``linear_quantized``)
-against bf16 (``linear``), per product and input rows, with the fraction of the copy bandwidth each reaches.
+"""The weights' products of a decode step at Llama-3-8B's shapes: group-quantized int4 (``linear_quantized``: the
+path it takes, tinygemm up to ``tinygemm_rows`` rows, and our Triton kernel alone) against bf16 (``linear``), per
+product and input rows, with the fraction of the copy bandwidth each reaches.
 
     python -m sparsekv.bench.linear                 # rows 1 4 16, the tuned launch parameters
-    python -m sparsekv.bench.linear --tune          # sweeps the int4 kernel's launch parameters at one row first
+    python -m sparsekv.bench.linear --tune          # sweeps the Triton kernel's launch parameters per rows first
 
 Each product runs on enough copies of its weight in rotation (at least 1 GB) that none is read from the L2 cache,
 captured in a CUDA graph; times are per product (median of the graph's replays / copies). A product's bytes are
@@ -28,11 +29,10 @@ from .common import copy_bandwidth, device_name, markdown_table, write_results
 SHAPES = {"q/k/v": (6144, 4096), "o": (4096, 4096), "gate/up": (28672, 4096), "down": (4096, 14336),
           "head": (128256, 4096)}
 ROTATION_BYTES = 2**30
-# The launch parameters swept: of the one-row kernel, and of the several-row one (at 16 rows).
-SWEEPS = {1: {"qgemv_block_n": (1, 2, 4), "qgemv_block_g": (8, 16, 32, 64), "qgemv_warps": (4, 8),
-              "qgemv_stages": (2, 3)},
-          16: {"qgemm_block_n": (32, 64, 128), "qgemm_block_g": (2, 4, 8), "qgemm_warps": (4, 8),
-               "qgemm_stages": (2, 3)}}
+# The Triton kernel's launch parameters swept per class of rows (1, 2-4, 5-16), each at its largest row count.
+SWEEPS = {rows: {f"qmm{rows}_block_n": (64, 128), f"qmm{rows}_block_g": groups, f"qmm{rows}_split": (1, 2, 4),
+                 f"qmm{rows}_warps": (4, 8), f"qmm{rows}_stages": (2, 3)}
+          for rows, groups in ((1, (8, 16)), (4, (4, 8)), (16, (2, 4)))}
 
 
 def weights(n: int, k: int, device: torch.device) -> tuple[list, list]:
@@ -60,17 +60,17 @@ def error(x: torch.Tensor, codes, scale, minimum) -> float:
 
 
 def tune(device: torch.device, timer: Timer, log) -> dict:
-    """For each kernel, the launch parameters with the least summed time over the shapes (at 1 row, and at 16);
-    sets and returns them."""
+    """For each class of rows, the Triton kernel's launch parameters with the least summed time over a layer's
+    products (the head left out); sets and returns them."""
     from ..kernels.triton import TUNING
 
-    sets = {name: weights(n, k, device)[0][:8] for name, (n, k) in SHAPES.items()}  # 8 copies: enough to rank
-    found = {}
+    sets = {name: weights(n, k, device)[0][:8] for name, (n, k) in SHAPES.items() if name != "head"}  # enough to rank
+    found, tinygemm_rows = {}, TUNING["tinygemm_rows"]
     for rows, sweep in SWEEPS.items():
         xs = {k: torch.randn(rows, k, device=device, dtype=torch.bfloat16) for _, k in SHAPES.values()}
         results = []
         for values in itertools.product(*sweep.values()):
-            TUNING.update(dict(zip(sweep, values)))
+            TUNING.update(dict(zip(sweep, values)), tinygemm_rows=0)
             try:
                 times = {name: time_products(timer, xs[SHAPES[name][1]], c, True) for name, c in sets.items()}
             except Exception as err:  # a launch the device refuses (registers, shared memory)
@@ -80,7 +80,7 @@ def tune(device: torch.device, timer: Timer, log) -> dict:
             log(f"rows {rows} {values}: " + ", ".join(f"{n} {t:.1f}" for n, t in times.items()))
         results.sort(key=lambda r: r[0])
         best = dict(zip(sweep, results[0][1]))
-        TUNING.update(best)
+        TUNING.update(best, tinygemm_rows=tinygemm_rows)
         log(f"best at {rows} rows: {best}")
         found[rows] = {"best": best, "top": [{"params": dict(zip(sweep, v)), "us": t} for _, v, t in results[:10]]}
     return found
@@ -109,23 +109,30 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             q_us = time_products(timer, x, int4, True)
+            tinygemm_rows = TUNING["tinygemm_rows"]
+            TUNING["tinygemm_rows"] = 0
+            t_us = time_products(timer, x, int4, True) if m <= tinygemm_rows else q_us
+            TUNING["tinygemm_rows"] = tinygemm_rows
             b_us = time_products(timer, x, bf16, False)
-            row = {"product": name, "n": n, "k": k, "rows": m, "int4_us": q_us, "bf16_us": b_us,
+            row = {"product": name, "n": n, "k": k, "rows": m, "int4_us": q_us, "triton_us": t_us, "bf16_us": b_us,
                    "int4_floor_us": q_bytes / bandwidth * 1e6, "bf16_floor_us": n * k * 2 / bandwidth * 1e6,
                    "int4_bandwidth": q_bytes / (q_us * 1e-6) / bandwidth, "error": error(x, *int4[0])}
             rows.append(row)
             log(f"{name} rows {m}: int4 {q_us:.1f} us ({row['int4_bandwidth']:.0%} of copy bandwidth, floor "
-                f"{row['int4_floor_us']:.1f}), bf16 {b_us:.1f} us; error {row['error']:.1e}")
+                f"{row['int4_floor_us']:.1f}; Triton {t_us:.1f}), bf16 {b_us:.1f} us; error {row['error']:.1e}")
         del int4, bf16
         torch.cuda.empty_cache()
     meta = {"device": device_name(device), "copy_bandwidth_GBs": bandwidth / 1e9,
-            "tuning": {k: v for k, v in TUNING.items() if k.startswith("qgemv")}, "torch": torch.__version__}
+            "tuning": {k: v for k, v in TUNING.items() if k.startswith(("qmm", "tinygemm"))},
+            "torch": torch.__version__}
     columns = [("product", "product", "{}"), ("out x in", lambda r: f"{r['n']} x {r['k']}", "{}"),
                ("rows", "rows", "{}"), ("int4 us", "int4_us", "{:.1f}"), ("int4 floor us", "int4_floor_us", "{:.1f}"),
-               ("of copy bandwidth", "int4_bandwidth", "{:.0%}"), ("bf16 us", "bf16_us", "{:.1f}"),
+               ("of copy bandwidth", "int4_bandwidth", "{:.0%}"), ("Triton kernel us", "triton_us", "{:.1f}"),
+               ("bf16 us", "bf16_us", "{:.1f}"),
                ("bf16 / int4", lambda r: r["bf16_us"] / r["int4_us"], "{:.2f}"), ("rel. error", "error", "{:.1e}")]
     lines = [f"# int4 products at Llama-3-8B's shapes ({meta['device']}, copy bandwidth "
-             f"{bandwidth / 1e12:.2f} TB/s)", "", f"Launch parameters: {meta['tuning']}", "",
+             f"{bandwidth / 1e12:.2f} TB/s)", "", f"int4: the op's path (tinygemm up to {TUNING['tinygemm_rows']} "
+             "rows, else the Triton kernel); Triton kernel: ours alone. Launch parameters: " f"{meta['tuning']}", "",
              *markdown_table(columns, rows)]
     write_results(args.out, args.tag, meta, rows, lines, tuning=tuning)
     print("\n".join(lines))

@@ -150,9 +150,10 @@ GROUP = 32
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, k: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The (N, k) weight of group-quantized codes: codes (N, G * 16) uint8 of 4 bits (GGUF's order: byte j of a
-    group holds its input j in the low nibble and input j + 16 in the high one) or (N, G * 32) of 8 bits (one byte
-    per input); scale, minimum (N, G), G = ceil(k / GROUP) (the codes of a last group's inputs past k are ignored).
+    """The (N, k) weight of group-quantized codes: codes (N, G * 16) uint8 of 4 bits (``quant.pack_nibbles``'s
+    layout: each little-endian 32-bit word holds 8 inputs, the even ones in nibbles 0-3, the odd ones in 4-7) or
+    (N, G * 32) of 8 bits (one byte per input); scale, minimum (N, G), G = ceil(k / GROUP) (the codes of a last
+    group's inputs past k are ignored).
     ``scale * q + minimum`` is computed in float32 (float64 for ``dtype`` float64), then cast to ``dtype``."""
     n, groups = scale.shape
     exact = torch.float64 if dtype == torch.float64 else torch.float32
@@ -162,7 +163,9 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, 
                          f"{k} inputs in groups of {GROUP} of 4 or 8 bits")
     q = codes.view(n, groups, per_group)
     if per_group == GROUP // 2:
-        q = torch.cat([q & 15, q >> 4], dim=2)
+        # (N, G, word, half, byte, nibble): input 2 * (2 * byte + nibble) + half of the word (bytes little-endian)
+        q = torch.stack([q & 15, q >> 4], dim=3).view(n, groups, 4, 2, 2, 2)
+        q = q.permute(0, 1, 2, 4, 5, 3).reshape(n, groups, GROUP)
     w = q.to(exact) * scale.to(exact).unsqueeze(2) + minimum.to(exact).unsqueeze(2)
     return w.view(n, groups * GROUP)[:, :k].to(dtype)
 

@@ -108,6 +108,12 @@ class RecallProbe(Method):
     def pool_host_tokens(self, max_context):
         return self.pool_pages(max_context, None)
 
+    def pool_configs(self):
+        return self.pool_pages(None, None)
+
+    def step_slots(self, n):
+        return self.pool_pages(None, None)
+
     def start_pool(self, layers, max_context):
         self.pool_pages(max_context, None)
 

@@ -150,16 +150,16 @@ def test_the_pool_keeps_on_the_device_the_offloaded_layers_its_free_memory_holds
 
 def test_a_pool_whose_host_store_does_not_fit_is_refused_before_allocating(model, monkeypatch):
     """The host must hold the pool's store and one prompt's own store while it is prefilled."""
+    from sparsekv.cache import host_store
     from sparsekv.cache.host_store import HostMemoryError
-    from sparsekv.serve import runner
 
     config = CONFIGS["omnikv-offload"]
     row = CONTEXT * 2 * model.config.num_key_value_heads * model.config.head_dim * 4  # one offloaded layer, float32
-    monkeypatch.setattr(runner, "available_host_bytes", lambda: 4 * row - 1)
+    monkeypatch.setattr(host_store, "available_host_bytes", lambda: 4 * row - 1)
     with pytest.raises(HostMemoryError, match="max_batch: the host store of 3 rows and one prompt's own store"):
         ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
     ServingEngine(model, CONFIGS["dense"], max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
-    monkeypatch.setattr(runner, "available_host_bytes", lambda: 4 * row)
+    monkeypatch.setattr(host_store, "available_host_bytes", lambda: 4 * row)
     ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
 
 

@@ -33,15 +33,21 @@ class HostMemoryError(ValueError):
     """The host has too little memory free for an offloaded store."""
 
 
+def require_host_bytes(need: int, what: str, remedy: str) -> None:
+    """Raises HostMemoryError, "``what`` <need> GiB of host memory, the host has <free> GiB free; ``remedy``", unless
+    the host has ``need`` bytes free."""
+    free = available_host_bytes()
+    if need > free:
+        raise HostMemoryError(f"{what} {need / 2**30:.1f} GiB of host memory, the host has {free / 2**30:.1f} GiB "
+                              f"free; {remedy}")
+
+
 def require_host(layers: int, batch: int, kv_heads: int, tokens: int, head_dim: int, dtype: torch.dtype) -> None:
     """Raises HostMemoryError, naming the context and the memory it needs, unless the host has the memory free for the
     prompt KV of ``layers`` layers at context ``tokens``."""
-    need = batch * tokens * layers * 2 * kv_heads * head_dim * dtype.itemsize
-    free = available_host_bytes()
-    if need > free:
-        raise HostMemoryError(f"offload: the prompt KV of {layers} layers at context {tokens} (batch {batch}) needs "
-                         f"{need / 2**30:.1f} GiB of host memory, the host has {free / 2**30:.1f} GiB free; use "
-                         f"a shorter context or keep more layers on the device")
+    require_host_bytes(batch * tokens * layers * 2 * kv_heads * head_dim * dtype.itemsize,
+                       f"offload: the prompt KV of {layers} layers at context {tokens} (batch {batch}) needs",
+                       "use a shorter context or keep more layers on the device")
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from .. import parallel
 from ..cache import PagedLayer, storage_dtype
-from ..cache.host_store import HostMemoryError, available_host_bytes
+from ..cache.host_store import require_host_bytes
 from ..engine import CapturedStep, Engine, Sampling, _is_count, argmax, counter_noise, draw, prefill_passes
 from ..integrations import apply
 from ..integrations.decode import DecodeModel
@@ -112,12 +112,9 @@ class Runner:
                 f"prefill ({prefill_bytes / 2**30:.2f} GiB) fit the device's free {(free or 0) / 2**30:.2f} GiB",
                 (max_batch, max_context))
         # The pool's host store, and one prompt's own store while it is prefilled, must fit before any is taken.
-        host = (max_batch + 1) * self.method.pool_host_tokens(max_context) * self.token_bytes
-        free_host = available_host_bytes()
-        if host > free_host:
-            raise HostMemoryError(f"max_batch: the host store of {max_batch} rows and one prompt's own store need "
-                                  f"{host / 2**30:.1f} GiB of host memory, the host has {free_host / 2**30:.1f} GiB "
-                                  f"free; use a smaller max_batch or max_context")
+        require_host_bytes((max_batch + 1) * self.method.pool_host_tokens(max_context) * self.token_bytes,
+                           f"max_batch: the host store of {max_batch} rows and one prompt's own store need",
+                           "use a smaller max_batch or max_context")
         self.model, self.config, self.passes = model, self.method.config, passes
         self.vocab_size = model.config.vocab_size
         # About one chunk of the prompt through every layer per call of ``prefill``.

@@ -34,9 +34,10 @@ def rel_err(out: torch.Tensor, exact: torch.Tensor) -> float:
     return ((out.to(F64) - exact).norm() / exact.norm().clamp(min=1e-30)).item()
 
 
-def make_cache(batch, kv_heads, head_dim, page_size, lengths, dtype, spare=2, seed=0):
-    """A filled paged cache with pages scattered over the slots (as after evictions), free slots, garbage in the
-    unwritten rows, and exact key bounds. Returns k, v, kmin, kmax, slot_page, cur_slot, seq_len."""
+def make_cache(batch, kv_heads, head_dim, page_size, lengths, dtype, spare=2, seed=0, in_order=False):
+    """A filled paged cache with pages scattered over the slots (as after evictions; ``in_order``: slot j holds
+    page j), free slots, garbage in the unwritten rows, and exact key bounds. Returns k, v, kmin, kmax, slot_page,
+    cur_slot, seq_len."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     seq_len = torch.tensor(lengths, device=DEV)
     pages = (seq_len + page_size - 1) // page_size  # (B,)
@@ -45,6 +46,8 @@ def make_cache(batch, kv_heads, head_dim, page_size, lengths, dtype, spare=2, se
     k = torch.randn(shape, generator=g, device=DEV)
     v = torch.randn(shape, generator=g, device=DEV).to(dtype)
     perm = torch.rand(batch, kv_heads, cap, generator=g, device=DEV).argsort(-1)  # slot of page i = perm[..., i]
+    if in_order:
+        perm = torch.arange(cap, device=DEV).expand(batch, kv_heads, cap)
     rank = torch.arange(cap, device=DEV).expand(batch, kv_heads, cap)
     slot_page = torch.full((batch, kv_heads, cap + 1), -1, dtype=torch.long, device=DEV)
     slot_page.scatter_(2, perm, torch.where(rank < pages.view(-1, 1, 1), rank, -1))
@@ -110,6 +113,26 @@ def test_page_scores_and_decode(batch, heads, kv_heads, head_dim, page_size, len
         out = tops.sparse_decode(q, k, v, slot_page, slots, seq_len, scale, attended)
         assert rel_err(out, exact) <= 2 * torch_err
     assert torch.equal(attended, 5 + 2 * ref.count_attended(slot_page, slots, seq_len, page_size))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", SHAPES)
+def test_decode_in_order(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, dtype):
+    """Every slot of a layer without holes, read up to each row's length (rows in a layer of far more slots, as in
+    a serving pool), against float64 over the same slots; the reference refuses slots out of order or a layer with
+    holes."""
+    cap = max(-(-n // page_size) for n in lengths)
+    k, v, _, _, slot_page, _, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths, dtype,
+                                                   spare=cap + 3, in_order=True)
+    q = torch.randn(batch, heads, head_dim, device=DEV).to(dtype)
+    slots = torch.arange(slot_page.shape[2], device=DEV).expand_as(slot_page)
+    exact = ref.sparse_decode(*up(q, k, v), slot_page, slots, seq_len, 0.2)
+    torch_err = rel_err(ref.sparse_decode(q, k, v, slot_page, slots, seq_len, 0.2, in_order=True), exact)
+    assert rel_err(tops.sparse_decode(q, k, v, slot_page, slots, seq_len, 0.2, in_order=True), exact) <= 2 * torch_err
+    with pytest.raises(ValueError, match="in order"):
+        ref.sparse_decode(q, k, v, slot_page, slots.flip(-1), seq_len, 0.2, in_order=True)
+    with pytest.raises(ValueError, match="without holes"):
+        ref.sparse_decode(q, k, v, slot_page.roll(1, -1), slots, seq_len, 0.2, in_order=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -124,14 +124,32 @@ def check_attended(attended: torch.Tensor, slots: torch.Tensor) -> None:
                          f"row), got {tuple(attended.shape)} {attended.dtype}")
 
 
+def check_in_order(slot_page: torch.Tensor, slots: torch.Tensor) -> None:
+    """``sparse_decode``'s ``in_order`` promise: slots (B, Hkv, C) lists every slot in order, and slot j holds page
+    j or is free."""
+    c = slot_page.shape[2]
+    ids = torch.arange(c, device=slots.device)
+    if slots.shape != slot_page.shape or not torch.equal(slots, ids.expand_as(slots)):
+        raise ValueError(f"sparse_decode: in_order needs slots listing all {c} slots of every row in order, got "
+                         f"shape {tuple(slots.shape)}")
+    if bool(((slot_page >= 0) & (slot_page != ids)).any()):
+        raise ValueError("sparse_decode: in_order needs slot j to hold page j or be free (a layer without holes)")
+
+
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
-                  seq_len: torch.Tensor, scale: float, attended: torch.Tensor | None = None) -> torch.Tensor:
+                  seq_len: torch.Tensor, scale: float, attended: torch.Tensor | None = None,
+                  in_order: bool = False) -> torch.Tensor:
     """One decode step over the selected slots.
 
     q: (B, H, D); k, v: (B, Hkv, C, P, D); slot_page: (B, Hkv, C); slots: (B, Hs, K); seq_len: (B,) tokens per
     sequence including the current one; attended: None, or (B, Hs) int64 running totals to which each selection
-    row's attended tokens (``count_attended``) are added in place. Returns (B, H, D).
+    row's attended tokens (``count_attended``) are added in place. ``in_order``: the caller's promise that slots
+    lists every slot of every row in order and slot j holds page j or is free (``check_in_order``), so that a
+    kernel reads each row only up to its length (a pool's rows are sized for its longest request); the result is
+    the same. Returns (B, H, D).
     """
+    if in_order:
+        check_in_order(slot_page, slots)
     if attended is not None:
         check_attended(attended, slots)
         attended.add_(count_attended(slot_page, slots, seq_len, k.shape[3]))

@@ -228,5 +228,7 @@ def all_slots(layer: PagedLayer) -> torch.Tensor:
 
 def attend_all(q: torch.Tensor, layer: PagedLayer, seq_len: torch.Tensor, scale: float) -> torch.Tensor:
     """Dense attention (B, H, D) of a layer that holds the whole context (nothing evicted or offloaded); nothing
-    is tallied, the statistics counting the context instead."""
-    return kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, all_slots(layer), seq_len, scale)
+    is tallied, the statistics counting the context instead. Without holes (slot j holds page j) each row is read
+    up to its length only, not over every slot of the layer."""
+    return kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, all_slots(layer), seq_len, scale,
+                                 in_order=not layer.may_have_holes)

@@ -27,7 +27,7 @@ from .common import (LOG2E, TUNING, block_d, check, f16_products, fp8_launch, gr
 
 @triton.jit
 def _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_t, sv_t, d, d_ok,
-                 BLOCK_N: tl.constexpr, P: tl.constexpr, TOKENS: tl.constexpr):
+                 BLOCK_N: tl.constexpr, P: tl.constexpr, TOKENS: tl.constexpr, IN_ORDER: tl.constexpr):
     """Key and value tiles (BLOCK_N, BLOCK_D) of block blk of the row's tokens (nothing read past block last) and
     which tokens are attended."""
     j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -36,7 +36,10 @@ def _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_
         trow = tl.load(sel_base + j, mask=in_j, other=-1)
         ok = trow >= 0
     else:
-        slot = tl.load(sel_base + j // P, mask=in_j, other=-1)
+        if IN_ORDER:  # entry j // P is slot j // P: no selection to read
+            slot = tl.where(in_j, j // P, -1)
+        else:
+            slot = tl.load(sel_base + j // P, mask=in_j, other=-1)
         off = j % P
         page = tl.load(sp_base + slot, mask=slot >= 0, other=-1)
         ok = (slot >= 0) & (page >= 0) & (page * P + off <= q_pos)
@@ -53,7 +56,8 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
                             HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                             TOKENS: tl.constexpr, COUNT: tl.constexpr, PRECISION: tl.constexpr,
-                            UPCAST: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
+                            UPCAST: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
+                            IN_ORDER: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = (row // HS).to(tl.int64)
@@ -80,16 +84,18 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
     n_ok = tl.zeros((BLOCK_N,), tl.int32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n_tok, BLOCK_N))
+    if IN_ORDER:  # token j is position j: the blocks past the current token attend nothing
+        last = tl.minimum(last, tl.cdiv(q_pos + 1, BLOCK_N))
     if PREFETCH:  # block first's tiles; each iteration loads the next block's before its products
         kt, vt, ok = _block_tiles(first, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_t, sv_t, d,
-                                  d_ok, BLOCK_N, P, TOKENS)
+                                  d_ok, BLOCK_N, P, TOKENS, IN_ORDER)
     for blk in range(first, last):
         if PREFETCH:
             k_next, v_next, ok_next = _block_tiles(blk + 1, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos,
-                                                   sk_t, sv_t, d, d_ok, BLOCK_N, P, TOKENS)
+                                                   sk_t, sv_t, d, d_ok, BLOCK_N, P, TOKENS, IN_ORDER)
         else:
             kt, vt, ok = _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_t, sv_t, d,
-                                      d_ok, BLOCK_N, P, TOKENS)
+                                      d_ok, BLOCK_N, P, TOKENS, IN_ORDER)
         kt, vt = kt.to(q.dtype), vt.to(q.dtype)  # an fp8 cache is dequantized here; otherwise q's own dtype
         qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # (G_PAD, BLOCK_N)
         qk = tl.where(ok[None, :], qk, float("-inf"))
@@ -148,10 +154,11 @@ def _merge_kernel(part_ptr, stat_ptr, split_count_ptr, out_ptr, lse_ptr, count_p
             tl.store(count_at, tl.load(count_at) + n)
 
 
-def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None):
+def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_order=False):
     """Page mode (slot_page given): sparse_decode, output in q's dtype, each row's attended tokens added into
-    attended (B, Hs) int64 when given. Token mode (slot_page None): k, v are flat (B, Hkv, N, D) stores, sel lists
-    their rows; returns the fp32 output and its log-sum-exp."""
+    attended (B, Hs) int64 when given, each row read up to its length when ``in_order``. Token mode (slot_page
+    None): k, v are flat (B, Hkv, N, D) stores, sel lists their rows; returns the fp32 output and its
+    log-sum-exp."""
     tokens = slot_page is None
     name = "sparse_decode_tokens" if tokens else "sparse_decode"
     check(q, k, name)
@@ -204,7 +211,8 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None):
         sel.stride(0), 0 if hs == 1 else sel.stride(1),
         HS=rows_per_b, ROWS_PER_KV=rows_per_b // hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_N=block_n, P=p, TOKENS=tokens, COUNT=counting, PRECISION=precision(q.dtype),
-        UPCAST=interpreted_bf16(q.dtype), F16=f16_products(q, k), PREFETCH=fp8, num_warps=warps, num_stages=stages)
+        UPCAST=interpreted_bf16(q.dtype), F16=f16_products(q, k), PREFETCH=fp8, IN_ORDER=in_order, num_warps=warps,
+        num_stages=stages)
     fp32_out = tokens or interpreted_bf16(q.dtype)
     out = torch.empty(b, h, d, dtype=torch.float32 if fp32_out else q.dtype, device=q.device)
     lse = torch.empty(b, h, dtype=torch.float32, device=q.device) if tokens else out
@@ -217,10 +225,11 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None):
 
 
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
-                  seq_len: torch.Tensor, scale: float, attended: torch.Tensor | None = None) -> torch.Tensor:
+                  seq_len: torch.Tensor, scale: float, attended: torch.Tensor | None = None,
+                  in_order: bool = False) -> torch.Tensor:
     if q.dtype == torch.float64:
-        return reference.sparse_decode(q, k, v, slot_page, slots, seq_len, scale, attended)
-    return _split_attention(q, k, v, slot_page, slots, seq_len, scale, attended)
+        return reference.sparse_decode(q, k, v, slot_page, slots, seq_len, scale, attended, in_order)
+    return _split_attention(q, k, v, slot_page, slots, seq_len, scale, attended, in_order)
 
 
 def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor,

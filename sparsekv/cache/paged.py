@@ -250,13 +250,53 @@ class PagedLayer:
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, plan: AppendPlan) -> None:
         """Writes the new tokens (B, Hkv, S, D) into their pages and updates the page bounds. One token per sequence
-        (a decode step) takes the fused ``kernels.append_token`` (one Triton kernel on CUDA, slot choice included),
-        more take scatters."""
-        if k_new.shape[2] == 1 and not plan.prompt:
+        (a decode step) takes the fused ``kernels.append_token`` (one Triton kernel on CUDA, slot choice included);
+        more take slice copies when every token is real and slot j holds page j (a prefill chunk), else scatters."""
+        s = k_new.shape[2]
+        if s == 1 and not plan.prompt:
             kernels.append_token(self.k, self.v, self.kmin, self.kmax, self.slot_page, self.cur_slot,
                                  plan.position[:, 0], k_new[:, :, 0], v_new[:, :, 0], self.may_have_holes)
+        elif not self.may_have_holes and all(n - p == s for p, n in zip(plan.prev_len, plan.new_len)):
+            prev = set(plan.prev_len)
+            if len(prev) == 1:
+                self.copy_append(k_new, v_new, slice(None), prev.pop())
+            else:
+                for row, start in enumerate(plan.prev_len):
+                    self.copy_append(k_new[row:row + 1], v_new[row:row + 1], slice(row, row + 1), start)
         else:
             self.scatter_append(k_new, v_new, plan)
+
+    def copy_append(self, k_new: torch.Tensor, v_new: torch.Tensor, rows: slice, start: int) -> None:
+        """``scatter_append`` of real tokens only, (R, Hkv, S, D) at positions ``start .. start + S - 1`` of the
+        ``rows`` (R rows) of a layer whose slot j holds page j: the tokens fill a contiguous run of slots, so keys
+        and values are one slice copy each and the bounds of whole pages one reduction over a reshape. Leaves the
+        same pages, bounds, ``slot_page`` and ``cur_slot`` as ``scatter_append``, with a few launches, no atomics."""
+        p = self.page_size
+        r, h, s, d = k_new.shape
+        end = start + s
+        dtype = self.k.dtype
+        k_new, v_new = kernels.reference.to_cache(k_new, dtype), kernels.reference.to_cache(v_new, dtype)
+        raw(self.k)[rows].view(r, h, -1, d)[:, :, start:end] = raw(k_new)
+        raw(self.v)[rows].view(r, h, -1, d)[:, :, start:end] = raw(v_new)
+        first, last = start // p, (end - 1) // p
+        self.slot_page[rows, :, first:last + 1] = torch.arange(first, last + 1, device=self.k.device)
+        self.cur_slot[rows] = last
+        if p == 1:
+            return  # the bounds are views of the keys
+        # fp8 bounds are reduced in float32, which holds them exactly (torch has no fp8 reductions on the CPU).
+        wide = k_new.to(torch.float32 if dtype == kernels.reference.FP8 else dtype)
+        whole = -(-start // p)  # first page that starts in this pass
+        full = end // p  # pages [whole, full) are filled whole by this pass
+        for bound, reduce, merge in ((self._kmin, torch.amin, torch.minimum), (self._kmax, torch.amax, torch.maximum)):
+            rows_bound = bound[rows]
+            if start % p:  # the partial page the rows were filling: merged with its bound so far
+                head = reduce(wide[:, :, :min(whole * p, end) - start], dim=2)
+                rows_bound[:, :, first] = merge(rows_bound[:, :, first].to(wide.dtype), head)
+            if full > whole:
+                pages = wide[:, :, whole * p - start:full * p - start].reshape(r, h, full - whole, p, d)
+                rows_bound[:, :, whole:full] = reduce(pages, dim=3)
+            if end % p and full >= whole:  # a new page that this pass leaves partial
+                rows_bound[:, :, full] = reduce(wide[:, :, full * p - start:], dim=2)
 
     def scatter_append(self, k_new: torch.Tensor, v_new: torch.Tensor, plan: AppendPlan) -> None:
         """``append`` for any number of tokens per sequence, padding included, by scatters."""

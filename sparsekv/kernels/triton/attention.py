@@ -196,6 +196,10 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_
         block_n = 16  # full-precision fp32 products need registers: larger tiles spill (ptxas, sm_90)
     n_blocks = max(triton.cdiv(n_sel * p, block_n), 1)
     want = triton.cdiv(per_sm * num_sms(q.device), rows)
+    if in_order and TUNING["attn_in_order_tokens"]:
+        # Rows shorter than the layer's slots leave the programs of their tail idle: splits of a fixed size keep
+        # the busy programs in proportion to the tokens there are.
+        want = max(want, triton.cdiv(n_sel * p, TUNING["attn_in_order_tokens"]))
     splits = max(1, min(want, n_blocks, max_splits))
     per_split = triton.cdiv(n_blocks, splits)
     splits = triton.cdiv(n_blocks, per_split)

@@ -21,7 +21,10 @@ from triton import knobs
 # batch 1). Rows of at least attn_long_tokens tokens (dense layers) take the attn_long_* values: on the H200 at
 # Llama-3-8B batch 1, 45.5 / 139.1 us at 32K / 128K (block 64, 2 stages, 4 programs per SM, up to 128 splits, 4
 # warps; the best of 108 launches swept) against 49.1 / 152.0 with the attn_few_* ones; SDPA 40.1 / 129.8, floor
-# 31.6 / 126.3.
+# 31.6 / 126.3. A layer read in order (``sparse_decode(in_order=True)``: dense layers) also takes at least one split
+# per attn_in_order_tokens slots' tokens, so that rows shorter than the layer's slots (a serving pool's rows, sized
+# for its longest request) leave no programs idle: on the H200, 6 rows of 38K-100K tokens in 131K-token rows 625 ->
+# 487 us per layer (floor 455), 16 rows of 32K 666 -> 517, 4 of 128K 705 -> 513 (floor 505), 1 of 128K unchanged.
 # select_warps / select_digit_bits: warps and digit width of the radix select (one program per row); rows of more
 # than select_one_program slots are first cut down, unless more than select_max_k pages are selected: with at
 # least select_group_rows rows, through groups of select_group_scale * sqrt(slots / k) slots (maxima by programs
@@ -69,6 +72,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8,
           "attn_max_splits": 64, "attn_long_tokens": 16384, "attn_long_block_n": 64, "attn_long_stages": 2,
           "attn_long_programs_per_sm": 4, "attn_long_max_splits": 128, "attn_long_warps": 4,
+          "attn_in_order_tokens": 2048,
           "window_block_n": 64, "window_tile": 8192, "window_rows": 128, "window_warps": 4, "window_stages": 2,
           "window_programs_per_sm": 4,
           "raas_block": 1024, "raas_warps": 4, "raas_cand": 16,

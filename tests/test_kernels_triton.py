@@ -361,19 +361,26 @@ QUEST_SELECT_VARIANTS = {  # TUNING overrides: each path of quest_select on the 
        pytest.param(1, 32, 8, 128, 16, [524288], 128, False, id="gpu-512k-8-rows"),
        pytest.param(1, 32, 32, 128, 16, [524288 - 77], 128, False, id="gpu-512k-mha-16k-programs")] if ON_GPU else []),
 ])
-def test_quest_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, variant, monkeypatch):
+@pytest.mark.parametrize("in_order", [False, True], ids=["", "in-order"])
+def test_quest_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, variant, in_order,
+                      monkeypatch):
     """The fused op selects exactly what ``select_pages`` selects from ``page_scores`` (the group maxima written by
-    the page-score kernel included), on every path."""
+    the page-score kernel included), on every path; ``in_order``: slot j holds page j in a layer of more slots than
+    the rows use (a serving pool), whose bounds past each row's current slot are not read."""
     for key, value in QUEST_SELECT_VARIANTS[variant].items():
         monkeypatch.setitem(tops.TUNING, key, value)
+    spare = max(-(-n // page_size) for n in lengths) // 2 if in_order else 2
     k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
-                                                                torch.bfloat16)
+                                                                torch.bfloat16, spare=spare, in_order=in_order)
     del k, v
     q = torch.randn(batch, heads, head_dim, device=DEV).to(torch.bfloat16)
-    got = tops.quest_select(q, kmin, kmax, slot_page, cur_slot, n_pages, per_head)
+    got = tops.quest_select(q, kmin, kmax, slot_page, cur_slot, n_pages, per_head, in_order)
     scores = tops.page_scores(q, kmin, kmax, slot_page, per_head)
-    assert got.shape == ref.quest_select(q, kmin, kmax, slot_page, cur_slot, n_pages, per_head).shape
+    assert got.shape == ref.quest_select(q, kmin, kmax, slot_page, cur_slot, n_pages, per_head, in_order).shape
     assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, n_pages))
+    if in_order:
+        with pytest.raises(ValueError, match="without holes"):
+            ref.quest_select(q, kmin, kmax, slot_page.roll(1, -1), cur_slot, n_pages, per_head, True)
 
 
 def test_select_pages_long_rows_use_torch_topk(monkeypatch):

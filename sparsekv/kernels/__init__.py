@@ -109,7 +109,7 @@ def _select_pages_fake(scores, cur_slot, num_pages):
     return scores.new_empty(b, hs, min(num_pages, c), dtype=torch.long)
 
 
-def _quest_select_fake(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_head=False):
+def _quest_select_fake(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_head=False, in_order=False):
     return _select_pages_fake(_page_scores_fake(q, kmin, kmax, slot_page, per_query_head), cur_slot, num_pages)
 
 

@@ -71,9 +71,14 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
 
 
 def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
-                 cur_slot: torch.Tensor, num_pages: int, per_query_head: bool = False) -> torch.Tensor:
+                 cur_slot: torch.Tensor, num_pages: int, per_query_head: bool = False,
+                 in_order: bool = False) -> torch.Tensor:
     """Quest's page choice in one op: ``select_pages(page_scores(...), cur_slot, num_pages)`` (shapes there), so
-    that a fused kernel may score and start the selection in one pass. Returns (B, Hs, min(num_pages, C)) int64."""
+    that a fused kernel may score and start the selection in one pass. ``in_order``: the caller's promise that
+    slot j holds page j or is free (``check_in_order``), so that a kernel reads the bounds of each row's slots up
+    to its current one only; the result is the same. Returns (B, Hs, min(num_pages, C)) int64."""
+    if in_order:
+        check_in_order("quest_select", slot_page)
     return select_pages(page_scores(q, kmin, kmax, slot_page, per_query_head), cur_slot, num_pages)
 
 
@@ -124,16 +129,16 @@ def check_attended(attended: torch.Tensor, slots: torch.Tensor) -> None:
                          f"row), got {tuple(attended.shape)} {attended.dtype}")
 
 
-def check_in_order(slot_page: torch.Tensor, slots: torch.Tensor) -> None:
-    """``sparse_decode``'s ``in_order`` promise: slots (B, Hkv, C) lists every slot in order, and slot j holds page
-    j or is free."""
+def check_in_order(name: str, slot_page: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+    """The ``in_order`` promise of op ``name``: slot j holds page j or is free (a layer without holes, so that a
+    row's pages are its first slots), and slots (B, Hkv, C), when given, lists every slot in order."""
     c = slot_page.shape[2]
-    ids = torch.arange(c, device=slots.device)
-    if slots.shape != slot_page.shape or not torch.equal(slots, ids.expand_as(slots)):
-        raise ValueError(f"sparse_decode: in_order needs slots listing all {c} slots of every row in order, got "
-                         f"shape {tuple(slots.shape)}")
+    ids = torch.arange(c, device=slot_page.device)
+    if slots is not None and (slots.shape != slot_page.shape or not torch.equal(slots, ids.expand_as(slots))):
+        raise ValueError(f"{name}: in_order needs slots listing all {c} slots of every row in order, got shape "
+                         f"{tuple(slots.shape)}")
     if bool(((slot_page >= 0) & (slot_page != ids)).any()):
-        raise ValueError("sparse_decode: in_order needs slot j to hold page j or be free (a layer without holes)")
+        raise ValueError(f"{name}: in_order needs slot j to hold page j or be free (a layer without holes)")
 
 
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
@@ -149,7 +154,7 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: 
     the same. Returns (B, H, D).
     """
     if in_order:
-        check_in_order(slot_page, slots)
+        check_in_order("sparse_decode", slot_page, slots)
     if attended is not None:
         check_attended(attended, slots)
         attended.add_(count_attended(slot_page, slots, seq_len, k.shape[3]))

@@ -59,7 +59,8 @@ class Quest(Method):
         if layer_idx < self.config.dense_layers:
             return all_slots(layer)
         return kernels.quest_select(q, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot,
-                                    self.config.token_budget // self.config.page_size, self.config.per_query_head)
+                                    self.config.token_budget // self.config.page_size, self.config.per_query_head,
+                                    in_order=not layer.may_have_holes)
 
     def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         if layer_idx < self.config.dense_layers:

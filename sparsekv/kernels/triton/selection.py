@@ -35,16 +35,21 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
                         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
                         PER_HEAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr,
-                        F16: tl.constexpr):
+                        F16: tl.constexpr, IN_ORDER: tl.constexpr):
     """Scores of BLOCK_C slots per chunk; with GS > 0 also the maxima of the score keys (``_key_of``) of each group
-    of GS consecutive slots, per selection row, for the group filter of the top-k (rows of n_groups int32)."""
+    of GS consecutive slots, per selection row, for the group filter of the top-k (rows of n_groups int32). With
+    IN_ORDER (slot j holds page j or is free) the bounds past the row's current slot are not read."""
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     kvh = row % HKV
     g = tl.arange(0, G_PAD)
     head = kvh * G + g
-    if GS > 0:
+    if GS > 0 or IN_ORDER:
         cur = tl.maximum(tl.load(cur_ptr + b * cu_b + kvh * cu_h), 0)
+    if IN_ORDER:  # a row without holes holds no page after its current slot
+        live = cur + 1
+    else:
+        live = n_slots
     for i in range(CHUNKS):  # a loop, so that the loads of the next chunk overlap this one's products
         c0 = (tl.program_id(1) * CHUNKS + i) * BLOCK_C
         c = c0 + tl.arange(0, BLOCK_C)
@@ -66,7 +71,7 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
             # Bounds are loaded without waiting for the page table; free slots' +-inf bounds give NaN/inf in their
             # own columns only, which the mask below replaces.
             m_off = b * sm_b + kvh * sm_h + c[:, None].to(tl.int64) * sm_c + d[None, :]
-            m_mask = in_c[:, None] & (d[None, :] < D)
+            m_mask = (in_c & (c < live))[:, None] & (d[None, :] < D)
             kmax = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0)
             kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
             kmax, kmin = kmax.to(q.dtype), kmin.to(q.dtype)  # an fp8 cache's bounds are dequantized here
@@ -361,8 +366,9 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
     return _page_scores(q, kmin, kmax, slot_page, per_query_head)[0]
 
 
-def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0):
-    """Scores (B, Hs, C) fp32 and, with gs > 0, the group maxima of their keys (B * Hs, cdiv(C, gs)) int32."""
+def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, in_order=False):
+    """Scores (B, Hs, C) fp32 and, with gs > 0, the group maxima of their keys (B * Hs, cdiv(C, gs)) int32; with
+    ``in_order`` (cur_slot given) only the bounds up to each row's current slot are read."""
     check(q, kmin, "page_scores")
     b, h, d = q.shape
     hkv, c = kmin.shape[1], kmin.shape[2]
@@ -372,7 +378,7 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0):
     out = torch.empty(b, h if per_query_head else hkv, c, dtype=torch.float32, device=q.device)
     n_groups = triton.cdiv(c, gs) if gs else 0
     gmax = torch.empty(b * out.shape[1], n_groups, dtype=torch.int32, device=q.device) if gs else out
-    cur = cur_slot if gs else slot_page
+    cur = cur_slot if gs or in_order else slot_page
     block_c = max(fp8_launch("page_block", kmin.dtype == torch.float8_e4m3fn), gs)  # groups within one block
     chunks = TUNING["page_chunks"]
     _page_scores_kernel[(b * hkv, triton.cdiv(c, block_c * chunks))](
@@ -382,7 +388,8 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0):
         HKV=hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_K=min(block_d(d), TUNING["page_block_k"]), BLOCK_C=block_c, CHUNKS=chunks,
         PER_HEAD=per_query_head, PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), GS=gs,
-        F16=f16_products(q, kmin), num_warps=TUNING["page_warps"], num_stages=TUNING["page_stages"])
+        F16=f16_products(q, kmin), IN_ORDER=in_order, num_warps=TUNING["page_warps"],
+        num_stages=TUNING["page_stages"])
     return out, gmax
 
 
@@ -421,19 +428,21 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
 
 
 def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
-                 cur_slot: torch.Tensor, num_pages: int, per_query_head: bool = False) -> torch.Tensor:
+                 cur_slot: torch.Tensor, num_pages: int, per_query_head: bool = False,
+                 in_order: bool = False) -> torch.Tensor:
     """``select_pages(page_scores(...))``; when the selection takes the group filter, the page-score kernel also
     writes the group maxima, so the filter needs no pass of its own over the scores."""
     if q.dtype == torch.float64:
-        return reference.quest_select(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_head)
+        return reference.quest_select(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_head, in_order)
     reference.check_num_pages(num_pages)  # before the groups are sized from it
     b, h, _ = q.shape
     hkv, c = kmin.shape[1], kmin.shape[2]
     gs = _group_filter(b * (h if per_query_head else hkv), c, num_pages, TUNING["select_fused_rows"],
                        TUNING["select_fused_scale"])
     if not gs:
-        return select_pages(page_scores(q, kmin, kmax, slot_page, per_query_head), cur_slot, num_pages)
-    scores, gmax = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, gs)
+        scores = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, 0, in_order)[0]
+        return select_pages(scores, cur_slot, num_pages)
+    scores, gmax = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, gs, in_order)
     k = min(num_pages, c)
     out = torch.empty(b, scores.shape[1], k, dtype=torch.long, device=q.device)
     _select_by_groups(scores, cur_slot, out, k, _padded_k(k), gs, gmax)

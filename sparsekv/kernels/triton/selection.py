@@ -30,6 +30,38 @@ from .common import (TUNING, block_d, check, f16_products, fp8_launch, group_pad
 
 
 @triton.jit
+def _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, load, sq_b, sq_h, sm_b, sm_h, sm_c,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_C: tl.constexpr, G_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                  F16: tl.constexpr):
+    """The bounds (G_PAD, BLOCK_C) fp32 of the group's query heads over slots c, whose bounds are read where
+    ``load`` (0 elsewhere)."""
+    s = tl.zeros((G_PAD, BLOCK_C), tl.float32)
+    # Head-dim slices of BLOCK_K: a pipelined loop whose loads go to shared memory (num_stages), so that the
+    # tile need not be held in registers.
+    for d0 in range(0, BLOCK_D, BLOCK_K):
+        d = d0 + tl.arange(0, BLOCK_K)
+        q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :],
+                    mask=(g[:, None] < G) & (d[None, :] < D), other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        q = product_query(q, F16)
+        zero = tl.zeros_like(q)
+        q_plus = tl.maximum(q, zero).to(q.dtype)  # triton may compute bf16 max in fp32
+        q_minus = tl.minimum(q, zero).to(q.dtype)
+        # Bounds are loaded without waiting for the page table; free slots' +-inf bounds give NaN/inf in their
+        # own columns only, which the caller masks.
+        m_off = b * sm_b + kvh * sm_h + c[:, None].to(tl.int64) * sm_c + d[None, :]
+        m_mask = load[:, None] & (d[None, :] < D)
+        kmax = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0)
+        kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
+        kmax, kmin = kmax.to(q.dtype), kmin.to(q.dtype)  # an fp8 cache's bounds are dequantized here
+        s += tl.dot(q_plus, tl.trans(kmax), input_precision=PRECISION)
+        s += tl.dot(q_minus, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
+    return s
+
+
+@triton.jit
 def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gmax_ptr, n_slots, n_groups,
                         sq_b, sq_h, sm_b, sm_h, sm_c, ss_b, ss_h, so_b, so_h, cu_b, cu_h,
                         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
@@ -55,28 +87,14 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
         c = c0 + tl.arange(0, BLOCK_C)
         in_c = c < n_slots
         page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
-        s = tl.zeros((G_PAD, BLOCK_C), tl.float32)
-        # Head-dim slices of BLOCK_K: a pipelined loop whose loads go to shared memory (num_stages), so that the
-        # tile need not be held in registers.
-        for d0 in range(0, BLOCK_D, BLOCK_K):
-            d = d0 + tl.arange(0, BLOCK_K)
-            q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :],
-                        mask=(g[:, None] < G) & (d[None, :] < D), other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-            q = product_query(q, F16)
-            zero = tl.zeros_like(q)
-            q_plus = tl.maximum(q, zero).to(q.dtype)  # triton may compute bf16 max in fp32
-            q_minus = tl.minimum(q, zero).to(q.dtype)
-            # Bounds are loaded without waiting for the page table; free slots' +-inf bounds give NaN/inf in their
-            # own columns only, which the mask below replaces.
-            m_off = b * sm_b + kvh * sm_h + c[:, None].to(tl.int64) * sm_c + d[None, :]
-            m_mask = (in_c & (c < live))[:, None] & (d[None, :] < D)
-            kmax = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0)
-            kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
-            kmax, kmin = kmax.to(q.dtype), kmin.to(q.dtype)  # an fp8 cache's bounds are dequantized here
-            s += tl.dot(q_plus, tl.trans(kmax), input_precision=PRECISION)
-            s += tl.dot(q_minus, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
+        if IN_ORDER:  # a chunk past the row's current slot scores -inf without its bounds being read
+            s = tl.zeros((G_PAD, BLOCK_C), tl.float32)
+            if c0 < live:
+                s = _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, in_c & (c < live), sq_b, sq_h,
+                                  sm_b, sm_h, sm_c, G, D, BLOCK_D, BLOCK_K, BLOCK_C, G_PAD, PRECISION, UPCAST, F16)
+        else:
+            s = _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, in_c, sq_b, sq_h, sm_b, sm_h, sm_c, G,
+                              D, BLOCK_D, BLOCK_K, BLOCK_C, G_PAD, PRECISION, UPCAST, F16)
         s = tl.where((page >= 0)[None, :], s, float("-inf"))
         if PER_HEAD:
             tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], s,

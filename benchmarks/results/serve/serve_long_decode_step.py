@@ -6,7 +6,6 @@ counts MARKS; the floor is (weights + the KV a step reads) / the copy bandwidth 
     PYTHONPATH=$PWD python benchmarks/results/serve/serve_long_decode_step.py METHOD ROWS OUT.json [MARKS]
 """
 import json
-import statistics
 import sys
 
 import torch
@@ -39,15 +38,8 @@ for mark in marks:
     while done < mark:
         runner.decode()
         done += 1
-    times = []
-    for _ in range(30):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        runner.decode()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-        done += 1
+    step_ms = Timer(dev, reps=30, warmup=0).eager(runner.decode)
+    done += 30
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
@@ -59,10 +51,10 @@ for mark in marks:
     read = min(tokens, 2048)
     kv = rows * read * 32 * 8 * 128 * 2 * 2
     floor = (weights + kv) / bw * 1e3
-    print(f"== {method} rows {rows} tokens/row {tokens} (held {held}) step {statistics.median(times):.2f} ms, "
-          f"floor {floor:.2f} ms (weights + {kv / 2**30:.2f} GiB KV read), x{statistics.median(times) / floor:.2f}",
+    print(f"== {method} rows {rows} tokens/row {tokens} (held {held}) step {step_ms:.2f} ms, "
+          f"floor {floor:.2f} ms (weights + {kv / 2**30:.2f} GiB KV read), x{step_ms / floor:.2f}",
           flush=True)
     table = kernel_table(prof, 5, show=25)
-    res["points"].append({"tokens": tokens, "step_ms": statistics.median(times), "floor_ms": floor,
+    res["points"].append({"tokens": tokens, "step_ms": step_ms, "floor_ms": floor,
                           "kernels": table})
 json.dump(res, open(out, "w"), indent=1, default=str)

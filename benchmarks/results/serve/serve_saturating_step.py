@@ -68,21 +68,12 @@ for method in methods:
     print("  prefill call kernels:")
     m["prefill_kernels"] = kernel_table(prof, 1, show=15)
     runner.discard(job)
-    for _ in range(5):
-        runner.decode()
-    times = []
-    for _ in range(30):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        runner.decode()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
+    step_ms = Timer(dev, reps=30, warmup=5).eager(runner.decode)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             runner.decode()
         torch.cuda.synchronize()
-    m["step_ms"] = statistics.median(times)
+    m["step_ms"] = step_ms
     print(f"  decode step over {rows} rows: {m['step_ms']:.2f} ms", flush=True)
     m["step_kernels"] = kernel_table(prof, 5, show=25)
     res["methods"][method] = m

@@ -279,7 +279,7 @@ class PagedLayer:
         raw(self.k)[rows].view(r, h, -1, d)[:, :, start:end] = raw(k_new)
         raw(self.v)[rows].view(r, h, -1, d)[:, :, start:end] = raw(v_new)
         first, last = start // p, (end - 1) // p
-        self.slot_page[rows, :, first:last + 1] = torch.arange(first, last + 1, device=self.k.device)
+        self.slot_page[rows, :, first:last + 1] = self.slot_ids[first:last + 1]
         self.cur_slot[rows] = last
         if p == 1:
             return  # the bounds are views of the keys

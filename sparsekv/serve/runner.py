@@ -107,8 +107,9 @@ class Runner:
         self.method = choices[-1] if free is None else next(
             (m for m in choices if pool_bytes(m) + prefill_bytes + DEVICE_MARGIN * (m is not choices[-1]) <= free),
             choices[-1])
-        require(free is None or pool_bytes(self.method) + prefill_bytes <= free, POOL_FIELD,
-                f"small enough that the pool of rows ({pool_bytes(self.method) / 2**30:.2f} GiB) and one prompt's "
+        need = pool_bytes(self.method)
+        require(free is None or need + prefill_bytes <= free, POOL_FIELD,
+                f"small enough that the pool of rows ({need / 2**30:.2f} GiB) and one prompt's "
                 f"prefill ({prefill_bytes / 2**30:.2f} GiB) fit the device's free {(free or 0) / 2**30:.2f} GiB",
                 (max_batch, max_context))
         # The pool's host store, and one prompt's own store while it is prefilled, must fit before any is taken.

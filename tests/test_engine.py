@@ -32,8 +32,8 @@ CONFIGS = {
     "oracle-tokens": OracleConfig(token_budget=48, page_size=8, dense_layers=0, granularity="token",
                                   per_query_head=True),
     "lowbit": LowBitConfig(token_budget=64, page_size=16, dense_layers=1),
-    "lowbit-1bit-per-query-head": LowBitConfig(token_budget=48, page_size=8, dense_layers=0, bits=1,
-                                               per_query_head=True),
+    "lowbit-1bit-per-query-head-reuse2": LowBitConfig(token_budget=48, page_size=8, dense_layers=0, bits=1,
+                                                      per_query_head=True, reuse=2),
 }
 
 

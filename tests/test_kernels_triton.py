@@ -580,6 +580,43 @@ def test_coded_scores(batch, heads, kv_heads, head_dim, page_size, lengths, n_pa
     assert rel_err(scores[fin], exact[fin]) <= 2 * torch_err + (1e-2 if dtype != torch.float32 else 1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # pages without tokens
+@pytest.mark.parametrize("reuse", [1, 4])
+@pytest.mark.parametrize("variant", ["default", "segments", "groups"])
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", [
+    pytest.param(3, 8, 2, 64, 4, [300, 170, 99], 8, False, id="gqa4"),
+    pytest.param(3, 4, 4, 32, 4, [301, 5, 260], 5, True, id="per-query-head"),
+    pytest.param(2, 8, 1, 64, 16, [40, 9], 1, False, id="one-page"),
+])
+def test_lowbit_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, variant, reuse,
+                       monkeypatch):
+    """The rows due (``reference.due_rows``: position a multiple of reuse, or the row's first decode position) get
+    the selection of the coded scores written into ``chosen``; the others keep what it held, bit for bit, on each
+    path of the selection."""
+    for key, value in SELECT_VARIANTS[variant].items():
+        monkeypatch.setitem(tops.TUNING, key, value)
+    k, _, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
+                                                                torch.float32)
+    codes = ref.key_codes(k, kmin, kmax, 2)
+    q = torch.randn(batch, heads, head_dim, device=DEV)
+    scale = head_dim ** -0.5
+    first = seq_len - 2  # no row's first step ...
+    first[0] = seq_len[0] - 1  # ... but the first row's
+    hs = heads if per_head else kv_heads
+    width = min(n_pages, slot_page.shape[2])
+    before = torch.randint(-1, slot_page.shape[2], (batch, hs, width), device=DEV)
+    chosen = before.clone()
+    tops.lowbit_select(q, kmin, kmax, codes, slot_page, cur_slot, seq_len, first, chosen, scale, 2, n_pages, reuse,
+                       per_head)
+    due = ref.due_rows(seq_len, first, reuse)
+    assert due.tolist() == ([True] * batch if reuse == 1 else [True] + [(n - 1) % reuse == 0 for n in lengths[1:]])
+    scores = tops.coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, 2, per_head)
+    want = stable_selection(scores, cur_slot, n_pages)
+    for row in range(batch):
+        got = chosen[row].sort(-1).values if due[row] else chosen[row]
+        assert torch.equal(got, want[row] if due[row] else before[row]), row
+
+
 FP8_SHAPES = [*SHAPES, pytest.param(16, 8, 1, 32, 4, [1 + 3 * i for i in range(16)], 2, False, id="b16-gqa8")]
 
 

@@ -92,12 +92,56 @@ def test_method_codes_every_page_it_holds_through_decoding():
         assert calls[0].shape == (b, hkv, 2) and (calls[0] == layer.cur_slot.unsqueeze(-1)).any(-1).all()
 
 
+@pytest.mark.parametrize("reuse", [2, 4])
+def test_reuse_keeps_each_rows_choice_between_its_choosing_steps(reuse):
+    """With ``reuse``, a row chooses as every step would (the top pages of that step's coded scores) at its first
+    decode step and at positions that are multiples of reuse, attends the same slots in between, and never a choice
+    without its current page; rows of different prompt lengths keep their own phases."""
+    torch.manual_seed(3)
+    b, hkv, h, d, n, lengths = 2, 2, 4, 8, 40, [11, 6]
+    keys, values = torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
+    s = max(lengths)
+    valid = torch.arange(s).unsqueeze(0) >= (s - torch.tensor(lengths)).unsqueeze(1)
+    pages = PagedKVCache(1, 4)
+    pages.begin(s, valid, b, torch.device("cpu"))
+    layer = pages.append(0, keys[:, :, :s], values[:, :, :s])
+    method = LowBitConfig(token_budget=8, page_size=4, dense_layers=0, reuse=reuse).build(1)
+    method.prefill(0, torch.randn(b, h, s, d), layer, pages.plan, d ** -0.5)
+    previous, kinds = None, set()
+    for t in range(s, n):
+        pages.begin(1, None, b, torch.device("cpu"))
+        layer = pages.append(0, keys[:, :, t:t + 1], values[:, :, t:t + 1])
+        calls = {}
+        with kernels.observe(lambda name, a, r: calls.setdefault(name, dict(a))):
+            method.decode(0, torch.randn(b, h, d), layer, pages.seq_len, d ** -0.5, Tally(b, keys.device))
+        a = calls["lowbit_select"]
+        chosen = a["chosen"]
+        assert calls["sparse_decode"]["slots"] is chosen
+        fresh = ref.select_pages(ref.coded_scores(a["q"], a["kmin"], a["kmax"], a["codes"], a["slot_page"],
+                                                  a["seq_len"], a["scale"], 2), a["cur_slot"], 2)
+        for row in range(b):
+            pos = int(pages.seq_len[row]) - 1
+            due = pos % reuse == 0 or pos == lengths[row]
+            kinds.add(due)
+            if due:
+                assert torch.equal(chosen[row].sort(-1).values, fresh[row].sort(-1).values), (t, row)
+            else:
+                assert torch.equal(chosen[row], previous[row]), (t, row)
+            assert (chosen[row] == layer.cur_slot[row].unsqueeze(-1)).any(-1).all(), (t, row)
+        previous = chosen.clone()
+    assert kinds == {True, False}
+
+
 def test_lowbit_config_registry_and_bytes():
     assert METHODS["lowbit"] is LowBitConfig
     config = sparsekv.build_config("lowbit:bits=1", 64)
     assert config.bits == 1 and config.token_budget == 64
     with pytest.raises(ConfigError, match="bits"):
         LowBitConfig(bits=3)
+    assert sparsekv.build_config("lowbit:reuse=4", 64).reuse == 4
+    for reuse in (0, 3, 32):  # a power of two dividing the page size (16)
+        with pytest.raises(ConfigError, match="reuse"):
+            LowBitConfig(reuse=reuse)
     # Llama-3-8B's head dim in bf16: Quest reads 512 bytes per page, 2-bit codes of 16 tokens 512 more.
     assert LowBitConfig(bits=2).metadata_bytes(128, 2) == 1024 and LowBitConfig(bits=1).metadata_bytes(128, 2) == 768
 

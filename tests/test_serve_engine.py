@@ -28,6 +28,7 @@ CONFIGS = {
     "tova": TOVAConfig(token_budget=40),
     "snapkv": SnapKVConfig(token_budget=40, window=8),
     "lowbit": LowBitConfig(token_budget=32, page_size=8, dense_layers=1),
+    "lowbit-reuse4": LowBitConfig(token_budget=32, page_size=8, dense_layers=1, reuse=4),
     "oracle": OracleConfig(token_budget=32, page_size=8, dense_layers=1),
 }
 CONTEXT = 160

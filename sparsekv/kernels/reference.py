@@ -428,3 +428,32 @@ def coded_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes:
     ``page_mass(coded_page_lse(...))`` (shapes there). Returns (B, Hs, C), -inf for free slots."""
     return page_mass(coded_page_lse(q, kmin, kmax, codes, slot_page, seq_len, scale, bits), kmin.shape[1],
                      per_query_head)
+
+
+def check_reuse(reuse: int) -> None:
+    if reuse < 1 or reuse & (reuse - 1):
+        raise ValueError(f"reuse must be a power of two >= 1, got {reuse}")
+
+
+def due_rows(seq_len: torch.Tensor, first: torch.Tensor, reuse: int) -> torch.Tensor:
+    """(B,) bool: the rows whose step chooses pages anew when a choice serves ``reuse`` decode steps: those whose
+    current position (seq_len - 1) is a multiple of reuse or is their first decode position ``first`` (B,)."""
+    pos = seq_len - 1
+    return (pos % reuse == 0) | (pos == first)
+
+
+def lowbit_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
+                  slot_page: torch.Tensor, cur_slot: torch.Tensor, seq_len: torch.Tensor, first: torch.Tensor,
+                  chosen: torch.Tensor, scale: float, bits: int, num_pages: int, reuse: int = 1,
+                  per_query_head: bool = False) -> None:
+    """lowbit's page choice in one op: ``select_pages(coded_scores(...), cur_slot, num_pages)`` (shapes there)
+    written into ``chosen`` (B, Hs, min(num_pages, C)) int64 for the rows ``due_rows(seq_len, first, reuse)``;
+    the other rows keep the pages they chose last, so that a kernel skips their scores and selection. A choice
+    then serves ``reuse`` steps; with reuse dividing the page size no step outlives the current page it chose."""
+    check_reuse(reuse)
+    new = select_pages(coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head),
+                       cur_slot, num_pages)
+    if chosen.shape != new.shape:
+        raise ValueError(f"chosen must have shape {tuple(new.shape)} (B, Hs, min(num_pages, C)), got "
+                         f"{tuple(chosen.shape)}")
+    chosen.copy_(torch.where(due_rows(seq_len, first, reuse).view(-1, 1, 1), new, chosen))

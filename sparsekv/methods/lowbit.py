@@ -19,6 +19,12 @@ cache that is twice Quest's (4 * D + 4 * D bytes), at 1 bit 1.5 times. The codes
 tokens arrive: all pages after the prompt, then the current page at every decode step (its range may still widen;
 once the page is full its codes are final). A pass of several tokens after the prompt is refused, so that no page
 is left without codes.
+
+``reuse`` > 1 lets a choice serve several decode steps, as LServe's reusable page selector does: a row chooses its
+pages at its first decode step and at every position that is a multiple of ``reuse``, and attends the pages it
+chose in between (the current page among them: ``reuse`` divides the page size, so a new page always starts a new
+choice). The scoring and selection kernels skip the rows that keep their choice, so a step costs a ``1 / reuse``
+share of the estimate on average; the codes are still written at every step.
 """
 
 from __future__ import annotations
@@ -43,13 +49,18 @@ def codes_entry(bits: int) -> str:
 @dataclass(frozen=True, kw_only=True)
 class LowBitConfig(QuestConfig):
     """Quest's fields (token_budget, page_size, dense_layers, per_query_head) with the same meaning; bits: bits per
-    key channel of the codes (1, 2 or 4)."""
+    key channel of the codes (1, 2 or 4); reuse: decode steps a choice of pages serves, a power of two dividing
+    page_size (1: every step chooses, the default)."""
 
     bits: int = 2
+    reuse: int = 1
 
     def __post_init__(self):
         super().__post_init__()
         require(self.bits in (1, 2, 4), "bits", "1, 2 or 4", self.bits)
+        require(isinstance(self.reuse, int) and 1 <= self.reuse <= self.page_size
+                and self.page_size % self.reuse == 0, "reuse",
+                f"a power of two from 1 to page_size ({self.page_size})", self.reuse)
 
     def metadata_bytes(self, head_dim: int, itemsize: int) -> int:
         """Bytes of selection metadata a step reads per page and KV head: the min/max and the codes."""
@@ -75,31 +86,84 @@ page_codes = kernels.fused(_page_codes, dynamic=False)
 
 
 class LowBit(Method):
+    """State beyond the cache: ``first`` (B,) int64, each row's first decode position, and ``chosen``, per layer the
+    pages each row attends, (B, Hs, min(budget pages, C + 1)) int64 slots (-1: none), kept from the step that chose
+    them (``kernels.lowbit_select``). The method of a pool's first rows (``rows``) uses views of the pool's."""
+
     config: LowBitConfig
     accepts_chunks = False  # a multi-token pass after the prompt would complete pages without codes
+
+    def __init__(self, config: LowBitConfig, num_layers: int):
+        super().__init__(config, num_layers)
+        self.first: torch.Tensor | None = None
+        self.chosen: list[torch.Tensor | None] = [None] * num_layers
+        self.owner = self  # the method that holds ``chosen`` for all rows
 
     def prefill(self, layer_idx, q, layer, plan, scale):
         if layer_idx >= self.config.dense_layers:
             bits = self.config.bits
             reference.check_code_bits(bits, layer.k.shape[-1])
             layer.slot_state[codes_entry(bits)] = reference.key_codes(layer.k, layer.kmin, layer.kmax, bits)
+        if layer_idx == 0:
+            self.first = torch.tensor(plan.new_len, device=layer.k.device)
+            self.chosen = [None] * self.num_layers
 
-    def page_scores(self, layer_idx, q, layer, seq_len, scale):
-        """Each page's estimated log share of the attention, (B, Hs, C + 1), -inf for free slots, after coding
-        the current page's keys (``kernels.coded_scores``)."""
+    def start_pool(self, layers, max_context):
+        self.first = torch.zeros(layers[0].shape[0], dtype=torch.long, device=layers[0].k.device)
+
+    def copy_row(self, row, source, source_row, prompt_len):
+        # The row's first step chooses anew, so its chosen pages need not move.
+        self.first[row] = source.first[source_row]
+
+    def rows(self, n, decode_tokens):
+        view = super().rows(n, decode_tokens)
+        view.first = self.first[:n]
+        return view
+
+    def reorder(self, index):
+        if self.first is not None:
+            self.first = self.first.index_select(0, index.to(self.first.device))
+            self.chosen = [None if t is None else t.index_select(0, index.to(t.device)) for t in self.chosen]
+
+    def _chosen(self, layer_idx: int, rows: int, slots: int) -> torch.Tensor:
+        """This method's rows of the layer's chosen pages for ``rows`` selection rows per sequence and ``slots``
+        page slots (scratch included), made at the layer's first step (eager, before a step is captured). A cache
+        grown since (a new page: a step where its row chooses anew) keeps the other rows' choices, the new columns
+        none."""
+        owner = self.owner
+        shape = (owner.first.shape[0], rows, min(self.config.token_budget // self.config.page_size, slots))
+        old = owner.chosen[layer_idx]
+        if old is None or old.shape != shape:
+            new = torch.full(shape, -1, dtype=torch.long, device=owner.first.device)
+            if old is not None and old.shape[:2] == shape[:2]:
+                k = min(old.shape[2], shape[2])
+                new[:, :, :k] = old[:, :, :k]
+            owner.chosen[layer_idx] = old = new
+        return old[:self.first.shape[0]]
+
+    def _codes(self, layer) -> torch.Tensor:
+        """The layer's codes, after coding the current page's keys on its current range."""
         codes = layer.slot_state[codes_entry(self.config.bits)]
         slot = layer.cur_slot.clamp(min=0)
         new = page_codes(layer.k, layer.kmin, layer.kmax, slot, self.config.bits)
         codes.scatter_(2, slot.view(*slot.shape, 1, 1, 1).expand(*slot.shape, 1, *codes.shape[3:]), new.unsqueeze(2))
-        return kernels.coded_scores(q, layer.kmin, layer.kmax, codes, layer.slot_page, seq_len, scale,
+        return codes
+
+    def page_scores(self, layer_idx, q, layer, seq_len, scale):
+        """Each page's estimated log share of the attention, (B, Hs, C + 1), -inf for free slots, after coding
+        the current page's keys (``kernels.coded_scores``)."""
+        return kernels.coded_scores(q, layer.kmin, layer.kmax, self._codes(layer), layer.slot_page, seq_len, scale,
                                     self.config.bits, self.config.per_query_head)
 
     def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         cfg = self.config
         if layer_idx < cfg.dense_layers:
             return attend_all(q, layer, seq_len, scale)
-        slots = kernels.select_pages(self.page_scores(layer_idx, q, layer, seq_len, scale), layer.cur_slot,
-                                     cfg.token_budget // cfg.page_size)
-        return kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale,
-                                     tally.rows(slots.shape[1]))
+        _, hkv, c, _ = layer.shape
+        chosen = self._chosen(layer_idx, q.shape[1] if cfg.per_query_head else hkv, c)
+        kernels.lowbit_select(q, layer.kmin, layer.kmax, self._codes(layer), layer.slot_page, layer.cur_slot,
+                              seq_len, self.first, chosen, scale, cfg.bits, cfg.token_budget // cfg.page_size,
+                              cfg.reuse, cfg.per_query_head)
+        return kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, chosen, seq_len, scale,
+                                     tally.rows(chosen.shape[1]))
 

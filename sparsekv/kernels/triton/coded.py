@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import TUNING, check, interpreted_bf16, precision
+from .common import TUNING, check, interpreted_bf16, kept, precision
+from .selection import select_pages
 
 _TWO_23 = tl.constexpr(8388608.0)
 _TWO_23_BITS = tl.constexpr(0x4B000000)  # float32 2^23: its ulp is 1, so its low mantissa bits hold an integer
@@ -36,17 +37,20 @@ def _lse(x, axis: tl.constexpr):
 
 
 @triton.jit
-def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, out_ptr, part_ptr, n_slots, n_parts,
-                      scale, sq_b, sq_h, sm_b, sm_h, sm_c, sc_b, sc_h, sc_c, sc_p, ss_b, ss_h, so_b, so_h,
+def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, first_ptr, out_ptr, part_ptr, n_slots,
+                      n_parts, scale, sq_b, sq_h, sm_b, sm_h, sm_c, sc_b, sc_h, sc_c, sc_p, ss_b, ss_h, so_b, so_h,
                       HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       BLOCK_B: tl.constexpr, P: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr,
-                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, REUSE: tl.constexpr):
     """Per head, the log-sum-exp of each page's estimated logits (out, (B, H, C)) and of the program's block of
-    BLOCK_C slots (part, (B * H, n_parts))."""
+    BLOCK_C slots (part, (B * H, n_parts)); rows that keep their choice (``kept``) are skipped."""
     PER: tl.constexpr = 8 // BITS
     LEVELS: tl.constexpr = (1 << BITS) - 1
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
+    if REUSE > 1:
+        if kept(len_ptr, first_ptr, b, REUSE):
+            return
     kvh = row % HKV
     j = tl.arange(0, P)
     i = tl.arange(0, BLOCK_B)
@@ -87,11 +91,14 @@ def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, out
 
 
 @triton.jit
-def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, n_slots, n_parts, sl_b, sl_h, so_b, so_h,
+def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, len_ptr, first_ptr, n_slots, n_parts, sl_b, sl_h, so_b, so_h,
                       HKV: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BLOCK_C: tl.constexpr,
-                      BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr):
+                      BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr, REUSE: tl.constexpr):
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
+    if REUSE > 1:
+        if kept(len_ptr, first_ptr, b, REUSE):
+            return
     kvh = row % HKV
     g = tl.arange(0, G_P2)
     in_g = g < G
@@ -119,10 +126,11 @@ def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, n_slots, n_parts, sl_b, sl_h, 
 
 
 def coded_lse_parts(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
-                   slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float,
-                   bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float, bits: int,
+                    gate: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.coded_page_lse`` (B, H, C) float32, and each head's log-sum-exp over each block of
-    ``coded_block`` tokens (B * H, blocks) float32, from which ``coded_scores`` takes the heads' totals."""
+    ``coded_block`` tokens (B * H, blocks) float32, from which ``coded_scores`` takes the heads' totals.
+    gate: (first, reuse) of ``reference.due_rows``; the rows not due are skipped (their outputs left unset)."""
     check(q, kmin, "coded_scores")
     b, h, d = q.shape
     hkv, c, p = codes.shape[1], codes.shape[2], codes.shape[3]
@@ -134,14 +142,16 @@ def coded_lse_parts(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, cod
     n_parts = triton.cdiv(c, block_c)
     out = torch.empty(b, h, c, dtype=torch.float32, device=q.device)
     part = torch.empty(b * h, n_parts, dtype=torch.float32, device=q.device)
+    first, reuse = gate or (seq_len, 1)
     _coded_lse_kernel[(b * hkv, n_parts)](
-        q, kmin, kmax, codes, slot_page, seq_len, out, part, c, n_parts, scale,
+        q, kmin, kmax, codes, slot_page, seq_len, first, out, part, c, n_parts, scale,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
         codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
         slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1),
         HKV=hkv, G=h // hkv, G_PAD=max(TUNING["coded_heads"], triton.next_power_of_2(h // hkv)), D=d,
         BLOCK_B=max(16, triton.next_power_of_2(d * bits // 8)), P=p, BLOCK_C=block_c, BITS=bits,
-        PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), num_warps=TUNING["coded_warps"])
+        PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), REUSE=reuse,
+        num_warps=TUNING["coded_warps"])
     return out, part
 
 
@@ -151,14 +161,35 @@ def coded_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes:
     """``reference.coded_scores``: the page log-sum-exps (``coded_lse_parts``), then the shares."""
     if q.dtype == torch.float64:
         return reference.coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head)
-    lse, part = coded_lse_parts(q, kmin, kmax, codes, slot_page, seq_len, scale, bits)
+    return _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head)
+
+
+def _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, gate=None):
+    """``coded_scores`` for the rows that ``gate`` (see ``coded_lse_parts``) leaves due."""
+    lse, part = coded_lse_parts(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, gate)
+    first, reuse = gate or (seq_len, 1)
     b, h, c = lse.shape
     hkv = kmin.shape[1]
     out = torch.empty(b, h if per_query_head else hkv, c, dtype=torch.float32, device=q.device)
     block = min(TUNING["mass_block"], triton.next_power_of_2(c))
     _page_mass_kernel[(b * hkv, triton.cdiv(c, block))](
-        lse, part, out, c, part.shape[1], lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        HKV=hkv, G=h // hkv, G_P2=triton.next_power_of_2(h // hkv), BLOCK_C=block,
+        lse, part, out, seq_len, first, c, part.shape[1], lse.stride(0), lse.stride(1), out.stride(0),
+        out.stride(1), HKV=hkv, G=h // hkv, G_P2=triton.next_power_of_2(h // hkv), BLOCK_C=block,
         BLOCK_P=min(TUNING["mass_parts"], triton.next_power_of_2(part.shape[1])), PER_HEAD=per_query_head,
-        num_warps=TUNING["mass_warps"])
+        REUSE=reuse, num_warps=TUNING["mass_warps"])
     return out
+
+
+def lowbit_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
+                  slot_page: torch.Tensor, cur_slot: torch.Tensor, seq_len: torch.Tensor, first: torch.Tensor,
+                  chosen: torch.Tensor, scale: float, bits: int, num_pages: int, reuse: int = 1,
+                  per_query_head: bool = False) -> None:
+    """``reference.lowbit_select``: the rows that keep their choice this step launch programs that return at
+    once, in the scores and in the selection."""
+    if q.dtype == torch.float64:
+        return reference.lowbit_select(q, kmin, kmax, codes, slot_page, cur_slot, seq_len, first, chosen, scale,
+                                       bits, num_pages, reuse, per_query_head)
+    reference.check_reuse(reuse)
+    gate = (first, reuse) if reuse > 1 else None
+    scores = _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, gate)
+    select_pages(scores, cur_slot, num_pages, out=chosen, gate=(seq_len, *gate) if gate else None)

@@ -132,6 +132,14 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 or interpreted_bf16(dtype) else "tf32"
 
 
+@triton.jit
+def kept(len_ptr, first_ptr, b, REUSE: tl.constexpr):
+    """Whether row b keeps the pages it chose at an earlier step (``reference.due_rows`` false), so that the kernels
+    of a choice skip it: its position is neither a multiple of REUSE nor its first decode position."""
+    pos = tl.load(len_ptr + b) - 1
+    return (pos % REUSE != 0) & (pos != tl.load(first_ptr + b))
+
+
 def block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import (TUNING, block_d, check, f16_products, fp8_launch, group_pad, interpreted_bf16, precision,
+from .common import (TUNING, block_d, check, f16_products, fp8_launch, group_pad, interpreted_bf16, kept, precision,
                      product_query)
 
 
@@ -146,12 +146,16 @@ def _packed(row_ptr, c, n, cur):
 
 
 @triton.jit
-def _topk_segment_kernel(scores_ptr, cur_ptr, cand_ptr, n, n_seg, sc_b, sc_h, cu_b, cu_h,
-                         HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, SEG: tl.constexpr, KP: tl.constexpr):
+def _topk_segment_kernel(scores_ptr, cur_ptr, cand_ptr, len_ptr, first_ptr, n, n_seg, sc_b, sc_h, cu_b, cu_h,
+                         HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, SEG: tl.constexpr, KP: tl.constexpr,
+                         REUSE: tl.constexpr):
     """The top KP of each segment of SEG slots, packed, in descending order (so ties list the lower slot first)."""
     row = tl.program_id(0)
     seg = tl.program_id(1)
     b = (row // HS).to(tl.int64)
+    if REUSE > 1:
+        if kept(len_ptr, first_ptr, b, REUSE):
+            return
     r = row % HS
     cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
     c = seg * SEG + tl.arange(0, SEG)
@@ -289,12 +293,15 @@ def _emit(out, key, val, start, done, prefix, left):
 
 
 @triton.jit
-def _topk_radix_kernel(src_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
+def _topk_radix_kernel(src_ptr, cur_ptr, out_ptr, len_ptr, first_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
                        HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
-                       FROM_SCORES: tl.constexpr, BITS: tl.constexpr):
+                       FROM_SCORES: tl.constexpr, BITS: tl.constexpr, REUSE: tl.constexpr):
     """Top k of a row of n scores, or of n segment candidates per row."""
     row = tl.program_id(0)
     b = (row // HS).to(tl.int64)
+    if REUSE > 1:
+        if kept(len_ptr, first_ptr, b, REUSE):
+            return
     r = row % HS
     cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
     if FROM_SCORES:
@@ -313,11 +320,15 @@ def _topk_radix_kernel(src_ptr, cur_ptr, out_ptr, n, k, sc_b, sc_h, cu_b, cu_h, 
 
 
 @triton.jit
-def _group_max_kernel(scores_ptr, cur_ptr, gmax_ptr, n, n_groups, sc_b, sc_h, cu_b, cu_h,
-                      HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, GS: tl.constexpr, BLOCK: tl.constexpr):
+def _group_max_kernel(scores_ptr, cur_ptr, gmax_ptr, len_ptr, first_ptr, n, n_groups, sc_b, sc_h, cu_b, cu_h,
+                      HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, GS: tl.constexpr, BLOCK: tl.constexpr,
+                      REUSE: tl.constexpr):
     """Group maxima of the score keys (as int32 bits), BLOCK groups per program."""
     row = tl.program_id(0)
     b = (row // HS).to(tl.int64)
+    if REUSE > 1:
+        if kept(len_ptr, first_ptr, b, REUSE):
+            return
     r = row % HS
     cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -327,16 +338,20 @@ def _group_max_kernel(scores_ptr, cur_ptr, gmax_ptr, n, n_groups, sc_b, sc_h, cu
 
 
 @triton.jit
-def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, cand_ptr, out_ptr, n, n_groups, k,
+def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, cand_ptr, out_ptr, len_ptr, first_ptr, n, n_groups, k,
                        sc_b, sc_h, cu_b, cu_h, so_b, so_h,
                        HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
-                       GS: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr, BITS: tl.constexpr):
+                       GS: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr, BITS: tl.constexpr,
+                       REUSE: tl.constexpr):
     """Top k of a row of n scores through its groups of GS slots: the radix select of the k-th largest group
     maximum bounds the k-th largest key from below, so the top k lie in the groups whose maximum reaches that bound
     (at most KP >= k of them, see below); a second radix select over those groups' slots gives the top k. The
     group maxima come from ``_group_max_kernel``, or from the page-score kernel (``quest_select``)."""
     row = tl.program_id(0)
     b = (row // HS).to(tl.int64)
+    if REUSE > 1:
+        if kept(len_ptr, first_ptr, b, REUSE):
+            return
     r = row % HS
     cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
     src = scores_ptr + b * sc_b + r * sc_h
@@ -411,36 +426,48 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, 
     return out, gmax
 
 
-def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -> torch.Tensor:
+def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int, out: torch.Tensor | None = None,
+                 gate: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """The reference's selection (ties to the lower slot), listed in slot order, or by segment for long rows cut
     down by segments: a radix select over the row held in registers (one program per row); rows longer than
     ``TUNING["select_one_program"]`` are first cut down in parallel, through groups of slots when there are many
-    rows, else to the bitonic top-k of each segment of slots."""
+    rows, else to the bitonic top-k of each segment of slots.
+
+    out: (B, Hs, min(num_pages, C)) int64 to write the selection into (a new tensor when None); gate:
+    (seq_len, first, reuse) of ``reference.due_rows``, the rows not due are skipped and keep what out holds."""
     reference.check_num_pages(num_pages)
     b, hs, c = scores.shape
     k = min(num_pages, c)
+    if out is None:
+        out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
+    elif out.shape != (b, hs, k) or out.stride(2) != 1:
+        raise ValueError(f"out must have shape {(b, hs, k)} (B, Hs, min(num_pages, C)) with its last dimension "
+                         f"contiguous, got {tuple(out.shape)}")
     if scores.dtype != torch.float32 or c > TUNING["select_max_slots"]:
-        return reference.select_pages(scores, cur_slot, num_pages)  # torch.topk: rows this long are rare
+        new = reference.select_pages(scores, cur_slot, num_pages)  # torch.topk: rows this long are rare
+        return out.copy_(new if gate is None else torch.where(reference.due_rows(*gate).view(-1, 1, 1), new, out))
     if scores.stride(2) != 1:
         scores = scores.contiguous()
-    out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
+    seq_len, first, reuse = gate or (cur_slot, cur_slot, 1)
     src, n, rows = scores, c, (scores.stride(0), scores.stride(1))
     kp = _padded_k(k)
     gs = _group_filter(b * hs, c, num_pages, TUNING["select_group_rows"], TUNING["select_group_scale"])
     if gs:
-        _select_by_groups(scores, cur_slot, out, k, kp, gs)
+        _select_by_groups(scores, cur_slot, out, k, kp, gs, gate=gate)
         return out
     seg = max(TUNING["select_block"], 2 * kp)
     if c > TUNING["select_one_program"] and kp <= TUNING["select_max_k"] and c > seg:
         n = triton.cdiv(c, seg) * kp
         src = torch.empty(b * hs, n, dtype=torch.long, device=scores.device)
-        _topk_segment_kernel[(b * hs, n // kp)](scores, cur_slot, src, c, n // kp, *rows, cur_slot.stride(0),
-                                                cur_slot.stride(1), HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1],
-                                                SEG=seg, KP=kp, num_warps=TUNING["select_block_warps"])
+        _topk_segment_kernel[(b * hs, n // kp)](scores, cur_slot, src, seq_len, first, c, n // kp, *rows,
+                                                cur_slot.stride(0), cur_slot.stride(1), HS=hs,
+                                                ROWS_PER_KV=hs // cur_slot.shape[1], SEG=seg, KP=kp, REUSE=reuse,
+                                                num_warps=TUNING["select_block_warps"])
     head, tail = _pieces(n)
-    _topk_radix_kernel[(b * hs,)](src, cur_slot, out, n, k, *rows, cur_slot.stride(0), cur_slot.stride(1),
-                                  out.stride(0), out.stride(1), HS=hs, ROWS_PER_KV=hs // cur_slot.shape[1],
-                                  HEAD=head, TAIL=tail, FROM_SCORES=src is scores, BITS=TUNING["select_digit_bits"],
+    _topk_radix_kernel[(b * hs,)](src, cur_slot, out, seq_len, first, n, k, *rows, cur_slot.stride(0),
+                                  cur_slot.stride(1), out.stride(0), out.stride(1), HS=hs,
+                                  ROWS_PER_KV=hs // cur_slot.shape[1], HEAD=head, TAIL=tail,
+                                  FROM_SCORES=src is scores, BITS=TUNING["select_digit_bits"], REUSE=reuse,
                                   num_warps=TUNING["select_warps"])
     return out
 
@@ -495,9 +522,11 @@ def _group_size(c: int, kp: int, scale: int) -> int:
     return triton.next_power_of_2(max(1, math.isqrt(c // kp))) * scale
 
 
-def _select_by_groups(scores, cur_slot, out, k, kp, gs, gmax=None):
-    """Top k of each row through the group filter; gmax: the group maxima if the page-score kernel wrote them."""
+def _select_by_groups(scores, cur_slot, out, k, kp, gs, gmax=None, gate=None):
+    """Top k of each row through the group filter; gmax: the group maxima if the page-score kernel wrote them;
+    gate: as ``select_pages``'."""
     b, hs, c = scores.shape
+    seq_len, first, reuse = gate or (cur_slot, cur_slot, 1)
     n_groups = triton.cdiv(c, gs)
     head, tail = _pieces(n_groups)
     ids = torch.empty(b * hs, kp, dtype=torch.int32, device=scores.device)
@@ -508,9 +537,11 @@ def _select_by_groups(scores, cur_slot, out, k, kp, gs, gmax=None):
     if gmax is None:
         gmax = torch.empty(b * hs, n_groups, dtype=torch.int32, device=scores.device)
         block = max(2, TUNING["select_group_block"] // gs)
-        _group_max_kernel[(b * hs, triton.cdiv(n_groups, block))](scores, cur_slot, gmax, c, n_groups, *rows,
-                                                                  BLOCK=block, **common, num_warps=4)
-    _topk_group_kernel[(b * hs,)](scores, cur_slot, gmax, ids, cand, out, c, n_groups, k, *rows, out.stride(0),
-                                  out.stride(1), HEAD=head, TAIL=tail, KP=kp, CAND=n_cand,
-                                  BITS=TUNING["select_digit_bits"], **common, num_warps=TUNING["select_warps"])
+        _group_max_kernel[(b * hs, triton.cdiv(n_groups, block))](scores, cur_slot, gmax, seq_len, first, c,
+                                                                  n_groups, *rows, BLOCK=block, REUSE=reuse,
+                                                                  **common, num_warps=4)
+    _topk_group_kernel[(b * hs,)](scores, cur_slot, gmax, ids, cand, out, seq_len, first, c, n_groups, k, *rows,
+                                  out.stride(0), out.stride(1), HEAD=head, TAIL=tail, KP=kp, CAND=n_cand,
+                                  BITS=TUNING["select_digit_bits"], REUSE=reuse, **common,
+                                  num_warps=TUNING["select_warps"])
 

@@ -115,6 +115,15 @@ def test_attention_the_probe_cannot_read_is_refused():
     with pytest.raises(ValueError, match="cannot observe kernels.attend;"):
         _run(_AttendAllConfig(page_size=P, token_budget=64, dense_layers=0), steps=1)
 
+def test_the_probe_knows_every_registered_op():
+    """Each ``sparsekv::`` op is either an attention the probe reads or one it knows attends nothing, so that no
+    method's decode step is refused for an op added later."""
+    from sparsekv.eval.recall import NOT_ATTENTION, OBSERVED
+
+    ops = {name for name in kernels.__all__ if hasattr(torch.ops.sparsekv, name)}
+    assert ops and ops <= {*OBSERVED, *NOT_ATTENTION} | {"attend"}  # attend: refused, above
+
+
 SPARSE = [n for n, cls in METHODS.items() if "token_budget" in cls.__dataclass_fields__]
 
 

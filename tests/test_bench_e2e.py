@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from sparsekv.bench.e2e import main
+from sparsekv.bench.e2e import main, step_time
 
 
 def test_e2e_bench_smoke(tmp_path):
@@ -16,6 +16,14 @@ def test_e2e_bench_smoke(tmp_path):
     # Page metadata read per step: none for dense; the 2-bit codes add to Quest's min/max.
     assert rows[0]["metadata_mib"] == 0 and 0 < rows[1]["metadata_mib"] < rows[2]["metadata_mib"]
     assert "| quest | 32 | 96 |" in (tmp_path / "e2e.md").read_text()
+
+
+def test_step_time_of_a_method_whose_steps_repeat():
+    """lowbit with reuse 4: one step in four chooses pages; its step time is the mean over such runs, not the median
+    step (a reusing one)."""
+    steps = [1.0, 1.0, 5.0, 1.0] * 5 + [1.0, 1.0]
+    assert step_time(steps, 4) == 2.0 and step_time(steps, 1) == 1.0
+    assert step_time([3.0, 1.0], 4) == 2.0  # fewer steps than a run: their mean
 
 
 def test_e2e_bench_rejects_unknown_methods(tmp_path, capsys):

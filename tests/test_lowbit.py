@@ -144,6 +144,7 @@ def test_lowbit_config_registry_and_bytes():
             LowBitConfig(reuse=reuse)
     # Llama-3-8B's head dim in bf16: Quest reads 512 bytes per page, 2-bit codes of 16 tokens 512 more.
     assert LowBitConfig(bits=2).metadata_bytes(128, 2) == 1024 and LowBitConfig(bits=1).metadata_bytes(128, 2) == 768
+    assert LowBitConfig(reuse=4).metadata_bytes(128, 2) == 256  # one step in four reads them
 
 
 def test_finds_the_aligned_key_on_a_page_of_alike_keys_where_quests_bound_fails():

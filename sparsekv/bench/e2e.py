@@ -6,7 +6,8 @@ method, against dense through the same engine and against transformers' own deco
 
 ``shape:<name>`` (the default, Llama-3-8B) builds a random-weight model of that published shape on the device: speed
 does not depend on the weights. Per row: prefill tokens/s, decode ms per step (CUDA events around each replay,
-median over the steps after the eager warm-up and the capture), tokens/s (batch / step time), peak device memory,
+median over the steps after the eager warm-up and the capture; for lowbit with ``reuse`` r, the median of the mean
+of each run of r steps, one of which chooses pages), tokens/s (batch / step time), peak device memory,
 KV bytes on the device and in host memory, the bandwidth floor of the method's step ((weights + KV and page
 metadata the step reads) / the copy bandwidth measured in the same run) and the ratio to it, and the speedup over
 dense through the engine and over transformers' eager loop (``DynamicCache``) and, with ``--compiled``, its
@@ -153,6 +154,14 @@ def step_bytes(model, config, stats: dict, context: int, batch: int) -> int:
     return int(weights + kv + metadata_bytes(model, config, context, batch) + rescored)
 
 
+def step_time(seconds: list[float], period: int) -> float:
+    """The median over ``seconds``' runs of ``period`` consecutive steps of their mean: the step time of a method
+    whose steps repeat every ``period`` (lowbit's ``reuse``: one step in each run chooses pages, the others reuse
+    them); the median step for a period of 1."""
+    runs = [seconds[i:i + period] for i in range(0, len(seconds) - period + 1, period)] or [seconds]
+    return statistics.median(statistics.fmean(run) for run in runs)
+
+
 def engine_row(model, config, label: str, context: int, batch: int, args, device, bandwidth: float | None) -> dict:
     """One row: ``config``'s method through the engine; ``bandwidth`` (bytes/s, None on the CPU) gives the floor."""
     rows = torch.randint(0, model.config.vocab_size, (batch, context),
@@ -163,7 +172,7 @@ def engine_row(model, config, label: str, context: int, batch: int, args, device
     profiler = StepProfiler(args.profile) if args.profile and device.type == "cuda" else None
     out = engine.generate(rows, args.new_tokens, stop_tokens=(), time_steps=True,
                           prefill=None if real else random_fill(model), stream=profiler)
-    ms = 1e3 * statistics.median(out.step_seconds[2:] or out.step_seconds)
+    ms = 1e3 * step_time(out.step_seconds[2:] or out.step_seconds, getattr(config, "reuse", 1))
     # Under tensor parallelism each GPU reads its share of the step's bytes.
     gpus = dist.get_world_size() if parallel.launched() else 1
     floor_ms = None if bandwidth is None else 1e3 * step_bytes(model, config, out.stats, context, batch) / (
@@ -260,7 +269,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     """The table of ``rows``; the bandwidth floor's columns on a GPU only (None: the CPU, timed by the host clock)."""
     gpu = meta["bandwidth_tbs"] is not None
     how = (f"Engine: chunked prefill, CUDA-graph decode step; {meta['new_tokens']} greedy tokens, median step (CUDA "
-           f"events) after the warm-up and capture. Floor: bytes the step reads / {meta['bandwidth_tbs']:.2f} TB/s "
+           f"events) after the warm-up and capture (lowbit with reuse r: median of the mean of each run of r steps). "
+           f"Floor: bytes the step reads / {meta['bandwidth_tbs']:.2f} TB/s "
            f"(device copy measured in the run)." if gpu else
            f"Engine: chunked prefill, eager decode step on the CPU; {meta['new_tokens']} greedy tokens, median step "
            f"(host clock) after the warm-up.")

@@ -63,8 +63,9 @@ class LowBitConfig(QuestConfig):
                 f"a power of two from 1 to page_size ({self.page_size})", self.reuse)
 
     def metadata_bytes(self, head_dim: int, itemsize: int) -> int:
-        """Bytes of selection metadata a step reads per page and KV head: the min/max and the codes."""
-        return 2 * head_dim * itemsize + self.page_size * head_dim * self.bits // 8
+        """Bytes of selection metadata a step reads per page and KV head: the min/max and the codes, on a step that
+        chooses; on average over steps, a ``1 / reuse`` share of that (rounded up)."""
+        return -(-(2 * head_dim * itemsize + self.page_size * head_dim * self.bits // 8) // self.reuse)
 
     def method_class(self):
         return LowBit

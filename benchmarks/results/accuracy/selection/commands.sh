@@ -17,13 +17,13 @@ COMMON="--seed 0 --model $SMOL --chat off --question-mode prefill --no-progress 
 
 for T in ${TASKS:-"ruler_niah_single_1 ruler_niah_multivalue ruler_niah_multiquery niah1k niah2k passkey"}; do
     case $T in
+        ruler_*_4k)  # the same at 4096 tokens: 6 samples per cell for the noise needle, 4 for the others
+            N=$([ $T = ruler_niah_single_1_4k ] && echo 6 || echo 4)
+            python -m sparsekv.eval --task ${T%_4k} --methods $M --lengths 4096 --limit $N $COMMON --out $OUT/$T ;;
         ruler_niah_single_1)  # 6 samples per cell
             python -m sparsekv.eval --task $T --methods $M --lengths 1024 --limit 6 $COMMON --out $OUT/$T ;;
         ruler_*)  # 4 samples per cell
             python -m sparsekv.eval --task $T --methods $M --lengths 1024 --limit 4 $COMMON --out $OUT/$T ;;
-        ruler_*_4k)  # the same at 4096 tokens: 6 samples per cell for the noise needle, 4 for the others
-            N=$([ $T = ruler_niah_single_1_4k ] && echo 6 || echo 4)
-            python -m sparsekv.eval --task ${T%_4k} --methods $M --lengths 4096 --limit $N $COMMON --out $OUT/$T ;;
         niah4k)
             python -m sparsekv.eval --task niah --methods $M --lengths 4096 --depths 0.2 0.4 0.6 0.8 --limit 1 \
                 $COMMON --out $OUT/niah4k ;;

@@ -3,11 +3,11 @@
 ``_coded_lse_kernel``: one program per (sequence, KV head, block of ``coded_block`` tokens) reads the codes of its
 pages once, as bytes. Channel ``PER * i + k`` of a key is field k of its byte i (PER = 8 // bits fields of ``bits``
 bits), so the product over the head dim is PER products, one per field, over channels k, k + PER, ...: each takes
-its field with a constant shift and no conversion instruction (the field ORed into the low mantissa bits of 2^23,
-less 2^23, is its level as a float), dequantizes it with its pages' min and step broadcast over their tokens
-(``min + level * (max - min) / L``) and adds the field's share of the logits, a tensor-core product with the
-block's tokens as rows and the group's query heads as columns. The program writes each head's log-sum-exp per page
-and over its whole block.
+its field with a constant shift and no conversion instruction (the field in the top mantissa bits of 1.0 is the
+float ``1 + level / 2^bits``), dequantizes it with its pages' min and step broadcast over their tokens
+(``min + level * (max - min) / L`` as one FMA of that float) and adds the field's share of the logits, a
+tensor-core product with the block's tokens as rows and the group's query heads as columns. The program writes each
+head's log-sum-exp per page and over its whole block.
 
 ``_page_mass_kernel``: per (sequence, KV head, block of ``mass_block`` slots), each head's total from the blocks'
 log-sum-exps, then each page's share of it, summed over the group's heads unless per query head
@@ -23,8 +23,7 @@ from .. import reference
 from .common import TUNING, check, interpreted_bf16, kept, precision
 from .selection import select_pages
 
-_TWO_23 = tl.constexpr(8388608.0)
-_TWO_23_BITS = tl.constexpr(0x4B000000)  # float32 2^23: its ulp is 1, so its low mantissa bits hold an integer
+_ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0
 
 
 @triton.jit
@@ -73,9 +72,12 @@ def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, fir
     logits = tl.zeros((BLOCK_C * P, G_PAD), dtype=tl.float32)
     for k in tl.static_range(PER):
         lo = tl.load(kmin_ptr + m_off + k, mask=m_mask, other=0.0).to(tl.float32)
-        step = (tl.load(kmax_ptr + m_off + k, mask=m_mask, other=0.0).to(tl.float32) - lo) / LEVELS
-        level = (((byte >> (k * BITS)) & LEVELS) | _TWO_23_BITS).to(tl.float32, bitcast=True) - _TWO_23
-        keys = tl.reshape(lo + step * level, (BLOCK_C * P, BLOCK_B))
+        # The field as the float 1 + code / 2^BITS (shifted into the top mantissa bits of 1.0: a shift and an
+        # and-or), so that min + code * step is base + wide * that, base and wide once per page and channel.
+        wide = (tl.load(kmax_ptr + m_off + k, mask=m_mask, other=0.0).to(tl.float32) - lo) * ((1 << BITS) / LEVELS)
+        field = (((byte << (23 - BITS - k * BITS)) & (LEVELS << (23 - BITS))) | _ONE_BITS).to(tl.float32,
+                                                                                          bitcast=True)
+        keys = tl.reshape((lo - wide) + wide * field, (BLOCK_C * P, BLOCK_B))
         q = tl.load(q_ptr + q_off + k, mask=q_mask, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)

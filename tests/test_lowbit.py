@@ -174,15 +174,17 @@ def test_finds_the_aligned_key_on_a_page_of_alike_keys_where_quests_bound_fails(
 
 
 def test_page_codes_compile_for_every_width_in_one_process():
-    """The current page's codes through torch.compile, one width after another (as ``bench.e2e`` runs
-    ``lowbit`` then ``lowbit:bits=1``): each width compiles as a constant and matches the eager codes."""
-    from sparsekv.methods.lowbit import _page_codes
+    """The current page's codes through torch.compile as ``page_codes`` compiles them on CUDA, one width after
+    another (as ``bench.e2e`` runs ``lowbit`` then ``lowbit:bits=1``) and over more shapes than torch.compile's
+    recompile limit (a server's batch sizes, an evaluation's lengths): each width stays a constant, the shapes
+    become dynamic, and the codes match the eager ones."""
+    from sparsekv.methods.lowbit import _page_codes, _width_codes
 
-    compiled = torch.compile(_page_codes, fullgraph=True, dynamic=False)
     torch.manual_seed(3)
     for bits in (2, 1, 4):
-        for kv_heads in (2, 3):
-            k = torch.randn(1, kv_heads, 5, 4, 16)
-            slot = torch.tensor([[1] * kv_heads])
-            assert torch.equal(compiled(k, k.amin(3), k.amax(3), slot, bits),
+        compiled = torch.compile(_width_codes(bits), fullgraph=True)
+        for batch, kv_heads, slots in [(b, h, c) for b in (1, 2) for h in (2, 3) for c in (5, 6, 9)]:
+            k = torch.randn(batch, kv_heads, slots, 4, 16)
+            slot = torch.randint(0, slots, (batch, kv_heads))
+            assert torch.equal(compiled(k, k.amin(3), k.amax(3), slot),
                                _page_codes(k, k.amin(3), k.amax(3), slot, bits))

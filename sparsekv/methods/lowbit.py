@@ -81,9 +81,25 @@ def _page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot: t
     return reference.key_codes(keys, *bounds, bits)
 
 
-# dynamic=False: the width, an int argument, stays a constant of each compiled graph (one per width); left to
-# torch.compile, a second width makes it a symbolic int, which ``key_codes`` cannot shift by.
-page_codes = kernels.fused(_page_codes, dynamic=False)
+def _width_codes(bits: int):
+    """``_page_codes`` of one width, the width a constant of the closure: torch.compile keeps it a constant of each
+    graph (as an int argument, a second width would become a symbolic int, which ``key_codes`` cannot shift by),
+    while the shapes become dynamic once they change, so that rows and slots of any number share a graph or two per
+    width (a graph per shape would exceed torch.compile's recompile limit)."""
+
+    def codes(k, kmin, kmax, slot):
+        return _page_codes(k, kmin, kmax, slot, bits)
+
+    return codes
+
+
+_PAGE_CODES = {bits: kernels.fused(_width_codes(bits)) for bits in (1, 2, 4)}
+
+
+def page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot: torch.Tensor,
+               bits: int) -> torch.Tensor:
+    """``_page_codes``, fused by torch.compile on CUDA (``kernels.fused``)."""
+    return _PAGE_CODES[bits](k, kmin, kmax, slot)
 
 
 class LowBit(Method):

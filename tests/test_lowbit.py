@@ -178,11 +178,11 @@ def test_page_codes_compile_for_every_width_in_one_process():
     another (as ``bench.e2e`` runs ``lowbit`` then ``lowbit:bits=1``) and over more shapes than torch.compile's
     recompile limit (a server's batch sizes, an evaluation's lengths): each width stays a constant, the shapes
     become dynamic, and the codes match the eager ones."""
-    from sparsekv.methods.lowbit import _page_codes, _width_codes
+    from sparsekv.methods.lowbit import WIDTH_CODES, _page_codes
 
     torch.manual_seed(3)
     for bits in (2, 1, 4):
-        compiled = torch.compile(_width_codes(bits), fullgraph=True)
+        compiled = torch.compile(WIDTH_CODES[bits], fullgraph=True)
         for batch, kv_heads, slots in [(b, h, c) for b in (1, 2) for h in (2, 3) for c in (5, 6, 9)]:
             k = torch.randn(batch, kv_heads, slots, 4, 16)
             slot = torch.randint(0, slots, (batch, kv_heads))

@@ -81,19 +81,24 @@ def _page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot: t
     return reference.key_codes(keys, *bounds, bits)
 
 
-def _width_codes(bits: int):
-    """``_page_codes`` of one width, the width a constant of the closure: torch.compile keeps it a constant of each
-    graph (as an int argument, a second width would become a symbolic int, which ``key_codes`` cannot shift by),
-    while the shapes become dynamic once they change, so that rows and slots of any number share a graph or two per
-    width (a graph per shape would exceed torch.compile's recompile limit)."""
-
-    def codes(k, kmin, kmax, slot):
-        return _page_codes(k, kmin, kmax, slot, bits)
-
-    return codes
+# One function per width, the width a literal of its code: torch.compile keeps it a constant of each graph (an int
+# argument, or a closure's, that changes between calls becomes a symbolic int, which ``key_codes`` cannot shift by),
+# while the shapes become dynamic once they change, so that rows and slots of any number share one or two graphs per
+# width (a graph per shape would exceed torch.compile's recompile limit).
+def _codes_1(k, kmin, kmax, slot):
+    return _page_codes(k, kmin, kmax, slot, 1)
 
 
-_PAGE_CODES = {bits: kernels.fused(_width_codes(bits)) for bits in (1, 2, 4)}
+def _codes_2(k, kmin, kmax, slot):
+    return _page_codes(k, kmin, kmax, slot, 2)
+
+
+def _codes_4(k, kmin, kmax, slot):
+    return _page_codes(k, kmin, kmax, slot, 4)
+
+
+WIDTH_CODES = {1: _codes_1, 2: _codes_2, 4: _codes_4}
+_PAGE_CODES = {bits: kernels.fused(fn) for bits, fn in WIDTH_CODES.items()}
 
 
 def page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot: torch.Tensor,

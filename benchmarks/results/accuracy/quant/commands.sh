@@ -115,6 +115,12 @@ python -m sparsekv.eval --task niah --budgets 64 128 256 --lengths 1024 --depths
 for T in ruler_niah_single_1 ruler_niah_multivalue; do
     python -m sparsekv.eval --task $T --budgets 64 256 --lengths 1024 --limit 2 $COMMON --out $OUT/fp8kv/$T
 done
+# Perplexity over the 7 held-out essays, float32 and FP8 KV: ../kv/perplexity8_{auto,fp8}
+for KV in auto fp8; do
+    python -m sparsekv.eval --task perplexity --budgets 64 256 --lengths 1152 --prefill-tokens 1024 --limit 8 \
+        --no-plots --seed 0 --model $SMOL --chat off --question-mode prefill --no-progress --weights float \
+        --kv-dtype $KV --methods dense quest --out benchmarks/results/accuracy/kv/perplexity8_$KV
+done
 # RULER multivalue over 8 samples, float32 and FP8 KV: ../kv/multivalue8_{auto,fp8}
 for KV in auto fp8; do
     python -m sparsekv.eval --task ruler_niah_multivalue --budgets 64 256 --lengths 1024 --limit 8 --no-plots \

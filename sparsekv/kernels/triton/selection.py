@@ -438,14 +438,16 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int, o
     reference.check_num_pages(num_pages)
     b, hs, c = scores.shape
     k = min(num_pages, c)
-    if out is None:
-        out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
-    elif out.shape != (b, hs, k) or out.stride(2) != 1:
+    if out is not None and (out.shape != (b, hs, k) or out.stride(2) != 1):
         raise ValueError(f"out must have shape {(b, hs, k)} (B, Hs, min(num_pages, C)) with its last dimension "
                          f"contiguous, got {tuple(out.shape)}")
     if scores.dtype != torch.float32 or c > TUNING["select_max_slots"]:
         new = reference.select_pages(scores, cur_slot, num_pages)  # torch.topk: rows this long are rare
+        if out is None:
+            return new
         return out.copy_(new if gate is None else torch.where(reference.due_rows(*gate).view(-1, 1, 1), new, out))
+    if out is None:
+        out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
     if scores.stride(2) != 1:
         scores = scores.contiguous()
     seq_len, first, reuse = gate or (cur_slot, cur_slot, 1)

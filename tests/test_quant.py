@@ -41,18 +41,19 @@ def random_codes(n, k, bits, seed):
 @pytest.mark.parametrize("bits, rows, n, k, bias, dtype", [
     (4, 1, 5, 96, False, torch.bfloat16), (4, 3, 33, 1000, True, torch.float32),
     (4, 16, 7, 32 * 7, True, torch.bfloat16), (4, 9, 33, 1000, False, torch.bfloat16),
+    (4, 5, 33, 1000, True, torch.float16),
     (8, 1, 33, 1000, True, torch.bfloat16),
     (8, 16, 5, 96, False, torch.float32), (8, 3, 7, 32 * 7, True, torch.bfloat16)])
 @pytest.mark.parametrize("split", [1, 2])
 def test_kernel_matches_float64_reference(bits, rows, n, k, bias, dtype, split, monkeypatch):
     from sparsekv.kernels import triton as tops
 
-    # Slices of 2 groups (16 at one row): an odd group count (3, 7) leaves a partial slice, k=1000 a partial
-    # group; blocks of 16 output rows leave a partial block for n=5, 33, 7.
-    for size in (1, 4, 16):
-        monkeypatch.setitem(tops.TUNING, f"qmm{size}_block_g", 2)
-        monkeypatch.setitem(tops.TUNING, f"qmm{size}_block_n", 16)
-        monkeypatch.setitem(tops.TUNING, f"qmm{size}_split", split)
+    # Slices of 2 groups: an odd group count (3, 7) leaves a partial slice, k=1000 a partial group; blocks of 16
+    # output rows leave a partial block for n=5, 33, 7.
+    monkeypatch.setitem(tops.TUNING, "qmm_block_g", 2)
+    monkeypatch.setitem(tops.TUNING, "qmm_block_n", 16)
+    monkeypatch.setitem(tops.TUNING, "qmm_split", split)
+    monkeypatch.setitem(tops.TUNING, "qmm_programs", 10**6)
     codes, scale, minimum = random_codes(n, k, bits, seed=n * k + rows)
     g = torch.Generator(device=DEV).manual_seed(rows)
     x = torch.randn(rows, k, generator=g, device=DEV).to(dtype)
@@ -65,6 +66,18 @@ def test_kernel_matches_float64_reference(bits, rows, n, k, bias, dtype, split, 
     assert ((out.to(F64) - exact).norm() / exact.norm()).item() <= 2 * torch_err.item() + 1e-6
     if split > 1:  # the counts are back to zero: a second launch (as a CUDA graph's replay) adds up the same
         assert torch.equal(tops.linear_quantized(x, codes, scale, minimum, b), out)
+
+
+def test_split_k_fills_the_programs_it_is_tuned_for(monkeypatch):
+    pytest.importorskip("triton")
+    from sparsekv.kernels import triton as tops
+
+    monkeypatch.setitem(tops.TUNING, "qmm_programs", 256)
+    monkeypatch.setitem(tops.TUNING, "qmm_split", 4)
+    # Llama-3-8B's q/k/v (96 blocks of 64 rows), gate/up (448), down (64 blocks, 448 groups): up to 4 ranges.
+    assert [tops.quant.split_for(blocks, 128, 8) for blocks in (96, 448, 64, 3000)] == [4, 1, 4, 1]
+    assert tops.quant.split_for(100, 128, 8) == 4 and tops.quant.split_for(200, 128, 8) == 2
+    assert tops.quant.split_for(1, 10, 8) == 2  # no more ranges than slices
 
 
 @pytest.mark.skipif(not ON_GPU, reason="tinygemm runs on CUDA only")

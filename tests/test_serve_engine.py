@@ -375,17 +375,22 @@ def test_bad_requests_are_refused(fields, match):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", CONFIGS)
-def test_cuda_graphs_serve_the_eager_tokens(name):
+@pytest.mark.parametrize("name, weights, rows", [*((name, "float", 3) for name in CONFIGS), ("dense", "int4", 7),
+                                                 ("quest", "int4", 7)])
+def test_cuda_graphs_serve_the_eager_tokens(name, weights, rows):
     """On the GPU (bf16): steps captured once per batch size (CUDA graphs, the default on CUDA) give the eager
-    steps' tokens, greedy and sampled, over rows that join, move and leave."""
+    steps' tokens, greedy and sampled, over rows that join, move and leave; on int4 weights, with up to 7 rows
+    (more than tinygemm takes: the Triton kernel's products)."""
+    from sparsekv.quant import quantize_model
+
     model = tiny_model("llama", seed=1, layers=3, dtype=torch.bfloat16).cuda()
+    quantize_model(model, weights)
     hot = Sampling(temperature=0.8, top_p=0.9)
     requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=hot if i % 2 else Sampling(), seed=i))
                 for i, (arrival, n, new, _) in enumerate(PLAN)]
     tokens = []
     for cuda_graph in (False, None):
-        engine = ServingEngine(model, CONFIGS[name], max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
+        engine = ServingEngine(model, CONFIGS[name], max_batch=rows, max_context=CONTEXT, prefill_chunk=CHUNK,
                                cuda_graph=cuda_graph)
         tokens.append(run(engine, requests)[0])
         assert any(step.replay is not None for _, step in engine.runner.steps.values()) == (cuda_graph is None)

@@ -3,12 +3,14 @@ path it takes, tinygemm up to ``tinygemm_rows`` rows, and our Triton kernel alon
 product and input rows, with the fraction of the copy bandwidth each reaches.
 
     python -m sparsekv.bench.linear                 # rows 1 4 16, the tuned launch parameters
-    python -m sparsekv.bench.linear --tune          # sweeps the Triton kernel's launch parameters per rows first
+    python -m sparsekv.bench.linear --tune          # sweeps the Triton kernel's launch parameters first
 
 Each product runs on enough copies of its weight in rotation (at least 1 GB) that none is read from the L2 cache,
 captured in a CUDA graph; times are per product (median of the graph's replays / copies). A product's bytes are
 its weight's: codes, scales and minima for int4 (0.625 bytes a weight), 2 bytes a weight for bf16. The fraction is
-of the copy bandwidth measured in the same run (bytes read plus written). Writes ``<tag>.json`` and ``<tag>.md``.
+of the copy bandwidth measured in the same run (bytes read plus written). The read ceiling is the time of a
+kernel that only reads the int4 weight's bytes (in rotation, in a graph, like the products): what one launch of
+that size can reach, since a small read does not reach the copy bandwidth. Writes ``<tag>.json`` and ``<tag>.md``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import math
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from .. import kernels
 from ..quant import quantize_int4
@@ -29,10 +33,39 @@ from .common import copy_bandwidth, device_name, markdown_table, write_results
 SHAPES = {"q/k/v": (6144, 4096), "o": (4096, 4096), "gate/up": (28672, 4096), "down": (4096, 14336),
           "head": (128256, 4096)}
 ROTATION_BYTES = 2**30
-# The Triton kernel's launch parameters swept per class of rows (1, 2-4, 5-16), each at its largest row count.
-SWEEPS = {rows: {f"qmm{rows}_block_n": (64, 128), f"qmm{rows}_block_g": groups, f"qmm{rows}_split": (1, 2, 4),
-                 f"qmm{rows}_warps": (4, 8), f"qmm{rows}_stages": (2, 3)}
-          for rows, groups in ((1, (8, 16)), (4, (4, 8)), (16, (2, 4)))}
+# The Triton kernel's launch parameters swept, at 16 rows (its time hardly depends on the rows).
+SWEEP = {"qmm_block_n": (64, 128), "qmm_block_g": (2, 4, 8), "qmm_split": (1, 2, 4), "qmm_warps": (4, 8),
+         "qmm_stages": (2, 3)}
+SWEEP_ROWS = 16
+
+
+@triton.jit
+def _read_kernel(words_ptr, out_ptr, n_words, BLOCK: tl.constexpr):
+    """Sums (as integers) the words of program i's stripe: rows of BLOCK words i, i + programs, ...; writes it so
+    that nothing is left out."""
+    acc = tl.zeros((BLOCK,), tl.int32)
+    for start in tl.range(tl.program_id(0) * BLOCK, n_words, tl.num_programs(0) * BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        acc += tl.load(words_ptr + at, mask=at < n_words, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+def read_ceiling(timer: Timer, nbytes: int, copies: int, device: torch.device) -> float:
+    """Microseconds to read nbytes with one launch, over ``copies`` buffers in rotation: the best of a few
+    launches (4, 8 or 16 programs per multiprocessor striding over the words, or one program per slice; slices of
+    1024-4096 words)."""
+    buffers = [torch.zeros(nbytes // 4, dtype=torch.int32, device=device) for _ in range(copies)]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    best = math.inf
+    for per_sm, block in itertools.product((4, 8, 16, None), (1024, 2048, 4096)):
+        programs = per_sm * sms if per_sm else triton.cdiv(buffers[0].numel(), block)
+        out = torch.empty(programs, dtype=torch.int32, device=device)
+
+        def run():
+            for b in buffers:
+                _read_kernel[(programs,)](b, out, b.numel(), BLOCK=block, num_warps=4)
+        best = min(best, timer.graph(run) * 1e3 / copies)
+    return best
 
 
 def weights(n: int, k: int, device: torch.device) -> tuple[list, list]:
@@ -60,30 +93,28 @@ def error(x: torch.Tensor, codes, scale, minimum) -> float:
 
 
 def tune(device: torch.device, timer: Timer, log) -> dict:
-    """For each class of rows, the Triton kernel's launch parameters with the least summed time over a layer's
-    products (the head left out); sets and returns them."""
+    """The Triton kernel's launch parameters with the least summed time over a layer's products (the head left
+    out); sets and returns them."""
     from ..kernels.triton import TUNING
 
     sets = {name: weights(n, k, device)[0][:8] for name, (n, k) in SHAPES.items() if name != "head"}  # enough to rank
-    found, tinygemm_rows = {}, TUNING["tinygemm_rows"]
-    for rows, sweep in SWEEPS.items():
-        xs = {k: torch.randn(rows, k, device=device, dtype=torch.bfloat16) for _, k in SHAPES.values()}
-        results = []
-        for values in itertools.product(*sweep.values()):
-            TUNING.update(dict(zip(sweep, values)), tinygemm_rows=0)
-            try:
-                times = {name: time_products(timer, xs[SHAPES[name][1]], c, True) for name, c in sets.items()}
-            except Exception as err:  # a launch the device refuses (registers, shared memory)
-                log(f"{values}: {type(err).__name__}")
-                continue
-            results.append((sum(times.values()), values, times))
-            log(f"rows {rows} {values}: " + ", ".join(f"{n} {t:.1f}" for n, t in times.items()))
-        results.sort(key=lambda r: r[0])
-        best = dict(zip(sweep, results[0][1]))
-        TUNING.update(best, tinygemm_rows=tinygemm_rows)
-        log(f"best at {rows} rows: {best}")
-        found[rows] = {"best": best, "top": [{"params": dict(zip(sweep, v)), "us": t} for _, v, t in results[:10]]}
-    return found
+    xs = {k: torch.randn(SWEEP_ROWS, k, device=device, dtype=torch.bfloat16) for _, k in SHAPES.values()}
+    results = []
+    for values in itertools.product(*SWEEP.values()):
+        TUNING.update(dict(zip(SWEEP, values)))
+        try:
+            times = {name: time_products(timer, xs[SHAPES[name][1]], c, True) for name, c in sets.items()}
+        except Exception as err:  # a launch the device refuses (registers, shared memory)
+            log(f"{values}: {type(err).__name__}")
+            continue
+        results.append((sum(times.values()), values, times))
+        log(f"{values}: " + ", ".join(f"{n} {t:.1f}" for n, t in times.items()))
+    results.sort(key=lambda r: r[0])
+    best = dict(zip(SWEEP, results[0][1]))
+    TUNING.update(best)
+    log(f"best: {best}")
+    return {"rows": SWEEP_ROWS, "best": best,
+            "top": [{"params": dict(zip(SWEEP, v)), "us": t} for _, v, t in results[:10]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (n, k) in SHAPES.items():
         int4, bf16 = weights(n, k, device)
         q_bytes = sum(t.numel() * t.element_size() for t in int4[0])
+        read_us = read_ceiling(timer, q_bytes, len(int4), device)
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             q_us = time_products(timer, x, int4, True)
@@ -116,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             b_us = time_products(timer, x, bf16, False)
             row = {"product": name, "n": n, "k": k, "rows": m, "int4_us": q_us, "triton_us": t_us, "bf16_us": b_us,
                    "int4_floor_us": q_bytes / bandwidth * 1e6, "bf16_floor_us": n * k * 2 / bandwidth * 1e6,
+                   "read_us": read_us,
                    "int4_bandwidth": q_bytes / (q_us * 1e-6) / bandwidth, "error": error(x, *int4[0])}
             rows.append(row)
             log(f"{name} rows {m}: int4 {q_us:.1f} us ({row['int4_bandwidth']:.0%} of copy bandwidth, floor "
@@ -127,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__}
     columns = [("product", "product", "{}"), ("out x in", lambda r: f"{r['n']} x {r['k']}", "{}"),
                ("rows", "rows", "{}"), ("int4 us", "int4_us", "{:.1f}"), ("int4 floor us", "int4_floor_us", "{:.1f}"),
-               ("of copy bandwidth", "int4_bandwidth", "{:.0%}"), ("Triton kernel us", "triton_us", "{:.1f}"),
+               ("of copy bandwidth", "int4_bandwidth", "{:.0%}"), ("read ceiling us", "read_us", "{:.1f}"),
+               ("of read ceiling", lambda r: r["read_us"] / r["int4_us"], "{:.0%}"),
+               ("Triton kernel us", "triton_us", "{:.1f}"),
                ("bf16 us", "bf16_us", "{:.1f}"),
                ("bf16 / int4", lambda r: r["bf16_us"] / r["int4_us"], "{:.2f}"), ("rel. error", "error", "{:.1e}")]
     lines = [f"# int4 products at Llama-3-8B's shapes ({meta['device']}, copy bandwidth "

@@ -42,12 +42,13 @@ from triton import knobs
 # gemv_*: the weights' products of one input row (``linear``): programs of gemv_block_n output rows read them in
 # pipelined slices of gemv_block_k inputs (one row per program: the most loads in flight; the best of 240 launches
 # swept per Llama-3-8B shape, or within 0.4 us of it); inputs longer than gemv_max_in (not measured) go to cuBLAS.
-# qmm{1,4,16}_*: the products of group-quantized weights (``quant``) for 1, 2-4 and 5-qgemv_max_rows input rows:
-# programs of block_n output rows read slices of block_g groups of 32 inputs, the groups split in split ranges
-# (split-K, programs of one row block adding up their sums through a count); more rows go to the reference
-# (dequantized weight, cuBLAS). Up to tinygemm_rows rows of bf16 with 4-bit codes take torch's tinygemm instead
-# on CUDA (faster there at Llama-3-8B's shapes; the values, chosen by ``bench.linear --tune`` on the H200, are the
-# least summed time over the four products of a layer).
+# qmm_*: the products of group-quantized weights (``quant``) for up to qgemv_max_rows input rows: programs of
+# qmm_block_n output rows read slices of qmm_block_g groups of 32 inputs; the groups are split in up to qmm_split
+# ranges (split-K, programs of one row block adding up their sums through a count) until the programs number
+# qmm_programs. More rows go to the reference (dequantized weight, cuBLAS). Up to tinygemm_rows rows of bf16 with
+# 4-bit codes take torch's tinygemm instead on CUDA (faster there at one row). On the H200 at Llama-3-8B's four
+# products of a layer at 16 rows (``bench.linear --tune``: block_n 64-128, block_g 2-8, split 1-4, 4-8 warps,
+# stages 2-3), the least summed time: 64 / 8 / 4 / 4 warps / 3 stages (113.9 us; stages 2: 117.3).
 # coded_*: page scores from low-bit key codes (``coded``): programs of coded_block tokens (coded_block / page_size
 # pages), coded_warps warps, the group's query heads padded to at least coded_heads columns of the product. On the
 # H200 at Llama-3-8B, batch 1, 128K, 2-bit codes (``python -m sparsekv.bench.lowbit``): 96 us per layer with
@@ -79,9 +80,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "raas_block": 1024, "raas_warps": 4, "raas_cand": 16,
           "gemv_block_n": 1, "gemv_block_k": 2048, "gemv_warps": 4, "gemv_stages": 2, "gemv_max_in": 16384,
           "qgemv_max_rows": 16, "tinygemm_rows": 4,
-          "qmm1_block_n": 128, "qmm1_block_g": 16, "qmm1_split": 4, "qmm1_warps": 8, "qmm1_stages": 2,
-          "qmm4_block_n": 64, "qmm4_block_g": 4, "qmm4_split": 4, "qmm4_warps": 4, "qmm4_stages": 4,
-          "qmm16_block_n": 64, "qmm16_block_g": 4, "qmm16_split": 2, "qmm16_warps": 4, "qmm16_stages": 3,
+          "qmm_block_n": 64, "qmm_block_g": 8, "qmm_split": 4, "qmm_programs": 256, "qmm_warps": 4, "qmm_stages": 3,
           "coded_block": 128, "coded_warps": 4, "coded_heads": 8,
           "mass_block": 256, "mass_parts": 1024, "mass_warps": 4,
           "append_search": 4096, "append_warps": 4,

@@ -1,28 +1,31 @@
 """The products of group-quantized weights (``reference.linear_quantized``) for a few input rows: decode steps at
 batch 1 to ``qgemv_max_rows``.
 
-The weights stay in their codes. Each program reads ``qmm*_block_n`` output rows' codes in slices of
-``qmm*_block_g`` groups of 32 inputs as 32-bit words (8 codes of 4 bits or 4 of 8) and turns them into x's dtype
-with bit operations alone: a 4-bit code q or-ed into the bits of the 16-bit float 128 (bf16) or 1024 (fp16) is that
-float plus q, so the tile holds ``q + OFFSET`` exactly, two codes per 32-bit operation. The group-wise scale and
-minimum are applied after a tensor-core product rather than to every weight: x's tile is laid out block-diagonally
-(column ``g * M + m`` holds row m of x on group g's inputs, zero elsewhere), so one ``tl.dot`` gives every group's
-sum of ``(q + OFFSET) * x`` apart, and ``sum_g scale * dot + (minimum - OFFSET * scale) * sum(x over g)`` in fp32 is
-the product of the weight ``scale * q + minimum`` with no rounding of the weight at all. Per weight that is one
-or-and of two codes plus a share of the product (idle tensor-core lanes); the per-group work is spread over ``32 /
-M`` weights.
+The weights stay in their codes. Each program reads ``qmm_block_n`` output rows' codes in slices of ``qmm_block_g``
+groups of 32 inputs as 32-bit words (8 codes of 4 bits or 4 of 8) and dequantizes every weight in registers: a
+shift and an or-and put a code q in the top mantissa bits of the float 1.0, which is then the float ``1 + q / L``
+(L = 2^bits), and one FMA with ``L * scale`` and ``minimum - L * scale`` gives ``scale * q + minimum`` (in fp32,
+within a rounding or two of the exact weight). The weight is rounded once to x's dtype, as the reference's
+dequantized weight is for the prefill's products, and one tensor-core product per slice adds ``weight @ x^T`` into
+an fp32 accumulator carried over the slices, x's rows padded to 16 columns. The dequantization is the work: a
+launch takes about the same time for 1 to 16 rows. The groups may be split in ranges (split-K) when the row
+blocks are too few to fill the device; the last program of a block to finish adds up the ranges' sums.
 More rows (the prefill) go to the reference, which dequantizes the weight and calls cuBLAS.
 
+On the H200 at Llama-3-8B's products (q/k/v, o, gate/up, down; us): 14.6 / 11.1 / 56.1 / 29.5 at one row, 14.7 /
+11.4 / 57.0 / 30.3 at 16 rows, where torch's bf16 product of the unquantized weight takes 15.9 / 12.5 / 57.6 / 32.0.
+The kernel this one replaced (the per-group scaling applied after a product against x laid out block-diagonally,
+no rounded weight) took 24.4 / 13.5 / 83.6 / 39.7 at one row and 28.3 / 22.3 / 83.8 / 70.7 at 16, bound by waiting
+for each slice's product before scaling it.
+
 On CUDA, up to ``tinygemm_rows`` rows of bf16 with 4-bit codes go to torch's own int4 kernel (tinygemm,
-``torch._weight_int4pack_mm``) instead: on the H200 at Llama-3-8B's products it takes 11.5 / 7.8 / 41.2 / 21.6 us at
-one row (q/k/v, o, gate/up, down; 32-42% of the copy bandwidth) where this kernel's best launch takes 24.3 / 13.5 /
-83.6 / 39.7 (the block-diagonal product is bound by its instructions' latency, not by memory), and 15.5 / 10.1 /
-52.2 / 30.0 at 4 rows against 16.6 / 13.6 / 62.3 / 39.6; at 16 rows this kernel is the faster (28.3 / 22.3 / 83.8
-/ 70.7 against 36.1 / 23.4 / 138.1 / 71.3). tinygemm takes its own layout and a bf16 scale and zero per group
+``torch._weight_int4pack_mm``) instead: 11.6 / 7.6 / 40.0 / 21.0 us at one row and 15.2 / 10.0 / 50.4 / 29.5 at 4
+(36.1 / 23.4 / 138.1 / 71.3 at 16 rows). tinygemm takes its own layout and a bf16 scale and zero per group
 (``w = (q - 8) * scale + zero``): each weight's codes are repacked once, on first use, and kept while they live
 (0.625 bytes a weight more); ``scale`` and ``minimum + 8 * scale`` rounded to bf16 make its product differ from
 the reference's by about bf16's rounding of the weight (relative error 3.0e-3 against the float64 reference on
-the H200, torch's bf16 product of the dequantized weight 2.1e-3; ``tests/test_quant.py`` checks it on a GPU).
+the H200, this kernel's and torch's bf16 product of the dequantized weight 2.1e-3; ``tests/test_quant.py`` checks
+it on a GPU).
 """
 
 from __future__ import annotations
@@ -38,94 +41,78 @@ from .common import TUNING, interpreted_bf16, precision
 
 
 @triton.jit
-def _halves(p, DTYPE: tl.constexpr):
-    """The two 16-bit floats of each 32-bit word of p: the low and the high half."""
-    lo = (p & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
-    hi = (p >> 16).to(tl.int16).to(DTYPE, bitcast=True)
-    return lo, hi
+def _field(w, AT: tl.constexpr, BITS: tl.constexpr):
+    """The float ``1 + q / 2^BITS`` of the BITS-bit code q at bit AT of each word of w: q moved to the top of the
+    mantissa of 1.0."""
+    TOP: tl.constexpr = 23 - BITS
+    MASK: tl.constexpr = ((1 << BITS) - 1) << TOP
+    if AT <= TOP:
+        v = (w << (TOP - AT)) & MASK
+    else:
+        v = (w >> (AT - TOP)) & MASK
+    return (v | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _unpack(w, BITS: tl.constexpr, DTYPE: tl.constexpr):
-    """Words (R, W) int32 of codes as (R, W * 32 // BITS) floats of DTYPE: ``q + OFFSET`` for 4 bits (OFFSET 128
-    for bf16, 1024 for fp16; a word holds 8 consecutive inputs, the even ones in its low 16 bits and the odd ones
-    in its high 16, the first in the lowest nibble of each), q for 8 (a word: 4 consecutive inputs, the first in
-    its lowest byte)."""
+def _levels(w, BITS: tl.constexpr):
+    """Words (R, W) int32 of codes as (R, W * 32 // BITS) fp32 ``1 + q / 2^BITS``, in input order. A word of 4-bit
+    codes holds 8 consecutive inputs, input i in nibble ``4 * (i % 2) + i // 2`` (the even ones in its low 16 bits,
+    the odd ones in its high 16); a word of 8-bit codes 4 inputs, the first in its lowest byte."""
     if BITS == 4:
-        MAGIC: tl.constexpr = 0x43004300 if DTYPE == tl.bfloat16 else 0x64006400
-        # Each or-and gives the 16-bit floats of two consecutive inputs: 0 and 1, 2 and 3, ... in its halves.
-        a0, a1 = _halves((w & 0x000F000F) | MAGIC, DTYPE)
-        b2, b3 = _halves(((w >> 4) & 0x000F000F) | MAGIC, DTYPE)
-        c4, c5 = _halves(((w >> 8) & 0x000F000F) | MAGIC, DTYPE)
-        d6, d7 = _halves(((w >> 12) & 0x000F000F) | MAGIC, DTYPE)
+        v0, v1, v2, v3 = _field(w, 0, 4), _field(w, 16, 4), _field(w, 4, 4), _field(w, 20, 4)
+        v4, v5, v6, v7 = _field(w, 8, 4), _field(w, 24, 4), _field(w, 12, 4), _field(w, 28, 4)
         # join appends an axis: the innermost pair lands 4 apart, the middle 2, the outer 1.
-        q = tl.join(tl.join(tl.join(a0, c4), tl.join(b2, d6)), tl.join(tl.join(a1, c5), tl.join(b3, d7)))
+        q = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
         return tl.reshape(q, (w.shape[0], w.shape[1] * 8))
     else:
-        b0 = ((w & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # q as a float, no conversion
-        b1 = (((w >> 8) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        b2 = (((w >> 16) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        b3 = (((w >> 24) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        b0, b1, b2, b3 = _field(w, 0, 8), _field(w, 8, 8), _field(w, 16, 8), _field(w, 24, 8)
         q = tl.join(tl.join(b0, b2), tl.join(b1, b3))
-        return tl.reshape(q, (w.shape[0], w.shape[1] * 4)).to(DTYPE)
+        return tl.reshape(q, (w.shape[0], w.shape[1] * 4))
 
 
 @triton.jit
 def _qmm_kernel(x_ptr, c_ptr, s_ptr, m_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, rows_x, n, k, groups,
                 BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
                 SPLIT: tl.constexpr, EVEN: tl.constexpr, BIAS: tl.constexpr, DTYPE: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """out (rows_x, n) = x (rows_x, k) @ weight.T: acc (BLOCK_N, BLOCK_G * BLOCK_M) holds per output row the sums
-    of each group slot and x row, summed over the slots at the end. With SPLIT > 1 the groups are split in SPLIT
-    ranges (program axis 1): each program writes its sums (BLOCK_N, BLOCK_M) to ws (SPLIT, n blocks, BLOCK_M,
-    BLOCK_N) fp32 and counts itself in count (n blocks,) int32 (zero between launches); the last to count adds
-    them up, writes out and sets the count back to zero."""
+                PRECISION: tl.constexpr):
+    """out (rows_x, n) = x (rows_x, k) @ weight.T, each slice's weight (BLOCK_N, BLOCK_G * 32) dequantized in DTYPE
+    and multiplied with x's slice (BLOCK_G * 32, BLOCK_M) into acc (BLOCK_N, BLOCK_M) fp32. With SPLIT > 1 the
+    groups are split in SPLIT ranges (program axis 1): each program writes its sums (BLOCK_N, BLOCK_M) to ws
+    (SPLIT, n blocks, BLOCK_M, BLOCK_N) fp32 and counts itself in count (n blocks,) int32 (zero between launches);
+    the last to count adds them up, writes out and sets the count back to zero."""
     WORDS: tl.constexpr = BITS  # 32-bit words of a group: 32 codes of BITS bits
-    OFFSET: tl.constexpr = (128.0 if DTYPE == tl.bfloat16 else 1024.0) if BITS == 4 else 0.0
+    LEVEL: tl.constexpr = (1 << BITS) * 1.0
     BLOCK_K: tl.constexpr = BLOCK_G * 32
-    COLS: tl.constexpr = BLOCK_G * BLOCK_M
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < n
     wj = tl.arange(0, BLOCK_G * WORDS)
     kk = tl.arange(0, BLOCK_K)
-    col = tl.arange(0, COLS)
-    col_g, col_m = col // BLOCK_M, col % BLOCK_M
     gi = tl.arange(0, BLOCK_G)
-    # x's block-diagonal tile (BLOCK_K, COLS): input kk of column (g, m) is x[m, kk] on group g, else 0.
-    diag = ((kk // 32)[:, None] == col_g[None, :]) & (col_m < rows_x)[None, :]
-    x_at = x_ptr + col_m[None, :] * k + kk[:, None]
     xm = tl.arange(0, BLOCK_M)
     words_at = c_ptr + rows.to(tl.int64)[:, None] * (groups * WORDS) + wj[None, :]
     scales_at = rows.to(tl.int64)[:, None] * groups + gi[None, :]
-    acc = tl.zeros((BLOCK_N, COLS), tl.float32)
+    x_at = x_ptr + xm[None, :] * k + kk[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     per_split = tl.cdiv(tl.cdiv(groups, BLOCK_G), SPLIT) * BLOCK_G
     start = tl.program_id(1) * per_split
     for g0 in tl.range(start, tl.minimum(groups, start + per_split), BLOCK_G):
         if EVEN:
             w = tl.load(words_at + g0 * WORDS, mask=in_rows[:, None], other=0)
-            xt = tl.load(x_at + g0 * 32, mask=diag, other=0.0)
-            xc = tl.load(x_ptr + xm[:, None] * k + g0 * 32 + kk[None, :], mask=(xm < rows_x)[:, None], other=0.0)
+            xt = tl.load(x_at + g0 * 32, mask=(xm < rows_x)[None, :], other=0.0)
             s_mask = in_rows[:, None]
         else:
             w = tl.load(words_at + g0 * WORDS, mask=in_rows[:, None] & (g0 * WORDS + wj < groups * WORDS)[None, :],
                         other=0)
-            xt = tl.load(x_at + g0 * 32, mask=diag & (g0 * 32 + kk < k)[:, None], other=0.0)
-            xc = tl.load(x_ptr + xm[:, None] * k + g0 * 32 + kk[None, :],
-                         mask=(xm < rows_x)[:, None] & (g0 * 32 + kk < k)[None, :], other=0.0)
+            xt = tl.load(x_at + g0 * 32, mask=(xm < rows_x)[None, :] & (g0 * 32 + kk < k)[:, None], other=0.0)
             s_mask = in_rows[:, None] & (g0 + gi < groups)[None, :]
-        q = _unpack(w, BITS, DTYPE)
-        if UPCAST:
-            q, xt = q.to(tl.float32), xt.to(tl.float32)
-        d = tl.dot(q, xt, input_precision=PRECISION)
-        # The groups' sums of x (BLOCK_M, BLOCK_G), in the columns' order (g, m).
-        xs = tl.sum(tl.reshape(xc.to(tl.float32), (BLOCK_M, BLOCK_G, 32)), axis=2)
-        xs = tl.reshape(tl.trans(xs), (COLS,))
-        s = tl.load(s_ptr + scales_at + g0, mask=s_mask, other=0.0).to(tl.float32)
-        mn = tl.load(m_ptr + scales_at + g0, mask=s_mask, other=0.0).to(tl.float32) - OFFSET * s
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_G, BLOCK_M)), (BLOCK_N, COLS))
-        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], (BLOCK_N, BLOCK_G, BLOCK_M)), (BLOCK_N, COLS))
-        acc += s * d + mn * xs[None, :]
-    out = tl.sum(tl.reshape(acc, (BLOCK_N, BLOCK_G, BLOCK_M)), axis=1)
+        # scale * q + minimum = (L * scale) * (1 + q / L) + (minimum - L * scale)
+        s = tl.load(s_ptr + scales_at + g0, mask=s_mask, other=0.0).to(tl.float32) * LEVEL
+        z = tl.load(m_ptr + scales_at + g0, mask=s_mask, other=0.0).to(tl.float32) - s
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_G, 32)), (BLOCK_N, BLOCK_K))
+        z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, BLOCK_G, 32)), (BLOCK_N, BLOCK_K))
+        weight = (_levels(w, BITS) * s + z).to(DTYPE)
+        acc = tl.dot(weight, xt.to(DTYPE), acc, input_precision=PRECISION)
+    out = acc
     if SPLIT > 1:
         block = tl.program_id(0)
         at = (block * BLOCK_M + xm[None, :]) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
@@ -144,11 +131,11 @@ def _qmm_kernel(x_ptr, c_ptr, s_ptr, m_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, r
              mask=in_rows[:, None] & (xm < rows_x)[None, :])
 
 
-def launch_parameters(rows: int) -> tuple[int, int, int, int, int]:
-    """(block_n, block_g, split, warps, stages) for ``rows`` input rows: TUNING's entry of the smallest class that
-    holds them (1, 4 or 16 rows)."""
-    size = 1 if rows == 1 else 4 if rows <= 4 else 16
-    return tuple(TUNING[f"qmm{size}_{name}"] for name in ("block_n", "block_g", "split", "warps", "stages"))
+def split_for(blocks: int, groups: int, block_g: int) -> int:
+    """Ranges the groups are split in for ``blocks`` row blocks: enough that the programs reach ``qmm_programs``,
+    a power of two up to ``qmm_split``, no more than the slices."""
+    wanted = triton.next_power_of_2(triton.cdiv(TUNING["qmm_programs"], blocks))
+    return max(1, min(TUNING["qmm_split"], wanted, triton.cdiv(groups, block_g)))
 
 
 # Split-K scratch per (device, split, n blocks, block_m, block_n): the partial sums and the counts, kept (the counts
@@ -212,17 +199,16 @@ def linear_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
         return (out if bias is None else out + bias).view(*x.shape[:-1], n)
     rounded = interpreted_bf16(x.dtype)  # the interpreter rounds bf16 stores toward zero: torch rounds instead
     out = torch.empty(rows, n, dtype=torch.float32 if rounded else x.dtype, device=x.device)
-    block_m = triton.next_power_of_2(rows)
-    block_n, block_g, split, warps, stages = launch_parameters(rows)
-    block_g = max(block_g, 16 // block_m)  # tl.dot wants at least 16 columns
-    split = max(1, min(split, triton.cdiv(groups, block_g)))
-    dtype = tl.float16 if x.dtype == torch.float16 else tl.bfloat16
+    block_m = max(16, triton.next_power_of_2(rows))  # tl.dot wants at least 16 columns
+    block_n, block_g = TUNING["qmm_block_n"], TUNING["qmm_block_g"]
     blocks = triton.cdiv(n, block_n)
+    split = split_for(blocks, groups, block_g)
+    # The weight is rounded to x's dtype for the product (fp32 in the interpreter, whose bf16 rounding differs).
+    dtype = tl.float32 if rounded or x.dtype == torch.float32 else {torch.float16: tl.float16}.get(x.dtype, tl.bfloat16)
     ws, count = _scratch(x.device, split, blocks, block_m, block_n) if split > 1 else (out, out)
     _qmm_kernel[(blocks, split)](
         x.contiguous(), codes.view(torch.int32), scale, minimum, codes if bias is None else bias, out, ws, count,
         rows, n, k, groups, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split,
         EVEN=k % (block_g * reference.GROUP) == 0, BIAS=bias is not None, DTYPE=dtype,
-        UPCAST=rounded or x.dtype == torch.float32, PRECISION=precision(x.dtype), num_warps=warps,
-        num_stages=stages)
+        PRECISION=precision(x.dtype), num_warps=TUNING["qmm_warps"], num_stages=TUNING["qmm_stages"])
     return out.to(x.dtype).view(*x.shape[:-1], n)

@@ -99,9 +99,9 @@ def tune(device: torch.device, timer: Timer, log) -> dict:
 
     sets = {name: weights(n, k, device)[0][:8] for name, (n, k) in SHAPES.items() if name != "head"}  # enough to rank
     xs = {k: torch.randn(SWEEP_ROWS, k, device=device, dtype=torch.bfloat16) for _, k in SHAPES.values()}
-    results = []
+    results, tinygemm_rows = [], TUNING["tinygemm_rows"]
     for values in itertools.product(*SWEEP.values()):
-        TUNING.update(dict(zip(SWEEP, values)))
+        TUNING.update(dict(zip(SWEEP, values)), tinygemm_rows=0)  # the Triton kernel at any rows
         try:
             times = {name: time_products(timer, xs[SHAPES[name][1]], c, True) for name, c in sets.items()}
         except Exception as err:  # a launch the device refuses (registers, shared memory)
@@ -111,7 +111,7 @@ def tune(device: torch.device, timer: Timer, log) -> dict:
         log(f"{values}: " + ", ".join(f"{n} {t:.1f}" for n, t in times.items()))
     results.sort(key=lambda r: r[0])
     best = dict(zip(SWEEP, results[0][1]))
-    TUNING.update(best)
+    TUNING.update(best, tinygemm_rows=tinygemm_rows)
     log(f"best: {best}")
     return {"rows": SWEEP_ROWS, "best": best,
             "top": [{"params": dict(zip(SWEEP, v)), "us": t} for _, v, t in results[:10]]}

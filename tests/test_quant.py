@@ -48,6 +48,7 @@ def random_codes(n, k, bits, seed):
 def test_kernel_matches_float64_reference(bits, rows, n, k, bias, dtype, split, monkeypatch):
     from sparsekv.kernels import triton as tops
 
+    monkeypatch.setitem(tops.TUNING, "cuda_int4_rows", 0)  # the Triton kernel, also where the CUDA one runs
     # Slices of 2 groups: an odd group count (3, 7) leaves a partial slice, k=1000 a partial group; blocks of 16
     # output rows leave a partial block for n=5, 33, 7.
     monkeypatch.setitem(tops.TUNING, "qmm_block_g", 2)
@@ -82,9 +83,10 @@ def test_split_k_fills_the_programs_it_is_tuned_for(monkeypatch):
 
 @pytest.mark.skipif(not ON_GPU, reason="tinygemm runs on CUDA only")
 @pytest.mark.parametrize("rows", [1, 3, 4])
-def test_tinygemm_path_matches_float64_reference(rows):
+def test_tinygemm_path_matches_float64_reference(rows, monkeypatch):
     from sparsekv.kernels import triton as tops
 
+    monkeypatch.setitem(tops.TUNING, "cuda_int4_rows", 0)  # tinygemm serves where the CUDA kernel is not built
     n, k = 264, 1152  # tinygemm's multiples: n of 8, k of 128
     codes, scale, minimum = random_codes(n, k, 4, seed=rows)
     g = torch.Generator(device=DEV).manual_seed(rows)
@@ -100,6 +102,80 @@ def test_tinygemm_path_matches_float64_reference(rows):
     assert out.shape == (rows, n)
     torch_err = (ref.linear_quantized(x, codes, scale, minimum, b).to(F64) - exact).norm() / exact.norm()
     assert ((out.to(F64) - exact).norm() / exact.norm()).item() <= 2 * torch_err.item()
+
+
+@pytest.mark.parametrize("n, k", [(16, 64), (48, 192)])
+def test_cuda_int4_packing_is_the_mma_fragment_layout(n, k):
+    """Each lane's word holds the codes of its A fragment of an m16n8k16 product (PTX ISA: registers j = 0..3 hold
+    rows g, g + 8, g, g + 8 and inputs 2t, 2t + 1 (+ 8 for j >= 2) of the step), and its scales those of rows g and
+    g + 8: unpacking them so rebuilds the weight the reference dequantizes."""
+    from sparsekv.kernels import cuda
+
+    codes, scale, minimum = random_codes(n, k, 4, seed=n + k)
+    words, sm = cuda.pack_int4(codes.cpu(), scale.cpu(), minimum.cpu(), k)
+    assert words.shape == (n // 16, k // 64, 32, 4) and sm.shape == (n // 16, k // 64, 8, 4, 2)
+    lane = torch.arange(32)
+    g, t = lane // 4, lane % 4
+    w = words.transpose(2, 3).reshape(n // 16, k // 16, 32)  # tile, step, lane
+    q = torch.full((n // 16, k // 16, 16, 16), -1, dtype=torch.int32)
+    for j in range(4):
+        row, col = g + 8 * (j % 2), 2 * t + 8 * (j // 2)
+        q[:, :, row, col] = (w >> (4 * j)) & 15
+        q[:, :, row, col + 1] = (w >> (16 + 4 * j)) & 15
+    q = q.transpose(1, 2).reshape(n, k)
+    s = sm.view(n // 16, k // 64, 8, 2, 2, 2).permute(0, 4, 2, 1, 3, 5).reshape(n, k // 32, 2)  # (row, group)
+    assert torch.equal(s[..., 0], scale.cpu()) and torch.equal(s[..., 1], minimum.cpu())
+    weight = q.to(F64).view(n, k // 32, 32) * s[..., :1].to(F64) + s[..., 1:].to(F64)
+    assert torch.equal(weight.view(n, k), ref.dequantize(codes.cpu(), scale.cpu(), minimum.cpu(), k, F64))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the CUDA kernel runs on CUDA only")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n, k, dtype, bias", [
+    (16, 64, torch.bfloat16, False), (48, 192, torch.float16, True), (512, 128, torch.bfloat16, True),
+    (6144, 256, torch.bfloat16, False), (24576, 64, torch.float16, False)])
+def test_cuda_int4_kernel_matches_float64_reference(rows, n, k, dtype, bias):
+    """One block launch per shape (1, 2, 4 and 8 tiles a block), bf16 and fp16, with and without bias."""
+    from sparsekv.kernels import cuda, triton as tops
+
+    if not cuda.available(DEV):
+        pytest.skip("the CUDA kernel cannot be built here")
+    codes, scale, minimum = random_codes(n, k, 4, seed=n + rows)
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    x = torch.randn(rows, k, generator=g, device=DEV).to(dtype)
+    b = torch.randn(n, generator=g, device=DEV).to(dtype) if bias else None
+    exact = ref.linear_quantized(x.to(F64), codes, scale, minimum, None if b is None else b.to(F64))
+    out = tops.linear_quantized(x, codes, scale, minimum, b)
+    assert (codes.data_ptr(), (n, k // 2), scale.data_ptr(), minimum.data_ptr()) in tops.quant._CUDA_INT4
+    assert out.shape == (rows, n) and out.dtype == dtype
+    torch_err = (ref.linear_quantized(x.float(), codes, scale, minimum, None if b is None else b.float())
+                 .to(dtype).to(F64) - exact).norm() / exact.norm()
+    assert ((out.to(F64) - exact).norm() / exact.norm()).item() <= 2 * torch_err.item() + 1e-6
+    # a view of x at an odd offset is read as well
+    wide = torch.cat([torch.zeros(rows, 1, device=DEV, dtype=dtype), x], dim=1)[:, 1:]
+    assert torch.equal(tops.linear_quantized(wide, codes, scale, minimum, b), out)
+
+
+def test_repacked_operands_are_refreshed_in_place():
+    """A kernel's repacked copy of a weight is made once per storage and, when the weight changes in place, rewritten
+    in the same tensors: a CUDA graph captured before still reads them."""
+    pytest.importorskip("triton")
+    from sparsekv.kernels import triton as tops
+
+    codes, scale, minimum = (t.cpu() for t in random_codes(16, 64, 4, seed=3))
+    table, made, weight = {}, [], {"codes": codes}
+
+    def make():
+        made.append(1)
+        return (weight["codes"].to(torch.int32) * 2,)
+
+    first = tops.quant._kept(table, codes, scale, minimum, make)
+    assert tops.quant._kept(table, codes.view(16, 32), scale, minimum, make)[0] is first[0] and len(made) == 1
+    codes.add_(1)
+    again = tops.quant._kept(table, codes, scale, minimum, make)
+    assert again[0] is first[0] and torch.equal(again[0], codes.to(torch.int32) * 2) and len(made) == 2
+    del codes, again, first, weight["codes"]
+    assert not table  # dropped with the storage
 
 
 def test_more_rows_than_the_kernel_takes_run_the_reference():

@@ -1,8 +1,9 @@
 """The weights' products of a decode step at Llama-3-8B's shapes: group-quantized int4 (``linear_quantized``: the
-path it takes, tinygemm up to ``tinygemm_rows`` rows, and our Triton kernel alone) against bf16 (``linear``), per
-product and input rows, with the fraction of the copy bandwidth each reaches.
+path it takes, the CUDA kernel up to ``cuda_int4_rows`` rows, and alone our Triton kernel and torch's tinygemm up to
+``tinygemm_rows`` rows) against bf16 (``linear``), per product and input rows, with the fraction of the copy
+bandwidth each reaches.
 
-    python -m sparsekv.bench.linear                 # rows 1 4 16, the tuned launch parameters
+    python -m sparsekv.bench.linear                 # rows 1 4 8 16, the tuned launch parameters
     python -m sparsekv.bench.linear --tune          # sweeps the Triton kernel's launch parameters first
 
 Each product runs on enough copies of its weight in rotation (at least 1 GB) that none is read from the L2 cache,
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -78,6 +80,19 @@ def weights(n: int, k: int, device: torch.device) -> tuple[list, list]:
     return int4, bf16
 
 
+@contextmanager
+def tuned(**values):
+    """``TUNING`` with ``values`` within the block (the paths the op takes), restored after."""
+    from ..kernels.triton import TUNING
+
+    kept = {name: TUNING[name] for name in values}
+    TUNING.update(values)
+    try:
+        yield
+    finally:
+        TUNING.update(kept)
+
+
 def time_products(timer: Timer, x: torch.Tensor, copies: list, quantized: bool) -> float:
     """Microseconds per product over the copies."""
     def run():
@@ -99,11 +114,12 @@ def tune(device: torch.device, timer: Timer, log) -> dict:
 
     sets = {name: weights(n, k, device)[0][:8] for name, (n, k) in SHAPES.items() if name != "head"}  # enough to rank
     xs = {k: torch.randn(SWEEP_ROWS, k, device=device, dtype=torch.bfloat16) for _, k in SHAPES.values()}
-    results, tinygemm_rows = [], TUNING["tinygemm_rows"]
+    results = []
     for values in itertools.product(*SWEEP.values()):
-        TUNING.update(dict(zip(SWEEP, values)), tinygemm_rows=0)  # the Triton kernel at any rows
+        TUNING.update(dict(zip(SWEEP, values)))
         try:
-            times = {name: time_products(timer, xs[SHAPES[name][1]], c, True) for name, c in sets.items()}
+            with tuned(cuda_int4_rows=0, tinygemm_rows=0):  # the Triton kernel at any rows
+                times = {name: time_products(timer, xs[SHAPES[name][1]], c, True) for name, c in sets.items()}
         except Exception as err:  # a launch the device refuses (registers, shared memory)
             log(f"{values}: {type(err).__name__}")
             continue
@@ -111,7 +127,7 @@ def tune(device: torch.device, timer: Timer, log) -> dict:
         log(f"{values}: " + ", ".join(f"{n} {t:.1f}" for n, t in times.items()))
     results.sort(key=lambda r: r[0])
     best = dict(zip(SWEEP, results[0][1]))
-    TUNING.update(best, tinygemm_rows=tinygemm_rows)
+    TUNING.update(best)
     log(f"best: {best}")
     return {"rows": SWEEP_ROWS, "best": best,
             "top": [{"params": dict(zip(SWEEP, v)), "us": t} for _, v, t in results[:10]]}
@@ -119,7 +135,7 @@ def tune(device: torch.device, timer: Timer, log) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparsekv.bench.linear", description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--tag", default="linear_int4")
@@ -141,33 +157,36 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             q_us = time_products(timer, x, int4, True)
-            tinygemm_rows = TUNING["tinygemm_rows"]
-            TUNING["tinygemm_rows"] = 0
-            t_us = time_products(timer, x, int4, True) if m <= tinygemm_rows else q_us
-            TUNING["tinygemm_rows"] = tinygemm_rows
+            with tuned(cuda_int4_rows=0, tinygemm_rows=0):
+                t_us = time_products(timer, x, int4, True)
+            with tuned(cuda_int4_rows=0):
+                g_us = time_products(timer, x, int4, True) if m <= TUNING["tinygemm_rows"] else math.nan
             b_us = time_products(timer, x, bf16, False)
-            row = {"product": name, "n": n, "k": k, "rows": m, "int4_us": q_us, "triton_us": t_us, "bf16_us": b_us,
+            row = {"product": name, "n": n, "k": k, "rows": m, "int4_us": q_us, "triton_us": t_us,
+                   "tinygemm_us": g_us, "bf16_us": b_us,
                    "int4_floor_us": q_bytes / bandwidth * 1e6, "bf16_floor_us": n * k * 2 / bandwidth * 1e6,
                    "read_us": read_us,
                    "int4_bandwidth": q_bytes / (q_us * 1e-6) / bandwidth, "error": error(x, *int4[0])}
             rows.append(row)
             log(f"{name} rows {m}: int4 {q_us:.1f} us ({row['int4_bandwidth']:.0%} of copy bandwidth, floor "
-                f"{row['int4_floor_us']:.1f}; Triton {t_us:.1f}), bf16 {b_us:.1f} us; error {row['error']:.1e}")
+                f"{row['int4_floor_us']:.1f}; Triton {t_us:.1f}, tinygemm {g_us:.1f}), bf16 {b_us:.1f} us; error "
+                f"{row['error']:.1e}")
         del int4, bf16
         torch.cuda.empty_cache()
     meta = {"device": device_name(device), "copy_bandwidth_GBs": bandwidth / 1e9,
-            "tuning": {k: v for k, v in TUNING.items() if k.startswith(("qmm", "tinygemm"))},
+            "tuning": {k: v for k, v in TUNING.items() if k.startswith(("qmm", "tinygemm", "cuda"))},
             "torch": torch.__version__}
     columns = [("product", "product", "{}"), ("out x in", lambda r: f"{r['n']} x {r['k']}", "{}"),
                ("rows", "rows", "{}"), ("int4 us", "int4_us", "{:.1f}"), ("int4 floor us", "int4_floor_us", "{:.1f}"),
                ("of copy bandwidth", "int4_bandwidth", "{:.0%}"), ("read ceiling us", "read_us", "{:.1f}"),
                ("of read ceiling", lambda r: r["read_us"] / r["int4_us"], "{:.0%}"),
-               ("Triton kernel us", "triton_us", "{:.1f}"),
+               ("Triton kernel us", "triton_us", "{:.1f}"), ("tinygemm us", "tinygemm_us", "{:.1f}"),
                ("bf16 us", "bf16_us", "{:.1f}"),
                ("bf16 / int4", lambda r: r["bf16_us"] / r["int4_us"], "{:.2f}"), ("rel. error", "error", "{:.1e}")]
     lines = [f"# int4 products at Llama-3-8B's shapes ({meta['device']}, copy bandwidth "
-             f"{bandwidth / 1e12:.2f} TB/s)", "", f"int4: the op's path (tinygemm up to {TUNING['tinygemm_rows']} "
-             "rows, else the Triton kernel); Triton kernel: ours alone. Launch parameters: " f"{meta['tuning']}", "",
+             f"{bandwidth / 1e12:.2f} TB/s)", "", f"int4: the op's path (the CUDA kernel up to "
+             f"{TUNING['cuda_int4_rows']} rows, else the Triton kernel); Triton kernel and tinygemm: each alone. "
+             f"Launch parameters: {meta['tuning']}", "",
              *markdown_table(columns, rows)]
     write_results(args.out, args.tag, meta, rows, lines, tuning=tuning)
     print("\n".join(lines))

@@ -45,8 +45,9 @@ from triton import knobs
 # qmm_*: the products of group-quantized weights (``quant``) for up to qgemv_max_rows input rows: programs of
 # qmm_block_n output rows read slices of qmm_block_g groups of 32 inputs; the groups are split in up to qmm_split
 # ranges (split-K, programs of one row block adding up their sums through a count) until the programs number
-# qmm_programs. More rows go to the reference (dequantized weight, cuBLAS). Up to tinygemm_rows rows of bf16 with
-# 4-bit codes take torch's tinygemm instead on CUDA (faster there at one row). On the H200 at Llama-3-8B's four
+# qmm_programs. More rows go to the reference (dequantized weight, cuBLAS). Up to cuda_int4_rows rows (at most 8)
+# of 4-bit codes take the CUDA kernel (``kernels.cuda``) instead; where it cannot be built, up to tinygemm_rows
+# rows of bf16 take torch's tinygemm (faster than this kernel at one row). On the H200 at Llama-3-8B's four
 # products of a layer at 16 rows (``bench.linear --tune``: block_n 64-128, block_g 2-8, split 1-4, 4-8 warps,
 # stages 2-3), the least summed time: 64 / 8 / 4 / 4 warps / 3 stages (113.9 us; stages 2: 117.3).
 # coded_*: page scores from low-bit key codes (``coded``): programs of coded_block tokens (coded_block / page_size
@@ -79,7 +80,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "window_programs_per_sm": 4,
           "raas_block": 1024, "raas_warps": 4, "raas_cand": 16,
           "gemv_block_n": 1, "gemv_block_k": 2048, "gemv_warps": 4, "gemv_stages": 2, "gemv_max_in": 16384,
-          "qgemv_max_rows": 16, "tinygemm_rows": 4,
+          "qgemv_max_rows": 16, "cuda_int4_rows": 8, "tinygemm_rows": 4,
           "qmm_block_n": 64, "qmm_block_g": 8, "qmm_split": 4, "qmm_programs": 256, "qmm_warps": 4, "qmm_stages": 3,
           "coded_block": 128, "coded_warps": 4, "coded_heads": 8,
           "mass_block": 256, "mass_parts": 1024, "mass_warps": 4,

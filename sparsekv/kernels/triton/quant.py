@@ -18,14 +18,15 @@ The kernel this one replaced (the per-group scaling applied after a product agai
 no rounded weight) took 24.4 / 13.5 / 83.6 / 39.7 at one row and 28.3 / 22.3 / 83.8 / 70.7 at 16, bound by waiting
 for each slice's product before scaling it.
 
-On CUDA, up to ``tinygemm_rows`` rows of bf16 with 4-bit codes go to torch's own int4 kernel (tinygemm,
-``torch._weight_int4pack_mm``) instead: 11.6 / 7.6 / 40.0 / 21.0 us at one row and 15.2 / 10.0 / 50.4 / 29.5 at 4
-(36.1 / 23.4 / 138.1 / 71.3 at 16 rows). tinygemm takes its own layout and a bf16 scale and zero per group
-(``w = (q - 8) * scale + zero``): each weight's codes are repacked once, on first use, and kept while they live
-(0.625 bytes a weight more); ``scale`` and ``minimum + 8 * scale`` rounded to bf16 make its product differ from
-the reference's by about bf16's rounding of the weight (relative error 3.0e-3 against the float64 reference on
-the H200, this kernel's and torch's bf16 product of the dequantized weight 2.1e-3; ``tests/test_quant.py`` checks
-it on a GPU).
+On CUDA, up to ``cuda_int4_rows`` rows (at most 8) of 4-bit codes go to our CUDA kernel instead
+(``kernels.cuda.int4_products``: 9.3 / 6.2 / 26.3 / 15.1 us at one row, 9.8 / 7.2 / 25.9 / 19.4 at 8), on its own
+copy of the codes in its operands' layout (``cuda.pack_int4``), made on first use. Where it cannot be built, up to
+``tinygemm_rows`` rows of bf16 go to torch's own int4 kernel (tinygemm, ``torch._weight_int4pack_mm``: 11.6 / 7.7
+/ 40.3 / 21.2 us at one row) on its layout and a bf16 scale and zero per group (``w = (q - 8) * scale + zero``):
+``scale`` and ``minimum + 8 * scale`` rounded to bf16 make its product differ from the reference's by about bf16's
+rounding of the weight (relative error 3.0e-3 against the float64 reference on the H200; the CUDA kernel's
+1.7e-3, this kernel's and torch's bf16 product of the dequantized weight 2.1e-3; ``tests/test_quant.py`` checks
+them on a GPU).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import reference
+from .. import cuda, reference
 from .common import TUNING, interpreted_bf16, precision
 
 
@@ -155,29 +156,41 @@ def _scratch(device: torch.device, split: int, blocks: int, block_m: int, block_
 TINYGEMM_K_TILES = 8
 
 
-# tinygemm's operands per weight, keyed by the addresses and shape of codes, scale and minimum: an entry lives as
-# long as the storage of the codes it was made for, not the tensor object: the decode step's fused weights are new
-# tensors over the same storage each time a step is built (every generate), and an alias passed by torch.compile
-# finds the entry by address.
+# Operands repacked per weight for another kernel (tinygemm's, the CUDA kernel's), keyed by the addresses and shape
+# of codes, scale and minimum: an entry lives as long as the storage of the codes it was made for, not the tensor
+# object: the decode step's fused weights are new tensors over the same storage each time a step is built (every
+# generate), and an alias passed by torch.compile finds the entry by address.
 _TINYGEMM: dict[tuple, tuple] = {}
+_CUDA_INT4: dict[tuple, tuple] = {}
 
 
-def _tinygemm_operands(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, k: int):
-    """tinygemm's packed weight and (G, N, 2) bf16 scales and zeros for 4-bit ``codes``, made on first use."""
+def _kept(table: dict, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, make):
+    """The tensors ``make()`` returns for these codes, scale and minimum, made on first use and kept in ``table``;
+    None while a CUDA graph is captured and none are kept (the capture would record the repacking, not run it)."""
     key = (codes.data_ptr(), tuple(codes.shape), scale.data_ptr(), minimum.data_ptr())
     # In-place changes (load_state_dict's copies) bump the version; inference tensors have none. A tensor object
     # counts its own versions: a new one over the same storage may repack once more.
     versions = tuple(-1 if t.is_inference() else t._version for t in (codes, scale, minimum))
-    kept = _TINYGEMM.get(key)
-    if kept is None or kept[0] != versions:
-        q = reference.dequantize(codes, torch.ones_like(scale), torch.zeros_like(minimum), k).to(torch.int32)
-        packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), TINYGEMM_K_TILES)
-        s = scale.float()
-        zeros = torch.stack([s, minimum.float() + 8 * s], dim=2).transpose(0, 1).contiguous().to(torch.bfloat16)
-        if kept is None:
-            weakref.finalize(codes.untyped_storage(), _TINYGEMM.pop, key, None)
-        kept = _TINYGEMM[key] = (versions, packed, zeros)
-    return kept[1], kept[2]
+    kept = table.get(key)
+    if codes.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None if kept is None else kept[1]
+    if kept is None:
+        weakref.finalize(codes.untyped_storage(), table.pop, key, None)
+        kept = table[key] = (versions, make())
+    elif kept[0] != versions:
+        for old, new in zip(kept[1], make()):
+            old.copy_(new)  # in place: the graphs captured so far read these tensors' memory
+        table[key] = (versions, kept[1])
+    return kept[1]
+
+
+def _tinygemm_operands(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, k: int):
+    """tinygemm's packed weight and (G, N, 2) bf16 scales and zeros for 4-bit ``codes``."""
+    q = reference.dequantize(codes, torch.ones_like(scale), torch.zeros_like(minimum), k).to(torch.int32)
+    packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), TINYGEMM_K_TILES)
+    s = scale.float()
+    zeros = torch.stack([s, minimum.float() + 8 * s], dim=2).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return packed, zeros
 
 
 def linear_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
@@ -192,9 +205,15 @@ def linear_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
     bits = codes.shape[1] * 8 // (groups * reference.GROUP)
     if bits not in (4, 8) or -(-k // reference.GROUP) != groups:
         return reference.linear_quantized(x, codes, scale, minimum, bias)  # its error names the shapes
+    if (rows <= min(TUNING["cuda_int4_rows"], cuda.MAX_ROWS) and bits == 4 and x.is_cuda and x.dtype != torch.float32
+            and k % cuda.CHUNK_K == 0 and n % cuda.TILE_N == 0 and cuda.available(x.device)):
+        operands = _kept(_CUDA_INT4, codes, scale, minimum, lambda: cuda.pack_int4(codes, scale, minimum, k))
+        if operands is not None:
+            return cuda.int4_products(x.reshape(rows, k).contiguous(), *operands, bias).view(*x.shape[:-1], n)
     if (rows <= TUNING["tinygemm_rows"] and bits == 4 and x.is_cuda and x.dtype == torch.bfloat16
-            and k % (16 * TINYGEMM_K_TILES) == 0 and n % 8 == 0):
-        packed, zeros = _tinygemm_operands(codes, scale, minimum, k)
+            and k % (16 * TINYGEMM_K_TILES) == 0 and n % 8 == 0 and (operands := _kept(
+                _TINYGEMM, codes, scale, minimum, lambda: _tinygemm_operands(codes, scale, minimum, k))) is not None):
+        packed, zeros = operands
         out = torch._weight_int4pack_mm(x.reshape(rows, k).contiguous(), packed, reference.GROUP, zeros)
         return (out if bias is None else out + bias).view(*x.shape[:-1], n)
     rounded = interpreted_bf16(x.dtype)  # the interpreter rounds bf16 stores toward zero: torch rounds instead

@@ -193,6 +193,12 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, 
     return w.view(n, groups * GROUP)[:, :k].to(dtype)
 
 
+def code_values(codes: torch.Tensor, scale: torch.Tensor, k: int) -> torch.Tensor:
+    """(N, k) int32: the codes q themselves (``dequantize`` with scale 1 and minimum 0), for kernels that repack
+    them in their own layout."""
+    return dequantize(codes, torch.ones_like(scale), torch.zeros_like(scale), k).to(torch.int32)
+
+
 def linear_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """``linear`` of a group-quantized weight (``dequantize``'s codes, scale, minimum): x (..., K). Returns (..., N)

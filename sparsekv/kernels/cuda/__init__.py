@@ -10,7 +10,6 @@ in a warning and the caller takes its other kernels.
 from __future__ import annotations
 
 import functools
-import threading
 import warnings
 from pathlib import Path
 
@@ -22,24 +21,19 @@ from .. import reference
 MAX_ROWS = 8
 TILE_N, CHUNK_K = 16, 64
 
-_lock = threading.Lock()
-_built: dict[str, object] = {}
 
-
+@functools.cache
 def _module():
     """The built extension, or None when it cannot be built (warned once, with the reason)."""
-    with _lock:
-        if "module" not in _built:
-            try:
-                from torch.utils.cpp_extension import load
-                _built["module"] = load("sparsekv_cuda_quant", [str(Path(__file__).with_name("quant.cu"))],
-                                        extra_cuda_cflags=["-O3"], verbose=False)
-            except Exception as err:  # no nvcc, no ninja, a failed build: the other kernels serve
-                warnings.warn(f"sparsekv: the CUDA int4 kernel could not be built ({type(err).__name__}: {err}); "
-                              "int4 products use tinygemm and the Triton kernel instead (needs nvcc and "
-                              "`pip install ninja`)", stacklevel=3)
-                _built["module"] = None
-        return _built["module"]
+    try:
+        from torch.utils.cpp_extension import load
+        return load("sparsekv_cuda_quant", [str(Path(__file__).with_name("quant.cu"))], extra_cuda_cflags=["-O3"],
+                    verbose=False)
+    except Exception as err:  # no nvcc, no ninja, a failed build: the other kernels serve
+        warnings.warn(f"sparsekv: the CUDA int4 kernel could not be built ({type(err).__name__}: {err}); int4 "
+                      "products use tinygemm and the Triton kernel instead (needs nvcc and `pip install ninja`)",
+                      stacklevel=3)
+        return None
 
 
 @functools.cache
@@ -62,7 +56,7 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
     n = scale.shape[0]
     if n % TILE_N or k % CHUNK_K:
         raise ValueError(f"pack_int4: N must be a multiple of {TILE_N} and K of {CHUNK_K}, got {n} x {k}")
-    q = reference.dequantize(codes, torch.ones_like(scale), torch.zeros_like(minimum), k).to(torch.int32)
+    q = reference.code_values(codes, scale, k)
     q = q.view(n // TILE_N, TILE_N, k // 16, 16).transpose(1, 2)  # tile, step, row, input
     lane = torch.arange(32, device=q.device)
     g, t = lane // 4, lane % 4

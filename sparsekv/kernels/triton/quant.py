@@ -186,7 +186,7 @@ def _kept(table: dict, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.
 
 def _tinygemm_operands(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, k: int):
     """tinygemm's packed weight and (G, N, 2) bf16 scales and zeros for 4-bit ``codes``."""
-    q = reference.dequantize(codes, torch.ones_like(scale), torch.zeros_like(minimum), k).to(torch.int32)
+    q = reference.code_values(codes, scale, k)
     packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), TINYGEMM_K_TILES)
     s = scale.float()
     zeros = torch.stack([s, minimum.float() + 8 * s], dim=2).transpose(0, 1).contiguous().to(torch.bfloat16)

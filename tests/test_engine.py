@@ -12,6 +12,7 @@ from graph_replay import emulated_graph
 from sparsekv import (DenseConfig, H2OConfig, LowBitConfig, OmniKVConfig, OracleConfig, QuestConfig, RaaSConfig,
                       SnapKVConfig, StreamingLLMConfig, TOVAConfig)
 from sparsekv import engine as engine_module
+from sparsekv import kernels
 from sparsekv.engine import Engine, Sampling
 from sparsekv.tiny import tiny_model
 
@@ -186,6 +187,29 @@ def test_cuda_graph_replays_the_eager_tokens(name, kv_dtype):
     engine = Engine(model, config, max_batch=2, max_context=512, prefill_chunk=64, cuda_graph=False)
     eager = engine.generate(rows, 40, stop_tokens=())
     assert Engine(model, config).capture is engine_module.capture_graph  # the default on CUDA
+    engine.capture = engine_module.capture_graph
+    captured = engine.generate(rows, 40, stop_tokens=())
+    assert captured.captured and captured.tokens == eager.tokens
+    assert captured.stats == pytest.approx(eager.stats)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 1)])
+def test_lowbit_on_the_cuda_kernel_replays_the_eager_tokens(heads, kv_heads):
+    """lowbit on a model whose shapes the CUDA page-score kernel takes (head dim 64, pages of 16; two pages a
+    product, and one): the captured step gives the eager tokens."""
+    from sparsekv.kernels.cuda import coded as cuda_coded
+
+    model = tiny_model("llama", seed=1, dtype=torch.bfloat16, heads=heads, kv_heads=kv_heads, head_dim=64).cuda()
+    model.generation_config.eos_token_id = None
+    rows = prompts((300, 211))
+    config = LowBitConfig(token_budget=256, page_size=16, dense_layers=1)
+    engine = Engine(model, config, max_batch=2, max_context=512, prefill_chunk=64, cuda_graph=False)
+    calls = []
+    with kernels.observe(lambda name, args, _: calls.append(cuda_coded.supported(
+            args["q"], args["kmin"], args["codes"], args["bits"])) if name == "lowbit_select" else None):
+        eager = engine.generate(rows, 40, stop_tokens=())
+    assert calls and all(calls)
     engine.capture = engine_module.capture_graph
     captured = engine.generate(rows, 40, stop_tokens=())
     assert captured.captured and captured.tokens == eager.tokens

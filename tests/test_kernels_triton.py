@@ -580,6 +580,48 @@ def test_coded_scores(batch, heads, kv_heads, head_dim, page_size, lengths, n_pa
     assert rel_err(scores[fin], exact[fin]) <= 2 * torch_err + (1e-2 if dtype != torch.float32 else 1e-6)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the CUDA kernel runs on CUDA only")
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 128), (8, 2, 64), (6, 2, 128), (16, 4, 128),
+                                                       (10, 2, 64), (14, 2, 128), (16, 2, 128), (32, 8, 128)])
+@pytest.mark.parametrize("chunk", [4, 128])
+def test_cuda_coded_lse_matches_float64_reference(bits, dtype, heads, kv_heads, head_dim, chunk):
+    """The CUDA kernel's page log-sum-exps against float64 on the same codes, for 1-8 query heads per KV head (two
+    pages a product up to 4, one above), head dims 64 and 128: pages scattered over the slots, free slots, partial
+    last pages, a row of one token, blocks of 4 slots (many, the last partial) and 128; its block totals against
+    the log-sum-exp of its own page values; a gated row's values equal the ungated ones."""
+    from sparsekv.kernels import cuda
+    from sparsekv.kernels.cuda import coded as cuda_coded
+
+    if head_dim * bits < 128:
+        pytest.skip("fewer than 128 bits of codes per token: the Triton kernel's")
+    if not cuda.available(DEV, "coded"):
+        pytest.skip("the CUDA kernel cannot be built here")
+    lengths = [300, 17, 1, 161]
+    k, _, kmin, kmax, slot_page, _, seq_len = make_cache(len(lengths), kv_heads, head_dim, 16, lengths, dtype,
+                                                         seed=heads + bits)
+    codes = ref.key_codes(k, kmin, kmax, bits)
+    q = torch.randn(len(lengths), heads, head_dim, device=DEV).to(dtype)
+    scale = head_dim ** -0.5
+    assert cuda_coded.supported(q, kmin, codes, bits)
+    out, part = cuda_coded.coded_lse(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, None, chunk)
+    exact = ref.coded_page_lse(*up(q, kmin, kmax), codes, slot_page, seq_len, scale, bits)
+    assert out.shape == exact.shape and part.shape == (len(lengths) * heads, -(-slot_page.shape[2] // chunk))
+    assert torch.equal(out.isinf(), exact.isinf()), "free slots must score -inf, and only they"
+    fin = exact.isfinite()
+    # The levels are exact, each page's q * (max - min) is rounded to bf16 once.
+    assert rel_err(out[fin], exact[fin]) <= 2e-3
+    blocks = torch.nn.functional.pad(out.to(F64), (0, part.shape[1] * chunk - out.shape[2]), value=-float("inf"))
+    want = blocks.view(len(lengths) * heads, part.shape[1], chunk).logsumexp(-1)
+    assert torch.equal(part.isinf(), want.isinf())
+    assert rel_err(part[want.isfinite()], want[want.isfinite()]) <= 1e-6
+    first = seq_len - 2
+    first[0] = seq_len[0] - 1  # row 0 is due at reuse 4 (its first step); row 1 (17 tokens) too (position 16)
+    gated, _ = cuda_coded.coded_lse(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, (first, 4), chunk)
+    assert torch.equal(gated[:2], out[:2])
+
+
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # pages without tokens
 @pytest.mark.parametrize("reuse", [1, 4])
 @pytest.mark.parametrize("variant", ["default", "segments", "groups", "torch-topk"])

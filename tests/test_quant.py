@@ -109,10 +109,10 @@ def test_cuda_int4_packing_is_the_mma_fragment_layout(n, k):
     """Each lane's word holds the codes of its A fragment of an m16n8k16 product (PTX ISA: registers j = 0..3 hold
     rows g, g + 8, g, g + 8 and inputs 2t, 2t + 1 (+ 8 for j >= 2) of the step), and its scales those of rows g and
     g + 8: unpacking them so rebuilds the weight the reference dequantizes."""
-    from sparsekv.kernels import cuda
+    from sparsekv.kernels.cuda import quant as cuda_int4
 
     codes, scale, minimum = random_codes(n, k, 4, seed=n + k)
-    words, sm = cuda.pack_int4(codes.cpu(), scale.cpu(), minimum.cpu(), k)
+    words, sm = cuda_int4.pack_int4(codes.cpu(), scale.cpu(), minimum.cpu(), k)
     assert words.shape == (n // 16, k // 64, 32, 4) and sm.shape == (n // 16, k // 64, 8, 4, 2)
     lane = torch.arange(32)
     g, t = lane // 4, lane % 4
@@ -138,7 +138,7 @@ def test_cuda_int4_kernel_matches_float64_reference(rows, n, k, dtype, bias):
     """One block launch per shape (1, 2, 4 and 8 tiles a block), bf16 and fp16, with and without bias."""
     from sparsekv.kernels import cuda, triton as tops
 
-    if not cuda.available(DEV):
+    if not cuda.available(DEV, "quant"):
         pytest.skip("the CUDA kernel cannot be built here")
     codes, scale, minimum = random_codes(n, k, 4, seed=n + rows)
     g = torch.Generator(device=DEV).manual_seed(rows)

@@ -11,7 +11,11 @@ head's log-sum-exp per page and over its whole block.
 
 ``_page_mass_kernel``: per (sequence, KV head, block of ``mass_block`` slots), each head's total from the blocks'
 log-sum-exps, then each page's share of it, summed over the group's heads unless per query head
-(``reference.page_mass``)."""
+(``reference.page_mass``).
+
+On CUDA the log-sum-exps come from a CUDA kernel where it takes the operands (``kernels.cuda.coded``: the levels
+built in the tensor-core operand's registers, which ``tl.dot`` does not express; 38.7 us per layer at Llama-3-8B,
+batch 1, 128K, 2 bits, against 88.7 for ``_coded_lse_kernel``); its outputs are the same two tensors."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from ..cuda import coded as cuda_coded
 from .common import TUNING, check, interpreted_bf16, kept, precision
 from .selection import select_pages
 
@@ -134,6 +139,9 @@ def coded_lse_parts(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, cod
     ``coded_block`` tokens (B * H, blocks) float32, from which ``coded_scores`` takes the heads' totals.
     gate: (first, reuse) of ``reference.due_rows``; the rows not due are skipped (their outputs left unset)."""
     check(q, kmin, "coded_scores")
+    if TUNING["cuda_coded"] and cuda_coded.supported(q, kmin, codes, bits):
+        return cuda_coded.coded_lse(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, gate,
+                                    TUNING["cuda_coded_block"])
     b, h, d = q.shape
     hkv, c, p = codes.shape[1], codes.shape[2], codes.shape[3]
     reference.check_code_bits(bits, d)

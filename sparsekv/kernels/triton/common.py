@@ -53,7 +53,9 @@ from triton import knobs
 # coded_*: page scores from low-bit key codes (``coded``): programs of coded_block tokens (coded_block / page_size
 # pages), coded_warps warps, the group's query heads padded to at least coded_heads columns of the product. On the
 # H200 at Llama-3-8B, batch 1, 128K, 2-bit codes (``python -m sparsekv.bench.lowbit``): 96 us per layer with
-# 128 / 4 / 8; 111 with blocks of 64, 120 with 256 tokens and 8 warps, 128 with 16 head columns.
+# 128 / 4 / 8; 111 with blocks of 64, 120 with 256 tokens and 8 warps, 128 with 16 head columns. Where the CUDA
+# kernel takes the operands (``cuda_coded``; ``kernels.cuda.coded.supported``) it runs instead, in blocks of
+# cuda_coded_block slots (at most 256): at the shape above 41.6 us with 128, 45.4 with 64, 47.7 with 256.
 # mass_*: the page shares from the coded kernel's log-sum-exps: programs of mass_block slots (mass_warps warps)
 # that read the per-block totals mass_parts at a time (on the H200 at the shape above, scores 91.1 -> 88.1 us with
 # blocks of 256 slots instead of 1024: 8 times more programs).
@@ -82,7 +84,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "gemv_block_n": 1, "gemv_block_k": 2048, "gemv_warps": 4, "gemv_stages": 2, "gemv_max_in": 16384,
           "qgemv_max_rows": 16, "cuda_int4_rows": 8, "tinygemm_rows": 4,
           "qmm_block_n": 64, "qmm_block_g": 8, "qmm_split": 4, "qmm_programs": 256, "qmm_warps": 4, "qmm_stages": 3,
-          "coded_block": 128, "coded_warps": 4, "coded_heads": 8,
+          "coded_block": 128, "coded_warps": 4, "coded_heads": 8, "cuda_coded": True, "cuda_coded_block": 128,
           "mass_block": 256, "mass_parts": 1024, "mass_warps": 4,
           "append_search": 4096, "append_warps": 4,
           "fp8_attn_block_n": 64, "fp8_attn_long_programs_per_sm": 2, "fp8_attn_long_stages": 1,

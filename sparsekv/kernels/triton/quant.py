@@ -19,8 +19,8 @@ no rounded weight) took 24.4 / 13.5 / 83.6 / 39.7 at one row and 28.3 / 22.3 / 8
 for each slice's product before scaling it.
 
 On CUDA, up to ``cuda_int4_rows`` rows (at most 8) of 4-bit codes go to our CUDA kernel instead
-(``kernels.cuda.int4_products``: 9.3 / 6.2 / 26.3 / 15.1 us at one row, 9.8 / 7.2 / 25.9 / 19.4 at 8), on its own
-copy of the codes in its operands' layout (``cuda.pack_int4``), made on first use. Where it cannot be built, up to
+(``kernels.cuda.quant.int4_products``: 9.3 / 6.2 / 26.3 / 15.1 us at one row, 9.8 / 7.2 / 25.9 / 19.4 at 8), on
+its own copy of the codes in its operands' layout (``pack_int4``), made on first use. Where it cannot be built, up to
 ``tinygemm_rows`` rows of bf16 go to torch's own int4 kernel (tinygemm, ``torch._weight_int4pack_mm``: 11.6 / 7.7
 / 40.3 / 21.2 us at one row) on its layout and a bf16 scale and zero per group (``w = (q - 8) * scale + zero``):
 ``scale`` and ``minimum + 8 * scale`` rounded to bf16 make its product differ from the reference's by about bf16's
@@ -37,7 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import cuda, reference
+from .. import reference
+from ..cuda import available
+from ..cuda import quant as cuda_int4
 from .common import TUNING, interpreted_bf16, precision
 
 
@@ -205,11 +207,12 @@ def linear_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
     bits = codes.shape[1] * 8 // (groups * reference.GROUP)
     if bits not in (4, 8) or -(-k // reference.GROUP) != groups:
         return reference.linear_quantized(x, codes, scale, minimum, bias)  # its error names the shapes
-    if (rows <= min(TUNING["cuda_int4_rows"], cuda.MAX_ROWS) and bits == 4 and x.is_cuda and x.dtype != torch.float32
-            and k % cuda.CHUNK_K == 0 and n % cuda.TILE_N == 0 and cuda.available(x.device)):
-        operands = _kept(_CUDA_INT4, codes, scale, minimum, lambda: cuda.pack_int4(codes, scale, minimum, k))
+    if (rows <= min(TUNING["cuda_int4_rows"], cuda_int4.MAX_ROWS) and bits == 4 and x.is_cuda
+            and x.dtype != torch.float32 and k % cuda_int4.CHUNK_K == 0 and n % cuda_int4.TILE_N == 0
+            and available(x.device, "quant")):
+        operands = _kept(_CUDA_INT4, codes, scale, minimum, lambda: cuda_int4.pack_int4(codes, scale, minimum, k))
         if operands is not None:
-            return cuda.int4_products(x.reshape(rows, k).contiguous(), *operands, bias).view(*x.shape[:-1], n)
+            return cuda_int4.int4_products(x.reshape(rows, k).contiguous(), *operands, bias).view(*x.shape[:-1], n)
     if (rows <= TUNING["tinygemm_rows"] and bits == 4 and x.is_cuda and x.dtype == torch.bfloat16
             and k % (16 * TINYGEMM_K_TILES) == 0 and n % 8 == 0 and (operands := _kept(
                 _TINYGEMM, codes, scale, minimum, lambda: _tinygemm_operands(codes, scale, minimum, k))) is not None):

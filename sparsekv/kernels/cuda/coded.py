@@ -1,0 +1,46 @@
+"""lowbit's page log-sum-exps from low-bit key codes (``coded.cu``: ``coded_lse``, ``reference.coded_page_lse``) on
+tensor cores: per page and head the part of the logits that is the page's (``q . min`` and ``q * (max - min)``) in
+fp32, per token one product of the exact levels, read as they are stored, against it in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import available, module
+
+HEAD_DIMS = (64, 128)  # head dims with a kernel (at least 128 bits of codes per token)
+PAGE_SIZE = 16
+MAX_GROUP = 8  # query heads per KV head: the columns of one product
+
+
+def supported(q: torch.Tensor, kmin: torch.Tensor, codes: torch.Tensor, bits: int) -> bool:
+    """Whether ``coded_lse`` takes these operands (else the Triton kernel does): bf16 or fp16 queries and bounds of
+    that dtype, a head dim of ``HEAD_DIMS`` with at least 128 bits of codes per token, pages of 16 tokens, at most 8
+    query heads per KV head, on a GPU where the kernels are built. (In fp16, ``q * (max - min)`` is formed in fp16:
+    a product past fp16's range, 65504, would make its page's score inf or NaN.)"""
+    d = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kmin.dtype == q.dtype and d in HEAD_DIMS
+            and d * bits >= 128 and codes.shape[3] == PAGE_SIZE and q.shape[1] // kmin.shape[1] <= MAX_GROUP
+            and available(q.device, "coded"))
+
+
+def _aligned(x: torch.Tensor, items: int) -> bool:
+    """Whether x's rows of the last dim start at 16-byte boundaries (the kernel copies them in 16-byte pieces)."""
+    return x.data_ptr() % 16 == 0 and all(s % items == 0 for s in x.stride()[:3])
+
+
+def coded_lse(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor, slot_page: torch.Tensor,
+              seq_len: torch.Tensor, scale: float, bits: int, gate: tuple[torch.Tensor, int] | None,
+              chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.coded_page_lse`` (B, H, C) float32 and each head's log-sum-exp over each block of ``chunk`` slots
+    (B * H, blocks) float32 (``triton.coded.coded_lse_parts``'s outputs), for operands ``supported`` takes; chunk
+    even, at most 256.
+    gate: (first, reuse) of ``reference.due_rows``; the rows not due are skipped (their outputs left unset)."""
+    if not (kmin.stride() == kmax.stride() and kmin.stride(-1) == 1 and _aligned(kmin, 8) and _aligned(kmax, 8)):
+        kmin, kmax = kmin.contiguous(), kmax.contiguous()
+    if not (codes.stride(4) == 1 and codes.stride(3) == codes.shape[4] and _aligned(codes, 16)):
+        codes = codes.contiguous()
+    first, reuse = gate or (seq_len, 1)
+    return tuple(module("coded").coded_lse(q.contiguous(), kmin, kmax, codes, slot_page, seq_len, first, scale, bits,
+                                           reuse, chunk))

@@ -590,7 +590,8 @@ def test_cuda_coded_lse_matches_float64_reference(bits, dtype, heads, kv_heads, 
     """The CUDA kernel's page log-sum-exps against float64 on the same codes, for 1-8 query heads per KV head (two
     pages a product up to 4, one above), head dims 64 and 128: pages scattered over the slots, free slots, partial
     last pages, a row of one token, blocks of 4 slots (many, the last partial) and 128; its block totals against
-    the log-sum-exp of its own page values; a gated row's values equal the ungated ones."""
+    the log-sum-exp of its own page values; with a row not due (``reference.due_rows``) skipped, the due rows'
+    values equal the ungated ones."""
     from sparsekv.kernels import cuda
     from sparsekv.kernels.cuda import coded as cuda_coded
 
@@ -598,7 +599,7 @@ def test_cuda_coded_lse_matches_float64_reference(bits, dtype, heads, kv_heads, 
         pytest.skip("fewer than 128 bits of codes per token: the Triton kernel's")
     if not cuda.available(DEV, "coded"):
         pytest.skip("the CUDA kernel cannot be built here")
-    lengths = [300, 17, 1, 161]
+    lengths = [300, 17, 1, 162]
     k, _, kmin, kmax, slot_page, _, seq_len = make_cache(len(lengths), kv_heads, head_dim, 16, lengths, dtype,
                                                          seed=heads + bits)
     codes = ref.key_codes(k, kmin, kmax, bits)
@@ -610,16 +611,17 @@ def test_cuda_coded_lse_matches_float64_reference(bits, dtype, heads, kv_heads, 
     assert out.shape == exact.shape and part.shape == (len(lengths) * heads, -(-slot_page.shape[2] // chunk))
     assert torch.equal(out.isinf(), exact.isinf()), "free slots must score -inf, and only they"
     fin = exact.isfinite()
-    # The levels are exact, each page's q * (max - min) is rounded to bf16 once.
+    # The levels are exact; each page's q * (max - min) is rounded in the cache's dtype (the range, the product).
     assert rel_err(out[fin], exact[fin]) <= 2e-3
     blocks = torch.nn.functional.pad(out.to(F64), (0, part.shape[1] * chunk - out.shape[2]), value=-float("inf"))
     want = blocks.view(len(lengths) * heads, part.shape[1], chunk).logsumexp(-1)
     assert torch.equal(part.isinf(), want.isinf())
     assert rel_err(part[want.isfinite()], want[want.isfinite()]) <= 1e-6
     first = seq_len - 2
-    first[0] = seq_len[0] - 1  # row 0 is due at reuse 4 (its first step); row 1 (17 tokens) too (position 16)
+    first[0] = seq_len[0] - 1  # at reuse 4 rows 0 (its first step), 1 and 2 (positions 16, 0) are due, row 3 not
+    assert ref.due_rows(seq_len, first, 4).tolist() == [True, True, True, False]
     gated, _ = cuda_coded.coded_lse(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, (first, 4), chunk)
-    assert torch.equal(gated[:2], out[:2])
+    assert torch.equal(gated[:3], out[:3])
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # pages without tokens

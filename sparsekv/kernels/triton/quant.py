@@ -79,7 +79,7 @@ def _qmm_kernel(x_ptr, c_ptr, s_ptr, m_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, r
                 SPLIT: tl.constexpr, EVEN: tl.constexpr, BIAS: tl.constexpr, DTYPE: tl.constexpr,
                 PRECISION: tl.constexpr):
     """out (rows_x, n) = x (rows_x, k) @ weight.T, each slice's weight (BLOCK_N, BLOCK_G * 32) dequantized in DTYPE
-    and multiplied with x's slice (BLOCK_G * 32, BLOCK_M) into acc (BLOCK_N, BLOCK_M) fp32. With SPLIT > 1 the
+    and multiplied with x's slice (BLOCK_G * 32, BLOCK_M) into out (BLOCK_N, BLOCK_M) fp32. With SPLIT > 1 the
     groups are split in SPLIT ranges (program axis 1): each program writes its sums (BLOCK_N, BLOCK_M) to ws
     (SPLIT, n blocks, BLOCK_M, BLOCK_N) fp32 and counts itself in count (n blocks,) int32 (zero between launches);
     the last to count adds them up, writes out and sets the count back to zero."""
@@ -95,7 +95,7 @@ def _qmm_kernel(x_ptr, c_ptr, s_ptr, m_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, r
     words_at = c_ptr + rows.to(tl.int64)[:, None] * (groups * WORDS) + wj[None, :]
     scales_at = rows.to(tl.int64)[:, None] * groups + gi[None, :]
     x_at = x_ptr + xm[None, :] * k + kk[:, None]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    out = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     per_split = tl.cdiv(tl.cdiv(groups, BLOCK_G), SPLIT) * BLOCK_G
     start = tl.program_id(1) * per_split
     for g0 in tl.range(start, tl.minimum(groups, start + per_split), BLOCK_G):
@@ -114,8 +114,7 @@ def _qmm_kernel(x_ptr, c_ptr, s_ptr, m_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, r
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_G, 32)), (BLOCK_N, BLOCK_K))
         z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, BLOCK_G, 32)), (BLOCK_N, BLOCK_K))
         weight = (_levels(w, BITS) * s + z).to(DTYPE)
-        acc = tl.dot(weight, xt.to(DTYPE), acc, input_precision=PRECISION)
-    out = acc
+        out = tl.dot(weight, xt.to(DTYPE), out, input_precision=PRECISION)
     if SPLIT > 1:
         block = tl.program_id(0)
         at = (block * BLOCK_M + xm[None, :]) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]

@@ -33,16 +33,16 @@
 #include <type_traits>
 #include <utility>
 
+#include "fragments.cuh"
+
 namespace {
+
+using sparsekv::magic;
+using sparsekv::mma;
+using sparsekv::or_and;
 
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 constexpr int kMaxChunk = 256;  // slots a block may take: its pages' log-sum-exps are kept in shared memory
-
-__device__ __forceinline__ uint32_t or_and(uint32_t a, uint32_t mask, uint32_t bits) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));  // (a & mask) | bits
-  return r;
-}
 
 // One word of a 16-bit half of a (its low half) and one of b (its high half): the high halves where HIGH_A, HIGH_B.
 template <bool HIGH_A, bool HIGH_B>
@@ -50,13 +50,10 @@ __device__ __forceinline__ uint32_t halves(uint32_t a, uint32_t b) {
   return __byte_perm(a, b, (HIGH_A ? 0x0032 : 0x0010) | (HIGH_B ? 0x7600 : 0x5400));
 }
 
-// Arithmetic on two 16-bit floats of the cache's type, and tensor-core products of them.
+// Arithmetic on two 16-bit floats of the cache's type.
 template <bool BF16>
 struct Half {
   using T2 = std::conditional_t<BF16, __nv_bfloat162, __half2>;
-  // The float 2^(M - low) (M: mantissa bits) whose sum with a field at mantissa bit ``low`` is 2^(M - low) + field.
-  __host__ __device__ static constexpr uint32_t magic(int low) { return BF16 ? (134u - low) << 7 : (25u - low) << 10; }
-
   static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
     const T2 r = __hsub2(*reinterpret_cast<const T2*>(&a), *reinterpret_cast<const T2*>(&b));
     return *reinterpret_cast<const uint32_t*>(&r);
@@ -65,22 +62,6 @@ struct Half {
   static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
     const T2 r = __hmul2(*reinterpret_cast<const T2*>(&a), *reinterpret_cast<const T2*>(&b));
     return *reinterpret_cast<const uint32_t*>(&r);
-  }
-
-  // d += a b for the A fragment a0..a3 and the B fragment b0, b1 of an m16n8k16 product.
-  static __device__ __forceinline__ void mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                             uint32_t b1) {
-    if constexpr (BF16) {
-      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                   "{%0,%1,%2,%3};"
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    } else {
-      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                   "{%0,%1,%2,%3};"
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
   }
 };
 
@@ -98,12 +79,12 @@ struct Field {
 template <bool BF16, int BITS, int... J>
 __device__ __forceinline__ void all_levels(uint32_t word, uint32_t* out, std::integer_sequence<int, J...>) {
   ((out[J] = or_and(word >> Field<BITS, J>::SH, Field<BITS, J>::mask,
-                    Half<BF16>::magic(Field<BITS, J>::LOW) * 0x10001u)), ...);
+                    magic<BF16>(Field<BITS, J>::LOW) * 0x10001u)), ...);
 }
 
 template <bool BF16, int BITS, int... J>
 __device__ __forceinline__ void all_magic(uint32_t* out, std::integer_sequence<int, J...>) {
-  ((out[J] = Half<BF16>::magic(Field<BITS, J>::LOW) * 0x10001u), ...);
+  ((out[J] = magic<BF16>(Field<BITS, J>::LOW) * 0x10001u), ...);
 }
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x, 0 for -inf
@@ -184,12 +165,12 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
       qp[r] = e0 % 2 ? halves<true, true>(w0, w1) : halves<false, false>(w0, w1);
     }
   }
-  uint32_t magic[FW];  // the A operand whose product with w is what the levels' magics add, as the quads of a step
-  all_magic<BF16, BITS>(magic, std::make_integer_sequence<int, FW>{});
+  uint32_t magics[FW];  // the A operand whose product with w is what the levels' magics add, as the quads of a step
+  all_magic<BF16, BITS>(magics, std::make_integer_sequence<int, FW>{});
   uint32_t quad[FW / 2][4];
 #pragma unroll
   for (int i = 0; i < FW / 2; ++i)
-    quad[i][0] = quad[i][1] = magic[2 * i], quad[i][2] = quad[i][3] = magic[2 * i + 1];
+    quad[i][0] = quad[i][1] = magics[2 * i], quad[i][2] = quad[i][3] = magics[2 * i + 1];
   const int s0 = blockIdx.y * chunk, s1 = min(C, s0 + chunk), groups = (s1 - s0 + R - 1) / R;
   const int mine = warp < groups ? (groups - warp + W - 1) / W : 0;  // groups warp, warp + W, ... of the block
   // This lane's copies of a group: chunk x = lane + 32 j of stage[..][x], from src[j] + first slot * step[j].
@@ -266,9 +247,9 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
       uint32_t a0, a1, a2, a3;
       asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                    : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(rows + 32 * s));
-      H::mma(base, a0, a1, a2, a3, qb[2 * s], qb[2 * s + 1]);
+      mma<BF16>(base, a0, a1, a2, a3, qb[2 * s], qb[2 * s + 1]);
       const uint32_t* m = quad[s % (FW / 2)];
-      H::mma(offset, m[0], m[1], m[2], m[3], w[2 * s], w[2 * s + 1]);
+      mma<BF16>(offset, m[0], m[1], m[2], m[3], w[2 * s], w[2 * s + 1]);
     }
     // The token part, and each output value's logit (log2 units).
     const uint8_t* cs = reinterpret_cast<const uint8_t*>(st + K::BOUNDS) + t * WL * 4;
@@ -298,7 +279,7 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
       float d[4] = {-offset[0], -offset[1], -offset[2], -offset[3]};
 #pragma unroll
       for (int s = 0; s < D / 16; ++s)
-        H::mma(d, a[0][2 * s], a[1][2 * s], a[0][2 * s + 1], a[1][2 * s + 1], w[2 * s], w[2 * s + 1]);
+        mma<BF16>(d, a[0][2 * s], a[1][2 * s], a[0][2 * s + 1], a[1][2 * s + 1], w[2 * s], w[2 * s + 1]);
       // This lane's useful rows: with R = 2 row g (first page) or g + 8 (second), by its columns' page.
 #pragma unroll
       for (int v = 0; v < K::NV; ++v) {

@@ -20,30 +20,12 @@
 
 #include <type_traits>
 
+#include "fragments.cuh"
+
 namespace {
 
-__device__ __forceinline__ uint32_t or_and(uint32_t a, uint32_t mask, uint32_t bits) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));  // (a & mask) | bits
-  return r;
-}
-
-// d += a b for the A fragment a0..a3 and the B fragment b0, b1 of 16-bit floats of type T ("bf16" or "f16").
-#define MMA_16816(T)                                                                                          \
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
-               "{%0,%1,%2,%3};"                                                                               \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                               \
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
-
-template <bool BF16>
-__device__ __forceinline__ void mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-  if constexpr (BF16) {
-    MMA_16816("bf16");
-  } else {
-    MMA_16816("f16");
-  }
-}
+using sparsekv::mma;
+using sparsekv::or_and;
 
 // Conversions by the 16-bit type, with the intrinsics (torch's extension build turns off the implicit ones).
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -59,7 +41,7 @@ __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restri
   const int tile0 = blockIdx.x * R, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;  // the fragment's row (B's column) and column pair
   const int chunks = K >> 6;
-  const uint32_t magic = BF16 ? 0x43004300u : 0x64006400u;  // two 128.0 (bf16) or 1024.0 (fp16)
+  const uint32_t magic = sparsekv::magic<BF16>(0) * 0x10001u;  // two 128.0 (bf16) or 1024.0 (fp16)
   const uint32_t ones = BF16 ? 0x3F803F80u : 0x3C003C00u;
   const float level = BF16 ? 128.f : 1024.f;
   const bool has_row = g < M;

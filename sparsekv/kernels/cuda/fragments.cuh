@@ -1,0 +1,39 @@
+// What the CUDA kernels share: building tensor-core operands from codes in registers, and the m16n8k16 product.
+#pragma once
+
+#include <cstdint>
+
+namespace sparsekv {
+
+// (a & mask) | bits in one instruction: a field of a code word or-ed into the mantissa of a magic float.
+__device__ __forceinline__ uint32_t or_and(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));
+  return r;
+}
+
+// The 16-bit float 2^(M - low) (M: its mantissa bits, 7 for bf16, 10 for fp16), whose bits or-ed with a field at
+// mantissa bit ``low`` make the float 2^(M - low) + field, exactly.
+template <bool BF16>
+__host__ __device__ constexpr uint32_t magic(int low) {
+  return BF16 ? (134u - low) << 7 : (25u - low) << 10;
+}
+
+// d += a b for the A fragment a0..a3 and the B fragment b0, b1 of 16-bit floats, bf16 or fp16, summed in fp32.
+template <bool BF16>
+__device__ __forceinline__ void mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  if constexpr (BF16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+}  // namespace sparsekv

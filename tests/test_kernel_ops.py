@@ -9,8 +9,8 @@ from sparsekv.cache import PagedKVCache
 from sparsekv.kernels import reference as ref
 
 B, H, HKV, D, P = 2, 4, 2, 8, 4
-OPS = ("page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "sparse_decode", "attend",
-       "attend_with_weights", "window_token_maxima", "sparse_decode_tokens", "append_token", "raas_update")
+OPS = ("page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page", "sparse_decode",
+       "attend", "attend_with_weights", "window_token_maxima", "sparse_decode_tokens", "append_token", "raas_update")
 
 
 def filled_layer(dtype=torch.float32, lengths=(11, 6), seed=0, device="cpu"):
@@ -47,6 +47,8 @@ def op_args(dtype=torch.float32):
         "lowbit_select": (q, layer.kmin, layer.kmax, ref.key_codes(layer.k, layer.kmin, layer.kmax, 2),
                           layer.slot_page, layer.cur_slot, seq_len, seq_len - 2, torch.full((B, H, 2), -1), 0.3, 2, 2,
                           2, True),
+        "code_page": (layer.k, layer.kmin, layer.kmax, torch.zeros(*layer.k.shape[:4], D // 4, dtype=torch.uint8),
+                      layer.cur_slot, 2),
         "sparse_decode": (q, layer.k, layer.v, layer.slot_page, slots, seq_len, 0.3),
         "attend": (q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots, q_pos, 0.3),
         "attend_with_weights": (q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots, q_pos, 0.3),
@@ -83,6 +85,8 @@ def test_names_call_the_registered_ops(name):
         got, want = [args[name][i] for i in (1, 3)], [before[i] for i in (1, 3)]  # slot_page and stamp
     if name == "lowbit_select":
         got, want = args[name][8], before[8]  # chosen
+    if name == "code_page":
+        got, want = args[name][3], before[3]  # codes
     for g, w in zip(*(t if isinstance(t, (tuple, list)) else (t,) for t in (got, want))):
         assert torch.equal(g, w)
 

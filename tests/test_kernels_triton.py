@@ -580,6 +580,30 @@ def test_coded_scores(batch, heads, kv_heads, head_dim, page_size, lengths, n_pa
     assert rel_err(scores[fin], exact[fin]) <= 2 * torch_err + (1e-2 if dtype != torch.float32 else 1e-6)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, ref.FP8], ids=str)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", SHAPES)
+def test_code_page_matches_reference(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, dtype,
+                                     bits):
+    """The current page's codes, bit for bit as the reference rounds them, only in each row's current slot: pages
+    scattered over the slots, partial pages with garbage past the row's length (clamped), NaN keys (coded 0), a page
+    whose keys are all alike (an empty range, coded 0) and a row without pages (cur_slot -1: slot 0)."""
+    k, _, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
+                                                                torch.float32)
+    if batch > 1:
+        k[1, 0, cur_slot[1, 0]] = 0.5
+        kmin[1, 0, cur_slot[1, 0]] = kmax[1, 0, cur_slot[1, 0]] = 0.5
+    if dtype != ref.FP8:  # (Triton's interpreter converts fp8's NaN to 480)
+        k[0, 0, cur_slot[0, 0], -1, :3] = float("nan")  # past the row's length, or a token of a full page
+    cur_slot[0, -1] = -1
+    k, kmin, kmax = (ref.to_cache(t, dtype) for t in (k, kmin, kmax))
+    codes = torch.randint(0, 256, (*k.shape[:4], head_dim * bits // 8), dtype=torch.uint8, device=DEV)
+    want = codes.clone()
+    tops.code_page(k, kmin, kmax, codes, cur_slot, bits)
+    ref.code_page(k, kmin, kmax, want, cur_slot, bits)
+    assert torch.equal(codes, want)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the CUDA kernel runs on CUDA only")
 @pytest.mark.parametrize("bits", [1, 2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

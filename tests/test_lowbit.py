@@ -171,20 +171,3 @@ def test_finds_the_aligned_key_on_a_page_of_alike_keys_where_quests_bound_fails(
     assert int(mass[0, 0].argmax()) == needle
     assert int(low.page_scores(0, q, layer, pages.seq_len, scale)[0, 0, :n_pages].argmax()) == needle
     assert int(quest.page_scores(0, q, layer, pages.seq_len, scale)[0, 0, :n_pages].argmax()) != needle
-
-
-def test_page_codes_compile_for_every_width_in_one_process():
-    """The current page's codes through torch.compile as ``page_codes`` compiles them on CUDA, one width after
-    another (as ``bench.e2e`` runs ``lowbit`` then ``lowbit:bits=1``) and over more shapes than torch.compile's
-    recompile limit (a server's batch sizes, an evaluation's lengths): each width stays a constant, the shapes
-    become dynamic, and the codes match the eager ones."""
-    from sparsekv.methods.lowbit import WIDTH_CODES, _page_codes
-
-    torch.manual_seed(3)
-    for bits in (2, 1, 4):
-        compiled = torch.compile(WIDTH_CODES[bits], fullgraph=True)
-        for batch, kv_heads, slots in [(b, h, c) for b in (1, 2) for h in (2, 3) for c in (5, 6, 9)]:
-            k = torch.randn(batch, kv_heads, slots, 4, 16)
-            slot = torch.randint(0, slots, (batch, kv_heads))
-            assert torch.equal(compiled(k, k.amin(3), k.amax(3), slot),
-                               _page_codes(k, k.amin(3), k.amax(3), slot, bits))

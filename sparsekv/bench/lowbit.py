@@ -1,7 +1,7 @@
 """The pieces of a lowbit selecting layer's step against Quest's, timed alone at one shape.
 
 Per layer and step: Quest's page choice (``quest_select``; its page-score kernel alone too), lowbit's coding of the
-current page (``page_codes`` and the scatter into the codes), its page scores (``coded_scores``; the log-sum-exp
+current page (``code_page``), its page scores (``coded_scores``; the log-sum-exp
 kernel alone too) and its top-k (``select_pages``), at each code width. Each piece is captured in a CUDA graph over
 enough cache copies to exceed the L2 several times, and timed as the median replay (CUDA events) per copy; the
 floor is the bytes the piece must read at the measured copy bandwidth. ``--variants`` times the scores again under
@@ -21,7 +21,6 @@ import torch
 
 from .. import kernels
 from ..kernels import reference
-from ..methods.lowbit import page_codes
 from ..timing import Timer
 from .attention import L2_BYTES, make_copy
 from .common import SHAPES, copy_bandwidth, device_name, int_arg, markdown_table, write_results
@@ -75,10 +74,7 @@ def pieces(copies: list[dict], bits: tuple[int, ...], num_pages: int, baseline) 
         codes_bytes = c0["codes"][w].numel()
 
         def coding(c, w=w):
-            codes, slot = c["codes"][w], c["cur_slot"]
-            new = page_codes(c["k"], c["kmin"], c["kmax"], slot, w)
-            codes.scatter_(2, slot.view(*slot.shape, 1, 1, 1).expand(*slot.shape, 1, *codes.shape[3:]),
-                           new.unsqueeze(2))
+            kernels.code_page(c["k"], c["kmin"], c["kmax"], c["codes"][w], c["cur_slot"], w)
 
         def scores(c, w=w, fn=kernels.coded_scores):
             return fn(c["q"], c["kmin"], c["kmax"], c["codes"][w], c["slot_page"], c["seq_len"], scale, w)
@@ -92,7 +88,7 @@ def pieces(copies: list[dict], bits: tuple[int, ...], num_pages: int, baseline) 
             coding(c, w)
             kernels.select_pages(scores(c, w), c["cur_slot"], num_pages)
 
-        out[f"page_codes+scatter b{w}"] = (coding, 0)
+        out[f"code_page b{w}"] = (coding, 0)
         out[f"coded_scores b{w}"] = (scores, meta_bytes(c0) + codes_bytes)
         out[f"coded_page_lse b{w}"] = (lse, meta_bytes(c0) + codes_bytes)
         out[f"lowbit_select b{w}"] = (step, meta_bytes(c0) + codes_bytes)

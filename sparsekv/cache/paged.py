@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from ..kernels.reference import gather, raw
 from ..errors import ConfigError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -48,16 +49,6 @@ def bound_fill(dtype: torch.dtype, upper: bool) -> float:
     finite magnitude bounds every stored key (``to_cache`` saturates there)."""
     big = kernels.reference.FP8_MAX if dtype == kernels.reference.FP8 else float("inf")
     return -big if upper else big
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """``t`` for moving data only: fp8 as its bytes, since torch has no fp8 scatter or gather on the CPU."""
-    return t.view(torch.uint8) if t.dtype == kernels.reference.FP8 else t
-
-
-def gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
-    """``t.gather(dim, index)`` for a cache tensor of any dtype (fp8 gathered as its bytes)."""
-    return raw(t).gather(dim, index).view(t.dtype)
 
 
 def check_page_size(page_size: int) -> None:

@@ -152,6 +152,10 @@ def _lowbit_select_fake(q, kmin, kmax, codes, slot_page, cur_slot, seq_len, firs
     return None
 
 
+def _code_page_fake(k, kmin, kmax, codes, cur_slot, bits):
+    return None
+
+
 def _append_token_fake(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, has_holes):
     return None
 
@@ -166,6 +170,7 @@ select_pages = _register("select_pages", _select_pages_fake)
 quest_select = _register("quest_select", _quest_select_fake)
 coded_scores = _register("coded_scores", _coded_scores_fake)
 lowbit_select = _register("lowbit_select", _lowbit_select_fake, mutates=("chosen",))
+code_page = _register("code_page", _code_page_fake, mutates=("codes",))
 sparse_decode = _register("sparse_decode", _sparse_decode_fake, mutates=("attended",))
 attend = _register("attend", _attend_fake)
 attend_with_weights = _register("attend_with_weights", _attend_with_weights_fake)
@@ -201,7 +206,7 @@ count_attended = fused(reference.count_attended)
 merge_attention = reference.merge_attention
 weigh_window = reference.weigh_window
 
-__all__ = ["page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "sparse_decode",
+__all__ = ["page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page", "sparse_decode",
            "attend", "attend_with_weights", "window_token_maxima", "weigh_window", "sparse_decode_tokens",
            "append_token", "raas_update", "linear", "linear_quantized", "count_attended", "merge_attention", "observe",
            "fused", "reference"]

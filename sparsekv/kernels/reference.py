@@ -25,6 +25,16 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(dtype) if dtype == FP8 else x.to(dtype)
 
 
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """``t`` for moving data only: fp8 as its bytes, since torch has no fp8 scatter or gather on the CPU."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """``t.gather(dim, index)`` for a cache tensor of any dtype (fp8 gathered as its bytes)."""
+    return raw(t).gather(dim, index).view(t.dtype)
+
+
 def row_index(batch: int, rows: int, kv_heads: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Broadcastable (B, 1, 1) batch and (1, Hs, 1) KV-head indices of the ``rows`` selection rows."""
     bi = torch.arange(batch, device=device).view(batch, 1, 1)
@@ -387,6 +397,22 @@ def key_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int
     n = 8 // bits
     shifts = torch.arange(n, device=k.device, dtype=torch.uint8) * bits
     return (code.view(*code.shape[:-1], -1, n) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def code_page(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor, cur_slot: torch.Tensor,
+              bits: int) -> None:
+    """Writes the codes (``key_codes``) of each row's current page on its current range, in place: ``codes[b, h,
+    cur_slot[b, h]]``, slot 0 for a row without pages (cur_slot -1).
+
+    k: (B, Hkv, C, P, D); kmin, kmax: (B, Hkv, C, D); codes: (B, Hkv, C, P, D * bits / 8) uint8; cur_slot:
+    (B, Hkv) int64."""
+    slot = cur_slot.clamp(min=0)
+    idx = slot.view(*slot.shape, 1, 1)
+    lo = gather(kmin, 2, idx.expand(*slot.shape, 1, kmin.shape[3])).squeeze(2)
+    hi = gather(kmax, 2, idx.expand(*slot.shape, 1, kmax.shape[3])).squeeze(2)
+    keys = gather(k, 2, idx.unsqueeze(-1).expand(*slot.shape, 1, *k.shape[3:])).squeeze(2)
+    new = key_codes(keys, lo, hi, bits)
+    codes.scatter_(2, idx.unsqueeze(-1).expand(*slot.shape, 1, *codes.shape[3:]), new.unsqueeze(2))
 
 
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..cache.paged import gather
 from ..kernels import reference
 from .base import Method, attend_all, require
 from .quest import QuestConfig
@@ -69,42 +68,6 @@ class LowBitConfig(QuestConfig):
 
     def method_class(self):
         return LowBit
-
-
-def _page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot: torch.Tensor,
-                bits: int) -> torch.Tensor:
-    """Codes (B, Hkv, P, D * bits / 8) of the page in slot (B, Hkv) of every row, on its current range."""
-    idx = slot.view(*slot.shape, 1, 1)
-    bounds = gather(kmin, 2, idx.expand(*slot.shape, 1, kmin.shape[3])).squeeze(2), \
-        gather(kmax, 2, idx.expand(*slot.shape, 1, kmax.shape[3])).squeeze(2)
-    keys = gather(k, 2, idx.unsqueeze(-1).expand(*slot.shape, 1, *k.shape[3:])).squeeze(2)
-    return reference.key_codes(keys, *bounds, bits)
-
-
-# One function per width, the width a literal of its code: torch.compile keeps it a constant of each graph (an int
-# argument, or a closure's, that changes between calls becomes a symbolic int, which ``key_codes`` cannot shift by),
-# while the shapes become dynamic once they change, so that rows and slots of any number share one or two graphs per
-# width (a graph per shape would exceed torch.compile's recompile limit).
-def _codes_1(k, kmin, kmax, slot):
-    return _page_codes(k, kmin, kmax, slot, 1)
-
-
-def _codes_2(k, kmin, kmax, slot):
-    return _page_codes(k, kmin, kmax, slot, 2)
-
-
-def _codes_4(k, kmin, kmax, slot):
-    return _page_codes(k, kmin, kmax, slot, 4)
-
-
-WIDTH_CODES = {1: _codes_1, 2: _codes_2, 4: _codes_4}
-_PAGE_CODES = {bits: kernels.fused(fn) for bits, fn in WIDTH_CODES.items()}
-
-
-def page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot: torch.Tensor,
-               bits: int) -> torch.Tensor:
-    """``_page_codes``, fused by torch.compile on CUDA (``kernels.fused``)."""
-    return _PAGE_CODES[bits](k, kmin, kmax, slot)
 
 
 class LowBit(Method):
@@ -166,9 +129,7 @@ class LowBit(Method):
     def _codes(self, layer) -> torch.Tensor:
         """The layer's codes, after coding the current page's keys on its current range."""
         codes = layer.slot_state[codes_entry(self.config.bits)]
-        slot = layer.cur_slot.clamp(min=0)
-        new = page_codes(layer.k, layer.kmin, layer.kmax, slot, self.config.bits)
-        codes.scatter_(2, slot.view(*slot.shape, 1, 1, 1).expand(*slot.shape, 1, *codes.shape[3:]), new.unsqueeze(2))
+        kernels.code_page(layer.k, layer.kmin, layer.kmax, codes, layer.cur_slot, self.config.bits)
         return codes
 
     def page_scores(self, layer_idx, q, layer, seq_len, scale):

@@ -173,7 +173,8 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
     quad[i][0] = quad[i][1] = magics[2 * i], quad[i][2] = quad[i][3] = magics[2 * i + 1];
   const int s0 = blockIdx.y * chunk, s1 = min(C, s0 + chunk), groups = (s1 - s0 + R - 1) / R;
   const int mine = warp < groups ? (groups - warp + W - 1) / W : 0;  // groups warp, warp + W, ... of the block
-  // This lane's copies of a group: chunk x = lane + 32 j of stage[..][x], from src[j] + first slot * step[j].
+  // This lane's copies of a group: chunk x = lane + 32 j of its stage, from src[j], which moves on by the warp's
+  // stride (W groups) at each issue.
   const char* src[K::COPIES];
   int64_t step[K::COPIES];
   int at_page[K::COPIES];
@@ -182,16 +183,18 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
     const int x = lane + 32 * j;
     if (x < K::BOUNDS) {
       const int page = x / (2 * D / 8), kind = (x / (D / 8)) % 2;
-      src[j] = reinterpret_cast<const char*>((kind ? kmax : kmin) + b * sm_b + kvh * sm_h + page * sm_c +
-                                             x % (D / 8) * 8);
+      src[j] = reinterpret_cast<const char*>((kind ? kmax : kmin) + b * sm_b + kvh * sm_h + x % (D / 8) * 8);
       step[j] = sm_c * 2, at_page[j] = page;
     } else {
       const int y = x - K::BOUNDS, page = y / (P * K::ROW / 16);
-      src[j] = reinterpret_cast<const char*>(codes + b * sc_b + kvh * sc_h + page * sc_c) + y % (P * K::ROW / 16) * 16;
+      src[j] = reinterpret_cast<const char*>(codes + b * sc_b + kvh * sc_h) + y % (P * K::ROW / 16) * 16;
       step[j] = sc_c, at_page[j] = x < K::CHUNKS ? page : R;  // R: no chunk
     }
+    src[j] += (s0 + warp * R + at_page[j] % R) * step[j];
+    step[j] *= W * R;
   }
   const int64_t* sp = slot_page + b * ss_b + kvh * ss_h;
+  float* const out_row = out + b * so_b + (int64_t)(kvh * G + ohead) * so_h;
   const uint32_t stage0 = (uint32_t)__cvta_generic_to_shared(stage[warp][0]);
   // ldmatrix's rows: lanes 0-7 (8-15) the first (second) page's minima of a step's first 8 channels, lanes 16-31
   // the same for its last 8 (rows g of the A operand a page's minima, rows g + 8 the next page's).
@@ -204,9 +207,11 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
       const uint32_t dst = stage0 + (k % STAGES) * K::CHUNKS * 16 + lane * 16;
 #pragma unroll
       for (int j = 0; j < K::COPIES; ++j)
-        if (at_page[j] < R && c0 + at_page[j] < C) copy16(dst + j * 512, src[j] + c0 * step[j]);
+        if (at_page[j] < R && c0 + at_page[j] < C) copy16(dst + j * 512, src[j]);
       if (lane < R && c0 + lane < C) copy8(pages0 + ((k % STAGES) * R + lane) * 8, sp + c0 + lane);
     }
+#pragma unroll
+    for (int j = 0; j < K::COPIES; ++j) src[j] += step[j];
     asm volatile("cp.async.commit_group;");
   };
 
@@ -280,24 +285,26 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
 #pragma unroll
       for (int s = 0; s < D / 16; ++s)
         mma<BF16>(d, a[0][2 * s], a[1][2 * s], a[0][2 * s + 1], a[1][2 * s + 1], w[2 * s], w[2 * s + 1]);
-      // This lane's useful rows: with R = 2 row g (first page) or g + 8 (second), by its columns' page.
+      // This lane's useful rows: with R = 2 row g (first page) or g + 8 (second), by its columns' page: a select,
+      // not an index, so that d and base stay in registers.
 #pragma unroll
       for (int v = 0; v < K::NV; ++v) {
-        const int j = R == 2 ? v + 2 * opage : v;
-        x[i][v] = qscale * fmaf(d[j], 1.f / levels, base[j]);
+        const bool second = R == 2 && opage;
+        x[i][v] = qscale * fmaf(second ? d[v + 2] : d[v], 1.f / levels, second ? base[v + 2] : base[v]);
       }
     }
     // Mask (free slot, past the row's length, padded head), then each column's log-sum-exp over the page's tokens.
     const int slot = c0 + opage;
     const int64_t page = slot < C ? pages[warp][k % STAGES][opage] : -1;
+    const int64_t left = page < 0 ? 0 : n - page * P;  // the page holds min(left, P) tokens when positive
+    const int held = left < 0 ? 0 : left < P ? (int)left : P;
     float m[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int i = 0; i < NI; ++i)
 #pragma unroll
       for (int v = 0; v < K::NV; ++v) {
         const int col = v % 2, token = R == 2 ? 8 * i + g : 16 * i + 8 * (v / 2) + g;
-        const bool ok = page >= 0 && page * P + token < n && ohead + col < G;
-        x[i][v] = ok ? x[i][v] : -INFINITY;
+        x[i][v] = token < held && ohead + col < G ? x[i][v] : -INFINITY;
         m[col] = fmaxf(m[col], x[i][v]);
       }
 #pragma unroll
@@ -316,7 +323,7 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
       for (int off = 4; off < 32; off <<= 1) s[col] += __shfl_xor_sync(0xFFFFFFFFu, s[col], off);
       if (g == 0 && slot < s1 && ohead + col < G) {
         const float lse = m[col] + lg2(s[col]);  // -inf for a page without tokens
-        out[b * so_b + (int64_t)(kvh * G + ohead + col) * so_h + slot] = lse * kLn2;
+        out_row[col * so_h + slot] = lse * kLn2;
         values[slot - s0][ohead + col] = lse;
       }
     }

@@ -12,7 +12,7 @@ be captured in a CUDA graph.
 
 from .append import append_token
 from .attention import sparse_decode, sparse_decode_tokens
-from .coded import coded_scores, lowbit_select
+from .coded import code_page, coded_scores, lowbit_select
 from .common import TUNING
 from .linear import linear
 from .quant import linear_quantized
@@ -25,8 +25,8 @@ OPS = {"page_scores": page_scores, "select_pages": select_pages, "quest_select":
        "sparse_decode": sparse_decode, "sparse_decode_tokens": sparse_decode_tokens,
        "window_token_maxima": window_token_maxima, "append_token": append_token,
        "raas_update": raas_update, "linear": linear, "linear_quantized": linear_quantized,
-       "coded_scores": coded_scores, "lowbit_select": lowbit_select}
+       "coded_scores": coded_scores, "lowbit_select": lowbit_select, "code_page": code_page}
 
-__all__ = ["OPS", "TUNING", "append_token", "coded_scores", "linear", "linear_quantized", "lowbit_select",
+__all__ = ["OPS", "TUNING", "append_token", "code_page", "coded_scores", "linear", "linear_quantized", "lowbit_select",
            "page_scores", "quest_select", "raas_update", "select_pages", "sparse_decode", "sparse_decode_tokens",
            "window_token_maxima"]

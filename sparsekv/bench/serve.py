@@ -321,7 +321,10 @@ def summarize(trace: Trace) -> dict:
     tokens = sum(r.tokens for r in trace.records)
     ttft = quantiles([r.first - r.submitted for r in trace.records if r.first is not None])
     tpot = quantiles([(r.last - r.first) / (r.tokens - 1) for r in done if r.tokens > 1 and r.first is not None])
-    decoding = [s[1] for s in trace.samples if s[1] and not s[3]]
+    # The running rows sampled while nothing prefills; a run too short for the sampler to catch such a moment
+    # (a few tiny requests, a busy host) takes every sample with rows running, else the server loop's peak.
+    decoding = ([s[1] for s in trace.samples if s[1] and not s[3]] or [s[1] for s in trace.samples if s[1]]
+                or ([trace.peak_running] if trace.peak_running else []))
     return {"duration_s": trace.end, "requests_done": len(done), "output_tokens": tokens,
             "output_tokens_per_s": tokens / trace.end if trace.end else None,
             "requests_per_s": len(done) / trace.end if trace.end else None,

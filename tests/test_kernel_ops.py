@@ -44,7 +44,7 @@ def op_args(dtype=torch.float32):
         "quest_select": (q, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot, 3, False),
         "coded_scores": (q, layer.kmin, layer.kmax, ref.key_codes(layer.k, layer.kmin, layer.kmax, 2),
                          layer.slot_page, seq_len, 0.3, 2, True),
-        "lowbit_select": (q, layer.kmin, layer.kmax, ref.key_codes(layer.k, layer.kmin, layer.kmax, 2),
+        "lowbit_select": (q, layer.k, layer.kmin, layer.kmax, ref.key_codes(layer.k, layer.kmin, layer.kmax, 2),
                           layer.slot_page, layer.cur_slot, seq_len, seq_len - 2, torch.full((B, H, 2), -1), 0.3, 2, 2,
                           2, True),
         "code_page": (layer.k, layer.kmin, layer.kmax, torch.zeros(*layer.k.shape[:4], D // 4, dtype=torch.uint8),
@@ -84,7 +84,7 @@ def test_names_call_the_registered_ops(name):
     if name == "raas_update":
         got, want = [args[name][i] for i in (1, 3)], [before[i] for i in (1, 3)]  # slot_page and stamp
     if name == "lowbit_select":
-        got, want = args[name][8], before[8]  # chosen
+        got, want = [args[name][i] for i in (4, 9)], [before[i] for i in (4, 9)]  # codes and chosen
     if name == "code_page":
         got, want = args[name][3], before[3]  # codes
     for g, w in zip(*(t if isinstance(t, (tuple, list)) else (t,) for t in (got, want))):

@@ -615,7 +615,8 @@ def test_cuda_coded_lse_matches_float64_reference(bits, dtype, heads, kv_heads, 
     pages a product up to 4, one above), head dims 64 and 128: pages scattered over the slots, free slots, partial
     last pages, a row of one token, blocks of 4 slots (many, the last partial) and 128; its block totals against
     the log-sum-exp of its own page values; with a row not due (``reference.due_rows``) skipped, the due rows'
-    values equal the ungated ones."""
+    values equal the ungated ones; given the keys, it codes every row's current page first, due or not, as
+    ``reference.code_page`` does, and reads those codes."""
     from sparsekv.kernels import cuda
     from sparsekv.kernels.cuda import coded as cuda_coded
 
@@ -624,8 +625,8 @@ def test_cuda_coded_lse_matches_float64_reference(bits, dtype, heads, kv_heads, 
     if not cuda.available(DEV, "coded"):
         pytest.skip("the CUDA kernel cannot be built here")
     lengths = [300, 17, 1, 162]
-    k, _, kmin, kmax, slot_page, _, seq_len = make_cache(len(lengths), kv_heads, head_dim, 16, lengths, dtype,
-                                                         seed=heads + bits)
+    k, _, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(len(lengths), kv_heads, head_dim, 16, lengths,
+                                                                dtype, seed=heads + bits)
     codes = ref.key_codes(k, kmin, kmax, bits)
     q = torch.randn(len(lengths), heads, head_dim, device=DEV).to(dtype)
     scale = head_dim ** -0.5
@@ -646,11 +647,28 @@ def test_cuda_coded_lse_matches_float64_reference(bits, dtype, heads, kv_heads, 
     assert ref.due_rows(seq_len, first, 4).tolist() == [True, True, True, False]
     gated, _ = cuda_coded.coded_lse(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, (first, 4), chunk)
     assert torch.equal(gated[:3], out[:3])
+    rows = torch.arange(len(lengths), device=DEV).view(-1, 1), torch.arange(kv_heads, device=DEV).view(1, -1)
+    for gate in (None, (first, 4)):
+        blank = codes.clone()
+        blank[(*rows, cur_slot.clamp(min=0))] = 0
+        coded, _ = cuda_coded.coded_lse(q, kmin, kmax, blank, slot_page, seq_len, scale, bits, gate, chunk,
+                                        (k, cur_slot))
+        assert torch.equal(blank, codes)
+        assert torch.equal(coded[:3], out[:3])
+
+
+LOWBIT_SELECT_VARIANTS = {  # TUNING overrides: each path of lowbit_select's top-k on the small shapes
+    **{name: SELECT_VARIANTS[name] for name in ("default", "segments", "groups")},
+    # group maxima from the share kernel, in one block of slots or several
+    "fused": {"select_fused_rows": 1, "select_one_program": 64},
+    "fused-blocks": {"select_fused_rows": 1, "select_one_program": 64, "select_fused_scale": 2, "mass_block": 16},
+    "torch-topk": {"select_max_slots": 16},
+}
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # pages without tokens
 @pytest.mark.parametrize("reuse", [1, 4])
-@pytest.mark.parametrize("variant", ["default", "segments", "groups", "torch-topk"])
+@pytest.mark.parametrize("variant", LOWBIT_SELECT_VARIANTS)
 @pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", [
     pytest.param(3, 8, 2, 64, 4, [300, 170, 99], 8, False, id="gqa4"),
     pytest.param(3, 4, 4, 32, 4, [301, 5, 260], 5, True, id="per-query-head"),
@@ -658,10 +676,11 @@ def test_cuda_coded_lse_matches_float64_reference(bits, dtype, heads, kv_heads, 
 ])
 def test_lowbit_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, variant, reuse,
                        monkeypatch):
-    """The rows due (``reference.due_rows``: position a multiple of reuse, or the row's first decode position) get
-    the selection of the coded scores written into ``chosen``; the others keep what it held, bit for bit, on each
-    path of the selection (torch-topk: rows too long for the kernels)."""
-    for key, value in SELECT_VARIANTS.get(variant, {"select_max_slots": 16}).items():
+    """Every row's current page is coded, due or not; the rows due (``reference.due_rows``: position a multiple of
+    reuse, or the row's first decode position) get the selection of the coded scores written into ``chosen``; the
+    others keep what it held, bit for bit, on each path of the selection (torch-topk: rows too long for the
+    kernels)."""
+    for key, value in LOWBIT_SELECT_VARIANTS[variant].items():
         monkeypatch.setitem(tops.TUNING, key, value)
     k, _, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
                                                                 torch.float32)
@@ -674,8 +693,13 @@ def test_lowbit_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_p
     width = min(n_pages, slot_page.shape[2])
     before = torch.randint(-1, slot_page.shape[2], (batch, hs, width), device=DEV)
     chosen = before.clone()
-    tops.lowbit_select(q, kmin, kmax, codes, slot_page, cur_slot, seq_len, first, chosen, scale, 2, n_pages, reuse,
-                       per_head)
+    want_codes = codes.clone()
+    ref.code_page(k, kmin, kmax, want_codes, cur_slot, 2)
+    rows = torch.arange(batch, device=DEV).view(-1, 1), torch.arange(kv_heads, device=DEV).view(1, -1)
+    codes[(*rows, cur_slot.clamp(min=0))] = 0  # each row's current page: coded by the op
+    tops.lowbit_select(q, k, kmin, kmax, codes, slot_page, cur_slot, seq_len, first, chosen, scale, 2, n_pages,
+                       reuse, per_head)
+    assert torch.equal(codes, want_codes)
     due = ref.due_rows(seq_len, first, reuse)
     assert due.tolist() == ([True] * batch if reuse == 1 else [True] + [(n - 1) % reuse == 0 for n in lengths[1:]])
     scores = tops.coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, 2, per_head)

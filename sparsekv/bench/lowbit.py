@@ -2,7 +2,8 @@
 
 Per layer and step: Quest's page choice (``quest_select``; its page-score kernel alone too), lowbit's coding of the
 current page (``code_page``), its page scores (``coded_scores``; the log-sum-exp
-kernel alone too) and its top-k (``select_pages``), at each code width. Each piece is captured in a CUDA graph over
+kernel alone too), and its whole choice (``lowbit_select``: the coding, the scores and the top-k), at each code
+width. Each piece is captured in a CUDA graph over
 enough cache copies to exceed the L2 several times, and timed as the median replay (CUDA events) per copy; the
 floor is the bytes the piece must read at the measured copy bandwidth. ``--variants`` times the scores again under
 each set of ``TUNING`` overrides; ``--baseline`` times a ``coded_scores`` from another file (an earlier kernel).
@@ -64,6 +65,10 @@ def pieces(copies: list[dict], bits: tuple[int, ...], num_pages: int, baseline) 
 
     c0 = copies[0]
     scale = c0["q"].shape[-1] ** -0.5
+    for c in copies:
+        c["first"] = c["seq_len"] - 1
+        c["chosen"] = torch.empty(*c["kmin"].shape[:2], min(num_pages, c["kmin"].shape[2]), dtype=torch.long,
+                                  device=c["kmin"].device)
     out = {"quest_select": (lambda c: kernels.quest_select(c["q"], c["kmin"], c["kmax"], c["slot_page"],
                                                            c["cur_slot"], num_pages), meta_bytes(c0)),
            "quest_page_scores": (lambda c: kernels.page_scores(c["q"], c["kmin"], c["kmax"], c["slot_page"]),
@@ -85,8 +90,8 @@ def pieces(copies: list[dict], bits: tuple[int, ...], num_pages: int, baseline) 
                                   w)
 
         def step(c, w=w):
-            coding(c, w)
-            kernels.select_pages(scores(c, w), c["cur_slot"], num_pages)
+            kernels.lowbit_select(c["q"], c["k"], c["kmin"], c["kmax"], c["codes"][w], c["slot_page"], c["cur_slot"],
+                                  c["seq_len"], c["first"], c["chosen"], scale, w, num_pages)
 
         out[f"code_page b{w}"] = (coding, 0)
         out[f"coded_scores b{w}"] = (scores, meta_bytes(c0) + codes_bytes)

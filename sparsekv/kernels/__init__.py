@@ -147,7 +147,7 @@ def _coded_scores_fake(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, pe
     return _page_scores_fake(q, kmin, kmax, slot_page, per_query_head)
 
 
-def _lowbit_select_fake(q, kmin, kmax, codes, slot_page, cur_slot, seq_len, first, chosen, scale, bits, num_pages,
+def _lowbit_select_fake(q, k, kmin, kmax, codes, slot_page, cur_slot, seq_len, first, chosen, scale, bits, num_pages,
                         reuse=1, per_query_head=False):
     return None
 
@@ -169,7 +169,7 @@ page_scores = _register("page_scores", _page_scores_fake)
 select_pages = _register("select_pages", _select_pages_fake)
 quest_select = _register("quest_select", _quest_select_fake)
 coded_scores = _register("coded_scores", _coded_scores_fake)
-lowbit_select = _register("lowbit_select", _lowbit_select_fake, mutates=("chosen",))
+lowbit_select = _register("lowbit_select", _lowbit_select_fake, mutates=("codes", "chosen"))
 code_page = _register("code_page", _code_page_fake, mutates=("codes",))
 sparse_decode = _register("sparse_decode", _sparse_decode_fake, mutates=("attended",))
 attend = _register("attend", _attend_fake)

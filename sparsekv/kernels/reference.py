@@ -474,15 +474,17 @@ def due_rows(seq_len: torch.Tensor, first: torch.Tensor, reuse: int) -> torch.Te
     return (pos % reuse == 0) | (pos == first)
 
 
-def lowbit_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
+def lowbit_select(q: torch.Tensor, k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
                   slot_page: torch.Tensor, cur_slot: torch.Tensor, seq_len: torch.Tensor, first: torch.Tensor,
                   chosen: torch.Tensor, scale: float, bits: int, num_pages: int, reuse: int = 1,
                   per_query_head: bool = False) -> None:
-    """lowbit's page choice in one op: ``select_pages(coded_scores(...), cur_slot, num_pages)`` (shapes there)
-    written into ``chosen`` (B, Hs, min(num_pages, C)) int64 for the rows ``due_rows(seq_len, first, reuse)``;
-    the other rows keep the pages they chose last, so that a kernel skips their scores and selection. A choice
-    then serves ``reuse`` steps; with reuse dividing the page size no step outlives the current page it chose."""
+    """lowbit's step in one op: the codes of each row's current page (``code_page(k, ...)``, in codes, for every
+    row), then ``select_pages(coded_scores(...), cur_slot, num_pages)`` (shapes there) written into ``chosen``
+    (B, Hs, min(num_pages, C)) int64 for the rows ``due_rows(seq_len, first, reuse)``; the other rows keep the
+    pages they chose last, so that a kernel skips their scores and selection. A choice then serves ``reuse`` steps;
+    with reuse dividing the page size no step outlives the current page it chose."""
     check_reuse(reuse)
+    code_page(k, kmin, kmax, codes, cur_slot, bits)
     new = select_pages(coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head),
                        cur_slot, num_pages)
     if chosen.shape != new.shape:

@@ -144,9 +144,9 @@ class LowBit(Method):
             return attend_all(q, layer, seq_len, scale)
         _, hkv, c, _ = layer.shape
         chosen = self._chosen(layer_idx, q.shape[1] if cfg.per_query_head else hkv, c)
-        kernels.lowbit_select(q, layer.kmin, layer.kmax, self._codes(layer), layer.slot_page, layer.cur_slot,
-                              seq_len, self.first, chosen, scale, cfg.bits, cfg.token_budget // cfg.page_size,
-                              cfg.reuse, cfg.per_query_head)
+        kernels.lowbit_select(q, layer.k, layer.kmin, layer.kmax, layer.slot_state[codes_entry(cfg.bits)],
+                              layer.slot_page, layer.cur_slot, seq_len, self.first, chosen, scale, cfg.bits,
+                              cfg.token_budget // cfg.page_size, cfg.reuse, cfg.per_query_head)
         return kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, chosen, seq_len, scale,
                                      tally.rows(chosen.shape[1]))
 

@@ -22,7 +22,8 @@
 // float32, the log-sum-exp of each block's pages. A block of W warps takes ``chunk`` slots of one (row, KV head),
 // each warp a group of R pages at a time; a warp copies the bounds and codes of its next groups into shared memory
 // (cp.async, STAGES groups ahead) while it computes the current one, so that enough bytes are in flight with few
-// registers.
+// registers. Given the keys (B, Hkv, C, P, D) and cur_slot (B, Hkv), the warp whose groups hold a row's current page
+// codes it first (``reference.code_page``), so that lowbit's step needs no launch for it.
 
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
@@ -128,10 +129,69 @@ struct Coded {
   static_assert(NI >= 1 && (P * R) % 16 == 0 && WL >= 1 && D % 64 == 0, "unsupported shape");
 };
 
+__device__ __forceinline__ void load16(const uint16_t* p, uint32_t* out) {  // 8 values, 16-byte aligned
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+}
+
+template <bool BF16>
+__device__ __forceinline__ float half_at(const uint32_t* words, int i) {  // value i of 16-bit values in words
+  const uint32_t bits = (words[i / 2] >> (16 * (i % 2))) & 0xFFFFu;
+  if constexpr (BF16) return __uint_as_float(bits << 16);
+  else return __half2float(__ushort_as_half((unsigned short)bits));
+}
+
+// The codes of one page (``reference.key_codes``, rounded as it rounds: a float32 division rounded to nearest, then
+// half to even) by one warp: keys (P, D) of row stride sk_p, its minima and maxima (D), codes (P, D * BITS / 8). A
+// lane takes one 32-bit word of codes (N channels) of every 32 / WORDS-th token: its bounds are read once, and all
+// its keys before any is coded, so that the warp waits for memory once.
+template <bool BF16, int BITS, int D, int P>
+__device__ __noinline__ void code_page(const uint16_t* keys, int64_t sk_p, const uint16_t* lo, const uint16_t* hi,
+                          uint8_t* codes, int lane) {
+  constexpr int N = 32 / BITS, WORDS = D / N, TOKENS = 32 / WORDS, ITER = P / TOKENS;
+  static_assert(32 % WORDS == 0 && P % TOKENS == 0, "unsupported shape");
+  constexpr float L = (1 << BITS) - 1;
+  const int d0 = lane % WORDS * N, j0 = lane / WORDS;
+  uint32_t lw[N / 2], hw[N / 2], kw[ITER][N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 8; ++i) load16(lo + d0 + 8 * i, lw + 4 * i), load16(hi + d0 + 8 * i, hw + 4 * i);
+#pragma unroll
+  for (int it = 0; it < ITER; ++it)
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) load16(keys + (j0 + it * TOKENS) * sk_p + d0 + 8 * i, kw[it] + 4 * i);
+  uint32_t word[ITER] = {};
+#pragma unroll
+  for (int c = 0; c < N; ++c) {  // channel by channel: its bounds are unpacked once
+    const float l = half_at<BF16>(lw, c), width = half_at<BF16>(hw, c) - l, inv = __frcp_rn(width);
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {
+      const float a = half_at<BF16>(kw[it], c) - l;
+      // (a / width) * L rounded to an integer, from the reciprocal: its error (a few ulps, under 2^-10 for
+      // |x| < 1024) changes the integer only near a half, where (or when x is not finite) the division is done.
+      float x = a * inv * L, level = rintf(x);
+      if (!(fabsf(x - level) < 0.5f - 0x1p-10f && fabsf(x) < 1024.f)) {
+        x = __fdiv_rn(a, width) * L;
+        level = x == x ? rintf(x) : 0.f;  // NaN codes 0
+      }
+      word[it] |= (width > 0.f ? (uint32_t)fminf(fmaxf(level, 0.f), L) : 0u) << (c * BITS);
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < ITER; ++it)
+    reinterpret_cast<uint32_t*>(codes + (j0 + it * TOKENS) * (D * BITS / 8))[lane % WORDS] = word[it];
+}
+
+// The current pages to code first (keys null: none): keys (B, Hkv, C, P, D) and cur_slot (B, Hkv) with their strides.
+struct Coding {
+  const uint16_t* keys;
+  const int64_t* cur_slot;
+  int64_t sk_b, sk_h, sk_c, sk_p, su_b, su_h;
+};
+
 template <bool BF16, int BITS, int D, int R, int P, int W>
 __global__ void __launch_bounds__(W * 32) lse_kernel(
     const uint16_t* __restrict__ q, const uint16_t* __restrict__ kmin, const uint16_t* __restrict__ kmax,
-    const uint8_t* __restrict__ codes, const int64_t* __restrict__ slot_page, const int64_t* __restrict__ seq_len,
+    uint8_t* codes, const Coding coding, const int64_t* __restrict__ slot_page, const int64_t* __restrict__ seq_len,
     const int64_t* __restrict__ first, float* __restrict__ out, float* __restrict__ part, int HKV, int G, int C,
     int chunk, int n_parts, float qscale, int reuse, int64_t sq_b, int64_t sq_h, int64_t sm_b, int64_t sm_h,
     int64_t sm_c, int64_t sc_b, int64_t sc_h, int64_t sc_c, int64_t ss_b, int64_t ss_h, int64_t so_b, int64_t so_h) {
@@ -144,6 +204,19 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
   __shared__ float values[kMaxChunk][8];  // log2-sum-exp per slot of the block and head
   const int row = blockIdx.x, b = row / HKV, kvh = row % HKV;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int s0 = blockIdx.y * chunk, s1 = min(C, s0 + chunk), groups = (s1 - s0 + R - 1) / R;
+  if (coding.keys != nullptr) {
+    // The warp whose groups hold the current page (slot 0 for a row without pages) codes it before it copies any
+    // codes, at every step, whether or not the row chooses this step.
+    const int64_t cur = max(coding.cur_slot[b * coding.su_b + kvh * coding.su_h], (int64_t)0);
+    if (cur >= s0 && cur < s1 && (cur - s0) / R % W == warp) {
+      const int64_t bounds = b * sm_b + kvh * sm_h + cur * sm_c;
+      code_page<BF16, BITS, D, P>(coding.keys + b * coding.sk_b + kvh * coding.sk_h + cur * coding.sk_c, coding.sk_p,
+                                  kmin + bounds, kmax + bounds, codes + b * sc_b + kvh * sc_h + cur * sc_c, lane);
+      __threadfence();  // the codes are in memory before the warp's copies read them
+      __syncwarp();
+    }
+  }
   const int64_t n = seq_len[b];
   if (reuse > 1 && (n - 1) % reuse != 0 && n - 1 != first[b]) return;  // the row keeps its choice
   for (int i = threadIdx.x; i < kMaxChunk * 8; i += W * 32) (&values[0][0])[i] = -INFINITY;
@@ -171,7 +244,6 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
 #pragma unroll
   for (int i = 0; i < FW / 2; ++i)
     quad[i][0] = quad[i][1] = magics[2 * i], quad[i][2] = quad[i][3] = magics[2 * i + 1];
-  const int s0 = blockIdx.y * chunk, s1 = min(C, s0 + chunk), groups = (s1 - s0 + R - 1) / R;
   const int mine = warp < groups ? (groups - warp + W - 1) / W : 0;  // groups warp, warp + W, ... of the block
   // This lane's copies of a group: chunk x = lane + 32 j of its stage, from src[j], which moves on by the warp's
   // stride (W groups) at each issue.
@@ -281,16 +353,17 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
         for (int u = 0; u < WL; ++u)
           all_levels<BF16, BITS>(words[u], a[r] + u * FW, std::make_integer_sequence<int, FW>{});
       }
-      float d[4] = {-offset[0], -offset[1], -offset[2], -offset[3]};
+      float d[4] = {0.f, 0.f, 0.f, 0.f};  // not -offset: the token products need not wait for the page products
 #pragma unroll
       for (int s = 0; s < D / 16; ++s)
         mma<BF16>(d, a[0][2 * s], a[1][2 * s], a[0][2 * s + 1], a[1][2 * s + 1], w[2 * s], w[2 * s + 1]);
       // This lane's useful rows: with R = 2 row g (first page) or g + 8 (second), by its columns' page: a select,
-      // not an index, so that d and base stay in registers.
+      // not an index, so that d, base and offset stay in registers.
 #pragma unroll
       for (int v = 0; v < K::NV; ++v) {
         const bool second = R == 2 && opage;
-        x[i][v] = qscale * fmaf(second ? d[v + 2] : d[v], 1.f / levels, second ? base[v + 2] : base[v]);
+        const float page_part = fmaf(second ? offset[v + 2] : offset[v], -1.f / levels, second ? base[v + 2] : base[v]);
+        x[i][v] = fmaf(second ? d[v + 2] : d[v], qscale / levels, qscale * page_part);
       }
     }
     // Mask (free slot, past the row's length, padded head), then each column's log-sum-exp over the page's tokens.
@@ -348,15 +421,15 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
 
 template <bool BF16, int BITS, int D, int R>
 void launch(const torch::Tensor& q, const torch::Tensor& kmin, const torch::Tensor& kmax, const torch::Tensor& codes,
-            const torch::Tensor& slot_page, const torch::Tensor& seq_len, const torch::Tensor& first,
+            const Coding& coding, const torch::Tensor& slot_page, const torch::Tensor& seq_len, const torch::Tensor& first,
             torch::Tensor& out, torch::Tensor& part, double scale, int64_t reuse, int64_t chunk) {
   constexpr int P = 16, W = 4;
   const int B = q.size(0), H = q.size(1), HKV = kmin.size(1), C = kmin.size(2);
   const dim3 grid(B * HKV, part.size(1));
   lse_kernel<BF16, BITS, D, R, P, W><<<grid, W * 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(kmin.data_ptr()),
-      reinterpret_cast<const uint16_t*>(kmax.data_ptr()), codes.data_ptr<uint8_t>(), slot_page.data_ptr<int64_t>(),
-      seq_len.data_ptr<int64_t>(), first.data_ptr<int64_t>(), out.data_ptr<float>(), part.data_ptr<float>(), HKV,
+      reinterpret_cast<const uint16_t*>(kmax.data_ptr()), codes.data_ptr<uint8_t>(), coding,
+      slot_page.data_ptr<int64_t>(), seq_len.data_ptr<int64_t>(), first.data_ptr<int64_t>(), out.data_ptr<float>(), part.data_ptr<float>(), HKV,
       H / HKV, C, chunk, part.size(1), (float)scale * kLog2e, reuse, q.stride(0), q.stride(1), kmin.stride(0),
       kmin.stride(1), kmin.stride(2), codes.stride(0), codes.stride(1), codes.stride(2), slot_page.stride(0),
       slot_page.stride(1), out.stride(0), out.stride(1));
@@ -365,12 +438,13 @@ void launch(const torch::Tensor& q, const torch::Tensor& kmin, const torch::Tens
 
 template <bool BF16, int BITS>
 void by_shape(int D, int R, const torch::Tensor& q, const torch::Tensor& kmin, const torch::Tensor& kmax,
-              const torch::Tensor& codes, const torch::Tensor& slot_page, const torch::Tensor& seq_len,
-              const torch::Tensor& first, torch::Tensor& out, torch::Tensor& part, double scale, int64_t reuse,
+              const torch::Tensor& codes, const Coding& coding, const torch::Tensor& slot_page,
+              const torch::Tensor& seq_len, const torch::Tensor& first, torch::Tensor& out, torch::Tensor& part, double scale, int64_t reuse,
               int64_t chunk) {
 #define SPARSEKV_CODED(DD, RR) \
   if (D == DD && R == RR)        \
-  return launch<BF16, BITS, DD, RR>(q, kmin, kmax, codes, slot_page, seq_len, first, out, part, scale, reuse, chunk)
+  return launch<BF16, BITS, DD, RR>(q, kmin, kmax, codes, coding, slot_page, seq_len, first, out, part, scale, reuse, \
+                                    chunk)
   if constexpr (BITS >= 2) {
     SPARSEKV_CODED(64, 1);
     SPARSEKV_CODED(64, 2);
@@ -383,9 +457,11 @@ void by_shape(int D, int R, const torch::Tensor& q, const torch::Tensor& kmin, c
 
 }  // namespace
 
-// (out, part) of the codes' page log-sum-exps; chunk: slots a block takes (even, at most kMaxChunk).
+// (out, part) of the codes' page log-sum-exps; chunk: slots a block takes (even, at most kMaxChunk). With keys and
+// cur_slot, each row's current page is coded first (``reference.code_page``), in codes.
 std::vector<torch::Tensor> coded_lse(const torch::Tensor& q, const torch::Tensor& kmin, const torch::Tensor& kmax,
-                                     const torch::Tensor& codes, const torch::Tensor& slot_page,
+                                     const torch::Tensor& codes, const std::optional<torch::Tensor>& keys,
+                                     const std::optional<torch::Tensor>& cur_slot, const torch::Tensor& slot_page,
                                      const torch::Tensor& seq_len, const torch::Tensor& first, double scale,
                                      int64_t bits, int64_t reuse, int64_t chunk) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), HKV = kmin.size(1), C = kmin.size(2);
@@ -406,6 +482,16 @@ std::vector<torch::Tensor> coded_lse(const torch::Tensor& q, const torch::Tensor
               torch::kLong && first.scalar_type() == torch::kLong && chunk % 2 == 0 &&
               chunk >= 2 && chunk <= kMaxChunk,
               "coded_lse: unsupported shape (head_dim ", D, ", ", bits, " bits, ", H / HKV, " heads per KV head)");
+  Coding coding{nullptr, nullptr, 0, 0, 0, 0, 0, 0};
+  if (keys) {
+    const torch::Tensor& k = *keys;
+    TORCH_CHECK(cur_slot && cur_slot->scalar_type() == torch::kLong && k.scalar_type() == type && k.dim() == 5 &&
+                k.size(2) == C && k.size(3) == 16 && k.size(4) == D && k.stride(4) == 1 && aligned(k, 8) &&
+                k.stride(3) % 8 == 0, "coded_lse: keys must be (B, Hkv, C, 16, D) of q's dtype with a contiguous "
+                "head dim, aligned to 16 bytes, and cur_slot (B, Hkv) int64");
+    coding = Coding{reinterpret_cast<const uint16_t*>(k.data_ptr()), cur_slot->data_ptr<int64_t>(), k.stride(0),
+                    k.stride(1), k.stride(2), k.stride(3), cur_slot->stride(0), cur_slot->stride(1)};
+  }
   auto options = q.options().dtype(torch::kFloat);
   auto out = torch::empty({B, H, C}, options);
   auto part = torch::empty({B * H, (C + chunk - 1) / chunk}, options);
@@ -413,10 +499,10 @@ std::vector<torch::Tensor> coded_lse(const torch::Tensor& q, const torch::Tensor
   const bool bf16 = type == torch::kBFloat16;
 #define SPARSEKV_BITS(BB)                                                                                       \
   if (bits == BB) {                                                                                           \
-    if (bf16) by_shape<true, BB>(D, R, q, kmin, kmax, codes, slot_page, seq_len, first, out, part, scale, reuse, \
-                                 chunk);                                                                      \
-    else by_shape<false, BB>(D, R, q, kmin, kmax, codes, slot_page, seq_len, first, out, part, scale, reuse,  \
-                             chunk);                                                                          \
+    if (bf16) by_shape<true, BB>(D, R, q, kmin, kmax, codes, coding, slot_page, seq_len, first, out, part,      \
+                                 scale, reuse, chunk);                                                        \
+    else by_shape<false, BB>(D, R, q, kmin, kmax, codes, coding, slot_page, seq_len, first, out, part, scale,  \
+                             reuse, chunk);                                                                   \
     return {out, part};                                                                                       \
   }
   SPARSEKV_BITS(1)

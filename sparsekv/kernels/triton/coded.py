@@ -11,11 +11,13 @@ head's log-sum-exp per page and over its whole block.
 
 ``_page_mass_kernel``: per (sequence, KV head, block of ``mass_block`` slots), each head's total from the blocks'
 log-sum-exps, then each page's share of it, summed over the group's heads unless per query head
-(``reference.page_mass``).
+(``reference.page_mass``); for ``lowbit_select`` also the group maxima of the top-k's group filter, as
+``quest_select``'s page-score kernel writes them, so that the selection is one more launch.
 
 On CUDA the log-sum-exps come from a CUDA kernel where it takes the operands (``kernels.cuda.coded``: the levels
-built in the tensor-core operand's registers, which ``tl.dot`` does not express; 36.2 us per layer at Llama-3-8B,
-batch 1, 128K, 2 bits, against 88.7 for ``_coded_lse_kernel``); its outputs are the same two tensors."""
+built in the tensor-core operand's registers, which ``tl.dot`` does not express; 37 us per layer at Llama-3-8B,
+batch 1, 128K, 2 bits, against 88.7 for ``_coded_lse_kernel``); its outputs are the same two tensors. For
+``lowbit_select`` it also codes each row's current page first, which elsewhere is ``code_page``'s launch."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import triton.language as tl
 from .. import reference
 from ..cuda import coded as cuda_coded
 from .common import TUNING, check, interpreted_bf16, kept, precision
-from .selection import select_pages
+from .selection import _group_filter, _padded_k, _select_by_groups, group_maxima, select_pages
 
 _ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0
 
@@ -98,9 +100,11 @@ def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, fir
 
 
 @triton.jit
-def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, len_ptr, first_ptr, n_slots, n_parts, sl_b, sl_h, so_b, so_h,
-                      HKV: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BLOCK_C: tl.constexpr,
-                      BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr, REUSE: tl.constexpr):
+def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, len_ptr, first_ptr, cur_ptr, gmax_ptr, n_slots, n_parts, n_groups,
+                      sl_b, sl_h, so_b, so_h, cu_b, cu_h, HKV: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+                      BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr, REUSE: tl.constexpr,
+                      GS: tl.constexpr):
+    """The shares (out), and with GS > 0 the group maxima of their keys (``selection.group_maxima``)."""
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     if REUSE > 1:
@@ -121,7 +125,8 @@ def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, len_ptr, first_ptr, n_slots, n
         total = total * tl.exp(top - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
         top = new
     total = tl.where(top > float("-inf"), top + tl.log(total), 0.0)  # a head without pages: its shares stay -inf
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c0 = tl.program_id(1) * BLOCK_C
+    c = c0 + tl.arange(0, BLOCK_C)
     in_c = c < n_slots
     head = kvh * G + g
     share = tl.load(lse_ptr + b * sl_b + head[:, None] * sl_h + c[None, :], mask=in_g[:, None] & in_c[None, :],
@@ -129,7 +134,11 @@ def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, len_ptr, first_ptr, n_slots, n
     if PER_HEAD:
         tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], share, mask=in_g[:, None] & in_c[None, :])
     else:
-        tl.store(out_ptr + b * so_b + kvh * so_h + c, _lse(share, 0), mask=in_c)
+        share = _lse(share, 0)
+        tl.store(out_ptr + b * so_b + kvh * so_h + c, share, mask=in_c)
+    if GS > 0:
+        cur = tl.maximum(tl.load(cur_ptr + b * cu_b + kvh * cu_h), 0)
+        group_maxima(gmax_ptr, share, c, c0, cur, n_slots, n_groups, row, g, G, G_P2, GS, BLOCK_C, PER_HEAD)
 
 
 @triton.jit
@@ -180,14 +189,22 @@ def code_page(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: to
 
 def coded_lse_parts(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
                     slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float, bits: int,
-                    gate: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    gate: tuple[torch.Tensor, int] | None = None,
+                    current: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.coded_page_lse`` (B, H, C) float32, and each head's log-sum-exp over each block of
     ``coded_block`` tokens (B * H, blocks) float32, from which ``coded_scores`` takes the heads' totals.
-    gate: (first, reuse) of ``reference.due_rows``; the rows not due are skipped (their outputs left unset)."""
+    gate: (first, reuse) of ``reference.due_rows``; the rows not due are skipped (their outputs left unset).
+    current: (k, cur_slot); each row's current page is coded first (``reference.code_page``), in codes: within the
+    CUDA kernel where it takes the operands, else in a launch of its own."""
     check(q, kmin, "coded_scores")
     if TUNING["cuda_coded"] and cuda_coded.supported(q, kmin, codes, bits):
+        if current is not None and not cuda_coded.codes_in_place(current[0], codes):
+            code_page(current[0], kmin, kmax, codes, current[1], bits)
+            current = None
         return cuda_coded.coded_lse(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, gate,
-                                    TUNING["cuda_coded_block"])
+                                    TUNING["cuda_coded_block"], current)
+    if current is not None:
+        code_page(current[0], kmin, kmax, codes, current[1], bits)
     b, h, d = q.shape
     hkv, c, p = codes.shape[1], codes.shape[2], codes.shape[3]
     reference.check_code_bits(bits, d)
@@ -217,35 +234,55 @@ def coded_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes:
     """``reference.coded_scores``: the page log-sum-exps (``coded_lse_parts``), then the shares."""
     if q.dtype == torch.float64:
         return reference.coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head)
-    return _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head)
+    return _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head)[0]
 
 
-def _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, gate=None):
-    """``coded_scores`` for the rows that ``gate`` (see ``coded_lse_parts``) leaves due."""
-    lse, part = coded_lse_parts(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, gate)
+def _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, gate=None, current=None,
+                  gs=0):
+    """``coded_scores`` for the rows that ``gate`` (see ``coded_lse_parts``) leaves due, after coding the current
+    pages (``current``, as there), and with gs > 0 the group maxima of the scores' keys for the group filter of the
+    top-k (B * Hs, cdiv(C, gs)) int32 (else None)."""
+    lse, part = coded_lse_parts(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, gate, current)
     first, reuse = gate or (seq_len, 1)
     b, h, c = lse.shape
     hkv = kmin.shape[1]
     out = torch.empty(b, h if per_query_head else hkv, c, dtype=torch.float32, device=q.device)
-    block = min(TUNING["mass_block"], triton.next_power_of_2(c))
+    n_groups = triton.cdiv(c, gs) if gs else 0
+    gmax = torch.empty(b * out.shape[1], n_groups, dtype=torch.int32, device=q.device) if gs else None
+    cur = current[1] if gs else seq_len.view(-1, 1)
+    block = max(min(TUNING["mass_block"], triton.next_power_of_2(c)), gs)
     _page_mass_kernel[(b * hkv, triton.cdiv(c, block))](
-        lse, part, out, seq_len, first, c, part.shape[1], lse.stride(0), lse.stride(1), out.stride(0),
-        out.stride(1), HKV=hkv, G=h // hkv, G_P2=triton.next_power_of_2(h // hkv), BLOCK_C=block,
+        lse, part, out, seq_len, first, cur, out if gmax is None else gmax, c, part.shape[1], n_groups,
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), cur.stride(0), cur.stride(1), HKV=hkv,
+        G=h // hkv, G_P2=triton.next_power_of_2(h // hkv), BLOCK_C=block,
         BLOCK_P=min(TUNING["mass_parts"], triton.next_power_of_2(part.shape[1])), PER_HEAD=per_query_head,
-        REUSE=reuse, num_warps=TUNING["mass_warps"])
-    return out
+        REUSE=reuse, GS=gs, num_warps=TUNING["mass_warps"])
+    return out, gmax
 
 
-def lowbit_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
+def lowbit_select(q: torch.Tensor, k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
                   slot_page: torch.Tensor, cur_slot: torch.Tensor, seq_len: torch.Tensor, first: torch.Tensor,
                   chosen: torch.Tensor, scale: float, bits: int, num_pages: int, reuse: int = 1,
                   per_query_head: bool = False) -> None:
-    """``reference.lowbit_select``: the rows that keep their choice this step launch programs that return at
-    once, in the scores and in the selection."""
+    """``reference.lowbit_select`` in three launches where the CUDA scoring kernel applies: the current pages' codes
+    and the page log-sum-exps, the shares with the group maxima (the top-k's group filter, where it applies), the
+    top-k; the rows that keep their choice this step launch programs that return at once."""
     if q.dtype == torch.float64:
-        return reference.lowbit_select(q, kmin, kmax, codes, slot_page, cur_slot, seq_len, first, chosen, scale,
+        return reference.lowbit_select(q, k, kmin, kmax, codes, slot_page, cur_slot, seq_len, first, chosen, scale,
                                        bits, num_pages, reuse, per_query_head)
     reference.check_reuse(reuse)
+    reference.check_num_pages(num_pages)
+    b, h, _ = q.shape
+    hs, c = h if per_query_head else kmin.shape[1], kmin.shape[2]
+    n = min(num_pages, c)
+    if chosen.shape != (b, hs, n) or chosen.stride(2) != 1:
+        raise ValueError(f"chosen must have shape {(b, hs, n)} (B, Hs, min(num_pages, C)) with its last dimension "
+                         f"contiguous, got {tuple(chosen.shape)}")
     gate = (first, reuse) if reuse > 1 else None
-    scores = _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, gate)
-    select_pages(scores, cur_slot, num_pages, out=chosen, gate=(seq_len, *gate) if gate else None)
+    gs = _group_filter(b * hs, c, num_pages, TUNING["select_fused_rows"], TUNING["select_fused_scale"])
+    scores, gmax = _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, gate,
+                                 (k, cur_slot), gs)
+    if gs:
+        _select_by_groups(scores, cur_slot, chosen, n, _padded_k(n), gs, gmax, (seq_len, *gate) if gate else None)
+    else:
+        select_pages(scores, cur_slot, num_pages, out=chosen, gate=(seq_len, *gate) if gate else None)

@@ -99,22 +99,29 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
         if PER_HEAD:
             tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], s,
                      mask=(g[:, None] < G) & in_c[None, :])
-            if GS > 0:
-                gi = c0 // GS + tl.arange(0, BLOCK_C // GS)
-                key = tl.reshape(_key_of(s, c[None, :], n_slots, cur), (G_PAD, BLOCK_C // GS, GS))
-                tl.store(gmax_ptr + ((b * HKV + kvh) * G + g)[:, None] * n_groups + gi[None, :],
-                         tl.max(key, axis=2).to(tl.int32, bitcast=True),
-                         mask=(g[:, None] < G) & (gi < n_groups)[None, :])
         else:
             s = tl.max(tl.where(g[:, None] < G, s, float("-inf")), axis=0)
             tl.store(out_ptr + b * so_b + kvh * so_h + c, s, mask=in_c)
-            if GS > 0:
-                gi = c0 // GS + tl.arange(0, BLOCK_C // GS)
-                # A masked reduction per group (0.6 us faster than a reshape at Llama-3 512K, batch 1)
-                in_group = (tl.arange(0, BLOCK_C)[None, :] // GS) == tl.arange(0, BLOCK_C // GS)[:, None]
-                gk = tl.max(tl.where(in_group, _key_of(s, c, n_slots, cur)[None, :], 0), axis=1)
-                tl.store(gmax_ptr + row.to(tl.int64) * n_groups + gi, gk.to(tl.int32, bitcast=True),
-                         mask=gi < n_groups)
+        if GS > 0:
+            group_maxima(gmax_ptr, s, c, c0, cur, n_slots, n_groups, row, g, G, G_PAD, GS, BLOCK_C, PER_HEAD)
+
+
+@triton.jit
+def group_maxima(gmax_ptr, s, c, c0, cur, n_slots, n_groups, row, g, G: tl.constexpr, G_PAD: tl.constexpr,
+                 GS: tl.constexpr, BLOCK_C: tl.constexpr, PER_HEAD: tl.constexpr):
+    """Writes the maxima of the score keys (``_key_of``) of each group of GS slots among the scores s of slots c (a
+    block of BLOCK_C from c0), as int32 bits, for the group filter of the top-k: per head s is (G_PAD, BLOCK_C), head
+    g's maxima go to row row * G + g of gmax (rows of n_groups); else s is (BLOCK_C,), to row ``row``."""
+    gi = c0 // GS + tl.arange(0, BLOCK_C // GS)
+    if PER_HEAD:
+        key = tl.reshape(_key_of(s, c[None, :], n_slots, cur), (G_PAD, BLOCK_C // GS, GS))
+        tl.store(gmax_ptr + (row * G + g)[:, None].to(tl.int64) * n_groups + gi[None, :],
+                 tl.max(key, axis=2).to(tl.int32, bitcast=True), mask=(g[:, None] < G) & (gi < n_groups)[None, :])
+    else:
+        # A masked reduction per group (0.6 us faster than a reshape at Llama-3 512K, batch 1)
+        in_group = (tl.arange(0, BLOCK_C)[None, :] // GS) == tl.arange(0, BLOCK_C // GS)[:, None]
+        gk = tl.max(tl.where(in_group, _key_of(s, c, n_slots, cur)[None, :], 0), axis=1)
+        tl.store(gmax_ptr + row.to(tl.int64) * n_groups + gi, gk.to(tl.int32, bitcast=True), mask=gi < n_groups)
 
 
 _NEG_INF_KEY = tl.constexpr(8388607)  # _score_key of -inf (a free slot)

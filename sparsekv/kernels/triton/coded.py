@@ -28,7 +28,7 @@ import triton.language as tl
 from .. import reference
 from ..cuda import coded as cuda_coded
 from .common import TUNING, check, interpreted_bf16, kept, precision
-from .selection import _group_filter, _padded_k, _select_by_groups, group_maxima, select_pages
+from .selection import _group_filter, _padded_k, _select_by_groups, check_out, group_maxima, select_pages
 
 _ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0
 
@@ -275,14 +275,13 @@ def lowbit_select(q: torch.Tensor, k: torch.Tensor, kmin: torch.Tensor, kmax: to
     b, h, _ = q.shape
     hs, c = h if per_query_head else kmin.shape[1], kmin.shape[2]
     n = min(num_pages, c)
-    if chosen.shape != (b, hs, n) or chosen.stride(2) != 1:
-        raise ValueError(f"chosen must have shape {(b, hs, n)} (B, Hs, min(num_pages, C)) with its last dimension "
-                         f"contiguous, got {tuple(chosen.shape)}")
+    check_out("chosen", chosen, (b, hs, n))
     gate = (first, reuse) if reuse > 1 else None
     gs = _group_filter(b * hs, c, num_pages, TUNING["select_fused_rows"], TUNING["select_fused_scale"])
     scores, gmax = _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, gate,
                                  (k, cur_slot), gs)
+    due = (seq_len, *gate) if gate else None  # the selection's gate: (seq_len, first, reuse)
     if gs:
-        _select_by_groups(scores, cur_slot, chosen, n, _padded_k(n), gs, gmax, (seq_len, *gate) if gate else None)
+        _select_by_groups(scores, cur_slot, chosen, n, _padded_k(n), gs, gmax, due)
     else:
-        select_pages(scores, cur_slot, num_pages, out=chosen, gate=(seq_len, *gate) if gate else None)
+        select_pages(scores, cur_slot, num_pages, out=chosen, gate=due)

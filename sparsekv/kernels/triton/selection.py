@@ -433,6 +433,14 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, 
     return out, gmax
 
 
+def check_out(name: str, out: torch.Tensor, shape: tuple[int, int, int]) -> None:
+    """Raises unless ``out``, a selection's destination called ``name``, has ``shape`` (B, Hs, min(num_pages, C))
+    with its last dimension contiguous."""
+    if out.shape != shape or out.stride(2) != 1:
+        raise ValueError(f"{name} must have shape {shape} (B, Hs, min(num_pages, C)) with its last dimension "
+                         f"contiguous, got {tuple(out.shape)}")
+
+
 def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int, out: torch.Tensor | None = None,
                  gate: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """The reference's selection (ties to the lower slot), listed in slot order, or by segment for long rows cut
@@ -445,9 +453,8 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int, o
     reference.check_num_pages(num_pages)
     b, hs, c = scores.shape
     k = min(num_pages, c)
-    if out is not None and (out.shape != (b, hs, k) or out.stride(2) != 1):
-        raise ValueError(f"out must have shape {(b, hs, k)} (B, Hs, min(num_pages, C)) with its last dimension "
-                         f"contiguous, got {tuple(out.shape)}")
+    if out is not None:
+        check_out("out", out, (b, hs, k))
     if scores.dtype != torch.float32 or c > TUNING["select_max_slots"]:
         new = reference.select_pages(scores, cur_slot, num_pages)  # torch.topk: rows this long are rare
         if out is None:

@@ -1,13 +1,13 @@
 """The pieces of a lowbit selecting layer's step against Quest's, timed alone at one shape.
 
 Per layer and step: Quest's page choice (``quest_select``; its page-score kernel alone too), lowbit's coding of the
-current page (``code_page``), its page scores (``coded_scores``; the log-sum-exp
-kernel alone too), and its whole choice (``lowbit_select``: the coding, the scores and the top-k), at each code
-width. Each piece is captured in a CUDA graph over
-enough cache copies to exceed the L2 several times, and timed as the median replay (CUDA events) per copy; the
-floor is the bytes the piece must read at the measured copy bandwidth. ``--variants`` times the scores again under
-each set of ``TUNING`` overrides; ``--baseline`` times a ``coded_scores`` from another file (an earlier kernel).
-The float64 reference checks the scores at the shape first (relative error, and the overlap of the top pages).
+current page (``code_page``), its page scores (``coded_scores``; the log-sum-exp kernel alone too), and its whole
+choice (``lowbit_select``: the coding, the scores and the top-k), at each code width. Each piece is captured in a
+CUDA graph over enough cache copies to exceed the L2 several times, and timed as the median replay (CUDA events)
+per copy; the floor is the bytes the piece must read at the measured copy bandwidth. ``--variants`` times the
+scores again under each set of ``TUNING`` overrides; ``--baseline`` times a ``coded_scores`` from another file (an
+earlier kernel). The float64 reference checks the scores at the shape first (relative error, and the overlap of the
+top pages).
 """
 
 from __future__ import annotations

@@ -146,8 +146,8 @@ __device__ __forceinline__ float half_at(const uint32_t* words, int i) {  // val
 // lane takes one 32-bit word of codes (N channels) of every 32 / WORDS-th token: its bounds are read once, and all
 // its keys before any is coded, so that the warp waits for memory once.
 template <bool BF16, int BITS, int D, int P>
-__device__ __noinline__ void code_page(const uint16_t* keys, int64_t sk_p, const uint16_t* lo, const uint16_t* hi,
-                          uint8_t* codes, int lane) {
+__device__ __noinline__ void code_page(const uint16_t* keys, int64_t sk_p, const uint16_t* lo,
+                                       const uint16_t* hi, uint8_t* codes, int lane) {
   constexpr int N = 32 / BITS, WORDS = D / N, TOKENS = 32 / WORDS, ITER = P / TOKENS;
   static_assert(32 % WORDS == 0 && P % TOKENS == 0, "unsupported shape");
   constexpr float L = (1 << BITS) - 1;
@@ -421,26 +421,27 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
 
 template <bool BF16, int BITS, int D, int R>
 void launch(const torch::Tensor& q, const torch::Tensor& kmin, const torch::Tensor& kmax, const torch::Tensor& codes,
-            const Coding& coding, const torch::Tensor& slot_page, const torch::Tensor& seq_len, const torch::Tensor& first,
-            torch::Tensor& out, torch::Tensor& part, double scale, int64_t reuse, int64_t chunk) {
+            const Coding& coding, const torch::Tensor& slot_page, const torch::Tensor& seq_len,
+            const torch::Tensor& first, torch::Tensor& out, torch::Tensor& part, double scale, int64_t reuse,
+            int64_t chunk) {
   constexpr int P = 16, W = 4;
   const int B = q.size(0), H = q.size(1), HKV = kmin.size(1), C = kmin.size(2);
   const dim3 grid(B * HKV, part.size(1));
   lse_kernel<BF16, BITS, D, R, P, W><<<grid, W * 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(kmin.data_ptr()),
       reinterpret_cast<const uint16_t*>(kmax.data_ptr()), codes.data_ptr<uint8_t>(), coding,
-      slot_page.data_ptr<int64_t>(), seq_len.data_ptr<int64_t>(), first.data_ptr<int64_t>(), out.data_ptr<float>(), part.data_ptr<float>(), HKV,
-      H / HKV, C, chunk, part.size(1), (float)scale * kLog2e, reuse, q.stride(0), q.stride(1), kmin.stride(0),
-      kmin.stride(1), kmin.stride(2), codes.stride(0), codes.stride(1), codes.stride(2), slot_page.stride(0),
-      slot_page.stride(1), out.stride(0), out.stride(1));
+      slot_page.data_ptr<int64_t>(), seq_len.data_ptr<int64_t>(), first.data_ptr<int64_t>(), out.data_ptr<float>(),
+      part.data_ptr<float>(), HKV, H / HKV, C, chunk, part.size(1), (float)scale * kLog2e, reuse, q.stride(0),
+      q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), codes.stride(0), codes.stride(1), codes.stride(2),
+      slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <bool BF16, int BITS>
 void by_shape(int D, int R, const torch::Tensor& q, const torch::Tensor& kmin, const torch::Tensor& kmax,
               const torch::Tensor& codes, const Coding& coding, const torch::Tensor& slot_page,
-              const torch::Tensor& seq_len, const torch::Tensor& first, torch::Tensor& out, torch::Tensor& part, double scale, int64_t reuse,
-              int64_t chunk) {
+              const torch::Tensor& seq_len, const torch::Tensor& first, torch::Tensor& out, torch::Tensor& part,
+              double scale, int64_t reuse, int64_t chunk) {
 #define SPARSEKV_CODED(DD, RR) \
   if (D == DD && R == RR)        \
   return launch<BF16, BITS, DD, RR>(q, kmin, kmax, codes, coding, slot_page, seq_len, first, out, part, scale, reuse, \

@@ -28,7 +28,7 @@ import triton.language as tl
 from .. import reference
 from ..cuda import coded as cuda_coded
 from .common import TUNING, check, interpreted_bf16, kept, precision
-from .selection import _group_filter, _padded_k, _select_by_groups, check_out, group_maxima, select_pages
+from .selection import check_out, fused_group_size, group_maxima, select_from_maxima
 
 _ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0
 
@@ -274,14 +274,9 @@ def lowbit_select(q: torch.Tensor, k: torch.Tensor, kmin: torch.Tensor, kmax: to
     reference.check_num_pages(num_pages)
     b, h, _ = q.shape
     hs, c = h if per_query_head else kmin.shape[1], kmin.shape[2]
-    n = min(num_pages, c)
-    check_out("chosen", chosen, (b, hs, n))
+    check_out("chosen", chosen, (b, hs, min(num_pages, c)))
     gate = (first, reuse) if reuse > 1 else None
-    gs = _group_filter(b * hs, c, num_pages, TUNING["select_fused_rows"], TUNING["select_fused_scale"])
+    gs = fused_group_size(b * hs, c, num_pages)
     scores, gmax = _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, gate,
                                  (k, cur_slot), gs)
-    due = (seq_len, *gate) if gate else None  # the selection's gate: (seq_len, first, reuse)
-    if gs:
-        _select_by_groups(scores, cur_slot, chosen, n, _padded_k(n), gs, gmax, due)
-    else:
-        select_pages(scores, cur_slot, num_pages, out=chosen, gate=due)
+    select_from_maxima(scores, cur_slot, num_pages, gs, gmax, chosen, (seq_len, *gate) if gate else None)

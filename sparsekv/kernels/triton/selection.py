@@ -497,16 +497,29 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_p
         return reference.quest_select(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_head, in_order)
     reference.check_num_pages(num_pages)  # before the groups are sized from it
     b, h, _ = q.shape
-    hkv, c = kmin.shape[1], kmin.shape[2]
-    gs = _group_filter(b * (h if per_query_head else hkv), c, num_pages, TUNING["select_fused_rows"],
-                       TUNING["select_fused_scale"])
-    if not gs:
-        scores = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, 0, in_order)[0]
-        return select_pages(scores, cur_slot, num_pages)
+    gs = fused_group_size(b * (h if per_query_head else kmin.shape[1]), kmin.shape[2], num_pages)
     scores, gmax = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, gs, in_order)
+    return select_from_maxima(scores, cur_slot, num_pages, gs, gmax)
+
+
+def fused_group_size(rows: int, c: int, num_pages: int) -> int:
+    """Slots per group of the group filter when the scoring kernel writes the group maxima (``quest_select``,
+    ``lowbit_select``; at least select_fused_rows rows), else 0."""
+    return _group_filter(rows, c, num_pages, TUNING["select_fused_rows"], TUNING["select_fused_scale"])
+
+
+def select_from_maxima(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int, gs: int,
+                       gmax: torch.Tensor | None, out: torch.Tensor | None = None,
+                       gate: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    """``select_pages`` (out and gate as there), through the group filter with the maxima gmax the scoring kernel
+    wrote when gs (``fused_group_size``) > 0."""
+    if not gs:
+        return select_pages(scores, cur_slot, num_pages, out=out, gate=gate)
+    b, hs, c = scores.shape
     k = min(num_pages, c)
-    out = torch.empty(b, scores.shape[1], k, dtype=torch.long, device=q.device)
-    _select_by_groups(scores, cur_slot, out, k, _padded_k(k), gs, gmax)
+    if out is None:
+        out = torch.empty(b, hs, k, dtype=torch.long, device=scores.device)
+    _select_by_groups(scores, cur_slot, out, k, _padded_k(k), gs, gmax, gate)
     return out
 
 

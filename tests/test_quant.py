@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from sparsekv.engine import Engine
 from sparsekv.errors import ConfigError
 from sparsekv.integrations.decode import fuse
 from sparsekv.kernels import reference as ref
+from sparsekv.kernels.cuda import quant as cuda_int4
 from sparsekv.quant import gguf_blocks, layer_linears, quantize_int4
 from sparsekv.tiny import tiny_model
 from test_engine import CONFIGS, NEW, prompts, reference
@@ -109,21 +112,19 @@ def test_cuda_int4_packing_is_the_mma_fragment_layout(n, k):
     """Each lane's word holds the codes of its A fragment of an m16n8k16 product (PTX ISA: registers j = 0..3 hold
     rows g, g + 8, g, g + 8 and inputs 2t, 2t + 1 (+ 8 for j >= 2) of the step), and its scales those of rows g and
     g + 8: unpacking them so rebuilds the weight the reference dequantizes."""
-    from sparsekv.kernels.cuda import quant as cuda_int4
-
     codes, scale, minimum = random_codes(n, k, 4, seed=n + k)
     words, sm = cuda_int4.pack_int4(codes.cpu(), scale.cpu(), minimum.cpu(), k)
-    assert words.shape == (n // 16, k // 64, 32, 4) and sm.shape == (n // 16, k // 64, 8, 4, 2)
+    assert words.shape == (k // 64, n // 16, 32, 4) and sm.shape == (k // 64, n // 16, 8, 4, 2)
     lane = torch.arange(32)
     g, t = lane // 4, lane % 4
-    w = words.transpose(2, 3).reshape(n // 16, k // 16, 32)  # tile, step, lane
+    w = words.permute(1, 0, 3, 2).reshape(n // 16, k // 16, 32)  # tile, step, lane
     q = torch.full((n // 16, k // 16, 16, 16), -1, dtype=torch.int32)
     for j in range(4):
         row, col = g + 8 * (j % 2), 2 * t + 8 * (j // 2)
         q[:, :, row, col] = (w >> (4 * j)) & 15
         q[:, :, row, col + 1] = (w >> (16 + 4 * j)) & 15
     q = q.transpose(1, 2).reshape(n, k)
-    s = sm.view(n // 16, k // 64, 8, 2, 2, 2).permute(0, 4, 2, 1, 3, 5).reshape(n, k // 32, 2)  # (row, group)
+    s = sm.view(k // 64, n // 16, 8, 2, 2, 2).permute(1, 4, 2, 0, 3, 5).reshape(n, k // 32, 2)  # (row, group)
     assert torch.equal(s[..., 0], scale.cpu()) and torch.equal(s[..., 1], minimum.cpu())
     weight = q.to(F64).view(n, k // 32, 32) * s[..., :1].to(F64) + s[..., 1:].to(F64)
     assert torch.equal(weight.view(n, k), ref.dequantize(codes.cpu(), scale.cpu(), minimum.cpu(), k, F64))
@@ -154,6 +155,45 @@ def test_cuda_int4_kernel_matches_float64_reference(rows, n, k, dtype, bias):
     # a view of x at an odd offset is read as well
     wide = torch.cat([torch.zeros(rows, 1, device=DEV, dtype=dtype), x], dim=1)[:, 1:]
     assert torch.equal(tops.linear_quantized(wide, codes, scale, minimum, b), out)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the CUDA kernel runs on CUDA only")
+@pytest.mark.parametrize("launch", cuda_int4.LAUNCHES)
+@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("k", [64, 192, 1088])
+def test_cuda_int4_every_launch_matches_float64_reference(launch, rows, k):
+    """Every launch built, on 3 blocks: one chunk (most warps without a step), 3, and 17 (more steps than stages,
+    uneven over the warps); bf16 and fp16, the one-row path and the general one, with bias."""
+    from sparsekv.kernels import cuda
+
+    if not cuda.available(DEV, "quant"):
+        pytest.skip("the CUDA kernel cannot be built here")
+    n = 3 * 16 * launch[1]
+    codes, scale, minimum = random_codes(n, k, 4, seed=n + k + rows)
+    words, sm = cuda_int4.pack_int4(codes, scale, minimum, k)
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(rows, k, generator=g, device=DEV).to(dtype)
+        b = torch.randn(n, generator=g, device=DEV).to(dtype)
+        out = torch.full((rows, n), float("nan"), device=DEV, dtype=dtype)
+        cuda.module("quant").int4_products(x, words, sm, b, out, *launch)
+        exact = ref.linear_quantized(x.to(F64), codes, scale, minimum, b.to(F64))
+        torch_err = (ref.linear_quantized(x.float(), codes, scale, minimum, b.float()).to(dtype).to(F64)
+                     - exact).norm() / exact.norm()
+        assert ((out.to(F64) - exact).norm() / exact.norm()).item() <= 2 * torch_err.item() + 1e-6, (dtype, launch)
+
+
+def test_cuda_int4_launches_are_those_built():
+    """``launch_for`` picks only launches that quant.cu builds, for any outputs, rows and GPU size."""
+    source = Path(cuda_int4.__file__).with_name("quant.cu").read_text()
+    built = source.split("#define SPARSEKV_LAUNCHES", 1)[1].split("#endif", 1)[0]
+    assert tuple(tuple(map(int, m)) for m in re.findall(r"SPARSEKV_LAUNCH\((\d+), (\d+), (\d+)\)", built)) \
+        == cuda_int4.LAUNCHES
+    for n in range(16, 140_000, 16 * 7):
+        for rows in (1, 2, 8):
+            for sms in (16, 108, 132):
+                warps, tiles, stages = cuda_int4.launch_for(n, rows, sms)
+                assert (warps, tiles, stages) in cuda_int4.LAUNCHES and (n // 16) % tiles == 0
 
 
 def test_repacked_operands_are_refreshed_in_place():

@@ -3,15 +3,17 @@
 // A warp multiplies 16 output rows (a tile) by x in steps of 16 inputs with one m16n8k16 product: the tile's
 // codes are the A operand and x's rows the B operand's 8 columns (unused columns are zero). Each lane's 32-bit
 // word of codes (``pack_int4``) holds exactly the 8 codes its A fragment takes, so one or-and (lop3) puts two codes
-// in the mantissas of two 16-bit floats, 128 + q in bf16 (1024 + q in fp16), with no shared memory and no
-// conversion. The products of these exact levels with x are summed in fp32 per group of 32 inputs and scaled
-// there: the group's sum is scale * (P - L * X) + minimum * X, with P the product of the levels, X the group's sum
-// of x (a product of a matrix of ones with the same B operand) and L the level's offset.
+// in the mantissas of two 16-bit floats, L + q (L = 128 in bf16, 1024 in fp16), with no conversion. The products
+// of these exact levels with x are summed in fp32 per group of 32 inputs, starting from -L X (X: the group's sum of
+// x, a product of a matrix of ones with the same B operand), so that the sum is that of the codes, and scaled
+// there: the group's sum is scale * sum(q x) + minimum * X.
 //
-// Operands: codes (N / 16, K / 64, 32, 4) int32: tile, chunk of 64 inputs, lane, step; sm (N / 16, K / 64, 8, 4)
+// Operands: codes (K / 64, N / 16, 32, 4) int32: chunk of 64 inputs, tile, lane, step; sm (K / 64, N / 16, 8, 4)
 // half2: (scale, minimum) of rows g and g + 8 of the chunk's two groups for lanes 4g..4g+3; x (M, K) and out
 // (M, N) in bf16 or fp16, bias (N,) of x's dtype or absent. A block of W warps takes R tiles; its warps split the
-// chunks and add their sums through shared memory. Each warp loads its next chunk before multiplying the current.
+// chunks and add their sums through shared memory. The time goes to issuing instructions as much as to reading
+// memory, so each warp copies its chunks S - 1 ahead into shared memory (cp.async: no registers held by the
+// loads in flight) and one row of x (ONE) computes only the outputs of x's first column.
 
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
@@ -21,6 +23,12 @@
 #include <type_traits>
 
 #include "fragments.cuh"
+
+// The launches built: (warps, tiles, stages), as ``quant.LAUNCHES`` lists them.
+#ifndef SPARSEKV_LAUNCHES
+#define SPARSEKV_LAUNCHES SPARSEKV_LAUNCH(16, 1, 2) SPARSEKV_LAUNCH(16, 2, 2) SPARSEKV_LAUNCH(16, 4, 2) \
+  SPARSEKV_LAUNCH(8, 2, 2) SPARSEKV_LAUNCH(4, 4, 3) SPARSEKV_LAUNCH(4, 8, 2)
+#endif
 
 namespace {
 
@@ -33,88 +41,125 @@ __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ void store(__nv_bfloat16* at, float v) { *at = __float2bfloat16(v); }
 __device__ __forceinline__ void store(__half* at, float v) { *at = __float2half(v); }
 
-template <bool BF16, int W, int R>
+// 16 bytes from global to shared memory, asynchronously, past L1; the copies since the last commit form a group.
+__device__ __forceinline__ void copy16(void* to, const void* from) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(to))), "l"(from));
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"); }
+// Waits until at most N of this thread's groups are in flight.
+template <int N>
+__device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// A warp's shared memory per stage and tile: 32 words of codes, then 8 of scales.
+constexpr int SLOT = 40;
+
+template <bool BF16, bool ONE, int W, int R, int S>
 __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restrict__ x, const uint4* __restrict__ codes,
     const uint4* __restrict__ sm, const uint16_t* __restrict__ bias, uint16_t* __restrict__ out, int M, int N,
     int K) {
+  static_assert(S >= 2, "a stage is read while the next ones load");
   using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
+  extern __shared__ uint4 staged[];  // [W][S][R][SLOT]; after the loop, the warps' sums [W][R * 4][32] floats
+  const int tiles = N >> 4, chunks = K >> 6;
   const int tile0 = blockIdx.x * R, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;  // the fragment's row (B's column) and column pair
-  const int chunks = K >> 6;
-  const uint32_t magic = sparsekv::magic<BF16>(0) * 0x10001u;  // two 128.0 (bf16) or 1024.0 (fp16)
+  const uint32_t magic = sparsekv::magic<BF16>(0) * 0x10001u;  // two L
   const uint32_t ones = BF16 ? 0x3F803F80u : 0x3C003C00u;
   const float level = BF16 ? 128.f : 1024.f;
   const bool has_row = g < M;
   const uint32_t* xr = reinterpret_cast<const uint32_t*>(x + (size_t)(has_row ? g : 0) * K) + t;
-  const uint4* cp = codes + (size_t)tile0 * chunks * 32 + lane;
-  const uint4* sp = sm + (size_t)tile0 * chunks * 8 + g;
+  // Warp w takes chunks w, w + W, ...: step i is chunk w + i W, whose R tiles lie next to each other.
+  const int steps = warp < chunks ? (chunks - warp + W - 1) / W : 0;
+  const uint4* cp = codes + ((size_t)warp * tiles + tile0) * 32 + lane;
+  const uint4* sp = sm + ((size_t)warp * tiles + tile0) * 8 + (lane & 7);
+  const size_t code_step = (size_t)W * tiles * 32, scale_step = (size_t)W * tiles * 8;
+  uint4* mine = staged + warp * (S * R * SLOT);
+  auto issue = [&](int i) {
+    if (i < steps) {
+      uint4* slot = mine + (i % S) * (R * SLOT);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        copy16(slot + r * SLOT + lane, cp + i * code_step + r * 32);
+        if (lane < 8) copy16(slot + r * SLOT + 32 + lane, sp + i * scale_step + r * 8);
+      }
+    }
+    commit();  // an empty group past the end keeps the count of groups in flight the same
+  };
+  uint32_t b_next[4][2];
+  auto load_x = [&](int i) {  // x is small and read by every block: from L1
+    const int c = warp + i * W;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int at = (c * 64 + j * 16) >> 1;
+      b_next[j][0] = has_row && i < steps ? __ldg(xr + at) : 0u;
+      b_next[j][1] = has_row && i < steps ? __ldg(xr + at + 4) : 0u;
+    }
+  };
   float acc[R][4];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[r][j] = 0.f;
-  uint4 w_next[R], s_next[R];
-  uint32_t b_next[4][2];
-  auto load = [&](int c) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {  // read once: streamed past the caches that keep x
-      w_next[r] = __ldcs(cp + ((size_t)r * chunks + c) * 32);
-      s_next[r] = __ldcs(sp + ((size_t)r * chunks + c) * 8);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int at = (c * 64 + i * 16) >> 1;
-      b_next[i][0] = has_row ? __ldg(xr + at) : 0u;
-      b_next[i][1] = has_row ? __ldg(xr + at + 4) : 0u;
-    }
-  };
-  if (warp < chunks) load(warp);
-  for (int c = warp; c < chunks; c += W) {
+  for (int i = 0; i < S - 1; ++i) issue(i);
+  load_x(0);
+  for (int i = 0; i < steps; ++i) {
+    wait_groups<S - 2>();
+    __syncwarp();  // lanes 0-7's scales, seen by the whole warp
+    const uint4* slot = mine + (i % S) * (R * SLOT);
     uint4 w[R], s[R];
-    uint32_t b[4][2];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      w[r] = w_next[r];
-      s[r] = s_next[r];
+      w[r] = slot[r * SLOT + lane];
+      s[r] = slot[r * SLOT + 32 + g];
     }
+    uint32_t b[4][2];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      b[i][0] = b_next[i][0];
-      b[i][1] = b_next[i][1];
+    for (int j = 0; j < 4; ++j) {
+      b[j][0] = b_next[j][0];
+      b[j][1] = b_next[j][1];
     }
-    if (c + W < chunks) load(c + W);
+    __syncwarp();  // every lane has read the stage that the next copy overwrites
+    issue(i + S - 1);
+    load_x(i + 1);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the chunk's two groups
       float xs[4] = {0.f, 0.f, 0.f, 0.f};
       mma<BF16>(xs, ones, ones, ones, ones, b[2 * h][0], b[2 * h][1]);
       mma<BF16>(xs, ones, ones, ones, ones, b[2 * h + 1][0], b[2 * h + 1][1]);
+      const float start[4] = {-level * xs[0], -level * xs[1], -level * xs[2], -level * xs[3]};
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const uint32_t words[4] = {w[r].x, w[r].y, w[r].z, w[r].w};
-        float p[4] = {0.f, 0.f, 0.f, 0.f};
+        float p[4];
 #pragma unroll
-        for (int i = 2 * h; i < 2 * h + 2; ++i) {
-          const uint32_t q = words[i];
-          mma<BF16>(p, or_and(q, 0x000F000Fu, magic), or_and(q >> 4, 0x000F000Fu, magic),
-                    or_and(q >> 8, 0x000F000Fu, magic), or_and(q >> 12, 0x000F000Fu, magic), b[i][0], b[i][1]);
+        for (int k = 0; k < 2; ++k) {
+          const uint32_t q = words[2 * h + k];
+          mma<BF16>(p, k ? p : start, or_and(q, 0x000F000Fu, magic), or_and(q >> 4, 0x000F000Fu, magic),
+                    or_and(q >> 8, 0x000F000Fu, magic), or_and(q >> 12, 0x000F000Fu, magic), b[2 * h + k][0],
+                    b[2 * h + k][1]);
         }
         const uint32_t s0 = h ? s[r].z : s[r].x, s1 = h ? s[r].w : s[r].y;
         const float2 f0 = __half22float2(*reinterpret_cast<const __half2*>(&s0));
         const float2 f1 = __half22float2(*reinterpret_cast<const __half2*>(&s1));
-        const float m0 = fmaf(-level, f0.x, f0.y), m1 = fmaf(-level, f1.x, f1.y);
-        acc[r][0] = fmaf(f0.x, p[0], fmaf(m0, xs[0], acc[r][0]));
-        acc[r][1] = fmaf(f0.x, p[1], fmaf(m0, xs[1], acc[r][1]));
-        acc[r][2] = fmaf(f1.x, p[2], fmaf(m1, xs[2], acc[r][2]));
-        acc[r][3] = fmaf(f1.x, p[3], fmaf(m1, xs[3], acc[r][3]));
+        acc[r][0] = fmaf(f0.x, p[0], fmaf(f0.y, xs[0], acc[r][0]));
+        acc[r][2] = fmaf(f1.x, p[2], fmaf(f1.y, xs[2], acc[r][2]));
+        if constexpr (!ONE) {
+          acc[r][1] = fmaf(f0.x, p[1], fmaf(f0.y, xs[1], acc[r][1]));
+          acc[r][3] = fmaf(f1.x, p[3], fmaf(f1.y, xs[3], acc[r][3]));
+        }
       }
     }
   }
+  wait_groups<0>();
   if constexpr (W > 1) {
-    __shared__ float partial[W][R * 4][32];
+    __syncthreads();  // every warp is past its stages
+    float* partial = reinterpret_cast<float*>(staged);
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) partial[warp][r * 4 + j][lane] = acc[r][j];
+      for (int j = 0; j < 4; ++j) partial[((warp * R + r) * 4 + j) * 32 + lane] = acc[r][j];
     __syncthreads();
     if (warp != 0) return;
 #pragma unroll
@@ -122,7 +167,7 @@ __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restri
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[r][j] += partial[v][r * 4 + j][lane];
+        for (int j = 0; j < 4; ++j) acc[r][j] += partial[((v * R + r) * 4 + j) * 32 + lane];
   }
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -136,31 +181,37 @@ __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restri
     }
 }
 
-template <bool BF16, int W, int R>
+template <bool BF16, bool ONE, int W, int R, int S>
 void launch(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& sm, const uint16_t* bias,
             torch::Tensor& out) {
   const int M = x.size(0), K = x.size(1), N = out.size(1);
-  int4_products<BF16, W, R><<<N / (16 * R), W * 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  constexpr int bytes = W * S * R * SLOT * 16;
+  static_assert(bytes <= 227 * 1024, "a block's stages must fit in shared memory");
+  const auto kernel = int4_products<BF16, ONE, W, R, S>;
+  static const cudaError_t sized = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  TORCH_CHECK(sized == cudaSuccess, "int4_products: ", bytes, " bytes of shared memory: ", cudaGetErrorString(sized));
+  kernel<<<N / (16 * R), W * 32, bytes, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint4*>(codes.data_ptr()),
       reinterpret_cast<const uint4*>(sm.data_ptr()), bias, reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <bool BF16>
+template <bool BF16, bool ONE>
 void dispatch(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& sm, const uint16_t* bias,
-              torch::Tensor& out, int64_t warps, int64_t tiles) {
-  if (warps == 16 && tiles == 1) return launch<BF16, 16, 1>(x, codes, sm, bias, out);
-  if (warps == 16 && tiles == 2) return launch<BF16, 16, 2>(x, codes, sm, bias, out);
-  if (warps == 16 && tiles == 4) return launch<BF16, 16, 4>(x, codes, sm, bias, out);
-  if (warps == 4 && tiles == 8) return launch<BF16, 4, 8>(x, codes, sm, bias, out);
-  TORCH_CHECK(false, "int4_products: no launch of ", warps, " warps and ", tiles, " tiles");
+              torch::Tensor& out, int64_t warps, int64_t tiles, int64_t stages) {
+#define SPARSEKV_LAUNCH(W, R, S) \
+  if (warps == W && tiles == R && stages == S) return launch<BF16, ONE, W, R, S>(x, codes, sm, bias, out);
+  SPARSEKV_LAUNCHES
+#undef SPARSEKV_LAUNCH
+  TORCH_CHECK(false, "int4_products: no launch of ", warps, " warps, ", tiles, " tiles and ", stages, " stages");
 }
 
 }  // namespace
 
-// out (M, N) = x (M, K) times the packed weight (plus bias); warps and tiles: one of the launches above.
+// out (M, N) = x (M, K) times the packed weight (plus bias); warps, tiles and stages: one of the launches built.
 void int4_products(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& sm,
-                   const c10::optional<torch::Tensor>& bias, torch::Tensor& out, int64_t warps, int64_t tiles) {
+                   const c10::optional<torch::Tensor>& bias, torch::Tensor& out, int64_t warps, int64_t tiles,
+                   int64_t stages) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(x.is_cuda() && x.is_contiguous() && (x.scalar_type() == torch::kBFloat16 ||
               x.scalar_type() == torch::kHalf), "int4_products: x must be a contiguous bf16 or fp16 CUDA tensor");
@@ -174,11 +225,10 @@ void int4_products(const torch::Tensor& x, const torch::Tensor& codes, const tor
                 "int4_products: bias must be (N,) of x's dtype");
     b = reinterpret_cast<const uint16_t*>(bias->data_ptr());
   }
-  if (x.scalar_type() == torch::kBFloat16) {
-    dispatch<true>(x, codes, sm, b, out, warps, tiles);
-  } else {
-    dispatch<false>(x, codes, sm, b, out, warps, tiles);
-  }
+  const bool bf16 = x.scalar_type() == torch::kBFloat16, one = M == 1;
+  const auto run = bf16 ? (one ? dispatch<true, true> : dispatch<true, false>)
+                        : (one ? dispatch<false, true> : dispatch<false, false>);
+  run(x, codes, sm, b, out, warps, tiles, stages);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -19,10 +19,10 @@ no rounded weight) took 24.4 / 13.5 / 83.6 / 39.7 at one row and 28.3 / 22.3 / 8
 for each slice's product before scaling it.
 
 On CUDA, up to ``cuda_int4_rows`` rows (at most 8) of 4-bit codes go to our CUDA kernel instead
-(``kernels.cuda.quant.int4_products``: 9.3 / 6.2 / 26.3 / 15.1 us at one row, 9.8 / 7.2 / 25.9 / 19.4 at 8), on
+(``kernels.cuda.quant.int4_products``: 8.6 / 6.1 / 22.5 / 13.7 us at one row, 9.5 / 7.7 / 26.2 / 19.7 at 8), on
 its own copy of the codes in its operands' layout (``pack_int4``), made on first use. Where it cannot be built, up to
 ``tinygemm_rows`` rows of bf16 go to torch's own int4 kernel (tinygemm, ``torch._weight_int4pack_mm``: 11.6 / 7.7
-/ 40.3 / 21.2 us at one row) on its layout and a bf16 scale and zero per group (``w = (q - 8) * scale + zero``):
+/ 40.2 / 21.1 us at one row) on its layout and a bf16 scale and zero per group (``w = (q - 8) * scale + zero``):
 ``scale`` and ``minimum + 8 * scale`` rounded to bf16 make its product differ from the reference's by about bf16's
 rounding of the weight (relative error 3.0e-3 against the float64 reference on the H200; the CUDA kernel's
 1.7e-3, this kernel's and torch's bf16 product of the dequantized weight 2.1e-3; ``tests/test_quant.py`` checks

@@ -131,7 +131,7 @@ def test_cuda_int4_packing_is_the_mma_fragment_layout(n, k):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the CUDA kernel runs on CUDA only")
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 12, 16])
 @pytest.mark.parametrize("n, k, dtype, bias", [
     (16, 64, torch.bfloat16, False), (48, 192, torch.float16, True), (512, 128, torch.bfloat16, True),
     (6144, 256, torch.bfloat16, False), (24576, 64, torch.float16, False)])
@@ -159,11 +159,11 @@ def test_cuda_int4_kernel_matches_float64_reference(rows, n, k, dtype, bias):
 
 @pytest.mark.skipif(not ON_GPU, reason="the CUDA kernel runs on CUDA only")
 @pytest.mark.parametrize("launch", cuda_int4.LAUNCHES)
-@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 16])
 @pytest.mark.parametrize("k", [64, 192, 1088])
 def test_cuda_int4_every_launch_matches_float64_reference(launch, rows, k):
     """Every launch built, on 3 blocks: one chunk (most warps without a step), 3, and 17 (more steps than stages,
-    uneven over the warps); bf16 and fp16, the one-row path and the general one, with bias."""
+    uneven over the warps); bf16 and fp16, the one-row path, one B operand and two, with bias."""
     from sparsekv.kernels import cuda
 
     if not cuda.available(DEV, "quant"):
@@ -190,7 +190,7 @@ def test_cuda_int4_launches_are_those_built():
     assert tuple(tuple(map(int, m)) for m in re.findall(r"SPARSEKV_LAUNCH\((\d+), (\d+), (\d+)\)", built)) \
         == cuda_int4.LAUNCHES
     for n in range(16, 140_000, 16 * 7):
-        for rows in (1, 2, 8):
+        for rows in (1, 2, 8, 16):
             for sms in (16, 108, 132):
                 warps, tiles, stages = cuda_int4.launch_for(n, rows, sms)
                 assert (warps, tiles, stages) in cuda_int4.LAUNCHES and (n // 16) % tiles == 0

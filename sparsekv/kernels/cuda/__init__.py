@@ -1,7 +1,7 @@
 """CUDA C++ kernels, for what Triton does not express at the speed the hardware allows: tensor-core products whose
 operands are built in the fragments' registers, with no trip through shared memory. Each ``<name>.cu`` is built on
 first use with the local CUDA compiler (``torch.utils.cpp_extension``: nvcc and ninja), for the GPUs present, and
-has a Python module of the same name here: ``quant`` (int4 weights' products of 1-8 rows), ``coded`` (lowbit's page
+has a Python module of the same name here: ``quant`` (int4 weights' products of 1-16 rows), ``coded`` (lowbit's page
 scores from low-bit key codes). Where a file cannot be built (no compiler, a GPU before sm_80), ``available`` says
 so once in a warning and the caller takes its Triton kernels.
 """

@@ -1,19 +1,20 @@
-// Products of 4-bit group-quantized weights with 1-8 input rows on tensor cores (mma.sync, sm_80 and later).
+// Products of 4-bit group-quantized weights with 1-16 input rows on tensor cores (mma.sync, sm_80 and later).
 //
-// A warp multiplies 16 output rows (a tile) by x in steps of 16 inputs with one m16n8k16 product: the tile's
-// codes are the A operand and x's rows the B operand's 8 columns (unused columns are zero). Each lane's 32-bit
-// word of codes (``pack_int4``) holds exactly the 8 codes its A fragment takes, so one or-and (lop3) puts two codes
-// in the mantissas of two 16-bit floats, L + q (L = 128 in bf16, 1024 in fp16), with no conversion. The products
-// of these exact levels with x are summed in fp32 per group of 32 inputs, starting from -L X (X: the group's sum of
-// x, a product of a matrix of ones with the same B operand), so that the sum is that of the codes, and scaled
-// there: the group's sum is scale * sum(q x) + minimum * X.
+// A warp multiplies 16 output rows (a tile) by x in steps of 16 inputs with one m16n8k16 product per 8 rows of x: the
+// tile's codes are the A operand and x's rows the B operand's 8 columns (unused columns are zero). Each lane's 32-bit
+// word of codes (``pack_int4``) holds exactly the 8 codes its A fragment takes, so one or-and (lop3) puts two codes in
+// the mantissas of two 16-bit floats, L + q (L = 128 in bf16, 1024 in fp16), with no conversion. The products of these
+// exact levels with x are summed in fp32 per group of 32 inputs, starting from -L X (X: the group's sum of x, a product
+// of a matrix of ones with the same B operand), so that the sum is that of the codes, and scaled there: the group's sum
+// is scale * sum(q x) + minimum * X.
 //
 // Operands: codes (K / 64, N / 16, 32, 4) int32: chunk of 64 inputs, tile, lane, step; sm (K / 64, N / 16, 8, 4)
 // half2: (scale, minimum) of rows g and g + 8 of the chunk's two groups for lanes 4g..4g+3; x (M, K) and out
 // (M, N) in bf16 or fp16, bias (N,) of x's dtype or absent. A block of W warps takes R tiles; its warps split the
 // chunks and add their sums through shared memory. The time goes to issuing instructions as much as to reading
 // memory, so each warp copies its chunks S - 1 ahead into shared memory (cp.async: no registers held by the
-// loads in flight) and one row of x (ONE) computes only the outputs of x's first column.
+// loads in flight), and COLS, the columns of x computed (1, 8 or 16), spends no work on columns beyond them: one
+// row of x scales only the outputs of its own column, 9-16 rows take a second product on the same A operand.
 
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
@@ -54,21 +55,28 @@ __device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_grou
 // A warp's shared memory per stage and tile: 32 words of codes, then 8 of scales.
 constexpr int SLOT = 40;
 
-template <bool BF16, bool ONE, int W, int R, int S>
+template <bool BF16, int COLS, int W, int R, int S>
 __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restrict__ x, const uint4* __restrict__ codes,
     const uint4* __restrict__ sm, const uint16_t* __restrict__ bias, uint16_t* __restrict__ out, int M, int N,
     int K) {
   static_assert(S >= 2, "a stage is read while the next ones load");
+  constexpr bool ONE = COLS == 1;
+  constexpr int NB = COLS > 8 ? 2 : 1;  // B operands of 8 columns
   using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
-  extern __shared__ uint4 staged[];  // [W][S][R][SLOT]; after the loop, the warps' sums [W][R * 4][32] floats
+  extern __shared__ uint4 staged[];  // [W][S][R][SLOT]; after the loop, the warps' sums [W][R][NB * 4][32] floats
   const int tiles = N >> 4, chunks = K >> 6;
   const int tile0 = blockIdx.x * R, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;  // the fragment's row (B's column) and column pair
   const uint32_t magic = sparsekv::magic<BF16>(0) * 0x10001u;  // two L
   const uint32_t ones = BF16 ? 0x3F803F80u : 0x3C003C00u;
   const float level = BF16 ? 128.f : 1024.f;
-  const bool has_row = g < M;
-  const uint32_t* xr = reinterpret_cast<const uint32_t*>(x + (size_t)(has_row ? g : 0) * K) + t;
+  bool has_row[NB];
+  const uint32_t* xr[NB];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    has_row[nb] = g + 8 * nb < M;
+    xr[nb] = reinterpret_cast<const uint32_t*>(x + (size_t)(has_row[nb] ? g + 8 * nb : 0) * K) + t;
+  }
   // Warp w takes chunks w, w + W, ...: step i is chunk w + i W, whose R tiles lie next to each other.
   const int steps = warp < chunks ? (chunks - warp + W - 1) / W : 0;
   const uint4* cp = codes + ((size_t)warp * tiles + tile0) * 32 + lane;
@@ -86,21 +94,25 @@ __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restri
     }
     commit();  // an empty group past the end keeps the count of groups in flight the same
   };
-  uint32_t b_next[4][2];
+  uint32_t b_next[NB][4][2];
   auto load_x = [&](int i) {  // x is small and read by every block: from L1
     const int c = warp + i * W;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int at = (c * 64 + j * 16) >> 1;
-      b_next[j][0] = has_row && i < steps ? __ldg(xr + at) : 0u;
-      b_next[j][1] = has_row && i < steps ? __ldg(xr + at + 4) : 0u;
-    }
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int at = (c * 64 + j * 16) >> 1;
+        b_next[nb][j][0] = has_row[nb] && i < steps ? __ldg(xr[nb] + at) : 0u;
+        b_next[nb][j][1] = has_row[nb] && i < steps ? __ldg(xr[nb] + at + 4) : 0u;
+      }
   };
-  float acc[R][4];
+  float acc[R][NB][4];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[r][j] = 0.f;
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[r][nb][j] = 0.f;
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) issue(i);
   load_x(0);
@@ -114,40 +126,52 @@ __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restri
       w[r] = slot[r * SLOT + lane];
       s[r] = slot[r * SLOT + 32 + g];
     }
-    uint32_t b[4][2];
+    uint32_t b[NB][4][2];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      b[j][0] = b_next[j][0];
-      b[j][1] = b_next[j][1];
-    }
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        b[nb][j][0] = b_next[nb][j][0];
+        b[nb][j][1] = b_next[nb][j][1];
+      }
     __syncwarp();  // every lane has read the stage that the next copy overwrites
     issue(i + S - 1);
     load_x(i + 1);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the chunk's two groups
-      float xs[4] = {0.f, 0.f, 0.f, 0.f};
-      mma<BF16>(xs, ones, ones, ones, ones, b[2 * h][0], b[2 * h][1]);
-      mma<BF16>(xs, ones, ones, ones, ones, b[2 * h + 1][0], b[2 * h + 1][1]);
-      const float start[4] = {-level * xs[0], -level * xs[1], -level * xs[2], -level * xs[3]};
+      float xs[NB][4], start[NB][4];
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+        mma<BF16>(xs[nb], zero, ones, ones, ones, ones, b[nb][2 * h][0], b[nb][2 * h][1]);
+        mma<BF16>(xs[nb], ones, ones, ones, ones, b[nb][2 * h + 1][0], b[nb][2 * h + 1][1]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) start[nb][j] = -level * xs[nb][j];
+      }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const uint32_t words[4] = {w[r].x, w[r].y, w[r].z, w[r].w};
-        float p[4];
+        float p[NB][4];
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
           const uint32_t q = words[2 * h + k];
-          mma<BF16>(p, k ? p : start, or_and(q, 0x000F000Fu, magic), or_and(q >> 4, 0x000F000Fu, magic),
-                    or_and(q >> 8, 0x000F000Fu, magic), or_and(q >> 12, 0x000F000Fu, magic), b[2 * h + k][0],
-                    b[2 * h + k][1]);
+          const uint32_t a0 = or_and(q, 0x000F000Fu, magic), a1 = or_and(q >> 4, 0x000F000Fu, magic),
+                         a2 = or_and(q >> 8, 0x000F000Fu, magic), a3 = or_and(q >> 12, 0x000F000Fu, magic);
+#pragma unroll
+          for (int nb = 0; nb < NB; ++nb)
+            mma<BF16>(p[nb], k ? p[nb] : start[nb], a0, a1, a2, a3, b[nb][2 * h + k][0], b[nb][2 * h + k][1]);
         }
         const uint32_t s0 = h ? s[r].z : s[r].x, s1 = h ? s[r].w : s[r].y;
         const float2 f0 = __half22float2(*reinterpret_cast<const __half2*>(&s0));
         const float2 f1 = __half22float2(*reinterpret_cast<const __half2*>(&s1));
-        acc[r][0] = fmaf(f0.x, p[0], fmaf(f0.y, xs[0], acc[r][0]));
-        acc[r][2] = fmaf(f1.x, p[2], fmaf(f1.y, xs[2], acc[r][2]));
-        if constexpr (!ONE) {
-          acc[r][1] = fmaf(f0.x, p[1], fmaf(f0.y, xs[1], acc[r][1]));
-          acc[r][3] = fmaf(f1.x, p[3], fmaf(f1.y, xs[3], acc[r][3]));
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          acc[r][nb][0] = fmaf(f0.x, p[nb][0], fmaf(f0.y, xs[nb][0], acc[r][nb][0]));
+          acc[r][nb][2] = fmaf(f1.x, p[nb][2], fmaf(f1.y, xs[nb][2], acc[r][nb][2]));
+          if constexpr (!ONE) {
+            acc[r][nb][1] = fmaf(f0.x, p[nb][1], fmaf(f0.y, xs[nb][1], acc[r][nb][1]));
+            acc[r][nb][3] = fmaf(f1.x, p[nb][3], fmaf(f1.y, xs[nb][3], acc[r][nb][3]));
+          }
         }
       }
     }
@@ -159,7 +183,9 @@ __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restri
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) partial[((warp * R + r) * 4 + j) * 32 + lane] = acc[r][j];
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) partial[(((warp * R + r) * NB + nb) * 4 + j) * 32 + lane] = acc[r][nb][j];
     __syncthreads();
     if (warp != 0) return;
 #pragma unroll
@@ -167,27 +193,32 @@ __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restri
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[r][j] += partial[((v * R + r) * 4 + j) * 32 + lane];
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[r][nb][j] += partial[(((v * R + r) * NB + nb) * 4 + j) * 32 + lane];
   }
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int col = 2 * t + (j & 1), n = (tile0 + r) * 16 + g + (j >> 1) * 8;
-      if (col < M) {
-        const float b = bias == nullptr ? 0.f : to_float(reinterpret_cast<const T*>(bias)[n]);
-        store(reinterpret_cast<T*>(out) + (size_t)col * N + n, acc[r][j] + b);
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col = 8 * nb + 2 * t + (j & 1), n = (tile0 + r) * 16 + g + (j >> 1) * 8;
+        if (col < M) {
+          const float b = bias == nullptr ? 0.f : to_float(reinterpret_cast<const T*>(bias)[n]);
+          store(reinterpret_cast<T*>(out) + (size_t)col * N + n, acc[r][nb][j] + b);
+        }
       }
-    }
 }
 
-template <bool BF16, bool ONE, int W, int R, int S>
+template <bool BF16, int COLS, int W, int R, int S>
 void launch(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& sm, const uint16_t* bias,
             torch::Tensor& out) {
   const int M = x.size(0), K = x.size(1), N = out.size(1);
   constexpr int bytes = W * S * R * SLOT * 16;
-  static_assert(bytes <= 227 * 1024, "a block's stages must fit in shared memory");
-  const auto kernel = int4_products<BF16, ONE, W, R, S>;
+  static_assert(bytes <= 227 * 1024 && bytes >= W * R * (COLS > 8 ? 2 : 1) * 512,
+                "a block's stages must fit in shared memory and hold the warps' sums");
+  const auto kernel = int4_products<BF16, COLS, W, R, S>;
   static const cudaError_t sized = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   TORCH_CHECK(sized == cudaSuccess, "int4_products: ", bytes, " bytes of shared memory: ", cudaGetErrorString(sized));
   kernel<<<N / (16 * R), W * 32, bytes, c10::cuda::getCurrentCUDAStream()>>>(
@@ -196,11 +227,11 @@ void launch(const torch::Tensor& x, const torch::Tensor& codes, const torch::Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <bool BF16, bool ONE>
+template <bool BF16, int COLS>
 void dispatch(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& sm, const uint16_t* bias,
               torch::Tensor& out, int64_t warps, int64_t tiles, int64_t stages) {
 #define SPARSEKV_LAUNCH(W, R, S) \
-  if (warps == W && tiles == R && stages == S) return launch<BF16, ONE, W, R, S>(x, codes, sm, bias, out);
+  if (warps == W && tiles == R && stages == S) return launch<BF16, COLS, W, R, S>(x, codes, sm, bias, out);
   SPARSEKV_LAUNCHES
 #undef SPARSEKV_LAUNCH
   TORCH_CHECK(false, "int4_products: no launch of ", warps, " warps, ", tiles, " tiles and ", stages, " stages");
@@ -215,7 +246,7 @@ void int4_products(const torch::Tensor& x, const torch::Tensor& codes, const tor
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(x.is_cuda() && x.is_contiguous() && (x.scalar_type() == torch::kBFloat16 ||
               x.scalar_type() == torch::kHalf), "int4_products: x must be a contiguous bf16 or fp16 CUDA tensor");
-  TORCH_CHECK(M >= 1 && M <= 8 && K % 64 == 0 && N % (16 * tiles) == 0, "int4_products: M must be 1-8, K a ",
+  TORCH_CHECK(M >= 1 && M <= 16 && K % 64 == 0 && N % (16 * tiles) == 0, "int4_products: M must be 1-16, K a ",
               "multiple of 64 and N of 16 times tiles; got M ", M, ", K ", K, ", N ", N);
   TORCH_CHECK(codes.numel() == N * K / 8 && sm.numel() == N * K / 32 * 2 && out.scalar_type() == x.scalar_type(),
               "int4_products: the packed operands or out do not match x");
@@ -225,12 +256,13 @@ void int4_products(const torch::Tensor& x, const torch::Tensor& codes, const tor
                 "int4_products: bias must be (N,) of x's dtype");
     b = reinterpret_cast<const uint16_t*>(bias->data_ptr());
   }
-  const bool bf16 = x.scalar_type() == torch::kBFloat16, one = M == 1;
-  const auto run = bf16 ? (one ? dispatch<true, true> : dispatch<true, false>)
-                        : (one ? dispatch<false, true> : dispatch<false, false>);
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const auto run = M == 1 ? (bf16 ? dispatch<true, 1> : dispatch<false, 1>)
+                 : M <= 8 ? (bf16 ? dispatch<true, 8> : dispatch<false, 8>)
+                          : (bf16 ? dispatch<true, 16> : dispatch<false, 16>);
   run(x, codes, sm, b, out, warps, tiles, stages);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_products", &int4_products, "products of packed 4-bit weights with 1-8 rows");
+  m.def("int4_products", &int4_products, "products of packed 4-bit weights with 1-16 rows");
 }

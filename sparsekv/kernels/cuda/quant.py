@@ -1,4 +1,4 @@
-"""The products of 4-bit group-quantized weights with 1 to 8 input rows (``quant.cu``: ``int4_products``), on tensor
+"""The products of 4-bit group-quantized weights with 1 to 16 input rows (``quant.cu``: ``int4_products``), on tensor
 cores with operands in the fragments' own layout (``pack_int4``), which Triton's ``tl.dot`` reaches only through
 shared memory.
 """
@@ -10,8 +10,9 @@ import torch
 from .. import reference
 from . import module
 
-# An mma.sync product covers 8 input rows (its B operand's columns), 16 outputs and 16 inputs; a packed chunk 64.
-MAX_ROWS = 8
+# An mma.sync product covers 8 input rows (its B operand's columns), 16 outputs and 16 inputs; the kernel takes two
+# for up to 16 rows. A packed chunk holds 64 inputs.
+MAX_ROWS = 16
 TILE_N, CHUNK_K = 16, 64
 # The launches quant.cu builds (its SPARSEKV_LAUNCHES): (warps, tiles, stages), all that ``launch_for`` picks.
 LAUNCHES = ((16, 1, 2), (16, 2, 2), (16, 4, 2), (8, 2, 2), (4, 4, 3), (4, 8, 2))
@@ -48,27 +49,28 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
 
 def launch_for(n: int, rows: int, sms: int) -> tuple[int, int, int]:
     """(warps, tiles, stages) of a block for N outputs, the rows of x and the GPU's multiprocessors, as measured on
-    the H200 (``benchmarks/results/quant/NOTES.md``): blocks of 2 tiles and 16 warps while they fit in one wave
-    (o, down); up to 8 tiles a multiprocessor (q/k/v), blocks of 2 tiles and 8 warps, or of 4 tiles and 16 warps
-    for several rows up to 4 tiles a multiprocessor; beyond, blocks of 4 tiles and 4 warps with 3 stages, except
-    at one row where blocks of 8 tiles fill one wave at two a multiprocessor (gate/up)."""
+    the H200 at 1-16 rows (``benchmarks/results/quant/NOTES.md``): blocks of 2 tiles and 16 warps while they fit in
+    one wave (o, down); up to 8 tiles a multiprocessor (q/k/v) blocks of 2 tiles and 8 warps, or of 4 tiles and 16
+    warps for 2-8 rows up to 4 tiles a multiprocessor; beyond, blocks of 4 tiles, 4 warps and 3 stages, or of 8
+    tiles, 4 warps and 2 stages where those fill one wave at two a multiprocessor (gate/up) and x has one row or
+    more than 8."""
     tiles = n // TILE_N
     if tiles % 2:
         return 16, 1, 2
     if tiles <= 2 * sms:
         return 16, 2, 2
-    if rows > 1 and tiles <= 4 * sms and tiles % 4 == 0:
+    if 1 < rows <= 8 and tiles <= 4 * sms and tiles % 4 == 0:
         return 16, 4, 2
     if tiles < 8 * sms or tiles % 4:
         return 8, 2, 2
-    if rows == 1 and tiles % 8 == 0 and 1.6 * sms <= tiles // 8 <= 2 * sms:
+    if (rows == 1 or rows > 8) and tiles % 8 == 0 and 1.6 * sms <= tiles // 8 <= 2 * sms:
         return 4, 8, 2
     return 4, 4, 3
 
 
 def int4_products(x: torch.Tensor, words: torch.Tensor, sm: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) bf16 or fp16, M 1-8, times the weight ``pack_int4`` packed (plus bias (N,)). Returns (M, N) in x's
+    """x (M, K) bf16 or fp16, M 1-16, times the weight ``pack_int4`` packed (plus bias (N,)). Returns (M, N) in x's
     dtype: the products of the exact codes with x summed in fp32, each group scaled there."""
     n = words.shape[1] * TILE_N
     if x.data_ptr() % 16:  # the kernel reads x in 32-bit words: a view at an odd offset is copied

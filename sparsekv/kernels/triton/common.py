@@ -46,7 +46,7 @@ from triton import knobs
 # qmm_*: the products of group-quantized weights (``quant``) for up to qgemv_max_rows input rows: programs of
 # qmm_block_n output rows read slices of qmm_block_g groups of 32 inputs; the groups are split in up to qmm_split
 # ranges (split-K, programs of one row block adding up their sums through a count) until the programs number
-# qmm_programs. More rows go to the reference (dequantized weight, cuBLAS). Up to cuda_int4_rows rows (at most 8)
+# qmm_programs. More rows go to the reference (dequantized weight, cuBLAS). Up to cuda_int4_rows rows (at most 16)
 # of 4-bit codes take the CUDA kernel (``kernels.cuda``) instead; where it cannot be built, up to tinygemm_rows
 # rows of bf16 take torch's tinygemm (faster than this kernel at one row). On the H200 at Llama-3-8B's four
 # products of a layer at 16 rows (``bench.linear --tune``: block_n 64-128, block_g 2-8, split 1-4, 4-8 warps,
@@ -83,7 +83,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "window_programs_per_sm": 4,
           "raas_block": 1024, "raas_warps": 4, "raas_cand": 16,
           "gemv_block_n": 1, "gemv_block_k": 2048, "gemv_warps": 4, "gemv_stages": 2, "gemv_max_in": 16384,
-          "qgemv_max_rows": 16, "cuda_int4_rows": 8, "tinygemm_rows": 4,
+          "qgemv_max_rows": 16, "cuda_int4_rows": 16, "tinygemm_rows": 4,
           "qmm_block_n": 64, "qmm_block_g": 8, "qmm_split": 4, "qmm_programs": 256, "qmm_warps": 4, "qmm_stages": 3,
           "coded_block": 128, "coded_warps": 4, "coded_heads": 8, "cuda_coded": True, "cuda_coded_block": 128,
           "mass_block": 256, "mass_parts": 1024, "mass_warps": 4,

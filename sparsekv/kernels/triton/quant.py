@@ -18,8 +18,9 @@ The kernel this one replaced (the per-group scaling applied after a product agai
 no rounded weight) took 24.4 / 13.5 / 83.6 / 39.7 at one row and 28.3 / 22.3 / 83.8 / 70.7 at 16, bound by waiting
 for each slice's product before scaling it.
 
-On CUDA, up to ``cuda_int4_rows`` rows (at most 8) of 4-bit codes go to our CUDA kernel instead
-(``kernels.cuda.quant.int4_products``: 8.6 / 6.1 / 22.5 / 13.7 us at one row, 9.5 / 7.7 / 26.2 / 19.7 at 8), on
+On CUDA, up to ``cuda_int4_rows`` rows (at most 16) of 4-bit codes go to our CUDA kernel instead
+(``kernels.cuda.quant.int4_products``: 8.6 / 6.0 / 22.4 / 13.6 us at one row, 9.6 / 7.6 / 26.1 / 19.6 at 8, 14.2 /
+11.7 / 35.9 / 26.6 at 16), on
 its own copy of the codes in its operands' layout (``pack_int4``), made on first use. Where it cannot be built, up to
 ``tinygemm_rows`` rows of bf16 go to torch's own int4 kernel (tinygemm, ``torch._weight_int4pack_mm``: 11.6 / 7.7
 / 40.2 / 21.1 us at one row) on its layout and a bf16 scale and zero per group (``w = (q - 8) * scale + zero``):

@@ -68,15 +68,15 @@ def launch_for(n: int, rows: int, sms: int) -> tuple[int, int, int]:
     return 4, 4, 3
 
 
-def int4_products(x: torch.Tensor, words: torch.Tensor, sm: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) bf16 or fp16, M 1-16, times the weight ``pack_int4`` packed (plus bias (N,)). Returns (M, N) in x's
-    dtype: the products of the exact codes with x summed in fp32, each group scaled there."""
+def int4_products(x: torch.Tensor, words: torch.Tensor, sm: torch.Tensor, bias: torch.Tensor | None,
+                  sms: int) -> torch.Tensor:
+    """x (M, K) bf16 or fp16, M 1-16, times the weight ``pack_int4`` packed (plus bias (N,)), launched for a device
+    of ``sms`` multiprocessors (``launch_for``). Returns (M, N) in x's dtype: the products of the exact codes with x
+    summed in fp32, each group scaled there."""
     n = words.shape[1] * TILE_N
     if x.data_ptr() % 16:  # the kernel reads x in 32-bit words: a view at an odd offset is copied
         x = x.clone()
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     module("quant").int4_products(x, words, sm, None if bias is None else bias.to(x.dtype), out,
                                   *launch_for(n, x.shape[0], sms))
     return out

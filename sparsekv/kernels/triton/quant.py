@@ -41,7 +41,7 @@ import triton.language as tl
 from .. import reference
 from ..cuda import available
 from ..cuda import quant as cuda_int4
-from .common import TUNING, interpreted_bf16, precision
+from .common import TUNING, interpreted_bf16, num_sms, precision
 
 
 @triton.jit
@@ -212,7 +212,8 @@ def linear_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
             and available(x.device, "quant")):
         operands = _kept(_CUDA_INT4, codes, scale, minimum, lambda: cuda_int4.pack_int4(codes, scale, minimum, k))
         if operands is not None:
-            return cuda_int4.int4_products(x.reshape(rows, k).contiguous(), *operands, bias).view(*x.shape[:-1], n)
+            return cuda_int4.int4_products(x.reshape(rows, k).contiguous(), *operands, bias,
+                                           num_sms(x.device)).view(*x.shape[:-1], n)
     if (rows <= TUNING["tinygemm_rows"] and bits == 4 and x.is_cuda and x.dtype == torch.bfloat16
             and k % (16 * TINYGEMM_K_TILES) == 0 and n % 8 == 0 and (operands := _kept(
                 _TINYGEMM, codes, scale, minimum, lambda: _tinygemm_operands(codes, scale, minimum, k))) is not None):

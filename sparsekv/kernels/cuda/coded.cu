@@ -38,9 +38,12 @@
 
 namespace {
 
+using sparsekv::commit_copies;
+using sparsekv::copy16;
 using sparsekv::magic;
 using sparsekv::mma;
 using sparsekv::or_and;
+using sparsekv::wait_copies;
 
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 constexpr int kMaxChunk = 256;  // slots a block may take: its pages' log-sum-exps are kept in shared memory
@@ -100,17 +103,8 @@ __device__ __forceinline__ float lg2(float x) {  // log2 x, -inf for 0
   return r;
 }
 
-__device__ __forceinline__ void copy16(uint32_t shared, const void* global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared), "l"(global));
-}
-
 __device__ __forceinline__ void copy8(uint32_t shared, const void* global) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(shared), "l"(global));
-}
-
-template <int N>
-__device__ __forceinline__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
 template <int BITS, int D, int R, int P>
@@ -284,7 +278,7 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
     }
 #pragma unroll
     for (int j = 0; j < K::COPIES; ++j) src[j] += step[j];
-    asm volatile("cp.async.commit_group;");
+    commit_copies();
   };
 
   __syncthreads();  // the values' -inf are written

@@ -44,4 +44,17 @@ __device__ __forceinline__ void mma(float* d, uint32_t a0, uint32_t a1, uint32_t
   mma<BF16>(d, d, a0, a1, a2, a3, b0, b1);
 }
 
+// Asynchronous copies from global to shared memory (cp.async): 16 bytes to the shared address ``shared``, past L1;
+// the copies since the last commit form a group; waits until at most N of this thread's groups are in flight.
+__device__ __forceinline__ void copy16(uint32_t shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared), "l"(global));
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
 }  // namespace sparsekv

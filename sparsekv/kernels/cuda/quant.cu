@@ -33,8 +33,11 @@
 
 namespace {
 
+using sparsekv::commit_copies;
+using sparsekv::copy16;
 using sparsekv::mma;
 using sparsekv::or_and;
+using sparsekv::wait_copies;
 
 // Conversions by the 16-bit type, with the intrinsics (torch's extension build turns off the implicit ones).
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -42,15 +45,9 @@ __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ void store(__nv_bfloat16* at, float v) { *at = __float2bfloat16(v); }
 __device__ __forceinline__ void store(__half* at, float v) { *at = __float2half(v); }
 
-// 16 bytes from global to shared memory, asynchronously, past L1; the copies since the last commit form a group.
-__device__ __forceinline__ void copy16(void* to, const void* from) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(to))), "l"(from));
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"); }
-// Waits until at most N of this thread's groups are in flight.
-template <int N>
-__device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // A warp's shared memory per stage and tile: 32 words of codes, then 8 of scales.
 constexpr int SLOT = 40;
@@ -88,11 +85,11 @@ __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restri
       uint4* slot = mine + (i % S) * (R * SLOT);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        copy16(slot + r * SLOT + lane, cp + i * code_step + r * 32);
-        if (lane < 8) copy16(slot + r * SLOT + 32 + lane, sp + i * scale_step + r * 8);
+        copy16(shared_address(slot + r * SLOT + lane), cp + i * code_step + r * 32);
+        if (lane < 8) copy16(shared_address(slot + r * SLOT + 32 + lane), sp + i * scale_step + r * 8);
       }
     }
-    commit();  // an empty group past the end keeps the count of groups in flight the same
+    commit_copies();  // an empty group past the end keeps the count of groups in flight the same
   };
   uint32_t b_next[NB][4][2];
   auto load_x = [&](int i) {  // x is small and read by every block: from L1
@@ -117,7 +114,7 @@ __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restri
   for (int i = 0; i < S - 1; ++i) issue(i);
   load_x(0);
   for (int i = 0; i < steps; ++i) {
-    wait_groups<S - 2>();
+    wait_copies<S - 2>();
     __syncwarp();  // lanes 0-7's scales, seen by the whole warp
     const uint4* slot = mine + (i % S) * (R * SLOT);
     uint4 w[R], s[R];
@@ -176,7 +173,7 @@ __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restri
       }
     }
   }
-  wait_groups<0>();
+  wait_copies<0>();
   if constexpr (W > 1) {
     __syncthreads();  // every warp is past its stages
     float* partial = reinterpret_cast<float*>(staged);

@@ -34,7 +34,7 @@ from .integrations.decode import DecodeModel, Parts
 from .integrations.transformers import _sliding_window, cache_argument
 from .methods.base import MethodConfig, is_real, require
 from .models import synchronize
-from .quant import check_weights, quantize_model
+from .quant import check_weights, fit_kernels, quantize_model
 from .timing import Timer
 
 Step = Callable[[], None]
@@ -280,6 +280,7 @@ class Engine:
         require(prefill_chunk >= need, "prefill_chunk",
                 f"at least {need} for {config.name} (the prompt queries it reads after the prompt)", prefill_chunk)
         quantize_model(model, check_weights(weights, ("float", "int4")))
+        fit_kernels(model)  # a model quantized before it was moved to the GPU
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
         self.device = next(model.parameters()).device

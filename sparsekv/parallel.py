@@ -136,7 +136,8 @@ def local_heads(model) -> tuple[int, int]:
     """(query heads, KV heads) of one of ``model``'s attention layers held by this process: all of them, or this
     process's slice under tensor parallelism (read from the local projection weights, not the config)."""
     attn = model.get_decoder().layers[0].self_attn
-    rows = [getattr(p, "to_local", lambda: p)().shape[0] for p in map(output_rows, (attn.q_proj, attn.k_proj))]
+    rows = [p.out_features if isinstance(p, QuantLinear) else getattr(p.weight, "to_local", lambda: p.weight)().shape[0]
+            for p in (attn.q_proj, attn.k_proj)]  # quantized layers are never split
     return rows[0] // attn.head_dim, rows[1] // attn.head_dim
 
 

@@ -20,7 +20,10 @@ Layout (internal): codes (N, G * 16) uint8 of 4 bits, each 4 bytes (a little-end
 consecutive inputs: the even ones in the low 16 bits and the odd ones in the high 16, the first of each in the
 lowest nibble (``pack_nibbles``), so that one or-and of a word with a 16-bit float's bits gives the floats of two
 consecutive inputs in the order a tensor-core product takes them; GGUF's 4-bit blocks (byte j: inputs j and
-j + 16) are reordered so at load. 8-bit codes are one byte per input, as GGUF's Q8_0 has them.
+j + 16) are reordered so at load. 8-bit codes are one byte per input, as GGUF's Q8_0 has them. On a GPU where our
+CUDA kernel is built, ``fit_kernels`` moves the 4-bit layers to that kernel's own layout (``reference.to_tiles``:
+tiles of 16 outputs, each lane's codes in one word), in place: the model keeps one copy of its codes, which the
+decode step and the prefill read.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch import nn
 
 from . import kernels
 from .errors import ConfigError
-from .kernels.reference import GROUP, dequantize
+from .kernels.reference import CHUNK_K, GROUP, TILE_N, dequantize, tiled, to_tiles
 
 WEIGHTS = ("float", "int4", "gguf")
 
@@ -46,13 +49,15 @@ def check_weights(weights: str, choices: tuple[str, ...] = WEIGHTS) -> str:
 
 class QuantLinear(nn.Module):
     """A linear layer of group-quantized weights: codes (out, G * 16) uint8 of 4 bits or (out, G * 32) of 8 bits,
-    scale and minimum (out, G) fp16, bias (out,) or None; G = ceil(in / 32). Computes ``kernels.linear_quantized``
-    (a Triton kernel for up to 16 rows on CUDA, the dequantized weight's product otherwise)."""
+    scale and minimum (out, G) fp16, bias (out,) or None; G = ceil(in / 32); or 4-bit codes, scale and minimum in
+    ``reference.to_tiles``' layout (``fit_kernels``). Computes ``kernels.linear_quantized`` (on CUDA our kernels for
+    up to 16 rows, the dequantized weight's product otherwise)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None,
                  in_features: int):
         super().__init__()
-        self.in_features, self.out_features = in_features, scale.shape[0]
+        self.in_features = in_features
+        self.out_features = codes.shape[1] * TILE_N if tiled(codes) else scale.shape[0]
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("minimum", minimum)
@@ -60,7 +65,19 @@ class QuantLinear(nn.Module):
 
     @property
     def bits(self) -> int:
-        return self.codes.shape[1] * 8 // (self.scale.shape[1] * GROUP)
+        return 4 if tiled(self.codes) else self.codes.shape[1] * 8 // (self.scale.shape[1] * GROUP)
+
+    def fit(self, device: torch.device) -> bool:
+        """Moves 4-bit codes in rows of groups to ``reference.to_tiles``' layout when our CUDA kernel runs them on
+        ``device`` (and N, K are multiples of 16 and 64); the old buffers are freed. Returns whether it did."""
+        from .kernels.cuda import available
+
+        n, k = self.out_features, self.in_features
+        if (tiled(self.codes) or self.bits != 4 or n % TILE_N or k % CHUNK_K or device.type != "cuda"
+                or not available(device, "quant")):
+            return False
+        self.codes, self.scale, self.minimum = to_tiles(self.codes, self.scale, self.minimum, k)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in). Returns (..., out) in x's dtype."""
@@ -118,8 +135,9 @@ def _replace(model, name: str, module: nn.Module) -> None:
 
 def quantize_model(model, weights: str) -> int:
     """Quantizes ``model``'s layer linears in place (``weights``: "float" leaves the model as it is, "int4"
-    quantizes every ``nn.Linear`` of the decoder's layers; layers quantized already stay as they are). The float
-    weights are freed. Returns how many layers were quantized."""
+    quantizes every ``nn.Linear`` of the decoder's layers; layers quantized already stay as they are), then lays
+    them out for our CUDA kernel where it runs them (``fit_kernels``). The float weights are freed. Returns how many
+    layers were quantized."""
     check_weights(weights, ("float", "int4"))
     if weights == "float":
         return 0
@@ -132,7 +150,17 @@ def quantize_model(model, weights: str) -> int:
         codes, scale, minimum = quantize_int4(module.weight)
         _replace(model, name, QuantLinear(codes, scale, minimum, module.bias, module.in_features))
         done += 1
+    fit_kernels(model)
     return done
+
+
+def fit_kernels(model) -> int:
+    """Lays ``model``'s 4-bit layer weights out for our CUDA kernel (``QuantLinear.fit``) when the model computes in
+    16-bit floats on a GPU where that kernel is built (its products need a 16-bit x), in place. Returns how many
+    layers it moved."""
+    if getattr(model, "dtype", None) not in (torch.float16, torch.bfloat16):
+        return 0
+    return sum(module.fit(module.codes.device) for _, module in layer_linears(model) if isinstance(module, QuantLinear))
 
 
 # GGUF block layouts of one block of 32 weights: (bytes, offset of the codes).
@@ -163,8 +191,9 @@ def gguf_blocks(data, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 def load_gguf_blocks(model, path: str | Path) -> dict[str, int]:
     """Replaces ``model``'s layer linears (``model`` loaded by transformers from the GGUF file ``path``) by
     ``QuantLinear`` layers of the file's own Q4_0, Q4_1 and Q8_0 blocks, their rows in transformers' order (the
-    row permutation its loader applies, e.g. to Llama's q and k, is applied to the blocks' rows). Tensors of other
-    types keep their dequantized float weights. Returns how many layers of each type were taken."""
+    row permutation its loader applies, e.g. to Llama's q and k, is applied to the blocks' rows), laid out for our
+    CUDA kernel where it runs them (``fit_kernels``). Tensors of other types keep their dequantized float weights.
+    Returns how many layers of each type were taken."""
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map, load_gguf_checkpoint, read_field)
@@ -199,4 +228,5 @@ def load_gguf_blocks(model, path: str | Path) -> dict[str, int]:
         taken[kind] = taken.get(kind, 0) + 1
     if not taken:
         raise ConfigError("weights", "float for a GGUF file with no Q4_0, Q4_1 or Q8_0 layer weights", "gguf")
+    fit_kernels(model)
     return taken

@@ -22,7 +22,7 @@ from sparsekv.errors import ConfigError
 from sparsekv.integrations.decode import fuse
 from sparsekv.kernels import reference as ref
 from sparsekv.kernels.cuda import quant as cuda_int4
-from sparsekv.quant import gguf_blocks, layer_linears, quantize_int4
+from sparsekv.quant import gguf_blocks, layer_linears, quantize_int4, quantize_model
 from sparsekv.tiny import tiny_model
 from test_engine import CONFIGS, NEW, prompts, reference
 
@@ -108,13 +108,13 @@ def test_tinygemm_path_matches_float64_reference(rows, monkeypatch):
 
 
 @pytest.mark.parametrize("n, k", [(16, 64), (48, 192)])
-def test_cuda_int4_packing_is_the_mma_fragment_layout(n, k):
+def test_tiles_are_the_mma_fragment_layout(n, k):
     """Each lane's word holds the codes of its A fragment of an m16n8k16 product (PTX ISA: registers j = 0..3 hold
-    rows g, g + 8, g, g + 8 and inputs 2t, 2t + 1 (+ 8 for j >= 2) of the step), and its scales those of rows g and
-    g + 8: unpacking them so rebuilds the weight the reference dequantizes."""
-    codes, scale, minimum = random_codes(n, k, 4, seed=n + k)
-    words, sm = cuda_int4.pack_int4(codes.cpu(), scale.cpu(), minimum.cpu(), k)
-    assert words.shape == (k // 64, n // 16, 32, 4) and sm.shape == (k // 64, n // 16, 8, 4, 2)
+    rows g, g + 8, g, g + 8 and inputs 2t, 2t + 1 (+ 8 for j >= 2) of the step), and its scales and minima those of
+    rows g and g + 8: read so, they rebuild the weight the reference dequantizes, and ``from_tiles`` undoes it."""
+    codes, scale, minimum = (t.cpu() for t in random_codes(n, k, 4, seed=n + k))
+    words, s, m = ref.to_tiles(codes, scale, minimum, k)
+    assert words.shape == (k // 64, n // 16, 32, 4) and s.shape == m.shape == (k // 64, n // 16, 8, 2, 2)
     lane = torch.arange(32)
     g, t = lane // 4, lane % 4
     w = words.permute(1, 0, 3, 2).reshape(n // 16, k // 16, 32)  # tile, step, lane
@@ -124,10 +124,50 @@ def test_cuda_int4_packing_is_the_mma_fragment_layout(n, k):
         q[:, :, row, col] = (w >> (4 * j)) & 15
         q[:, :, row, col + 1] = (w >> (16 + 4 * j)) & 15
     q = q.transpose(1, 2).reshape(n, k)
-    s = sm.view(k // 64, n // 16, 8, 2, 2, 2).permute(1, 4, 2, 0, 3, 5).reshape(n, k // 32, 2)  # (row, group)
-    assert torch.equal(s[..., 0], scale.cpu()) and torch.equal(s[..., 1], minimum.cpu())
-    weight = q.to(F64).view(n, k // 32, 32) * s[..., :1].to(F64) + s[..., 1:].to(F64)
-    assert torch.equal(weight.view(n, k), ref.dequantize(codes.cpu(), scale.cpu(), minimum.cpu(), k, F64))
+    def rows(v):  # (chunk, tile, g, group, half) to (row, group)
+        return v.permute(1, 4, 2, 0, 3).reshape(n, k // 32)
+    assert torch.equal(rows(s), scale) and torch.equal(rows(m), minimum)
+    weight = q.to(F64).view(n, k // 32, 32) * scale.to(F64).unsqueeze(2) + minimum.to(F64).unsqueeze(2)
+    assert torch.equal(weight.view(n, k), ref.dequantize(codes, scale, minimum, k, F64))
+    assert torch.equal(ref.dequantize(words, s, m, k, F64), weight.view(n, k))
+    back = ref.from_tiles(words, s, m)
+    assert torch.equal(back[0], q) and torch.equal(back[1], scale) and torch.equal(back[2], minimum)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ref.to_tiles(codes[:8], scale[:8], minimum[:8], k)
+
+
+@pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1", reason="no GPU and no interpreter")
+@pytest.mark.parametrize("n, k, dtype", [(16, 64, torch.bfloat16), (48, 320, torch.float16), (32, 576, torch.float32)])
+def test_untile_kernel_matches_reference(n, k, dtype):
+    """The prefill's dequantization of tiled codes (one tile, a partial last block of chunks) equals the
+    reference's."""
+    from sparsekv.kernels import triton as tops
+
+    tiles = ref.to_tiles(*random_codes(n, k, 4, seed=n * k), k)
+    assert torch.equal(tops.quant.untile(*tiles, dtype), ref.dequantize(*tiles, k, dtype))
+    view = [t[:, 1:2] for t in tiles]  # the second tile of the rows, as a stacked weight's view
+    assert torch.equal(tops.quant.untile(*view, dtype), ref.dequantize(*tiles, k, dtype)[16:32])
+
+
+@pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1", reason="no GPU and no interpreter")
+@pytest.mark.parametrize("rows", [1, 17])
+def test_tiled_products_match_float64_reference(rows):
+    """Tiled codes: a few rows take the CUDA kernel where it is built (else the dequantized weight), more rows the
+    dequantized weight's product."""
+    from sparsekv.kernels import triton as tops
+
+    n, k = 48, 192
+    codes, scale, minimum = random_codes(n, k, 4, seed=rows)
+    tiles = ref.to_tiles(codes, scale, minimum, k)
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    x = torch.randn(2, rows, k, generator=g, device=DEV).to(dtype)
+    b = torch.randn(n, generator=g, device=DEV).to(dtype)
+    exact = ref.linear_quantized(x.to(F64), codes, scale, minimum, b.to(F64))
+    out = tops.linear_quantized(x, *tiles, b)
+    assert out.shape == (2, rows, n) and out.dtype == dtype
+    torch_err = (ref.linear_quantized(x, codes, scale, minimum, b).to(F64) - exact).norm() / exact.norm()
+    assert ((out.to(F64) - exact).norm() / exact.norm()).item() <= 2 * torch_err.item() + 1e-6
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the CUDA kernel runs on CUDA only")
@@ -136,7 +176,8 @@ def test_cuda_int4_packing_is_the_mma_fragment_layout(n, k):
     (16, 64, torch.bfloat16, False), (48, 192, torch.float16, True), (512, 128, torch.bfloat16, True),
     (6144, 256, torch.bfloat16, False), (24576, 64, torch.float16, False)])
 def test_cuda_int4_kernel_matches_float64_reference(rows, n, k, dtype, bias):
-    """One block launch per shape (1, 2, 4 and 8 tiles a block), bf16 and fp16, with and without bias."""
+    """The op on tiled codes: one block launch per shape (1, 2, 4 and 8 tiles a block), bf16 and fp16, with and
+    without bias."""
     from sparsekv.kernels import cuda, triton as tops
 
     if not cuda.available(DEV, "quant"):
@@ -146,15 +187,19 @@ def test_cuda_int4_kernel_matches_float64_reference(rows, n, k, dtype, bias):
     x = torch.randn(rows, k, generator=g, device=DEV).to(dtype)
     b = torch.randn(n, generator=g, device=DEV).to(dtype) if bias else None
     exact = ref.linear_quantized(x.to(F64), codes, scale, minimum, None if b is None else b.to(F64))
-    out = tops.linear_quantized(x, codes, scale, minimum, b)
-    assert (codes.data_ptr(), (n, k // 2), scale.data_ptr(), minimum.data_ptr()) in tops.quant._CUDA_INT4
+    tiles = ref.to_tiles(codes, scale, minimum, k)
+    out = tops.linear_quantized(x, *tiles, b)
     assert out.shape == (rows, n) and out.dtype == dtype
     torch_err = (ref.linear_quantized(x.float(), codes, scale, minimum, None if b is None else b.float())
                  .to(dtype).to(F64) - exact).norm() / exact.norm()
     assert ((out.to(F64) - exact).norm() / exact.norm()).item() <= 2 * torch_err.item() + 1e-6
     # a view of x at an odd offset is read as well
     wide = torch.cat([torch.zeros(rows, 1, device=DEV, dtype=dtype), x], dim=1)[:, 1:]
-    assert torch.equal(tops.linear_quantized(wide, codes, scale, minimum, b), out)
+    assert torch.equal(tops.linear_quantized(wide, *tiles, b), out)
+    # and the weight's tiles as a view of tiles stacked after another weight's (fused q/k/v)
+    first = ref.to_tiles(*random_codes(32, k, 4, seed=7), k)
+    view = [torch.cat([a, t], dim=1)[:, 2:] for a, t in zip(first, tiles)]
+    assert torch.equal(tops.linear_quantized(x, *view, b), out)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the CUDA kernel runs on CUDA only")
@@ -170,13 +215,13 @@ def test_cuda_int4_every_launch_matches_float64_reference(launch, rows, k):
         pytest.skip("the CUDA kernel cannot be built here")
     n = 3 * 16 * launch[1]
     codes, scale, minimum = random_codes(n, k, 4, seed=n + k + rows)
-    words, sm = cuda_int4.pack_int4(codes, scale, minimum, k)
+    tiles = ref.to_tiles(codes, scale, minimum, k)
     g = torch.Generator(device=DEV).manual_seed(rows)
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(rows, k, generator=g, device=DEV).to(dtype)
         b = torch.randn(n, generator=g, device=DEV).to(dtype)
         out = torch.full((rows, n), float("nan"), device=DEV, dtype=dtype)
-        cuda.module("quant").int4_products(x, words, sm, b, out, *launch)
+        cuda.module("quant").int4_products(x, *tiles, b, out, *launch)
         exact = ref.linear_quantized(x.to(F64), codes, scale, minimum, b.to(F64))
         torch_err = (ref.linear_quantized(x.float(), codes, scale, minimum, b.float()).to(dtype).to(F64)
                      - exact).norm() / exact.norm()
@@ -271,6 +316,32 @@ def test_fused_quantized_products_are_views_and_equal_the_modules():
     eight = QuantLinear(torch.zeros(16, 64, dtype=torch.uint8), *torch.zeros(2, 16, 2).half(), None, 64)
     assert fuse([linears[0], eight]) is None  # different code widths
     assert fuse([linears[0], nn.Linear(64, 8)]) is None
+    tiles = [QuantLinear(*ref.to_tiles(m.codes, m.scale, m.minimum, 64), None, 64) for m in linears]
+    assert [m.out_features for m in tiles] == [32, 16, 16] and tiles[0].bits == 4
+    assert fuse([linears[0], tiles[1]]) is None  # different layouts
+    fused = fuse(tiles)
+    assert fused is not None and fused.weight.shape == (1, 4, 32, 4) and fused.scale.shape == (1, 4, 8, 2, 2)
+    assert tiles[1].codes.data_ptr() == fused.weight[:, 2].data_ptr()  # the tiles of its rows: views as well
+    assert fuse(tiles).weight.data_ptr() == fused.weight.data_ptr()  # taken as it is the next time
+    for a, b in zip(fused(x), separate):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(tiles[2].dequantized(), linears[2].dequantized())
+
+
+def test_a_model_on_tiled_codes_runs_as_on_rows_of_groups():
+    """A model whose 4-bit layers are in the CUDA kernel's layout (as ``fit_kernels`` leaves it on a GPU) keeps its
+    shapes (``parallel.local_heads``) and logits."""
+    from sparsekv import parallel
+
+    model = tiny_model("llama", seed=1)
+    quantize_model(model, "int4")
+    ids = torch.randint(0, 200, (1, 40))
+    with torch.no_grad():
+        want = model(ids).logits
+        for _, m in layer_linears(model):
+            m.codes, m.scale, m.minimum = ref.to_tiles(m.codes, m.scale, m.minimum, m.in_features)
+        assert parallel.local_heads(model) == (4, 2)
+        torch.testing.assert_close(model(ids).logits, want)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])

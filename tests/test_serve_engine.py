@@ -379,12 +379,16 @@ def test_bad_requests_are_refused(fields, match):
                                                  ("quest", "int4", 7), ("quest", "int4", 12)])
 def test_cuda_graphs_serve_the_eager_tokens(name, weights, rows):
     """On the GPU (bf16): steps captured once per batch size (CUDA graphs, the default on CUDA) give the eager
-    steps' tokens, greedy and sampled, over rows that join, move and leave; on int4 weights, with up to 7 rows (the
-    CUDA kernel's products) and 12 (the Triton kernel's)."""
-    from sparsekv.quant import quantize_model
+    steps' tokens, greedy and sampled, over rows that join, move and leave; on int4 weights (laid out for the CUDA
+    kernel: its products of one B operand up to 8 rows, two up to 16), with up to 7 and 12 rows."""
+    from sparsekv.kernels.cuda import available
+    from sparsekv.kernels.reference import tiled
+    from sparsekv.quant import QuantLinear, quantize_model
 
     model = tiny_model("llama", seed=1, layers=3, dtype=torch.bfloat16).cuda()
     quantize_model(model, weights)
+    if weights == "int4" and available(torch.device("cuda"), "quant"):
+        assert all(tiled(m.codes) for m in model.modules() if isinstance(m, QuantLinear))
     hot = Sampling(temperature=0.8, top_p=0.9)
     requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=hot if i % 2 else Sampling(), seed=i))
                 for i, (arrival, n, new, _) in enumerate(PLAN)]

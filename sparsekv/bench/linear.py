@@ -1,7 +1,7 @@
-"""The weights' products of a decode step at Llama-3-8B's shapes: group-quantized int4 (``linear_quantized``: the
-path it takes, the CUDA kernel up to ``cuda_int4_rows`` rows, and alone our Triton kernel and torch's tinygemm up to
-``tinygemm_rows`` rows) against bf16 (``linear``), per product and input rows, with the fraction of the copy
-bandwidth each reaches.
+"""The weights' products of a decode step at Llama-3-8B's shapes: group-quantized int4 (``linear_quantized``: on
+codes laid out for the CUDA kernel as a model on the GPU has them, the kernel up to ``cuda_int4_rows`` rows; on codes
+in rows of groups, our Triton kernel and torch's tinygemm up to ``tinygemm_rows`` rows) against bf16 (``linear``),
+per product and input rows, with the fraction of the copy bandwidth each reaches.
 
     python -m sparsekv.bench.linear                 # rows 1 4 8 16, the tuned launch parameters
     python -m sparsekv.bench.linear --tune          # sweeps the Triton kernel's launch parameters first
@@ -70,14 +70,16 @@ def read_ceiling(timer: Timer, nbytes: int, copies: int, device: torch.device) -
     return best
 
 
-def weights(n: int, k: int, device: torch.device) -> tuple[list, list]:
-    """Copies of a random (n, k) weight in rotation: int4 (codes, scale, minimum) and bf16 ones."""
+def weights(n: int, k: int, device: torch.device) -> tuple[list, list, list]:
+    """Copies of a random (n, k) weight in rotation: int4 (codes, scale, minimum) in the CUDA kernel's tiles
+    (``reference.to_tiles``) and in rows of groups, and bf16 ones."""
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5
     quantized = quantize_int4(w)
     copies = max(2, math.ceil(ROTATION_BYTES / sum(t.numel() * t.element_size() for t in quantized)))
     int4 = [tuple(t.clone() for t in quantized) for _ in range(copies)]
+    tiles = [kernels.reference.to_tiles(*c, k) for c in int4]
     bf16 = [w.clone() for _ in range(max(2, math.ceil(ROTATION_BYTES / (w.numel() * 2))))]
-    return int4, bf16
+    return tiles, int4, bf16
 
 
 @contextmanager
@@ -112,13 +114,13 @@ def tune(device: torch.device, timer: Timer, log) -> dict:
     out); sets and returns them."""
     from ..kernels.triton import TUNING
 
-    sets = {name: weights(n, k, device)[0][:8] for name, (n, k) in SHAPES.items() if name != "head"}  # enough to rank
+    sets = {name: weights(n, k, device)[1][:8] for name, (n, k) in SHAPES.items() if name != "head"}  # enough to rank
     xs = {k: torch.randn(SWEEP_ROWS, k, device=device, dtype=torch.bfloat16) for _, k in SHAPES.values()}
     results = []
     for values in itertools.product(*SWEEP.values()):
         TUNING.update(dict(zip(SWEEP, values)))
         try:
-            with tuned(cuda_int4_rows=0, tinygemm_rows=0):  # the Triton kernel at any rows
+            with tuned(tinygemm_rows=0):  # the Triton kernel at any rows
                 times = {name: time_products(timer, xs[SHAPES[name][1]], c, True) for name, c in sets.items()}
         except Exception as err:  # a launch the device refuses (registers, shared memory)
             log(f"{values}: {type(err).__name__}")
@@ -151,27 +153,26 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(device, timer)
     rows = []
     for name, (n, k) in SHAPES.items():
-        int4, bf16 = weights(n, k, device)
+        tiles, int4, bf16 = weights(n, k, device)
         q_bytes = sum(t.numel() * t.element_size() for t in int4[0])
         read_us = read_ceiling(timer, q_bytes, len(int4), device)
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            q_us = time_products(timer, x, int4, True)
-            with tuned(cuda_int4_rows=0, tinygemm_rows=0):
+            q_us = time_products(timer, x, tiles, True)
+            with tuned(tinygemm_rows=0):
                 t_us = time_products(timer, x, int4, True)
-            with tuned(cuda_int4_rows=0):
-                g_us = time_products(timer, x, int4, True) if m <= TUNING["tinygemm_rows"] else math.nan
+            g_us = time_products(timer, x, int4, True) if m <= TUNING["tinygemm_rows"] else math.nan
             b_us = time_products(timer, x, bf16, False)
             row = {"product": name, "n": n, "k": k, "rows": m, "int4_us": q_us, "triton_us": t_us,
                    "tinygemm_us": g_us, "bf16_us": b_us,
                    "int4_floor_us": q_bytes / bandwidth * 1e6, "bf16_floor_us": n * k * 2 / bandwidth * 1e6,
                    "read_us": read_us,
-                   "int4_bandwidth": q_bytes / (q_us * 1e-6) / bandwidth, "error": error(x, *int4[0])}
+                   "int4_bandwidth": q_bytes / (q_us * 1e-6) / bandwidth, "error": error(x, *tiles[0])}
             rows.append(row)
             log(f"{name} rows {m}: int4 {q_us:.1f} us ({row['int4_bandwidth']:.0%} of copy bandwidth, floor "
                 f"{row['int4_floor_us']:.1f}; Triton {t_us:.1f}, tinygemm {g_us:.1f}), bf16 {b_us:.1f} us; error "
                 f"{row['error']:.1e}")
-        del int4, bf16
+        del tiles, int4, bf16
         torch.cuda.empty_cache()
     meta = {"device": device_name(device), "copy_bandwidth_GBs": bandwidth / 1e9,
             "tuning": {k: v for k, v in TUNING.items() if k.startswith(("qmm", "tinygemm", "cuda"))},
@@ -184,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                ("bf16 us", "bf16_us", "{:.1f}"),
                ("bf16 / int4", lambda r: r["bf16_us"] / r["int4_us"], "{:.2f}"), ("rel. error", "error", "{:.1e}")]
     lines = [f"# int4 products at Llama-3-8B's shapes ({meta['device']}, copy bandwidth "
-             f"{bandwidth / 1e12:.2f} TB/s)", "", f"int4: the op's path (the CUDA kernel up to "
-             f"{TUNING['cuda_int4_rows']} rows, else the Triton kernel); Triton kernel and tinygemm: each alone. "
+             f"{bandwidth / 1e12:.2f} TB/s)", "", f"int4: the op on codes laid out for the CUDA kernel (the kernel "
+             f"up to {TUNING['cuda_int4_rows']} rows); Triton kernel and tinygemm: on codes in rows of groups. "
              f"Launch parameters: {meta['tuning']}", "",
              *markdown_table(columns, rows)]
     write_results(args.out, args.tag, meta, rows, lines, tuning=tuning)

@@ -19,6 +19,7 @@ and multiplied through their modules, one product each, so that the modules' own
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..kernels.reference import tiled
 from ..quant import QuantLinear
 from .transformers import SparseKVCache, sparsekv_attention
 
@@ -71,13 +73,15 @@ class Products:
 
 def fuse(linears: Sequence[nn.Module]) -> Fused | None:
     """One weight for ``linears`` (``nn.Linear`` of one input size, all with a bias or none; or ``QuantLinear`` of
-    one input size and code width), their weights and biases (codes, scales and minima) becoming views of its row
-    blocks; None when a weight is not a plain tensor. A group laid out so already (by an earlier call) is taken as
-    it is, so that no second copy is made."""
+    one input size, code width and layout), their weights and biases (codes, scales and minima) becoming views of
+    its row blocks (blocks of tiles for tiled codes); None when a weight is not a plain tensor. A group laid out so
+    already (by an earlier call) is taken as it is, so that no second copy is made."""
+    rows = 0  # the dim of the outputs' rows: 1 for tiled codes (chunks of tiles)
     if all(type(m) is QuantLinear for m in linears):
         names = ("codes", "scale", "minimum")
-        if len({m.bits for m in linears}) != 1:
+        if len({(m.bits, tiled(m.codes)) for m in linears}) != 1:
             return None
+        rows = int(tiled(linears[0].codes))
     elif all(type(m) is nn.Linear and type(m.weight) is nn.Parameter for m in linears):
         names = ("weight",)
     else:
@@ -85,36 +89,38 @@ def fuse(linears: Sequence[nn.Module]) -> Fused | None:
     if len({m.in_features for m in linears}) != 1 or len({m.bias is None for m in linears}) != 1:
         return None
     sizes = tuple(m.out_features for m in linears)
-    bias = None if linears[0].bias is None else _one_tensor([m.bias for m in linears])
-    tensors = [_one_tensor([getattr(m, name) for m in linears]) for name in names]
+    bias = None if linears[0].bias is None else _one_tensor([m.bias for m in linears], 0)
+    tensors = [_one_tensor([getattr(m, name) for m in linears], rows) for name in names]
     return Fused(tensors[0], bias, sizes, *tensors[1:])
 
 
-def _one_tensor(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The tensor whose consecutive row blocks are ``params`` (parameters or buffers): the one they are views of
-    already, else their concatenation, which they then become views of (``.data``: the same tensor objects)."""
-    whole = _adjacent(params)
+def _one_tensor(params: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """The tensor whose consecutive blocks along ``dim`` are ``params`` (parameters or buffers): the one they are
+    views of already, else their concatenation, which they then become views of (``.data``: the same tensor
+    objects)."""
+    whole = _adjacent(params, dim)
     if whole is None:
-        whole = torch.cat([p.detach() for p in params])
-        for p, part in zip(params, whole.split([p.shape[0] for p in params])):
+        whole = torch.cat([p.detach() for p in params], dim=dim)
+        for p, part in zip(params, whole.split([p.shape[dim] for p in params], dim=dim)):
             p.data = part
     return whole
 
 
-def _adjacent(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The tensor that ``params`` are consecutive contiguous row blocks of (one storage), or None."""
+def _adjacent(params: Sequence[torch.Tensor], dim: int) -> torch.Tensor | None:
+    """The contiguous tensor (one storage) whose consecutive blocks along ``dim`` ``params`` are, or None."""
     first = params[0]
-    rows = sum(p.shape[0] for p in params)
-    if not all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-               for p in params):
+    shape = (*first.shape[:dim], sum(p.shape[dim] for p in params), *first.shape[dim + 1:])
+    storage = first.untyped_storage()
+    if (first.storage_offset() + math.prod(shape)) * first.element_size() > storage.nbytes() or not all(
+            p.stride() == first.stride() and p.untyped_storage().data_ptr() == storage.data_ptr() for p in params):
         return None
-    whole = first.detach().new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
-                                             (rows, *first.shape[1:]))
+    whole = first.detach().new_empty(0).set_(storage, first.storage_offset(), shape)
     offset = 0
     for p in params:
-        if p.data_ptr() != whole[offset].data_ptr():
+        part = whole.narrow(dim, offset, p.shape[dim])
+        if p.data_ptr() != part.data_ptr() or p.stride() != part.stride():
             return None
-        offset += p.shape[0]
+        offset += p.shape[dim]
     return whole
 
 

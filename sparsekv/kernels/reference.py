@@ -181,15 +181,78 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 GROUP = 32
 
 
+# The CUDA kernel's layout of 4-bit codes (``to_tiles``): tiles of TILE_N outputs, chunks of CHUNK_K inputs.
+TILE_N, CHUNK_K = 16, 64
+
+
+def tiled(codes: torch.Tensor) -> bool:
+    """Whether ``codes`` are in ``to_tiles``' layout (else in ``dequantize``'s rows of groups)."""
+    return codes.dim() == 4
+
+
+def to_tiles(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+             k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit codes (N, K / 2) uint8, scale and minimum (N, K / 32) fp16 (``dequantize``'s layout; N a multiple of
+    TILE_N, K = k a multiple of CHUNK_K) in the layout of the CUDA kernel's operands, where each lane of a warp finds
+    the codes of its A fragment of an m16n8k16 product in one 32-bit word.
+
+    Returns words (K / 64, N / 16, 32, 4) int32: for each chunk of 64 inputs and tile of 16 outputs, lane l's four
+    words for the chunk's four steps of 16 inputs; a word holds the 8 codes of the lane's fragment (rows g and g + 8,
+    g = l // 4; inputs 2t, 2t + 1, 2t + 8, 2t + 9 of the step, t = l % 4), pair j (fragment register j: rows g, g + 8,
+    g, g + 8 for j = 0..3, the inputs + 8 for j >= 2) in nibble j (first input) and nibble 4 + j (second). And scale
+    and minimum (K / 64, N / 16, 8, 2, 2) fp16: per chunk, tile and g, the chunk's first group's values of rows g and
+    g + 8, then its second group's. A chunk's tiles lie next to each other, so that the kernel reads one stretch of
+    memory at a time; the tiles of stacked weights (dim 1) are the stacked weights' tiles."""
+    n = scale.shape[0]
+    if n % TILE_N or k % CHUNK_K or codes.shape != (n, k // 2) or scale.shape != (n, k // GROUP):
+        raise ValueError(f"to_tiles: 4-bit codes of N x K = {n} x {k} with N a multiple of {TILE_N} and K of "
+                         f"{CHUNK_K}, got codes {tuple(codes.shape)} and scales {tuple(scale.shape)}")
+    q = code_values(codes, scale, k)
+    # (tile, row half p, g, chunk, step j, input half h, t, e) to (chunk, tile, g, t, j, e, h, p): nibble 4e + 2h + p.
+    q = q.view(n // TILE_N, 2, 8, k // CHUNK_K, 4, 2, 4, 2).permute(3, 0, 2, 6, 4, 7, 5, 1)
+    q = q.reshape(k // CHUNK_K, n // TILE_N, 32, 4, 8)
+    words = torch.zeros(q.shape[:-1], dtype=torch.int32, device=q.device)
+    for nibble in range(8):
+        words |= q[..., nibble] << (4 * nibble)
+
+    def groups(v: torch.Tensor) -> torch.Tensor:  # (tile, p, g, chunk, group) to (chunk, tile, g, group, p)
+        return v.view(n // TILE_N, 2, 8, k // CHUNK_K, 2).permute(3, 0, 2, 4, 1).contiguous()
+
+    return words, groups(scale), groups(minimum)
+
+
+def from_tiles(words: torch.Tensor, scale: torch.Tensor,
+               minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``to_tiles``' operands back to the codes' values q (N, K) int32 and scale and minimum (N, K / 32)."""
+    chunks, tiles = words.shape[:2]
+    if words.shape[2:] != (32, 4) or scale.shape != (chunks, tiles, 8, 2, 2) or minimum.shape != scale.shape:
+        raise ValueError(f"from_tiles: words (K / 64, N / 16, 32, 4) and scales (K / 64, N / 16, 8, 2, 2), got "
+                         f"{tuple(words.shape)} and {tuple(scale.shape)}")
+    n, k = tiles * TILE_N, chunks * CHUNK_K
+    q = torch.stack([(words >> (4 * nibble)) & 15 for nibble in range(8)], dim=-1)
+    q = q.view(chunks, tiles, 8, 4, 4, 2, 2, 2).permute(1, 7, 2, 0, 4, 6, 3, 5).reshape(n, k)
+
+    def groups(v: torch.Tensor) -> torch.Tensor:
+        return v.permute(1, 4, 2, 0, 3).reshape(n, k // GROUP)
+
+    return q, groups(scale), groups(minimum)
+
+
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, k: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The (N, k) weight of group-quantized codes: codes (N, G * 16) uint8 of 4 bits (``quant.pack_nibbles``'s
     layout: each little-endian 32-bit word holds 8 inputs, the even ones in nibbles 0-3, the odd ones in 4-7) or
     (N, G * 32) of 8 bits (one byte per input); scale, minimum (N, G), G = ceil(k / GROUP) (the codes of a last
-    group's inputs past k are ignored).
+    group's inputs past k are ignored). Or 4-bit codes in ``to_tiles``' layout, K = k.
     ``scale * q + minimum`` is computed in float32 (float64 for ``dtype`` float64), then cast to ``dtype``."""
-    n, groups = scale.shape
     exact = torch.float64 if dtype == torch.float64 else torch.float32
+    if tiled(codes):
+        q, scale, minimum = from_tiles(codes, scale, minimum)
+        if q.shape[1] != k:
+            raise ValueError(f"tiled codes of {q.shape[1]} inputs do not hold {k} inputs")
+        w = q.to(exact).view(q.shape[0], -1, GROUP) * scale.to(exact).unsqueeze(2) + minimum.to(exact).unsqueeze(2)
+        return w.view(q.shape).to(dtype)
+    n, groups = scale.shape
     per_group = codes.shape[1] // groups
     if per_group * groups != codes.shape[1] or per_group not in (GROUP // 2, GROUP) or -(-k // GROUP) != groups:
         raise ValueError(f"codes of shape {tuple(codes.shape)} and scales of shape {tuple(scale.shape)} do not hold "
@@ -211,8 +274,8 @@ def code_values(codes: torch.Tensor, scale: torch.Tensor, k: int) -> torch.Tenso
 
 def linear_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear`` of a group-quantized weight (``dequantize``'s codes, scale, minimum): x (..., K). Returns (..., N)
-    in x's dtype."""
+    """``linear`` of a group-quantized weight (``dequantize``'s codes, scale, minimum, in either layout): x (..., K).
+    Returns (..., N) in x's dtype."""
     weight = dequantize(codes, scale, minimum, x.shape[-1], torch.float64 if x.dtype == torch.float64 else x.dtype)
     return torch.nn.functional.linear(x, weight, bias)
 

@@ -40,6 +40,7 @@ namespace {
 
 using sparsekv::commit_copies;
 using sparsekv::copy16;
+using sparsekv::copy8;
 using sparsekv::magic;
 using sparsekv::mma;
 using sparsekv::or_and;
@@ -101,10 +102,6 @@ __device__ __forceinline__ float lg2(float x) {  // log2 x, -inf for 0
   float r;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
-}
-
-__device__ __forceinline__ void copy8(uint32_t shared, const void* global) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(shared), "l"(global));
 }
 
 template <int BITS, int D, int R, int P>

@@ -18,16 +18,17 @@ The kernel this one replaced (the per-group scaling applied after a product agai
 no rounded weight) took 24.4 / 13.5 / 83.6 / 39.7 at one row and 28.3 / 22.3 / 83.8 / 70.7 at 16, bound by waiting
 for each slice's product before scaling it.
 
-On CUDA, up to ``cuda_int4_rows`` rows (at most 16) of 4-bit codes go to our CUDA kernel instead
-(``kernels.cuda.quant.int4_products``: 8.6 / 6.0 / 22.4 / 13.6 us at one row, 9.6 / 7.6 / 26.1 / 19.6 at 8, 14.2 /
-11.7 / 35.9 / 26.6 at 16), on
-its own copy of the codes in its operands' layout (``pack_int4``), made on first use. Where it cannot be built, up to
-``tinygemm_rows`` rows of bf16 go to torch's own int4 kernel (tinygemm, ``torch._weight_int4pack_mm``: 11.6 / 7.7
-/ 40.2 / 21.1 us at one row) on its layout and a bf16 scale and zero per group (``w = (q - 8) * scale + zero``):
-``scale`` and ``minimum + 8 * scale`` rounded to bf16 make its product differ from the reference's by about bf16's
-rounding of the weight (relative error 3.0e-3 against the float64 reference on the H200; the CUDA kernel's
-1.7e-3, this kernel's and torch's bf16 product of the dequantized weight 2.1e-3; ``tests/test_quant.py`` checks
-them on a GPU).
+Codes in the CUDA kernel's own layout (``reference.to_tiles``, which ``quant.fit_kernels`` gives a model's 4-bit
+layers where that kernel is built) take that kernel for up to ``cuda_int4_rows`` rows (at most 16;
+``kernels.cuda.quant.int4_products``: 8.7 / 6.1 / 22.9 / 14.0 us at one row, 9.8 / 8.6 / 27.4 / 19.5 at 8, 14.3 /
+11.3 / 36.2 / 27.2 at 16), and for more rows (the prefill) are dequantized by one launch of ``_untile_kernel``
+(one read of the codes, one write of the weight) for torch's product. Codes in rows of groups (where the CUDA
+kernel cannot be built, or in a model not fitted), up to ``tinygemm_rows`` rows of bf16, go to torch's own int4
+kernel (tinygemm, ``torch._weight_int4pack_mm``: 11.6 / 7.7 / 40.2 / 21.1 us at one row) on its layout and a bf16
+scale and zero per group (``w = (q - 8) * scale + zero``): ``scale`` and ``minimum + 8 * scale`` rounded to bf16
+make its product differ from the reference's by about bf16's rounding of the weight (relative error 3.0e-3 against
+the float64 reference on the H200; the CUDA kernel's 1.7e-3, this kernel's and torch's bf16 product of the
+dequantized weight 2.1e-3; ``tests/test_quant.py`` checks them on a GPU).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from .. import reference
 from ..cuda import available
 from ..cuda import quant as cuda_int4
 from .common import TUNING, interpreted_bf16, num_sms, precision
+
+# Chunks of 64 inputs per program of ``_untile_kernel``.
+UNTILE_CHUNKS = 4
 
 
 @triton.jit
@@ -134,6 +138,56 @@ def _qmm_kernel(x_ptr, c_ptr, s_ptr, m_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, r
              mask=in_rows[:, None] & (xm < rows_x)[None, :])
 
 
+@triton.jit
+def _untile_kernel(c_ptr, s_ptr, m_ptr, out_ptr, k, sc, ss, CHUNKS: tl.constexpr):
+    """The weight rows of tile ``program_id(0)`` (16, k), inputs of CHUNKS chunks from ``program_id(1) * CHUNKS``,
+    from codes, scale and minimum in ``reference.to_tiles``' layout (chunk strides sc and ss, the rest contiguous):
+    each value looks up its lane's word and nibble, ``scale * q + minimum`` in fp32 (the product exact: q < 16 and
+    an fp16 scale), stored in out's dtype."""
+    tile = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, 16)[:, None]  # row g + 8p of the tile
+    i = tl.program_id(1) * CHUNKS * 64 + tl.arange(0, CHUNKS * 64)[None, :]
+    c, j, col = (i // 64).to(tl.int64), (i % 64) // 16, i % 16  # chunk, step, input of the step: 2t + e + 8h
+    g, p, h, t, e = r % 8, r // 8, col // 8, (col % 8) // 2, col % 2
+    inside = (i < k) & (r < 16)
+    word = tl.load(c_ptr + c * sc + tile * 128 + (4 * g + t) * 4 + j, mask=inside, other=0)
+    q = (word >> (4 * (4 * e + 2 * h + p))) & 15
+    at = c * ss + tile * 32 + g * 4 + ((i % 64) // 32) * 2 + p
+    s = tl.load(s_ptr + at, mask=inside, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + at, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (tile * 16 + r) * k + i, (q.to(tl.float32) * s + m).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def untile(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``reference.dequantize`` of codes in ``reference.to_tiles``' layout (or views of some of its tiles): the (N,
+    K) weight in ``dtype``."""
+    chunks, tiles = codes.shape[:2]
+    if codes.stride()[1:] != (128, 4, 1) or scale.stride()[1:] != (32, 4, 2, 1) or minimum.stride() != scale.stride():
+        codes, scale, minimum = codes.contiguous(), scale.contiguous(), minimum.contiguous()
+    k = chunks * reference.CHUNK_K
+    rounded = interpreted_bf16(dtype)  # the interpreter rounds bf16 stores toward zero: torch rounds instead
+    out = torch.empty(tiles * reference.TILE_N, k, dtype=torch.float32 if rounded else dtype, device=codes.device)
+    _untile_kernel[(tiles, triton.cdiv(chunks, UNTILE_CHUNKS))](codes, scale, minimum, out, k, codes.stride(0),
+                                                                 scale.stride(0), CHUNKS=UNTILE_CHUNKS)
+    return out.to(dtype)
+
+
+def _tiled_product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear_quantized`` of codes in ``reference.to_tiles``' layout: the CUDA kernel for a few rows of a 16-bit x,
+    else the weight dequantized (``untile``) and torch's product."""
+    k = x.shape[-1]
+    rows, n = x.numel() // k, codes.shape[1] * reference.TILE_N
+    if codes.shape[0] * reference.CHUNK_K != k:
+        return reference.linear_quantized(x, codes, scale, minimum, bias)  # its error names the shapes
+    if (rows <= min(TUNING["cuda_int4_rows"], cuda_int4.MAX_ROWS) and x.dtype in (torch.float16, torch.bfloat16)
+            and available(x.device, "quant")):
+        return cuda_int4.int4_products(x.reshape(rows, k).contiguous(), codes, scale, minimum, bias,
+                                       num_sms(x.device)).view(*x.shape[:-1], n)
+    weight = untile(codes, scale, minimum, torch.float64 if x.dtype == torch.float64 else x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def split_for(blocks: int, groups: int, block_g: int) -> int:
     """Ranges the groups are split in for ``blocks`` row blocks: enough that the programs reach ``qmm_programs``,
     a power of two up to ``qmm_split``, no more than the slices."""
@@ -158,12 +212,11 @@ def _scratch(device: torch.device, split: int, blocks: int, block_m: int, block_
 TINYGEMM_K_TILES = 8
 
 
-# Operands repacked per weight for another kernel (tinygemm's, the CUDA kernel's), keyed by the addresses and shape
-# of codes, scale and minimum: an entry lives as long as the storage of the codes it was made for, not the tensor
-# object: the decode step's fused weights are new tensors over the same storage each time a step is built (every
-# generate), and an alias passed by torch.compile finds the entry by address.
+# Operands repacked per weight for tinygemm, keyed by the addresses and shape of codes, scale and minimum: an entry
+# lives as long as the storage of the codes it was made for, not the tensor object: the decode step's fused weights
+# are new tensors over the same storage each time a step is built (every generate), and an alias passed by
+# torch.compile finds the entry by address.
 _TINYGEMM: dict[tuple, tuple] = {}
-_CUDA_INT4: dict[tuple, tuple] = {}
 
 
 def _kept(table: dict, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, make):
@@ -197,6 +250,8 @@ def _tinygemm_operands(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.
 
 def linear_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    if reference.tiled(codes):
+        return _tiled_product(x, codes, scale, minimum, bias)
     k = x.shape[-1]
     n, groups = scale.shape
     rows = x.numel() // k
@@ -207,13 +262,6 @@ def linear_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
     bits = codes.shape[1] * 8 // (groups * reference.GROUP)
     if bits not in (4, 8) or -(-k // reference.GROUP) != groups:
         return reference.linear_quantized(x, codes, scale, minimum, bias)  # its error names the shapes
-    if (rows <= min(TUNING["cuda_int4_rows"], cuda_int4.MAX_ROWS) and bits == 4 and x.is_cuda
-            and x.dtype != torch.float32 and k % cuda_int4.CHUNK_K == 0 and n % cuda_int4.TILE_N == 0
-            and available(x.device, "quant")):
-        operands = _kept(_CUDA_INT4, codes, scale, minimum, lambda: cuda_int4.pack_int4(codes, scale, minimum, k))
-        if operands is not None:
-            return cuda_int4.int4_products(x.reshape(rows, k).contiguous(), *operands, bias,
-                                           num_sms(x.device)).view(*x.shape[:-1], n)
     if (rows <= TUNING["tinygemm_rows"] and bits == 4 and x.is_cuda and x.dtype == torch.bfloat16
             and k % (16 * TINYGEMM_K_TILES) == 0 and n % 8 == 0 and (operands := _kept(
                 _TINYGEMM, codes, scale, minimum, lambda: _tinygemm_operands(codes, scale, minimum, k))) is not None):

@@ -253,7 +253,9 @@ class Engine:
     flags (each read waits for the device; a ``stream`` callback reads them at every step). tokenizer: needed for
     string prompts and texts. weights: "float" runs the model's weights as they are; "int4" first quantizes, in
     place, the linear layers of the model's decoder layers to group-wise int4 (``sparsekv.quant``: the model then
-    holds the int4 weights and its float ones are freed; ``model.generate`` computes with them too).
+    holds the int4 weights and its float ones are freed; ``model.generate`` computes with them too). A 16-bit
+    model's 4-bit layers on a GPU where the CUDA kernel is built are laid out for it, in place
+    (``quant.fit_kernels``).
 
     The first generation re-lays each layer's q/k/v weights into one tensor and its gate/up weights into another,
     the modules' parameters becoming views of them (same values, no second copy; see ``integrations.decode``).

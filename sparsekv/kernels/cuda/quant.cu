@@ -2,11 +2,11 @@
 //
 // A warp multiplies 16 output rows (a tile) by x in steps of 16 inputs with one m16n8k16 product per 8 rows of x: the
 // tile's codes are the A operand and x's rows the B operand's 8 columns (unused columns are zero). Each lane's 32-bit
-// word of codes (``pack_int4``) holds exactly the 8 codes its A fragment takes, so one or-and (lop3) puts two codes in
-// the mantissas of two 16-bit floats, L + q (L = 128 in bf16, 1024 in fp16), with no conversion. The products of these
-// exact levels with x are summed in fp32 per group of 32 inputs, starting from -L X (X: the group's sum of x, a product
-// of a matrix of ones with the same B operand), so that the sum is that of the codes, and scaled there: the group's sum
-// is scale * sum(q x) + minimum * X.
+// word of codes (``reference.to_tiles``) holds exactly the 8 codes its A fragment takes, so one or-and (lop3) puts
+// two codes in the mantissas of two 16-bit floats, L + q (L = 128 in bf16, 1024 in fp16), with no conversion. The
+// products of these exact levels with x are summed in fp32 per group of 32 inputs, starting from -L X (X: the
+// group's sum of x, a product of a matrix of ones with the same B operand), so that the sum is that of the codes,
+// and scaled there: the group's sum is scale * sum(q x) + minimum * X.
 //
 // Operands (``reference.to_tiles``): codes (K / 64, chunk_tiles, 32, 4) int32: chunk of 64 inputs, tile, lane,
 // step; scale and minimum (K / 64, chunk_tiles, 8, 2, 2) fp16: chunk, tile, g, the chunk's group, rows g and g + 8;

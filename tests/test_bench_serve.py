@@ -58,6 +58,16 @@ def test_capacity_mode_stops_when_memory_is_full(tmp_path):
     assert all(r["stopped_at_capacity"] and r["requests_done"] == 0 for r in rows)
 
 
+def test_int4_weights(tmp_path):
+    """--weights int4 serves the model on its quantized layers, and the table says so."""
+    assert main(["--model", "tiny:llama", "--device", "cpu", "--weights", "int4", "--methods", "quest", "--budget",
+                 "32", "--requests", "3", "--prompt-len", "16", "40", "--output-len", "3", "3", "--max-batch", "2",
+                 "--via", "engine", "--out", str(tmp_path), "--tag", "int4"]) == 0
+    result = json.loads((tmp_path / "int4.json").read_text())
+    assert result["meta"]["weights"] == "int4" and result["rows"][0]["requests_done"] == 3
+    assert (tmp_path / "int4.md").read_text().startswith("# Serving under load (tiny:llama, int4 weights,")
+
+
 def test_serve_bench_refuses_bad_options(tmp_path, capsys):
     assert main(["--model", "tiny:llama", "--prompt-len", "9", "3", "--out", str(tmp_path)]) == 2
     assert "--prompt-len must be MIN <= MAX" in capsys.readouterr().err
@@ -101,6 +111,7 @@ def test_capacity_plan_counts_an_fp8_cache_at_one_byte(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--output-len", "8", "8", "--max-new-tokens", "4"], "--max-new-tokens must be at least the --output-len MAX"),
     (["--plan", "--device-gib", "80"], "--plan must be a shape: model with --device-gib and --host-gib"),
+    (["--plan", "--device-gib", "80", "--host-gib", "64", "--weights", "int4"], "--weights must be float with --plan"),
 ])
 def test_serve_bench_refuses_bad_pool_options(tmp_path, capsys, argv, message):
     assert main(["--model", "shape:tiny", *argv, "--out", str(tmp_path)]) == 2

@@ -189,6 +189,12 @@ def run_args(parser, tag: str) -> None:
     parser.add_argument("--tag", default=tag)
 
 
+def weights_arg(parser) -> None:
+    """--weights, as ``load_model``'s for a benchmark's model: float, or int4 after it is built or loaded."""
+    parser.add_argument("--weights", default="float", choices=["float", "int4"],
+                        help="int4: the layers' linear weights quantized to group-wise int4 after loading")
+
+
 def pyplot():
     """matplotlib's pyplot for writing files (the Agg backend), or None without matplotlib (the ``eval`` extra)."""
     try:

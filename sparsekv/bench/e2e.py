@@ -54,7 +54,7 @@ from ..quant import QuantLinear, quantize_model
 from ..spec import budget_arg
 from .common import (SHAPES, Timer, copy_bandwidth, device_name, int_arg, kernel_table, load_sharded,
                      markdown_table, memory_problem, model_shape, out_of_memory_lines, pyplot, run_args, shape_model,
-                     shared_folder, write_results)
+                     shared_folder, weights_arg, write_results)
 
 FILL_CHUNK = 16384  # tokens of random keys and values written per pass
 
@@ -349,8 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="contexts at which to time transformers' StaticCache + torch.compile loop too")
     parser.add_argument("--profile", type=int_arg(0), default=0, metavar="STEPS",
                         help="list the kernels of this many captured decode steps of each row (torch.profiler, CUDA)")
-    parser.add_argument("--weights", default="float", choices=["float", "int4"],
-                        help="int4: the layers' linear weights quantized to group-wise int4 after loading")
+    weights_arg(parser)
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"], help=KV_DTYPE_HELP)
     run_args(parser, "e2e")
     argv = sys.argv[1:] if argv is None else argv

@@ -38,7 +38,9 @@ run a prefill chunk and a decode step); ``--capacity`` fits, then stops each run
 admitted and nothing is prefilling (or once every request is in): its ``max_running`` is the method's capacity.
 
 ``shape:<name>`` (the default, Llama-3-8B) is a random-weight model of that shape on the device, served with a
-stand-in tokenizer (one word per token id). Writes ``<tag>.json``, ``<tag>.md`` and ``<tag>.png`` under ``--out``.
+stand-in tokenizer (one word per token id). ``--weights int4`` quantizes its layers' linear weights to group-wise
+int4 (``sparsekv.quant``) before the runs, which leaves their memory to the pool. Writes ``<tag>.json``,
+``<tag>.md`` and ``<tag>.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -66,11 +68,12 @@ from ..eval.runner import method_runs
 from ..methods import METHODS
 from ..methods.base import DEVICE_MARGIN
 from ..models import load_model, resolve_device, resolve_dtype
+from ..quant import quantize_model
 from ..serve import Request, ServingEngine
 from ..serve.runner import POOL_FIELD, cache_bytes, row_bytes
 from ..spec import budget_arg
 from .common import (ModelShape, device_name, int_arg, markdown_table, model_shape, out_of_memory_lines, pyplot,
-                     run_args, shape_model, write_results)
+                     run_args, shape_model, weights_arg, write_results)
 from .e2e import random_fill, random_passes
 
 GIB = 2**30
@@ -460,7 +463,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     prefill = "a chunk per step" if share is None else f"at most {share} of the decode time (decode priority)"
     fill = ("; fill random: each prompt's KV is random keys and values, no model prefill (TTFT and overall tokens/s "
             "are not those of a real prefill)" if meta["fill"] == "random" else "")
-    lines = [f"# Serving under load ({meta['model']}, {meta['device_name']}, {meta['dtype']})", "",
+    weights = "" if meta.get("weights", "float") == "float" else f", {meta['weights']} weights"
+    lines = [f"# Serving under load ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
              f"{meta['requests']} requests, {load}; prompts of {meta['prompt_len'][0]}-{meta['prompt_len'][1]} "
              f"tokens, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens; max batch "
              f"{meta['max_batch']}{' (or the most the device holds)' if meta['fit'] else ''}, KV memory {kv}"
@@ -542,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
                              "--host-gib, by the runner's accounting (a shape: model, no device used)")
     parser.add_argument("--device-gib", type=float, default=None, help="--plan: the device's memory")
     parser.add_argument("--host-gib", type=float, default=None, help="--plan: host memory free for offloaded KV")
+    weights_arg(parser)
     run_args(parser, "serve")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -562,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.plan and not (args.model.startswith("shape:") and args.device_gib and args.host_gib):
             raise ConfigError("--plan", "a shape: model with --device-gib and --host-gib > 0",
                               f"{args.model} {args.device_gib} {args.host_gib}")
+        if args.plan and args.weights != "float":
+            raise ConfigError("--weights", "float with --plan (the planner counts 16-bit weights)", args.weights)
         if "http" in args.via and not args.plan:
             missing = [name for name in ("fastapi", "uvicorn", "openai", "httpx") if importlib.util.find_spec(name)
                        is None]
@@ -583,12 +590,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         loaded = load_model(args.model, device, dtype)
         model, tokenizer = loaded.model, loaded.tokenizer
+    quantize_model(model, args.weights)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the 16-bit weights the quantized layers replaced
     work = workload(args, model.config.vocab_size)
     kv_memory = None if args.kv_memory_gib is None else int(args.kv_memory_gib * GIB)
-    meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "device_name": device_name(device),
-            "torch": torch.__version__, "requests": args.requests, "rate": args.rate,
-            "concurrency": args.concurrency, "prompt_len": args.prompt_len, "output_len": args.output_len,
-            "max_batch": args.max_batch, "kv_memory_bytes": kv_memory, "fill": args.fill, "duration": args.duration,
+    meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "weights": args.weights,
+            "device_name": device_name(device), "torch": torch.__version__, "requests": args.requests,
+            "rate": args.rate, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
+            "output_len": args.output_len, "max_batch": args.max_batch, "kv_memory_bytes": kv_memory,
+            "fill": args.fill, "duration": args.duration,
             "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk,
             "capacity": args.capacity, "fit": args.fit or args.capacity, "out_of_memory": [],
             "command": command}

@@ -124,6 +124,26 @@ def test_load_gguf_and_decode_under_methods(gguf_file):
     assert torch.equal(plain, dense) and torch.equal(plain, quest)  # a budget over the context is dense
 
 
+def test_a_gguf_is_parsed_once_per_load(tmp_path, monkeypatch):
+    """transformers' config, tokenizer and weights, our checks and the file's own blocks share one reader of the file
+    and one name map, and the gguf package is as it was after the load (or after a load that fails)."""
+    made, maps = [], []
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: made.append(a) or real_reader(*a, **k))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda *a: maps.append(a) or real_map(*a))
+    counting_reader, counting_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf_file = write_tiny_gguf(tmp_path / "q4.gguf", kinds={"attn_q": "Q4_1", "ffn_down": "Q8_0"})
+    models.load_model(str(gguf_file), torch.device("cpu"), weights="gguf")
+    assert len(made) == 1 and len(maps) == len(set(maps)) == 1
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (counting_reader, counting_map)
+    with pytest.raises(ValueError, match="float or int4 for a model that is not a GGUF file"):
+        models.load_model(str(gguf_file.parent / "missing"), torch.device("cpu"), weights="gguf")
+    monkeypatch.setattr(models, "check_finite", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        models.load_model(str(gguf_file), torch.device("cpu"))
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (counting_reader, counting_map)
+
+
 def test_cli_generate_and_eval_take_a_gguf(gguf_file, tmp_path, capsys):
     assert main(["generate", "--model", str(gguf_file), "--method", "quest", "--budget", "32", "--opt",
                  "dense_layers=0", "--prompt", "The grass is green. " * 8, "--max-new-tokens", "4"]) == 0

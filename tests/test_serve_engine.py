@@ -11,6 +11,7 @@ from sparsekv import (DenseConfig, H2OConfig, LowBitConfig, OmniKVConfig, Oracle
 from sparsekv.engine import Engine, Sampling
 from sparsekv.errors import ConfigError
 from sparsekv.serve import PrefillPacer, QueueFull, Request, RequestError, ServingEngine
+from sparsekv.serve.runner import row_bytes
 from sparsekv.tiny import tiny_model
 
 CONFIGS = {
@@ -99,6 +100,42 @@ def test_batching_changes_no_result(model, name):
     assert metrics["free_rows"] == 3 and metrics["kv_bytes_in_use"] == 0 and metrics["running"] == 0
     assert metrics["finished_requests"] == len(PLAN)
     assert metrics["generated_tokens"] == sum(len(t) for t in tokens.values())
+
+
+def test_snapkv_rows_hold_the_budget_and_the_new_tokens(model):
+    """SnapKV keeps at most its budget of each prompt and every decode token: with max_new_tokens its rows are that
+    long, not max_context, and every request still gets its alone-tokens."""
+    config = CONFIGS["snapkv"]
+    room = max(new for _, _, new, _ in PLAN)
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new, _ in PLAN]
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new, _ in PLAN]
+    engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK, max_new_tokens=room)
+    assert [layer.capacity for layer in engine.runner.pool.pages.layers] == [config.token_budget + room] * 3
+    tokens, _ = run(engine, requests)
+    assert [tokens[i] for i in range(len(PLAN))] == expected
+
+
+@pytest.mark.parametrize("name", ["dense", "quest", "raas", "h2o", "snapkv", "lowbit"])
+def test_the_pool_holds_what_its_size_counted(model, name):
+    """The bytes a pool is checked against before it allocates (its rows of ``Method.pool_pages`` slots and the
+    method's per-slot state) bound what it holds once requests ran through it, and every row can be given a request
+    of max_context tokens; lowbit's codes are taken with the pool, not at a request's join."""
+    config = CONFIGS[name]
+    engine = ServingEngine(model, config, max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
+    runner = engine.runner
+    before = runner.capacity_bytes()
+    run(engine, [(0, Request(prompt=prompt(70), max_tokens=5)), (0, Request(prompt=prompt(20), max_tokens=3))])
+    head_dim = model.get_decoder().layers[0].self_attn.head_dim
+    counted = 2 * row_bytes(runner.method.pool_pages(CONTEXT, CONTEXT), config.page_size, runner.token_bytes,
+                            runner.page_bytes, model.config.num_key_value_heads,
+                            runner.method.slot_state_bytes(head_dim))
+    assert runner.capacity_bytes() <= counted
+    # every row can take a request of max_context tokens: admission by memory never leaves a row idle
+    assert 2 * runner.kv_bytes(CONTEXT - 9, CONTEXT) <= engine.kv_memory_bytes
+    if name == "lowbit":
+        assert before == runner.capacity_bytes()
+        assert counted - runner.capacity_bytes() < counted / 50  # the codes are counted: an eighth of the keys
 
 
 def test_offloaded_rows_sized_by_new_tokens_give_the_alone_tokens(model):

@@ -409,7 +409,7 @@ def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_ne
     for choice in choices:
         method = choice.build(shape.layers)
         row = row_bytes(method.pool_pages(max_context, max_new_tokens), config.page_size, token_bytes, page_bytes,
-                        kv_heads)
+                        kv_heads, method.slot_state_bytes(head_dim))
         margin = DEVICE_MARGIN if choice is not choices[-1] else 0
         host_row = method.pool_host_tokens(max_context) * token_bytes
         by_device = max((device_bytes - weights - prefill - margin) // row, 0)

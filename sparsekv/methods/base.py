@@ -144,6 +144,11 @@ class Method:
         ``max_new_tokens`` of them new."""
         return [-(-max_context // self.config.page_size)] * self.num_layers
 
+    def slot_state_bytes(self, head_dim: int) -> list[int]:
+        """Per layer, the bytes per page slot and KV head of the method's per-slot state in a pool
+        (``PagedLayer.slot_state``): 8 (a counter or a score) unless the method keeps more."""
+        return [8] * self.num_layers
+
     def pool_host_tokens(self, max_context: int) -> int:
         """KV tokens summed over layers that a pool's host store keeps per row for requests of up to
         ``max_context`` tokens (a prompt of that many tokens keeps as many in its own store while it is

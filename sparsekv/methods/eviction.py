@@ -90,9 +90,11 @@ class EvictionMethod(Method):
             layer.compact(max(held) + 1)  # room for the next token without growing again
 
     def pool_pages(self, max_context, max_new_tokens):
+        # A row holds its budget where every step evicts; else (SnapKV) the compressed prompt, at most the budget,
+        # and every decode token.
         budget = self.config.token_budget
-        return [budget if self.evicts_in_decode and not self.dense(i) else max_context
-                for i in range(self.num_layers)]
+        sparse = budget if self.evicts_in_decode else min(budget + max_new_tokens, max_context)
+        return [max_context if self.dense(i) else sparse for i in range(self.num_layers)]
 
     def start_pool(self, layers, max_context):
         for i, layer in enumerate(layers):

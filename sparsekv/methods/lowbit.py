@@ -93,8 +93,18 @@ class LowBit(Method):
             self.first = torch.tensor(plan.new_len, device=layer.k.device)
             self.chosen = [None] * self.num_layers
 
+    def slot_state_bytes(self, head_dim):
+        cfg = self.config
+        return [8 if i < cfg.dense_layers else cfg.page_size * head_dim * cfg.bits // 8 for i in range(self.num_layers)]
+
     def start_pool(self, layers, max_context):
         self.first = torch.zeros(layers[0].shape[0], dtype=torch.long, device=layers[0].k.device)
+        # The codes of every row, allocated with the pool (and counted in its size), not at the first join.
+        bits = self.config.bits
+        for layer in layers[self.config.dense_layers:]:
+            layer.slot_state[codes_entry(bits)] = torch.zeros((*layer.slot_page.shape, self.config.page_size,
+                                                               layer.k.shape[-1] * bits // 8), dtype=torch.uint8,
+                                                              device=layer.k.device)
 
     def copy_row(self, row, source, source_row, prompt_len):
         # The row's first step chooses anew, so its chosen pages need not move.

@@ -47,11 +47,13 @@ def cache_bytes(config, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tup
     return token, token if config.page_size > 1 else 0
 
 
-def row_bytes(slots: list[int], page_size: int, token_bytes: int, page_bytes: int, kv_heads: int) -> int:
+def row_bytes(slots: list[int], page_size: int, token_bytes: int, page_bytes: int, kv_heads: int,
+              state_bytes: list[int]) -> int:
     """Device bytes of one row of a pool whose layers have ``slots`` page slots each (``Method.pool_pages``), plus
-    each layer's scratch slot: per slot, keys and values, key bounds, the page table and a method's per-slot state
-    (8 bytes each per KV head)."""
-    return sum(s + 1 for s in slots) * (page_size * token_bytes + page_bytes + 16 * kv_heads)
+    each layer's scratch slot: per slot, keys and values, key bounds, and per KV head the page table's 8 bytes and
+    the method's per-slot state (``state_bytes`` per layer, ``Method.slot_state_bytes``)."""
+    return sum((s + 1) * (page_size * token_bytes + page_bytes + (8 + state) * kv_heads)
+               for s, state in zip(slots, state_bytes))
 
 
 def available_device_bytes(device: torch.device) -> int | None:
@@ -99,7 +101,8 @@ class Runner:
 
         def pool_bytes(method) -> int:
             slots = method.pool_pages(max_context, self.max_new_tokens)
-            return max_batch * row_bytes(slots, config.page_size, self.token_bytes, self.page_bytes, kv_heads)
+            return max_batch * row_bytes(slots, config.page_size, self.token_bytes, self.page_bytes, kv_heads,
+                                         method.slot_state_bytes(attn.head_dim))
 
         # Of the configs the method leaves open (OmniKV's device layers), the first whose rows leave room for the
         # steps; with the device's memory unknown, the last, which keeps the least there.
@@ -108,6 +111,9 @@ class Runner:
             (m for m in choices if pool_bytes(m) + prefill_bytes + DEVICE_MARGIN * (m is not choices[-1]) <= free),
             choices[-1])
         need = pool_bytes(self.method)
+        # The per-slot state beyond what a row of a dense pool holds (its page table's 8 bytes a slot and KV head
+        # stand for the state's), summed over layers; a request's pages lie evenly over the layers that hold them.
+        self.slot_state_bytes = sum(max(b - 8, 0) for b in self.method.slot_state_bytes(attn.head_dim)) * kv_heads
         require(free is None or need + prefill_bytes <= free, POOL_FIELD,
                 f"small enough that the pool of rows ({need / 2**30:.2f} GiB) and one prompt's "
                 f"prefill ({prefill_bytes / 2**30:.2f} GiB) fit the device's free {(free or 0) / 2**30:.2f} GiB",
@@ -153,11 +159,12 @@ class Runner:
 
     def kv_bytes(self, prompt_len: int, total: int) -> int:
         """KV bytes (device and host) a request of ``prompt_len`` prompt tokens and ``total`` tokens in all holds at
-        most: its keys and values, and the key bounds of its pages."""
+        most: its keys and values, the key bounds of its pages and the method's per-slot state beyond 8 bytes
+        (lowbit's key codes)."""
         device = self.method.held_tokens(prompt_len, total)
         pages = -(-device // self.config.page_size) + self.num_layers
-        return device * self.token_bytes + pages * self.page_bytes + self.method.host_tokens(prompt_len) * \
-            self.token_bytes
+        return device * self.token_bytes + pages * self.page_bytes + pages * self.slot_state_bytes // \
+            self.num_layers + self.method.host_tokens(prompt_len) * self.token_bytes
 
     def capacity_bytes(self) -> int:
         """Bytes of the pool's keys, values and key bounds on the device, and of its host store."""

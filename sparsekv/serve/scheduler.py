@@ -198,6 +198,9 @@ class ServingEngine:
             raise RequestError("stop_tokens", f"token ids below the vocabulary size ({vocab})", request.stop_tokens)
         if request.max_tokens > runner.max_new_tokens:
             raise RequestError("max_tokens", f"at most max_new_tokens ({runner.max_new_tokens})", request.max_tokens)
+        if len(request.prompt) >= runner.max_context:
+            raise RequestError("prompt", f"at most {runner.max_context - 1} tokens (max_context, "
+                               f"{runner.max_context}, less one new token)", len(request.prompt))
         total = len(request.prompt) + request.max_tokens
         if total > runner.max_context:
             raise RequestError("max_tokens", f"at most max_context ({runner.max_context}) less the prompt's "

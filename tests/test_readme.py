@@ -9,8 +9,11 @@ def test_ci_runs_the_readme_test_command_first():
     lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     assert lines[:2] == ["set -euo pipefail", 'cd "$(dirname "$0")/.."']
     first = lines[2]
-    assert first in (ROOT / "README.md").read_text()
-    assert first.startswith("pip install torch==2.13.0 && ")
+    # a failure anywhere in the command fails CI (set -e lets an && list fail and go on)
+    assert first.endswith(" || exit 1")
+    command = first.removesuffix(" || exit 1")
+    assert command in (ROOT / "README.md").read_text()
+    assert command.startswith("pip install torch==2.13.0 && ")
 
 
 def test_readme_apply_snippet_runs_as_written(capsys):

@@ -363,7 +363,8 @@ def test_queue_full_and_requests_that_never_fit(model):
         engine.submit(Request(prompt=prompt(10), max_tokens=4))
     with pytest.raises(RequestError, match=r"max_tokens must be at most max_context \(160\)"):
         engine.submit(Request(prompt=prompt(100), max_tokens=61))
-    with pytest.raises(RequestError, match=r"prompt must be at most 159 tokens \(max_context, 160, less one new token\), got 160"):
+    too_long = r"prompt must be at most 159 tokens \(max_context, 160, less one new token\), got 160"
+    with pytest.raises(RequestError, match=too_long):
         engine.submit(Request(prompt=prompt(160), max_tokens=1))
     small = ServingEngine(model, CONFIGS["dense"], max_context=CONTEXT, prefill_chunk=CHUNK,
                           kv_memory_bytes=50_000)

@@ -26,9 +26,9 @@ import torch
 
 from .. import kernels
 from ..kernels import reference as ref
+from .attention import L2_BYTES
 from .common import SHAPES, Timer, copy_bandwidth, device_name, int_arg, markdown_table, write_results
 
-L2_BYTES = 60 * 2**20
 DTYPES = {"bf16": torch.bfloat16, "fp8": ref.FP8}
 # Each variant: a name, the ops it is timed on and its TUNING overrides (applied to fp8 caches only; bf16 runs
 # the defaults): here the fp8 launches (``fp8_*`` keys) against their neighbours. Dense rows of at least
@@ -126,6 +126,12 @@ def main(argv=None) -> None:
         TUNING.clear()
         TUNING.update(base, **overrides)
 
+    def rotations(touched: int) -> int:
+        """Inputs to rotate through so that a timed call does not find the last one's bytes in the GPU's L2 cache;
+        one on the CPU, where the times are a smoke test (tens of thousands of copies of a small shape's inputs
+        made one run take minutes)."""
+        return max(1, math.ceil(4 * L2_BYTES / touched)) if device.type == "cuda" else 1
+
     def timed(fn, calls: int) -> float:
         return 1e3 * (timer.graph(fn) if device.type == "cuda" else timer.eager(fn)) / calls
 
@@ -148,10 +154,10 @@ def main(argv=None) -> None:
             qo = 2 * heads * head_dim * 2
             n_sel = args.budget // p
             sel_bytes = kv_heads * n_sel * (2 * p * head_dim * size + 8 + 8) + qo
-            n_rot = max(1, math.ceil(4 * L2_BYTES / sel_bytes))
+            n_rot = rotations(sel_bytes)
             sels = [random_slots(kv_heads, pages, n_sel, device) for _ in range(n_rot)]
             score_bytes = kv_heads * (pages + 1) * (2 * head_dim * size + 8 + 4) + heads * head_dim * 2
-            n_copies = max(1, math.ceil(4 * L2_BYTES / score_bytes))
+            n_copies = rotations(score_bytes)
             bounds = [(kmin.clone(), kmax.clone()) for _ in range(n_copies)]
             ops = {
                 "dense": (lambda: kernels.sparse_decode(q, k, v, slot_page, every, seq_len, scale), 1,  # noqa: E731

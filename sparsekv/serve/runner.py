@@ -111,9 +111,10 @@ class Runner:
             (m for m in choices if pool_bytes(m) + prefill_bytes + DEVICE_MARGIN * (m is not choices[-1]) <= free),
             choices[-1])
         need = pool_bytes(self.method)
-        # The per-slot state beyond what a row of a dense pool holds (its page table's 8 bytes a slot and KV head
-        # stand for the state's), summed over layers; a request's pages lie evenly over the layers that hold them.
-        self.slot_state_bytes = sum(max(b - 8, 0) for b in self.method.slot_state_bytes(attn.head_dim)) * kv_heads
+        # Per page slot, summed over layers and KV heads, the method's state beyond its first 8 bytes a slot and KV
+        # head, which ``kv_bytes`` leaves uncounted as it does the page table's, so that a request of max_context
+        # never needs more than its row; a request's pages lie evenly over the layers that hold them.
+        self.extra_state_bytes = sum(max(b - 8, 0) for b in self.method.slot_state_bytes(attn.head_dim)) * kv_heads
         require(free is None or need + prefill_bytes <= free, POOL_FIELD,
                 f"small enough that the pool of rows ({need / 2**30:.2f} GiB) and one prompt's "
                 f"prefill ({prefill_bytes / 2**30:.2f} GiB) fit the device's free {(free or 0) / 2**30:.2f} GiB",
@@ -163,7 +164,7 @@ class Runner:
         (lowbit's key codes)."""
         device = self.method.held_tokens(prompt_len, total)
         pages = -(-device // self.config.page_size) + self.num_layers
-        return device * self.token_bytes + pages * self.page_bytes + pages * self.slot_state_bytes // \
+        return device * self.token_bytes + pages * self.page_bytes + pages * self.extra_state_bytes // \
             self.num_layers + self.method.host_tokens(prompt_len) * self.token_bytes
 
     def capacity_bytes(self) -> int:

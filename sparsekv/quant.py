@@ -35,7 +35,7 @@ from torch import nn
 
 from . import kernels
 from .errors import ConfigError
-from .kernels.reference import CHUNK_K, GROUP, TILE_N, dequantize, tiled, to_tiles
+from .kernels.reference import CHUNK_K, GROUP, TILE_N, dequantize, quantized_outputs, tiled, to_tiles
 
 WEIGHTS = ("float", "int4", "gguf")
 
@@ -57,7 +57,7 @@ class QuantLinear(nn.Module):
                  in_features: int):
         super().__init__()
         self.in_features = in_features
-        self.out_features = codes.shape[1] * TILE_N if tiled(codes) else scale.shape[0]
+        self.out_features = quantized_outputs(codes, scale)
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("minimum", minimum)

@@ -140,7 +140,7 @@ def _linear_fake(x, weight, bias=None):
 
 
 def _linear_quantized_fake(x, codes, scale, minimum, bias=None):
-    return x.new_empty(*x.shape[:-1], codes.shape[1] * reference.TILE_N if reference.tiled(codes) else scale.shape[0])
+    return x.new_empty(*x.shape[:-1], reference.quantized_outputs(codes, scale))
 
 
 def _coded_scores_fake(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head=False):

@@ -190,6 +190,11 @@ def tiled(codes: torch.Tensor) -> bool:
     return codes.dim() == 4
 
 
+def quantized_outputs(codes: torch.Tensor, scale: torch.Tensor) -> int:
+    """N, the outputs of a quantized weight's codes and scale, in either layout."""
+    return codes.shape[1] * TILE_N if tiled(codes) else scale.shape[0]
+
+
 def to_tiles(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
              k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """4-bit codes (N, K / 2) uint8, scale and minimum (N, K / 32) fp16 (``dequantize``'s layout; N a multiple of

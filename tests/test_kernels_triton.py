@@ -709,6 +709,54 @@ def test_lowbit_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_p
         assert torch.equal(got, want[row] if due[row] else before[row]), row
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the CUDA kernel runs on CUDA only")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, per_head", [
+    (4, 4, 128, False), (8, 2, 64, False), (6, 2, 128, False), (16, 2, 128, False), (16, 2, 64, False),
+    (32, 8, 128, False), (8, 4, 64, True), (12, 2, 128, True)], ids=str)
+@pytest.mark.parametrize("mode", ["selected", "in-order", "counted"])
+@pytest.mark.parametrize("launch", [{}, {"cuda_fp8_stages": 4}, {"cuda_fp8_blocks_per_sm": 1024}], ids=str)
+def test_cuda_fp8_attention_matches_float64_reference(dtype, heads, kv_heads, head_dim, per_head, mode, launch,
+                                                      monkeypatch):
+    """``sparse_decode`` over an fp8 cache through the CUDA kernel (``kernels.cuda.fp8kv``), against float64 on the
+    same fp8 values, for 1-8 query heads per selection row and head dims 64 and 128: pages scattered over the slots
+    or in order (every slot listed, rows read up to their length), free slots, -1 entries and repeated pages in
+    the selections, partial last pages, a row of one token and one whose selection holds nothing; its attended
+    tokens added into a running total; with 4 pages in flight, and with splits of one page a warp."""
+    from sparsekv.kernels.cuda import fp8kv as cuda_fp8kv
+
+    monkeypatch.setitem(tops.TUNING, "attn_long_tokens", 1)  # every row is long enough for the CUDA kernel
+    for key, value in launch.items():
+        monkeypatch.setitem(tops.TUNING, key, value)
+    lengths = [300, 17, 1, 162, 64]
+    k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(len(lengths), kv_heads, head_dim, 16, lengths,
+                                                                torch.float32, seed=heads + head_dim,
+                                                                in_order=mode == "in-order")
+    k, v = (ref.to_cache(t * 4, ref.FP8) for t in (k, v))
+    q = torch.randn(len(lengths), heads, head_dim, device=DEV).to(dtype)
+    hs = heads if per_head else kv_heads
+    if not cuda_fp8kv.supported(q, k, hs):
+        pytest.skip("the CUDA kernel cannot be built or run here")
+    c = slot_page.shape[2]
+    if mode == "in-order":
+        slots = torch.arange(c, device=DEV).expand(len(lengths), hs, c)
+    else:
+        slots = torch.randint(-1, c, (len(lengths), hs, 13), device=DEV)
+        slots[:, :, 0] = slots[:, :, 1]  # a page listed twice is attended twice, as by the reference
+        slots[4] = -1  # nothing selected: zeros
+    scale = head_dim ** -0.5
+    attended = torch.full((len(lengths), hs), 5, dtype=torch.long, device=DEV) if mode == "counted" else None
+    out = tops.sparse_decode(q, k, v, slot_page, slots, seq_len, scale, attended, mode == "in-order")
+    want_counts = None if attended is None else 5 + ref.count_attended(slot_page, slots, seq_len, 16)
+    exact = ref.sparse_decode(*up(q, k, v), slot_page, slots, seq_len, scale)
+    assert out.dtype == dtype and out.shape == exact.shape
+    fin = exact.abs().sum(-1) > 0
+    assert torch.equal(out.abs().sum(-1) > 0, fin), "rows attending nothing give zeros, and only they"
+    assert rel_err(out[fin], exact[fin]) <= 1e-2  # the output's rounding to bf16 (fp16: 1e-3)
+    if attended is not None:
+        assert torch.equal(attended, want_counts)
+
+
 FP8_SHAPES = [*SHAPES, pytest.param(16, 8, 1, 32, 4, [1 + 3 * i for i in range(16)], 2, False, id="b16-gqa8")]
 
 

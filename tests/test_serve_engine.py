@@ -416,16 +416,22 @@ def test_bad_requests_are_refused(fields, match):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name, weights, rows", [*((name, "float", 3) for name in CONFIGS), ("dense", "int4", 7),
-                                                 ("quest", "int4", 7), ("quest", "int4", 12)])
+                                                 ("quest", "int4", 7), ("quest", "int4", 12), ("dense-fp8", "float", 5),
+                                                 ("quest-fp8", "float", 5)])
 def test_cuda_graphs_serve_the_eager_tokens(name, weights, rows):
     """On the GPU (bf16): steps captured once per batch size (CUDA graphs, the default on CUDA) give the eager
     steps' tokens, greedy and sampled, over rows that join, move and leave; on int4 weights (laid out for the CUDA
-    kernel: its products of one B operand up to 8 rows, two up to 16), with up to 7 and 12 rows."""
+    kernel: its products of one B operand up to 8 rows, two up to 16), with up to 7 and 12 rows; over fp8 caches
+    of pages of 16 at head dim 64, whose dense layers take the CUDA attention kernel."""
     from sparsekv.kernels.cuda import available
     from sparsekv.kernels.reference import tiled
     from sparsekv.quant import QuantLinear, quantize_model
 
-    model = tiny_model("llama", seed=1, layers=3, dtype=torch.bfloat16).cuda()
+    fp8 = {"dense-fp8": DenseConfig(page_size=16, kv_dtype="fp8"),
+           "quest-fp8": QuestConfig(token_budget=48, page_size=16, dense_layers=1, kv_dtype="fp8")}
+    config = fp8.get(name) or CONFIGS[name]
+    model = tiny_model("llama", seed=1, layers=3, dtype=torch.bfloat16, **({"head_dim": 64} if name in fp8 else {}))
+    model = model.cuda()
     quantize_model(model, weights)
     if weights == "int4" and available(torch.device("cuda"), "quant"):
         assert all(tiled(m.codes) for m in model.modules() if isinstance(m, QuantLinear))
@@ -434,7 +440,7 @@ def test_cuda_graphs_serve_the_eager_tokens(name, weights, rows):
                 for i, (arrival, n, new, _) in enumerate(PLAN)]
     tokens = []
     for cuda_graph in (False, None):
-        engine = ServingEngine(model, CONFIGS[name], max_batch=rows, max_context=CONTEXT, prefill_chunk=CHUNK,
+        engine = ServingEngine(model, config, max_batch=rows, max_context=CONTEXT, prefill_chunk=CHUNK,
                                cuda_graph=cuda_graph)
         tokens.append(run(engine, requests)[0])
         assert any(step.replay is not None for _, step in engine.runner.steps.values()) == (cuda_graph is None)

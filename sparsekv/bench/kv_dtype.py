@@ -31,15 +31,13 @@ from .common import SHAPES, Timer, copy_bandwidth, device_name, int_arg, markdow
 
 DTYPES = {"bf16": torch.bfloat16, "fp8": ref.FP8}
 # Each variant: a name, the ops it is timed on and its TUNING overrides (applied to fp8 caches only; bf16 runs
-# the defaults): here the fp8 launches (``fp8_*`` keys) against their neighbours. Dense rows of at least
-# attn_long_tokens tokens take the attn_long_* launch, budgets of 2048 at batch 1 (8 rows) the attn_few_* one.
+# the defaults): the CUDA attention kernel's launch (``cuda_fp8_*`` keys) against its neighbours and the Triton
+# kernel, and the page scores' blocks.
 VARIANTS = [
     {"name": "current", "ops": ["dense", "sparse", "scores"], "tuning": {}},
-    *({"name": f"long n{n} w{w} p{pp} s{st}", "ops": ["dense"],
-       "tuning": {"fp8_attn_long_block_n": n, "fp8_attn_long_warps": w, "fp8_attn_long_programs_per_sm": pp,
-                  "fp8_attn_long_stages": st}}
-      for n, w, pp, st in ((64, 4, 1, 1), (64, 4, 3, 1), (64, 4, 2, 2), (32, 4, 2, 1), (128, 8, 2, 1))),
-    *({"name": f"few p{pp}", "ops": ["sparse"], "tuning": {"fp8_attn_few_programs_per_sm": pp}} for pp in (2, 8)),
+    {"name": "triton", "ops": ["dense"], "tuning": {"cuda_fp8_attn": False}},
+    {"name": "cuda stages 4", "ops": ["dense"], "tuning": {"cuda_fp8_stages": 4}},
+    *({"name": f"cuda blocks {n}", "ops": ["dense"], "tuning": {"cuda_fp8_blocks_per_sm": n}} for n in (1, 3, 4)),
     *({"name": f"scores b{b}", "ops": ["scores"], "tuning": {"fp8_page_block": b}} for b in (64, 256)),
 ]
 

@@ -2,8 +2,8 @@
 operands are built in the fragments' registers, with no trip through shared memory. Each ``<name>.cu`` is built on
 first use with the local CUDA compiler (``torch.utils.cpp_extension``: nvcc and ninja), for the GPUs present, and
 has a Python module of the same name here: ``quant`` (int4 weights' products of 1-16 rows), ``coded`` (lowbit's page
-scores from low-bit key codes). Where a file cannot be built (no compiler, a GPU before sm_80), ``available`` says
-so once in a warning and the caller takes its Triton kernels.
+scores from low-bit key codes), ``fp8kv`` (decode attention over an fp8 cache). Where a file cannot be built (no
+compiler, a GPU before sm_80), ``available`` says so once in a warning and the caller takes its Triton kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 
 # What serves instead of each file's kernels where it cannot be built.
 _INSTEAD = {"quant": "int4 products use tinygemm and the Triton kernel instead",
-            "coded": "lowbit's page scores use the Triton kernel instead"}
+            "coded": "lowbit's page scores use the Triton kernel instead",
+            "fp8kv": "attention over fp8 caches uses the Triton kernel instead"}
 
 
 @functools.cache

@@ -41,6 +41,7 @@ namespace {
 using sparsekv::commit_copies;
 using sparsekv::copy16;
 using sparsekv::copy8;
+using sparsekv::ex2;
 using sparsekv::magic;
 using sparsekv::mma;
 using sparsekv::or_and;
@@ -90,12 +91,6 @@ __device__ __forceinline__ void all_levels(uint32_t word, uint32_t* out, std::in
 template <bool BF16, int BITS, int... J>
 __device__ __forceinline__ void all_magic(uint32_t* out, std::integer_sequence<int, J...>) {
   ((out[J] = magic<BF16>(Field<BITS, J>::LOW) * 0x10001u), ...);
-}
-
-__device__ __forceinline__ float ex2(float x) {  // 2^x, 0 for -inf
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
 }
 
 __device__ __forceinline__ float lg2(float x) {  // log2 x, -inf for 0

@@ -44,6 +44,13 @@ __device__ __forceinline__ void mma(float* d, uint32_t a0, uint32_t a1, uint32_t
   mma<BF16>(d, d, a0, a1, a2, a3, b0, b1);
 }
 
+// 2^x (0 for -inf), approximate as the softmax's own.
+__device__ __forceinline__ float ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // Asynchronous copies from global to shared memory (cp.async): 16 bytes to the shared address ``shared``, past L1;
 // the copies since the last commit form a group; waits until at most N of this thread's groups are in flight.
 __device__ __forceinline__ void copy16(uint32_t shared, const void* global) {

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from ..cuda import fp8kv as cuda_fp8kv
 from .common import (LOG2E, TUNING, block_d, check, f16_products, fp8_launch, group_pad, interpreted_bf16, num_sms,
                      precision, product_query)
 
@@ -182,30 +183,33 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_
     # With few rows (Llama-3-8B at batch 1: 8) the programs are few too: smaller blocks, more of them in flight.
     # Rows of many tokens (a dense layer's whole context) stream far more than they compute: their own blocks,
     # stages and split count.
+    long_rows = n_sel * p >= TUNING["attn_long_tokens"]
     keys = ("attn_block_n", "attn_stages", "programs_per_sm", "attn_max_splits", "attn_warps")
-    if n_sel * p >= TUNING["attn_long_tokens"]:
+    if long_rows:
         keys = ("attn_long_block_n", "attn_long_stages", "attn_long_programs_per_sm", "attn_long_max_splits",
                 "attn_long_warps")
     elif rows <= TUNING["attn_few_rows"]:
         keys = ("attn_few_block_n", "attn_few_stages", "attn_few_programs_per_sm", "attn_max_splits", "attn_warps")
+    counting = attended is not None
+    if (not tokens and (long_rows or in_order) and TUNING["cuda_fp8_attn"]
+            and cuda_fp8kv.supported(q, k, rows_per_b)):
+        # Pages of the same split per block of WARPS warps, at least one page a warp.
+        splits, per_split = _splits(n_sel, TUNING["cuda_fp8_blocks_per_sm"], rows, q.device, n_sel * p, in_order,
+                                    TUNING["attn_long_max_splits"], cuda_fp8kv.WARPS)
+        part, stats, split_counts = cuda_fp8kv.split_attention(q, k, v, slot_page, sel, seq_len, scale, splits,
+                                                               per_split, TUNING["cuda_fp8_stages"], in_order,
+                                                               counting)
+        return _merge(q, part, stats, split_counts, attended, rows_per_b, tokens)
     fp8 = k.dtype == torch.float8_e4m3fn
     block_n, stages, per_sm, max_splits, warps = (fp8_launch(key, fp8) for key in keys)
     if d > 128:
         block_n //= 2
     if q.dtype == torch.float32:
         block_n = 16  # full-precision fp32 products need registers: larger tiles spill (ptxas, sm_90)
-    n_blocks = max(triton.cdiv(n_sel * p, block_n), 1)
-    want = triton.cdiv(per_sm * num_sms(q.device), rows)
-    if in_order and TUNING["attn_in_order_tokens"]:
-        # Rows shorter than the layer's slots leave the programs of their tail idle: splits of a fixed size keep
-        # the busy programs in proportion to the tokens there are.
-        want = max(want, triton.cdiv(n_sel * p, TUNING["attn_in_order_tokens"]))
-    splits = max(1, min(want, n_blocks, max_splits))
-    per_split = triton.cdiv(n_blocks, splits)
-    splits = triton.cdiv(n_blocks, per_split)
+    splits, per_split = _splits(triton.cdiv(n_sel * p, block_n), per_sm, rows, q.device, n_sel * p, in_order,
+                                max_splits)
     part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
     stats = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
-    counting = attended is not None
     split_counts = torch.empty(rows, splits, dtype=torch.int32, device=q.device) if counting else stats
     page_args = (sel, sel, 0, 0) if tokens else (slot_page, seq_len, slot_page.stride(0), slot_page.stride(1))
     _split_attention_kernel[(rows, splits)](
@@ -217,10 +221,33 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_
         BLOCK_N=block_n, P=p, TOKENS=tokens, COUNT=counting, PRECISION=precision(q.dtype),
         UPCAST=interpreted_bf16(q.dtype), F16=f16_products(q, k), PREFETCH=fp8, IN_ORDER=in_order, num_warps=warps,
         num_stages=stages)
+    return _merge(q, part, stats, split_counts, attended, rows_per_b, tokens)
+
+
+def _splits(n_blocks: int, per_sm: int, rows: int, device: torch.device, n_tokens: int, in_order: bool,
+            max_splits: int, least: int = 1) -> tuple[int, int]:
+    """(splits, blocks per split) of each row's n_blocks blocks: until rows * splits reaches per_sm programs per
+    multiprocessor, with at most max_splits splits of at least ``least`` blocks each."""
+    want = triton.cdiv(per_sm * num_sms(device), rows)
+    if in_order and TUNING["attn_in_order_tokens"]:
+        # Rows shorter than the layer's slots leave the programs of their tail idle: splits of a fixed size keep
+        # the busy programs in proportion to the tokens there are.
+        want = max(want, triton.cdiv(n_tokens, TUNING["attn_in_order_tokens"]))
+    splits = max(1, min(want, triton.cdiv(max(n_blocks, 1), least), max_splits))
+    per_split = triton.cdiv(max(n_blocks, 1), splits)
+    return triton.cdiv(max(n_blocks, 1), per_split), per_split
+
+
+def _merge(q, part, stats, split_counts, attended, rows_per_b, tokens):
+    """The splits' partial outputs merged (see ``_split_attention``)."""
+    b, h, splits, d = part.shape
+    g = h // rows_per_b
+    counting = attended is not None
     fp32_out = tokens or interpreted_bf16(q.dtype)
     out = torch.empty(b, h, d, dtype=torch.float32 if fp32_out else q.dtype, device=q.device)
     lse = torch.empty(b, h, dtype=torch.float32, device=q.device) if tokens else out
     count = attended if counting else stats
+    split_counts = split_counts if counting else stats
     _merge_kernel[(b * h,)](part, stats, split_counts, out, lse, count, splits, out.stride(0), out.stride(1),
                             count.stride(0), count.stride(1), H=h, G=g, D=d, BLOCK_D=block_d(d),
                             BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=tokens, COUNT=counting,

@@ -715,14 +715,14 @@ def test_lowbit_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_p
     (4, 4, 128, False), (8, 2, 64, False), (6, 2, 128, False), (16, 2, 128, False), (16, 2, 64, False),
     (32, 8, 128, False), (8, 4, 64, True), (12, 2, 128, True)], ids=str)
 @pytest.mark.parametrize("mode", ["selected", "in-order", "counted"])
-@pytest.mark.parametrize("launch", [{}, {"cuda_fp8_stages": 4}, {"cuda_fp8_blocks_per_sm": 1024}], ids=str)
+@pytest.mark.parametrize("launch", [{}, {"cuda_fp8_blocks_per_sm": 1024}], ids=str)
 def test_cuda_fp8_attention_matches_float64_reference(dtype, heads, kv_heads, head_dim, per_head, mode, launch,
                                                       monkeypatch):
     """``sparse_decode`` over an fp8 cache through the CUDA kernel (``kernels.cuda.fp8kv``), against float64 on the
     same fp8 values, for 1-8 query heads per selection row and head dims 64 and 128: pages scattered over the slots
     or in order (every slot listed, rows read up to their length), free slots, -1 entries and repeated pages in
     the selections, partial last pages, a row of one token and one whose selection holds nothing; its attended
-    tokens added into a running total; with 4 pages in flight, and with splits of one page a warp."""
+    tokens added into a running total; and with splits of one page a warp."""
     from sparsekv.kernels.cuda import fp8kv as cuda_fp8kv
 
     monkeypatch.setitem(tops.TUNING, "attn_long_tokens", 1)  # every row is long enough for the CUDA kernel

@@ -36,7 +36,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp8": ref.FP8}
 VARIANTS = [
     {"name": "current", "ops": ["dense", "sparse", "scores"], "tuning": {}},
     {"name": "triton", "ops": ["dense"], "tuning": {"cuda_fp8_attn": False}},
-    {"name": "cuda stages 4", "ops": ["dense"], "tuning": {"cuda_fp8_stages": 4}},
     *({"name": f"cuda blocks {n}", "ops": ["dense"], "tuning": {"cuda_fp8_blocks_per_sm": n}} for n in (1, 3, 4)),
     *({"name": f"scores b{b}", "ops": ["scores"], "tuning": {"fp8_page_block": b}} for b in (64, 256)),
 ]

@@ -14,7 +14,6 @@ HEAD_DIMS = (64, 128)
 PAGE_SIZE = 16
 MAX_GROUP = 8  # query heads per selection row: the columns of one product
 WARPS = 4  # warps per block, each taking its own pages of the block's split
-STAGES = (2, 4)  # pages in flight per warp that fp8kv.cu builds
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, rows_per_b: int) -> bool:
@@ -30,10 +29,10 @@ def supported(q: torch.Tensor, k: torch.Tensor, rows_per_b: int) -> bool:
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, sel: torch.Tensor,
-                    seq_len: torch.Tensor, scale: float, splits: int, per_split: int, stages: int, in_order: bool,
+                    seq_len: torch.Tensor, scale: float, splits: int, per_split: int, in_order: bool,
                     count: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(part (B, H, splits, D), stats (B, H, splits, 2), counts (B * Hs, splits) int32) float32 partial outputs of
     each selection row's ``splits`` ranges of ``per_split`` entries of sel (B, Hs, N), as the Triton kernel's (counts
-    empty unless ``count``); operands as ``supported`` takes them, ``stages`` of ``STAGES``."""
-    return tuple(module("fp8kv").split_attention(q, k, v, slot_page, sel, seq_len, scale, splits, per_split, stages,
+    empty unless ``count``); operands as ``supported`` takes them."""
+    return tuple(module("fp8kv").split_attention(q, k, v, slot_page, sel, seq_len, scale, splits, per_split,
                                                  in_order, count))

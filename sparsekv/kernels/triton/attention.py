@@ -197,8 +197,7 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_
         splits, per_split = _splits(n_sel, TUNING["cuda_fp8_blocks_per_sm"], rows, q.device, n_sel * p, in_order,
                                     TUNING["attn_long_max_splits"], cuda_fp8kv.WARPS)
         part, stats, split_counts = cuda_fp8kv.split_attention(q, k, v, slot_page, sel, seq_len, scale, splits,
-                                                               per_split, TUNING["cuda_fp8_stages"], in_order,
-                                                               counting)
+                                                               per_split, in_order, counting)
         return _merge(q, part, stats, split_counts, attended, rows_per_b, tokens)
     fp8 = k.dtype == torch.float8_e4m3fn
     block_n, stages, per_sm, max_splits, warps = (fp8_launch(key, fp8) for key in keys)

@@ -48,13 +48,19 @@ constexpr int kWarps = 4;      // warps per block
 constexpr int kStages = 2;     // pages in flight per warp (4 measured slower: 597-628 us against 496-560 at 1M)
 constexpr float kLog2e = 1.4426950408889634f;  // the scale's factor: the softmax runs in powers of 2
 
-// Two e4m3 of w (its low or high 16 bits) as two fp16, exactly.
+// Two e4m3 of w (its low or high 16 bits) as two fp16, exactly. The conversion exists from sm_89; a build that also
+// targets older GPUs (TORCH_CUDA_ARCH_LIST) gets a trap there, never launched: ``fp8kv.supported`` asks for sm_89.
 template <bool HIGH>
 __device__ __forceinline__ uint32_t e4m3x2(uint32_t w) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  __trap();
+  return w;
+#else
   uint32_t r;
   const uint16_t h = HIGH ? w >> 16 : w & 0xFFFFu;
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
   return r;
+#endif
 }
 
 // An 8x8 matrix of 16-bit values, one word a lane (row lane / 4, columns 2 (lane % 4) and the next), transposed.

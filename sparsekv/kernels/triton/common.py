@@ -69,10 +69,10 @@ from triton import knobs
 # blocks of 128 slots (45.4 -> 39.6 us at 1M).
 # cuda_fp8_attn: decode attention over an fp8 cache takes the CUDA kernel (``kernels.cuda.fp8kv``) where it applies,
 # for rows read in order or of at least attn_long_tokens tokens, in blocks of 4 warps, cuda_fp8_blocks_per_sm
-# blocks a multiprocessor. On the H200 at Llama-3-8B batch 1 (``python -m sparsekv.bench.kv_dtype``, two runs),
-# dense at 1M tokens 496-560 us with 2 blocks (0.98-1.10x the floor), 500-564 with 4, 508 with 8, 802 with 1; at
-# 128K 73 us with 2 blocks, 77-80 with 4; the Triton kernel 1334 and 178. Budgets of 2048 tokens (8 rows) stay with
-# the Triton kernel: 7.7 us against 8.3, a latency both pay.
+# blocks a multiprocessor. On the H200 at Llama-3-8B batch 1 (``python -m sparsekv.bench.kv_dtype``), dense at 1M
+# tokens 485.6 us with 2 blocks (0.95x the floor), 493.7 with 4, 546.1 with 3 (a second wave), 792.2 with 1; at 128K
+# 71.5 with 2 blocks, 76.0 with 4; the Triton kernel 1322.0 and 179.6. Budgets of 2048 tokens (8 rows) stay with the
+# Triton kernel: 7.8 us against 8.3, a latency both pay.
 # append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
 # starts a page in a cache with freed slots), with append_warps warps.
 TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,

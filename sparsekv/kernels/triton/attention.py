@@ -7,7 +7,9 @@ head, merges the splits (log-sum-exp) and, for the token variant, writes the fp3
 total (``attended``), so that the decode statistics cost no kernel of their own. Invalid entries (-1, free slots,
 positions after the current token) are masked, never branched on. Over an fp8 cache a program loads the next
 block's tiles into registers before the current block's products (their addresses come from the page table, so
-Triton's pipeliner cannot prefetch them), and with 16-bit queries multiplies in fp16 (``f16_products``).
+Triton's pipeliner cannot prefetch them), and with 16-bit queries multiplies in fp16 (``f16_products``). Rows of an
+fp8 cache read in order or long enough go to the CUDA kernel ``kernels.cuda.fp8kv`` where it applies (at 2.6x its
+floor, this kernel is not bandwidth-bound there), which writes the same partial outputs for the merge kernel.
 
 Merging in the row's last program to finish (an arrival counter per row) instead of a second kernel measured slower
 on the H200 at Llama-3-8B batch 1: 45.1 against 43.2 us per layer at 32K and 138.1 against 134.9 at 128K, one

@@ -61,10 +61,14 @@ class LowBitConfig(QuestConfig):
                 and self.page_size % self.reuse == 0, "reuse",
                 f"a power of two from 1 to page_size ({self.page_size})", self.reuse)
 
+    def code_bytes(self, head_dim: int) -> int:
+        """Bytes of key codes per page and KV head."""
+        return self.page_size * head_dim * self.bits // 8
+
     def metadata_bytes(self, head_dim: int, itemsize: int) -> int:
         """Bytes of selection metadata a step reads per page and KV head: the min/max and the codes, on a step that
         chooses; on average over steps, a ``1 / reuse`` share of that (rounded up)."""
-        return -(-(2 * head_dim * itemsize + self.page_size * head_dim * self.bits // 8) // self.reuse)
+        return -(-(2 * head_dim * itemsize + self.code_bytes(head_dim)) // self.reuse)
 
     def method_class(self):
         return LowBit
@@ -95,7 +99,7 @@ class LowBit(Method):
 
     def slot_state_bytes(self, head_dim):
         cfg = self.config
-        return [8 if i < cfg.dense_layers else cfg.page_size * head_dim * cfg.bits // 8 for i in range(self.num_layers)]
+        return [8 if i < cfg.dense_layers else cfg.code_bytes(head_dim) for i in range(self.num_layers)]
 
     def start_pool(self, layers, max_context):
         self.first = torch.zeros(layers[0].shape[0], dtype=torch.long, device=layers[0].k.device)

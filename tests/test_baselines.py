@@ -15,7 +15,8 @@ import torch
 import sparsekv
 from sparsekv import H2OConfig, SnapKVConfig, StreamingLLMConfig, TOVAConfig
 from sparsekv.cache import PagedKVCache
-from sparsekv.methods import METHODS, eviction
+from sparsekv.kernels import reference
+from sparsekv.methods import METHODS
 from sparsekv.methods.base import Tally
 from sparsekv.tiny import ARCHITECTURES, byte_tokenizer, tiny_model
 
@@ -189,7 +190,7 @@ CASES = [
 @pytest.mark.parametrize("cfg", CASES, ids=lambda c: f"{c.name}-{c.token_budget}")
 @pytest.mark.parametrize("seed", [0, 100])
 def test_keeps_exactly_what_its_rule_says(cfg, padding, seed, monkeypatch):
-    monkeypatch.setattr(eviction, "PROMPT_CHUNK_WEIGHTS", 300)  # several query chunks in the prompt scoring
+    monkeypatch.setattr(reference, "MASS_CHUNK_WEIGHTS", 300)  # several query chunks in the prompt scoring
     gen = torch.Generator().manual_seed(CASES.index(cfg) * 2 + (padding == "left") + seed)
     heads, kv_heads, d, steps = 4, 2, 8, 10
     lengths = [20, 9, 14]

@@ -221,6 +221,39 @@ def test_window_token_maxima(batch, heads, kv_heads, head_dim, n, window, limits
     assert rel_err(out[fin], exact[fin]) <= 2 * torch_err + 1e-5
 
 
+@pytest.mark.parametrize("batch,heads,kv_heads,rows,head_dim,page_size,lengths,queries", [
+    pytest.param(1, 2, 1, 1, 32, 1, [7], 5, id="page-size-1-one-slot-row"),
+    pytest.param(3, 8, 2, 2, 64, 4, [1, 13, 37], 9, id="ragged-gqa4-partial-pages"),
+    pytest.param(2, 8, 1, 8, 32, 1, [70, 33], 40, id="gqa8-rows-per-query-head"),
+    pytest.param(2, 6, 2, 2, 64, 16, [30, 17], 20, id="gqa3-one-page"),
+    pytest.param(2, 4, 4, 4, 16, 1, [150, 90], 70, id="mha-many-blocks"),
+])
+@pytest.mark.parametrize("dtype", DTYPES + [ref.FP8], ids=str)
+def test_attention_mass(batch, heads, kv_heads, rows, head_dim, page_size, lengths, queries, dtype):
+    """H2O's prompt scores: each token's weights summed over queries at any positions (padding queries at -1,
+    unordered), over pages scattered in the slots with free slots, -1 slot entries and partial pages, for 1-8
+    query heads per KV head and selection rows per KV head or per query head; tokens no query sees get exactly 0."""
+    k, _, _, _, slot_page, _, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
+                                                   torch.float32 if dtype == ref.FP8 else dtype, seed=heads)
+    q_dtype = torch.bfloat16 if dtype == ref.FP8 else dtype
+    k = ref.to_cache(k, dtype) if dtype == ref.FP8 else k
+    g = torch.Generator(device=DEV).manual_seed(queries)
+    q = torch.randn(batch, heads, queries, head_dim, generator=g, device=DEV).to(q_dtype)
+    q_pos = (torch.rand(batch, queries, generator=g, device=DEV) * seq_len.view(-1, 1)).long()
+    q_pos[:, ::4] = -1
+    slots = torch.arange(k.shape[2], device=DEV).expand(batch, rows, -1).clone()
+    slots[:, :, 1::5] = -1
+    scale = head_dim ** -0.5
+    out = tops.attention_mass(q, k, slot_page, slots, q_pos, scale)
+    exact = ref.attention_mass(*up(q, k), slot_page, slots, q_pos, scale)
+    assert out.dtype == torch.float32 and out.shape == exact.shape
+    assert torch.equal(out == 0, exact == 0), "exactly the tokens no query sees score 0"
+    torch_err = rel_err(ref.attention_mass(q, k.to(q_dtype), slot_page, slots, q_pos, scale), exact)
+    assert rel_err(out, exact) <= 2 * torch_err + 1e-5
+    # A query spreads a total weight of 1 over the tokens it sees (0 where the slots list none of them).
+    assert (exact.sum(-1) <= (q_pos >= 0).sum(-1, keepdim=True).to(F64) + 1e-6).all() and exact.sum() > 0
+
+
 def test_window_token_maxima_edge_cases():
     """No candidate at all (limit 0), an empty window, and fp64 (the reference itself)."""
     q, k, key_pos, q_pos, limit = window_inputs(2, 4, 2, 32, 40, 3, [0, 30], torch.bfloat16)

@@ -118,6 +118,10 @@ def _attend_with_weights_fake(q, k, v, slot_page, slots, q_pos, scale):
     return q.new_empty(q.shape), q.new_empty(b, h, s, slots.shape[2] * k.shape[3], dtype=reference.acc_dtype(q.dtype))
 
 
+def _attention_mass_fake(q, k, slot_page, slots, q_pos, scale):
+    return q.new_empty(q.shape[0], q.shape[1], slots.shape[2] * k.shape[3], dtype=reference.acc_dtype(q.dtype))
+
+
 def _attend_fake(q, k, v, slot_page, slots, q_pos, scale):
     return q.new_empty(q.shape)
 
@@ -174,6 +178,7 @@ code_page = _register("code_page", _code_page_fake, mutates=("codes",))
 sparse_decode = _register("sparse_decode", _sparse_decode_fake, mutates=("attended",))
 attend = _register("attend", _attend_fake)
 attend_with_weights = _register("attend_with_weights", _attend_with_weights_fake)
+attention_mass = _register("attention_mass", _attention_mass_fake)
 window_token_maxima = _register("window_token_maxima", _window_token_maxima_fake)
 sparse_decode_tokens = _register("sparse_decode_tokens", _sparse_decode_tokens_fake)
 append_token = _register("append_token", _append_token_fake,
@@ -206,7 +211,7 @@ count_attended = fused(reference.count_attended)
 merge_attention = reference.merge_attention
 weigh_window = reference.weigh_window
 
-__all__ = ["page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page", "sparse_decode",
-           "attend", "attend_with_weights", "window_token_maxima", "weigh_window", "sparse_decode_tokens",
-           "append_token", "raas_update", "linear", "linear_quantized", "count_attended", "merge_attention", "observe",
-           "fused", "reference"]
+__all__ = ["page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page",
+           "sparse_decode", "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "weigh_window",
+           "sparse_decode_tokens", "append_token", "raas_update", "linear", "linear_quantized", "count_attended",
+           "merge_attention", "observe", "fused", "reference"]

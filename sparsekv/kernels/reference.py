@@ -92,6 +92,27 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_p
     return select_pages(page_scores(q, kmin, kmax, slot_page, per_query_head), cur_slot, num_pages)
 
 
+def _weights(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor, q_pos: torch.Tensor,
+             scale: float) -> torch.Tensor:
+    """The softmax weights of ``attend_with_weights``, (B, Hs, H / Hs, S, K * P) in the accumulation dtype."""
+    b, h, s, d = q.shape
+    hkv, p = k.shape[1], k.shape[3]
+    hs, kk = slots.shape[1], slots.shape[2]
+    acc = acc_dtype(q.dtype)
+    bi, hi = row_index(b, hs, hkv, q.device)
+    si = slots.clamp(min=0)
+    keys = k[bi, hi, si].reshape(b, hs, kk * p, d).to(acc)  # (B, Hs, K*P, D)
+    page = torch.where(slots >= 0, slot_page[bi, hi, si], -1)  # (B, Hs, K)
+    kpos = (page.unsqueeze(-1) * p + torch.arange(p, device=q.device)).masked_fill(page.unsqueeze(-1) < 0, -1)
+    kpos = kpos.reshape(b, hs, 1, 1, kk * p)
+    qpos = q_pos.view(b, 1, 1, s, 1)
+    ok = (kpos >= 0) & (kpos <= qpos)  # (B, Hs, 1, S, K*P)
+    qg = q.to(acc).view(b, hs, h // hs, s, d)
+    logits = torch.einsum("bngsd,bnkd->bngsk", qg, keys) * scale
+    logits = logits.masked_fill(~ok, float("-inf"))
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+
+
 def attend_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor,
                         slots: torch.Tensor, q_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``attend`` that also returns its attention weights, for methods that score tokens by attention (H2O, TOVA,
@@ -103,22 +124,34 @@ def attend_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_
     b, h, s, d = q.shape
     hkv, p = k.shape[1], k.shape[3]
     hs, kk = slots.shape[1], slots.shape[2]
-    acc = acc_dtype(q.dtype)
     bi, hi = row_index(b, hs, hkv, q.device)
-    si = slots.clamp(min=0)
-    keys = k[bi, hi, si].reshape(b, hs, kk * p, d).to(acc)  # (B, Hs, K*P, D)
-    vals = v[bi, hi, si].reshape(b, hs, kk * p, d).to(acc)
-    page = torch.where(slots >= 0, slot_page[bi, hi, si], -1)  # (B, Hs, K)
-    kpos = (page.unsqueeze(-1) * p + torch.arange(p, device=q.device)).masked_fill(page.unsqueeze(-1) < 0, -1)
-    kpos = kpos.reshape(b, hs, 1, 1, kk * p)
-    qpos = q_pos.view(b, 1, 1, s, 1)
-    ok = (kpos >= 0) & (kpos <= qpos)  # (B, Hs, 1, S, K*P)
-    qg = q.to(acc).view(b, hs, h // hs, s, d)
-    logits = torch.einsum("bngsd,bnkd->bngsk", qg, keys) * scale
-    logits = logits.masked_fill(~ok, float("-inf"))
-    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    weights = _weights(q, k, slot_page, slots, q_pos, scale)
+    vals = v[bi, hi, slots.clamp(min=0)].reshape(b, hs, kk * p, d).to(weights.dtype)
     out = torch.einsum("bngsk,bnkd->bngsd", weights, vals)
     return out.reshape(b, h, s, d).to(q.dtype), weights.reshape(b, h, s, kk * p)
+
+
+# Attention weights ``attention_mass`` materialises at once: queries are taken in chunks of this many weights.
+MASS_CHUNK_WEIGHTS = 1 << 24
+
+
+def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
+                   q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """The weights of ``attend_with_weights`` summed over the queries: the attention each token receives from all
+    of them (H2O's prompt scores).
+
+    q: (B, H, S, D) with positions q_pos (B, S) (-1: a query that sees nothing); k, slot_page, slots as in
+    ``attend``. Returns (B, H, K * P) in the accumulation dtype, column ``i * P + j`` token ``j`` of
+    ``slots[..., i]``. Queries are taken in chunks of at most about ``MASS_CHUNK_WEIGHTS`` weights at once.
+    """
+    b, h, s, _ = q.shape
+    cols = slots.shape[2] * k.shape[3]
+    chunk = max(1, MASS_CHUNK_WEIGHTS // max(1, b * h * cols))
+    total = torch.zeros(b, h, cols, dtype=acc_dtype(q.dtype), device=q.device)
+    for start in range(0, s, chunk):
+        w = _weights(q[:, :, start:start + chunk], k, slot_page, slots, q_pos[:, start:start + chunk], scale)
+        total += w.sum(dim=3).reshape(b, h, cols)
+    return total
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,

@@ -25,9 +25,6 @@ from .. import kernels
 from ..cache import AppendPlan, PagedLayer
 from .base import Method, MethodConfig, all_slots, attend_all, require
 
-# Attention weights materialised at once when scoring a prompt: queries are taken in chunks of this many weights.
-PROMPT_CHUNK_WEIGHTS = 1 << 24
-
 
 @dataclass(frozen=True, kw_only=True)
 class EvictionConfig(MethodConfig):
@@ -155,8 +152,7 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
     pass (all of them when None), causal as in the prompt's own attention.
 
     q: (B, H, S, D) the pass's queries (padding anywhere; a chunked prompt's pass sees the tokens of the chunks
-    before it too). Returns (B, H, C + 1) per query head, indexed by slot. Queries are taken in chunks so that at
-    most about ``PROMPT_CHUNK_WEIGHTS`` weights exist at once.
+    before it too). Returns (B, H, C + 1) per query head, indexed by slot (``kernels.attention_mass``).
     """
     b, h, s, d = q.shape
     n = s if last is None else min(last, s)
@@ -168,11 +164,4 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
     col = order.gather(1, rank.clamp(min=0))
     q_taken = q.gather(2, col.view(b, 1, n, 1).expand(b, h, n, d))
     q_pos = torch.where(rank >= 0, plan.prev_seq_len.unsqueeze(1) + rank, -1)
-    slots = all_slots(layer)
-    chunk = max(1, PROMPT_CHUNK_WEIGHTS // (b * h * slots.shape[2]))
-    total = torch.zeros(b, h, slots.shape[2], dtype=kernels.reference.acc_dtype(q.dtype), device=q.device)
-    for start in range(0, n, chunk):
-        _, w = kernels.attend_with_weights(q_taken[:, :, start:start + chunk], layer.k, layer.v, layer.slot_page,
-                                           slots, q_pos[:, start:start + chunk], scale)
-        total += w.sum(dim=2)
-    return total
+    return kernels.attention_mass(q_taken, layer.k, layer.slot_page, all_slots(layer), q_pos, scale)

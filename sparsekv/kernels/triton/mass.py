@@ -1,0 +1,148 @@
+"""The attention each stored token receives, summed over many queries (``reference.attention_mass``: H2O's prompt
+scores), in two passes over the keys, read in their own dtype with fp32 products:
+
+- pass 1, program (sequence, query head, block of queries): each query's log-sum-exp (log2 units) over the tokens
+  it sees, a running max and sum of exp2 over the blocks of tokens;
+- pass 2, program (sequence, query head, block of tokens): the logits again against every block of queries,
+  ``exp2(logit - lse)`` where the query sees the token, summed over the queries.
+
+A block of tokens that no query of a block sees (free slots, positions after the queries) is skipped in both passes,
+so a causal prompt costs about half of the products, and nothing of size queries x tokens is stored: the reference
+materialises the weights chunk by chunk, which at a 128K-token prompt means thousands of gathers of every key per
+layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from .common import LOG2E, TUNING, block_d, check, interpreted_bf16, precision
+
+_NONE = tl.constexpr(2 ** 62)  # the position of a token no query sees, above every real one
+
+
+@triton.jit
+def _program(H: tl.constexpr, HS: tl.constexpr, HKV: tl.constexpr):
+    """The sequence, query head, selection row and KV head of program (b * H + h, ...)."""
+    h = tl.program_id(0) % H
+    r = h // (H // HS)
+    return (tl.program_id(0) // H).to(tl.int64), h, r, r // (HS // HKV)
+
+
+@triton.jit
+def _tokens(sl_ptr, sp_ptr, b, r, kvh, t, T, sl_b, sl_h, sl_k, sp_b, sp_h, sp_c, P: tl.constexpr):
+    """Slots and positions of tokens t (token t % P of slot column t // P of selection row r); -1 for the tokens of
+    free slots and t >= T."""
+    slot = tl.load(sl_ptr + b * sl_b + r * sl_h + (t // P) * sl_k, mask=t < T, other=-1)
+    page = tl.load(sp_ptr + b * sp_b + kvh * sp_h + tl.maximum(slot, 0) * sp_c, mask=slot >= 0, other=-1)
+    return slot, tl.where(page >= 0, page * P + t % P, -1)
+
+
+@triton.jit
+def _keys(k_ptr, b, kvh, slot, t, load, sk_b, sk_h, sk_c, sk_p, P: tl.constexpr, D: tl.constexpr,
+          BLOCK_D: tl.constexpr):
+    """The key rows (BLOCK_K, BLOCK_D) of tokens t, read where ``load`` (else 0)."""
+    d = tl.arange(0, BLOCK_D)
+    row = b * sk_b + kvh * sk_h + tl.maximum(slot, 0) * sk_c + (t % P) * sk_p
+    return tl.load(k_ptr + row[:, None] + d[None, :], mask=load[:, None] & (d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _queries(q_ptr, qp_ptr, b, h, s, S, sq_b, sq_h, sq_s, sq_d, sp_b, sp_s, D: tl.constexpr, BLOCK_D: tl.constexpr,
+             UPCAST: tl.constexpr):
+    """Queries s (BLOCK_Q, BLOCK_D) of head h and their positions (-1 past S)."""
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + s[:, None] * sq_s + d[None, :] * sq_d,
+                mask=(s < S)[:, None] & (d[None, :] < D), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q, tl.load(qp_ptr + b * sp_b + s * sp_s, mask=s < S, other=-1)
+
+
+@triton.jit
+def _mass_lse_kernel(q_ptr, k_ptr, sp_ptr, sl_ptr, qp_ptr, lse_ptr, S, T, scale_log2, sq_b, sq_h, sq_s, sq_d,
+                     sk_b, sk_h, sk_c, sk_p, sp_b, sp_h, sp_c, sl_b, sl_h, sl_k, qp_b, qp_s,
+                     H: tl.constexpr, HS: tl.constexpr, HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    """Pass 1: lse (B, H, S) in log2 units, 0 for a query that sees no token."""
+    b, h, r, kvh = _program(H, HS, HKV)
+    s = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q, pos = _queries(q_ptr, qp_ptr, b, h, s, S, sq_b, sq_h, sq_s, sq_d, qp_b, qp_s, D, BLOCK_D, UPCAST)
+    last = tl.max(pos, axis=0)
+    m_i = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_Q,), tl.float32)
+    for t0 in range(0, T, BLOCK_K):
+        t = t0 + tl.arange(0, BLOCK_K)
+        slot, kpos = _tokens(sl_ptr, sp_ptr, b, r, kvh, t, T, sl_b, sl_h, sl_k, sp_b, sp_h, sp_c, P)
+        seen = (kpos >= 0) & (kpos <= last)
+        if tl.max(seen.to(tl.int32), axis=0) > 0:
+            kt = _keys(k_ptr, b, kvh, slot, t, seen, sk_b, sk_h, sk_c, sk_p, P, D, BLOCK_D)
+            x = tl.dot(q, tl.trans(kt.to(q.dtype)), input_precision=PRECISION) * scale_log2
+            x = tl.where((kpos[None, :] >= 0) & (kpos[None, :] <= pos[:, None]), x, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(x, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
+            l_i = l_i * tl.math.exp2(m_i - m_use) + tl.sum(tl.math.exp2(x - m_use[:, None]), axis=1)
+            m_i = m_new
+    lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), 0.0)
+    tl.store(lse_ptr + (b * H + h) * S + s, lse, mask=s < S)
+
+
+@triton.jit
+def _mass_sum_kernel(q_ptr, k_ptr, sp_ptr, sl_ptr, qp_ptr, lse_ptr, out_ptr, S, T, scale_log2, sq_b, sq_h, sq_s,
+                     sq_d, sk_b, sk_h, sk_c, sk_p, sp_b, sp_h, sp_c, sl_b, sl_h, sl_k, qp_b, qp_s,
+                     H: tl.constexpr, HS: tl.constexpr, HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    """Pass 2: out (B, H, T) float32, each token's weights summed over the queries that see it."""
+    b, h, r, kvh = _program(H, HS, HKV)
+    t = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    slot, kpos = _tokens(sl_ptr, sp_ptr, b, r, kvh, t, T, sl_b, sl_h, sl_k, sp_b, sp_h, sp_c, P)
+    first = tl.min(tl.where(kpos >= 0, kpos, _NONE), axis=0)
+    kt = _keys(k_ptr, b, kvh, slot, t, kpos >= 0, sk_b, sk_h, sk_c, sk_p, P, D, BLOCK_D)
+    acc = tl.zeros((BLOCK_K,), tl.float32)
+    for s0 in range(0, S, BLOCK_Q):
+        s = s0 + tl.arange(0, BLOCK_Q)
+        q, pos = _queries(q_ptr, qp_ptr, b, h, s, S, sq_b, sq_h, sq_s, sq_d, qp_b, qp_s, D, BLOCK_D, UPCAST)
+        if tl.max(pos, axis=0) >= first:
+            x = tl.dot(q, tl.trans(kt.to(q.dtype)), input_precision=PRECISION) * scale_log2
+            lse = tl.load(lse_ptr + (b * H + h) * S + s, mask=s < S, other=0.0)
+            sees = (kpos[None, :] >= 0) & (kpos[None, :] <= pos[:, None])
+            acc += tl.sum(tl.where(sees, tl.math.exp2(x - lse[:, None]), 0.0), axis=0)
+    tl.store(out_ptr + (b * H + h) * T + t, acc, mask=t < T)
+
+
+def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
+                   q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """The reference's result (B, H, K * P) float32 from q (B, H, S, D) and the paged keys k (B, Hkv, C, P, D) in
+    their own dtype (or an fp8 cache); fp64 runs the reference."""
+    if q.dtype == torch.float64:
+        return reference.attention_mass(q, k, slot_page, slots, q_pos, scale)
+    check(q, k, "attention_mass")
+    b, h, s, d = q.shape
+    hkv, p = k.shape[1], k.shape[3]
+    hs = slots.shape[1]
+    if h % hs or hs % hkv:
+        raise ValueError(f"attention_mass: selection rows ({hs}) must divide the query heads ({h}) and be a "
+                         f"multiple of the KV heads ({hkv})")
+    n = slots.shape[2] * p
+    out = torch.zeros(b, h, n, dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or s == 0:
+        return out
+    lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+    wide = q.dtype == torch.float32 or interpreted_bf16(q.dtype)  # fp32 tiles: half the block
+    block = TUNING["prompt_mass_block"] // (2 if wide else 1)
+    strides = (*q.stride(), k.stride(0), k.stride(1), k.stride(2), k.stride(3), *slot_page.stride(), *slots.stride(),
+               *q_pos.stride())
+    meta = dict(H=h, HS=hs, HKV=hkv, P=p, D=d, BLOCK_D=block_d(d), BLOCK_Q=block, BLOCK_K=block,
+                PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), num_warps=TUNING["prompt_mass_warps"],
+                num_stages=TUNING["prompt_mass_stages"])
+    scale_log2 = scale * LOG2E
+    _mass_lse_kernel[(b * h, triton.cdiv(s, block))](q, k, slot_page, slots, q_pos, lse, s, n, scale_log2, *strides,
+                                                     **meta)
+    _mass_sum_kernel[(b * h, triton.cdiv(n, block))](q, k, slot_page, slots, q_pos, lse, out, s, n, scale_log2,
+                                                     *strides, **meta)
+    return out

@@ -129,9 +129,9 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, sl
         raise ValueError(f"attention_mass: selection rows ({hs}) must divide the query heads ({h}) and be a "
                          f"multiple of the KV heads ({hkv})")
     n = slots.shape[2] * p
-    out = torch.zeros(b, h, n, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
     if out.numel() == 0 or s == 0:
-        return out
+        return out.zero_()  # no query: every token receives nothing (pass 2 writes every entry otherwise)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
     wide = q.dtype == torch.float32 or interpreted_bf16(q.dtype)  # fp32 tiles: half the block
     block = TUNING["prompt_mass_block"] // (2 if wide else 1)

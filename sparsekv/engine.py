@@ -136,6 +136,15 @@ def argmax(x: torch.Tensor, width: int = 1024) -> torch.Tensor:
     return (best * width + index.gather(1, best)).squeeze(1)
 
 
+def token_logprobs(logits: torch.Tensor, token: torch.Tensor, top: int) -> tuple[torch.Tensor, ...]:
+    """The log-probabilities of the model's distribution (the log-softmax of ``logits`` (B, V), in float32, before
+    any temperature or top-p): of each row's ``token`` (B,) int64, and the ``top`` likeliest tokens' (at most V).
+    Returns (B,) float32, (B, top) float32 most likely first, (B, top) int64, with no host sync."""
+    logp = logits.float().log_softmax(dim=-1)
+    values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+    return logp.gather(1, token.view(-1, 1)).squeeze(1), values, ids
+
+
 @dataclass
 class Generation:
     """What ``Engine.generate`` returns. tokens: each prompt's new tokens (up to and including a stop token);

@@ -51,10 +51,12 @@ def prompt(n: int) -> list[int]:
     return torch.randint(3, 259, (n,), generator=torch.Generator().manual_seed(n)).tolist()
 
 
-def run(engine: ServingEngine, requests: list[tuple[int, Request]], cancel_after: dict[int, int] | None = None):
+def run(engine: ServingEngine, requests: list[tuple[int, Request]], cancel_after: dict[int, int] | None = None,
+        logprobs: dict | None = None):
     """Submits each request at its arrival step and steps until done; returns each request's tokens (by index) and
-    its final event."""
+    its final event. ``logprobs``: filled with each request's events' log-probabilities (by index)."""
     cancel_after = cancel_after or {}
+    logprobs = {} if logprobs is None else logprobs
     ids, tokens, final, steps = {}, {}, {}, 0
     pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
     while pending or engine.has_work():
@@ -66,6 +68,9 @@ def run(engine: ServingEngine, requests: list[tuple[int, Request]], cancel_after
             i = ids[event.request_id]
             tokens[i] += event.tokens
             assert event.completion_tokens == len(tokens[i])
+            if event.logprobs is not None:
+                assert len(event.logprobs) == len(event.tokens)
+                logprobs.setdefault(i, []).extend(event.logprobs)
             if event.finished:
                 final[i] = event
         for i, after in cancel_after.items():
@@ -261,6 +266,40 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model):
     assert run(other, [(0, reseeded)])[0][0] != alone[0]
 
 
+@pytest.mark.parametrize("config", [CONFIGS["dense"], QuestConfig(token_budget=CONTEXT, page_size=8, dense_layers=1)],
+                         ids=["dense", "quest-whole-budget"])
+def test_logprobs_are_the_models_log_softmax(model, config):
+    """A request that asks for log-probabilities gets, for each of its tokens, the log-softmax of the model's logits
+    at that position (the model run over the prompt and the tokens, float32: a budget that covers the context
+    attends everything) and the likeliest tokens', greedy or sampled, eager or captured; the others get none, and
+    their tokens do not change."""
+    hot = Sampling(temperature=1.2, top_p=0.9)
+    asks = [(0, 40, 7, 3, Sampling()), (1, 23, 9, None, Sampling()), (2, 61, 6, 0, hot), (2, 11, 8, 5, Sampling())]
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=s, seed=i, logprobs=k))
+                for i, (arrival, n, new, k, s) in enumerate(asks)]
+    plain = [(arrival, Request(prompt=r.prompt, max_tokens=r.max_tokens, sampling=r.sampling, seed=r.seed))
+             for arrival, r in requests]
+    alone, _ = run(ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK), plain)
+    found = []
+    for capture in (None, emulated_graph):
+        engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+        engine.runner.engine.capture = capture
+        found.append({})
+        tokens, _ = run(engine, requests, logprobs=found[-1])
+        assert tokens == alone
+    assert found[0] == found[1] and set(found[0]) == {0, 2, 3}
+    for i, listed in found[0].items():
+        ids = torch.tensor([requests[i][1].prompt + alone[i]])
+        with torch.no_grad():
+            ref = model(ids).logits[0, len(requests[i][1].prompt) - 1:-1].float().log_softmax(-1)
+        k = requests[i][1].logprobs
+        for step, (token, lp) in enumerate(zip(alone[i], listed)):
+            assert lp.logprob == pytest.approx(float(ref[step, token]), abs=1e-4)
+            top = ref[step].topk(k)
+            assert [t for t, _ in lp.top] == top.indices.tolist()
+            assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
 def test_a_long_prompt_is_prefilled_between_decode_steps(model):
     engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
     first = engine.submit(Request(prompt=prompt(20), max_tokens=30))
@@ -408,6 +447,8 @@ def test_memory_admits_what_fits_and_the_rest_waits(model):
     (dict(prompt=[1], max_tokens=2, stop_tokens=(-1,)), "stop_tokens must be a tuple of token ids"),
     (dict(prompt=[1], max_tokens=2, seed=-3), "seed must be None or an int"),
     (dict(prompt=[1], max_tokens=2, sampling=0.5), "sampling must be a sparsekv.engine.Sampling"),
+    (dict(prompt=[1], max_tokens=2, logprobs=21), "logprobs must be None or an int from 0 to 20"),
+    (dict(prompt=[1], max_tokens=2, logprobs=True), "logprobs must be None or an int from 0 to 20"),
 ])
 def test_bad_requests_are_refused(fields, match):
     with pytest.raises(RequestError, match=match):
@@ -436,15 +477,17 @@ def test_cuda_graphs_serve_the_eager_tokens(name, weights, rows):
     if weights == "int4" and available(torch.device("cuda"), "quant"):
         assert all(tiled(m.codes) for m in model.modules() if isinstance(m, QuantLinear))
     hot = Sampling(temperature=0.8, top_p=0.9)
-    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=hot if i % 2 else Sampling(), seed=i))
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=hot if i % 2 else Sampling(), seed=i,
+                                  logprobs=2 if i % 3 == 0 else None))
                 for i, (arrival, n, new, _) in enumerate(PLAN)]
-    tokens = []
+    tokens, logprobs = [], []
     for cuda_graph in (False, None):
         engine = ServingEngine(model, config, max_batch=rows, max_context=CONTEXT, prefill_chunk=CHUNK,
                                cuda_graph=cuda_graph)
-        tokens.append(run(engine, requests)[0])
+        logprobs.append({})
+        tokens.append(run(engine, requests, logprobs=logprobs[-1])[0])
         assert any(step.replay is not None for _, step in engine.runner.steps.values()) == (cuda_graph is None)
-    assert tokens[0] == tokens[1]
+    assert tokens[0] == tokens[1] and logprobs[0] == logprobs[1]
 
 
 def test_requests_submitted_from_other_threads_while_stepping(model):

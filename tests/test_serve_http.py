@@ -47,6 +47,18 @@ def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
+@pytest.fixture(scope="module")
+def roomy(server):
+    """A client of a second server whose queue takes several choices and prompts at once."""
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model = tiny_model("llama", layers=2, max_positions=MAX_CONTEXT)
+    engine = ServingEngine(model, build_config("quest", 64), tokenizer=tokenizer, max_batch=MAX_BATCH,
+                           max_context=MAX_CONTEXT, prefill_chunk=64, max_queue=8)
+    with running(create_app(engine, tokenizer, NAME)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
 def metric(url: str, name: str) -> float:
     for line in httpx.get(url + "/metrics").text.splitlines():
         if line.startswith(name + " "):
@@ -131,9 +143,12 @@ def test_models_health_metrics(server, client):
     ({"model": NAME, "prompt": "hi", "temperature": 5}, "temperature"),
     ({"model": NAME, "prompt": "hi", "top_p": 0}, "top_p"),
     ({"model": NAME, "prompt": "hi", "temperature": 1e-6}, "temperature"),
-    ({"model": NAME, "prompt": "hi", "n": 2}, "n"),
+    ({"model": NAME, "prompt": "hi", "n": 0}, "n"),
+    ({"model": NAME, "prompt": "hi", "n": 2}, "n"),  # more choices than max_queue
+    ({"model": NAME, "prompt": ["hi", "ho"]}, "prompt"),  # more prompts than max_queue
     ({"model": NAME, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"model": NAME, "prompt": "hi", "logprobs": 3}, "logprobs"),
+    ({"model": NAME, "prompt": "hi", "logprobs": 6}, "logprobs"),
+    ({"model": NAME, "prompt": "hi", "echo": True}, "echo"),
     ({"model": NAME, "prompt": "hi", "stop": [""]}, "stop"),
     ({"model": NAME, "prompt": [1, -2]}, "prompt"),
     ({"model": NAME, "prompt": [1, 100000]}, "prompt"),
@@ -316,3 +331,69 @@ def test_serve_command_errors(argv, message, capsys):
 
     assert main(["serve", "--model", "tiny:llama", "--device", "cpu", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def complete(client, prompt, **fields):
+    return client.completions.create(model=NAME, prompt=prompt, extra_body={"ignore_eos": True},
+                                     **{"max_tokens": 6, **fields})
+
+
+def test_n_choices_and_lists_of_prompts(roomy):
+    greedy = complete(roomy, "abc", temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2] and len({c.text for c in greedy.choices}) == 1
+    assert greedy.usage.prompt_tokens == 3 and greedy.usage.completion_tokens == 18  # a prompt counts once
+    sampled = complete(roomy, "abc", temperature=1.0, seed=5, n=2)
+    assert sampled.choices[0].text == complete(roomy, "abc", temperature=1.0, seed=5).choices[0].text
+    assert sampled.choices[0].text != sampled.choices[1].text  # each choice draws with its own seed
+    assert [c.text for c in complete(roomy, "abc", temperature=1.0, seed=5, n=2).choices] == \
+        [c.text for c in sampled.choices]
+    alone = [complete(roomy, p, temperature=0).choices[0].text for p in ("abc", "xyz")]
+    both = complete(roomy, ["abc", "xyz"], temperature=0, n=2)  # prompt by prompt, then choice by choice
+    assert [c.text for c in both.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    assert both.usage.prompt_tokens == 6 and both.usage.completion_tokens == 24
+    ids = complete(roomy, [[100, 101], [102]], temperature=0)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 3
+
+
+def test_streamed_choices_interleave_and_give_the_whole_texts(roomy):
+    whole = complete(roomy, ["abc", "hello"], temperature=0, n=2)
+    chunks = list(complete(roomy, ["abc", "hello"], temperature=0, n=2, stream=True,
+                           stream_options={"include_usage": True}))
+    texts = ["", "", "", ""]
+    for c in chunks[:-1]:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == [c.text for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completion_logprobs_whole_streamed_and_cut_by_a_stop_string(roomy):
+    out = complete(roomy, "abc", temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):  # greedy: the likeliest token, listed first
+        assert 1 <= len(top) <= 2 and chosen == pytest.approx(max(top.values())) and chosen <= 0
+    streamed = list(complete(roomy, "abc", temperature=0, logprobs=2, stream=True))
+    assert [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == \
+        lp.token_logprobs
+    plain = complete(roomy, "stop here", temperature=0, max_tokens=24).choices[0].text
+    cut = complete(roomy, "stop here", temperature=0, max_tokens=24, logprobs=0, stop=[plain[5:7]]).choices[0]
+    assert cut.text == plain[:plain.index(plain[5:7])] and cut.finish_reason == "stop"
+    assert all(offset < len(cut.text) for offset in cut.logprobs.text_offset)
+    assert all(top == {} for top in cut.logprobs.top_logprobs)
+    assert complete(roomy, "abc", temperature=0).choices[0].logprobs is None
+
+
+def test_chat_logprobs(server, roomy):
+    messages = [{"role": "user", "content": "Hello"}]
+    out = roomy.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                        top_logprobs=2, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+    for fields, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21},
+                                                                   "top_logprobs")):
+        r = httpx.post(server + "/v1/chat/completions", json={"model": NAME, "messages": messages, **fields})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

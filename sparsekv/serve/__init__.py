@@ -2,6 +2,7 @@
 batching), each admitted when its KV fits. ``ServingEngine`` is the scheduler's loop (``scheduler``); the model
 runs in ``runner``."""
 
+from .runner import Logprobs
 from .scheduler import Event, PrefillPacer, QueueFull, Request, RequestError, ServingEngine
 
-__all__ = ["Event", "PrefillPacer", "QueueFull", "Request", "RequestError", "ServingEngine"]
+__all__ = ["Event", "Logprobs", "PrefillPacer", "QueueFull", "Request", "RequestError", "ServingEngine"]

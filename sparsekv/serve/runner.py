@@ -30,7 +30,8 @@ import torch
 from .. import parallel
 from ..cache import PagedLayer, storage_dtype
 from ..cache.host_store import require_host_bytes
-from ..engine import CapturedStep, Engine, Sampling, _is_count, argmax, counter_noise, draw, prefill_passes
+from ..engine import (CapturedStep, Engine, Sampling, _is_count, argmax, counter_noise, draw, prefill_passes,
+                      token_logprobs)
 from ..integrations import apply
 from ..integrations.decode import DecodeModel
 from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
@@ -38,6 +39,8 @@ from ..methods.base import DEVICE_MARGIN, require
 
 # The field a pool that the device's free memory cannot hold is refused under (benchmarks search the largest pool).
 POOL_FIELD = "max_batch and max_context"
+# How many of the likeliest tokens a request may have listed with each new token (OpenAI's limit for chat).
+TOP_LOGPROBS = 20
 
 
 def cache_bytes(config, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -59,6 +62,15 @@ def row_bytes(slots: list[int], page_size: int, token_bytes: int, page_bytes: in
 def available_device_bytes(device: torch.device) -> int | None:
     """Free memory of a CUDA device, None elsewhere (host memory is not checked)."""
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """A drawn token's log-probability under the model (``engine.token_logprobs``: the log-softmax of its logits,
+    before temperature and top-p), and ``top``: the likeliest tokens and theirs, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass
@@ -148,11 +160,17 @@ class Runner:
         self.token = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)  # each row's next input
         self.temperature, self.top_p = per_row(0.0, torch.float32), per_row(1.0, torch.float32)
         self.top_k, self.seed, self.index = per_row(0, torch.long), per_row(0, torch.long), per_row(0, torch.long)
+        # A step's log-probabilities (``token_logprobs``), written by the steps of rows that asked for them.
+        top = min(TOP_LOGPROBS, self.vocab_size)
+        self.logprob = per_row(0.0, torch.float32)
+        self.top_logprob = torch.zeros(max_batch, top, dtype=torch.float32, device=self.device)
+        self.top_ids = torch.zeros(max_batch, top, dtype=torch.long, device=self.device)
         self.keys: list = []  # the request running in each row, rows [0, n)
         self.sampled: list[bool] = []
+        self.logprobs: list[int | None] = []  # the top log-probabilities each row asked for (None: none)
         self.prompt_lens: list[int] = []
         self.max_tokens: list[int] = []
-        self.steps: dict[tuple[int, bool, int, int | None], tuple[SparseKVCache, CapturedStep]] = {}
+        self.steps: dict[tuple[int, bool, bool, int, int | None], tuple[SparseKVCache, CapturedStep]] = {}
 
     @property
     def free_rows(self) -> int:
@@ -204,14 +222,21 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def first_token(self, job: Prefill, sampling: Sampling, seed: int) -> int:
-        """The request's first new token, drawn from its prompt's logits (token index 0)."""
+    def first_token(self, job: Prefill, sampling: Sampling, seed: int,
+                    logprobs: int | None = None) -> tuple[int, Logprobs | None]:
+        """The request's first new token, drawn from its prompt's logits (token index 0), and with ``logprobs`` (the
+        likeliest tokens to list, up to ``TOP_LOGPROBS``) its log-probabilities."""
         one = torch.ones(1, dtype=torch.long, device=self.device)
-        return int(sampling(job.logits, one * seed, one * 0)[0])
+        token = sampling(job.logits, one * seed, one * 0)
+        if logprobs is None:
+            return int(token[0]), None
+        found = token_logprobs(job.logits, token, TOP_LOGPROBS)
+        return int(token[0]), _logprobs(*(t.tolist()[0] for t in found), logprobs)
 
-    def join(self, key, job: Prefill, first: int, sampling: Sampling, seed: int, max_tokens: int) -> None:
+    def join(self, key, job: Prefill, first: int, sampling: Sampling, seed: int, max_tokens: int,
+             logprobs: int | None = None) -> None:
         """Makes the prefilled request ``key`` (of at most ``max_tokens`` new tokens) a running row whose next input
-        is ``first``."""
+        is ``first``; ``logprobs``: as in ``first_token``, for each of its tokens."""
         if not self.free_rows:
             raise RuntimeError("join: every row runs a request")
         row = len(self.keys)
@@ -228,6 +253,7 @@ class Runner:
         self.seed[row], self.index[row] = seed, 1
         self.keys.append(key)
         self.sampled.append(not sampling.greedy)
+        self.logprobs.append(logprobs)
         self.prompt_lens.append(job.prompt_len)
         self.max_tokens.append(max_tokens)
         self.discard(job)
@@ -260,18 +286,20 @@ class Runner:
     @property
     def _host_rows(self) -> tuple[list, ...]:
         """What the host keeps per running row."""
-        return self.keys, self.sampled, self.prompt_lens, self.max_tokens
+        return self.keys, self.sampled, self.logprobs, self.prompt_lens, self.max_tokens
 
     def _pages(self, tokens: int) -> int:
         return -(-tokens // self.config.page_size)
 
     def decode(self) -> dict:
-        """One decode step over the running rows; returns each request's new token by key."""
+        """One decode step over the running rows; returns each request's new token and, for a request that asked
+        for them, its ``Logprobs`` (else None), by key."""
         n = len(self.keys)
         room = self.max_context
         if self.method.sized_by_decode_tokens:  # a step per power of two of the rows' longest decode
             room = min(room, 1 << (max(self.max_tokens) - 1).bit_length())
-        cache, run = self._step(n, any(self.sampled), room, self.method.step_slots(n))
+        scored = any(k is not None for k in self.logprobs)
+        cache, run = self._step(n, any(self.sampled), scored, room, self.method.step_slots(n))
         pages = self.pool.pages
         cache.pages.lengths = pages.lengths[:n]
         for layer, view in zip(pages.layers, cache.pages.layers):
@@ -279,13 +307,20 @@ class Runner:
         with torch.no_grad():
             run()
         pages.lengths[:n] = cache.pages.lengths
-        return dict(zip(self.keys, self.token[:n, 0].tolist()))
+        tokens = self.token[:n, 0].tolist()
+        found = [None] * n
+        if scored:
+            lp, top, ids = self.logprob[:n].tolist(), self.top_logprob[:n].tolist(), self.top_ids[:n].tolist()
+            found = [None if k is None else _logprobs(*row, k) for *row, k in zip(lp, top, ids, self.logprobs)]
+        return dict(zip(self.keys, zip(tokens, found)))
 
-    def _step(self, n: int, sampled: bool, room: int, slots: int | None) -> tuple[SparseKVCache, CapturedStep]:
-        """The decode step over rows [0, n) (``sampled``: some row samples; ``room``: no row holds more tokens after
-        its prompt; ``slots``: ``Method.step_slots``), made at its first use: a cache and method that are views of
-        the pool's first n rows, and the step (captured at its second run where the engine captures)."""
-        key = (n, sampled, room, slots)
+    def _step(self, n: int, sampled: bool, scored: bool, room: int,
+              slots: int | None) -> tuple[SparseKVCache, CapturedStep]:
+        """The decode step over rows [0, n) (``sampled``: some row samples; ``scored``: some row asked for
+        log-probabilities; ``room``: no row holds more tokens after its prompt; ``slots``: ``Method.step_slots``),
+        made at its first use: a cache and method that are views of the pool's first n rows, and the step (captured
+        at its second run where the engine captures)."""
+        key = (n, sampled, scored, room, slots)
         if key in self.steps:
             return self.steps[key]
         cache = SparseKVCache(self.method.rows(n, room), DecodeStats(tp_group=self.tp_group), self.window)
@@ -293,6 +328,7 @@ class Runner:
         token, seq_len = self.token[:n], self.pool.pages.seq_len[:n]
         temperature, top_k, top_p = self.temperature[:n], self.top_k[:n], self.top_p[:n]
         seed, index = self.seed[:n], self.index[:n]
+        logprob, top_logprob, top_ids = self.logprob[:n], self.top_logprob[:n], self.top_ids[:n]
 
         def step() -> None:
             logits = self.decoder(token, seq_len.view(n, 1), cache)
@@ -302,6 +338,14 @@ class Runner:
                 nxt = argmax(logits)
             token.copy_(nxt.view(n, 1))
             index.add_(1)
+            if scored:
+                for out, value in zip((logprob, top_logprob, top_ids), token_logprobs(logits, nxt, TOP_LOGPROBS)):
+                    out.copy_(value)
 
         self.steps[key] = cache, CapturedStep(step, cache, self.engine.capture)
         return self.steps[key]
+
+
+def _logprobs(logprob: float, top: list[float], ids: list[int], k: int) -> Logprobs:
+    """``Logprobs`` from a row of ``token_logprobs``' results (host values), its ``k`` likeliest tokens."""
+    return Logprobs(logprob, tuple(zip(ids[:k], top[:k])))

@@ -23,7 +23,7 @@ from typing import Callable
 from ..engine import Sampling, _is_count, is_token_ids, prefill_passes
 from ..errors import ConfigError
 from ..methods.base import is_real, require
-from .runner import Prefill, Runner
+from .runner import TOP_LOGPROBS, Logprobs, Prefill, Runner
 
 
 class RequestError(ConfigError):
@@ -39,13 +39,15 @@ class Request:
     """What one client asks for: ``prompt`` token ids, at most ``max_tokens`` new tokens, drawn by ``sampling``
     (greedy by default); ``stop_tokens`` end it (the stop token is its last token; ``()``: none, a server passes
     ``ServingEngine.stop_tokens_default`` for a client that names none); ``seed`` makes a sampled request
-    reproducible (None: a random one), whatever other requests share its batch."""
+    reproducible (None: a random one), whatever other requests share its batch; ``logprobs``: each new token's
+    log-probability and those of the ``logprobs`` likeliest tokens (``runner.Logprobs``; None: none)."""
 
     prompt: list[int]
     max_tokens: int
     sampling: Sampling = field(default_factory=Sampling)
     stop_tokens: tuple[int, ...] = ()
     seed: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         prompt = self.prompt
@@ -62,6 +64,8 @@ class Request:
         object.__setattr__(self, "stop_tokens", tuple(stops))
         if self.seed is not None and not (_is_count(self.seed, 0) and self.seed < 1 << 62):
             raise RequestError("seed", "None or an int in [0, 2**62)", self.seed)
+        if self.logprobs is not None and not (_is_count(self.logprobs, 0) and self.logprobs <= TOP_LOGPROBS):
+            raise RequestError("logprobs", f"None or an int from 0 to {TOP_LOGPROBS}", self.logprobs)
 
 
 def _short(value):
@@ -74,7 +78,8 @@ def _short(value):
 @dataclass
 class Event:
     """What happened to one request in one step: its ``tokens`` new since its last event (may be empty at the
-    finish), whether it ``finished`` and why ("stop", "length", "cancelled"), and its usage counts."""
+    finish), whether it ``finished`` and why ("stop", "length", "cancelled"), its usage counts, and for a request
+    that asked for them the ``logprobs`` of its new tokens (one each; else None)."""
 
     request_id: int
     tokens: list[int]
@@ -82,6 +87,7 @@ class Event:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[Logprobs] | None = None
 
 
 class PrefillPacer:
@@ -125,13 +131,15 @@ class PrefillPacer:
 @dataclass
 class _Live:
     """A request inside the engine: its id, what it asked, its seed, its prefill while it runs, the tokens it has
-    generated and how many of them its events have delivered."""
+    generated (with their log-probabilities where it asked for them) and how many of them its events have
+    delivered."""
 
     id: int
     request: Request
     seed: int
     prefill: Prefill | None = None
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] = field(default_factory=list)
     shown: int = 0
 
 
@@ -261,8 +269,8 @@ class ServingEngine:
             tokens = self.runner.decode()  # reads the tokens back: the step's work is done
             if pacer is not None:
                 pacer.decoded(time.perf_counter() - began)
-            for rid, token in tokens.items():
-                self._emit(self._running[rid], token, events)
+            for rid, (token, logprobs) in tokens.items():
+                self._emit(self._running[rid], token, logprobs, events)
         return events
 
     def _cancelled(self, events: list[Event]) -> None:
@@ -308,25 +316,30 @@ class ServingEngine:
                 self._prefill_work += work
                 if live.prefill.logits is None:
                     continue
-                first = self.runner.first_token(live.prefill, request.sampling, live.seed)
+                first, logprobs = self.runner.first_token(live.prefill, request.sampling, live.seed,
+                                                          request.logprobs)
             except Exception as error:
                 # The request is dropped, what it held freed, and the error raised to the caller of ``step``;
                 # the running requests and the queue are as they were.
                 self._finish(live, "cancelled", [])
                 error.add_note(f"while prefilling request {live.id}, which is dropped")
                 raise
-            if self._emit(live, first, events):
+            if self._emit(live, first, logprobs, events):
                 continue
-            self.runner.join(live.id, live.prefill, first, request.sampling, live.seed, request.max_tokens)
+            self.runner.join(live.id, live.prefill, first, request.sampling, live.seed, request.max_tokens,
+                             request.logprobs)
             live.prefill = None
             with self._lock:
                 self._prefilling.pop(0)
                 self._running[live.id] = live
         return start - budget
 
-    def _emit(self, live: _Live, token: int, events: list[Event]) -> bool:
-        """Records the request's new token; ends it on a stop token or at max_tokens. Returns whether it ended."""
+    def _emit(self, live: _Live, token: int, logprobs: Logprobs | None, events: list[Event]) -> bool:
+        """Records the request's new token (and its log-probabilities); ends it on a stop token or at max_tokens.
+        Returns whether it ended."""
         live.tokens.append(token)
+        if logprobs is not None:
+            live.logprobs.append(logprobs)
         self._generated += 1
         request = live.request
         reason = "stop" if token in request.stop_tokens else "length" if len(live.tokens) >= request.max_tokens \
@@ -339,9 +352,10 @@ class ServingEngine:
 
     def _event(self, live: _Live, finished: bool, reason: str | None) -> Event:
         new = live.tokens[live.shown:]
+        logprobs = None if live.request.logprobs is None else live.logprobs[live.shown:]
         live.shown = len(live.tokens)
         return Event(request_id=live.id, tokens=new, finished=finished, finish_reason=reason,
-                     prompt_tokens=len(live.request.prompt), completion_tokens=len(live.tokens))
+                     prompt_tokens=len(live.request.prompt), completion_tokens=len(live.tokens), logprobs=logprobs)
 
     def _finish(self, live: _Live, reason: str, events: list[Event], admitted: bool = True) -> None:
         """Frees what the request holds (its prefill or its row) and emits its last event."""

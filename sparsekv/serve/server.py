@@ -6,9 +6,11 @@ server-sent events (``data: {...}`` chunks, then ``data: [DONE]``) or answered w
 
 Requests, as data::
 
-    JSON body -> pydantic model (400 naming the field) -> prompt token ids (text, token ids, or the chat template)
-              -> engine.submit (429 queue full, 400 over a limit) -> events from the engine's thread
-              -> incremental detokenization -> stop strings (cancel the request) -> SSE chunks or one JSON answer
+    JSON body -> pydantic model (400 naming the field) -> prompt token ids (text, token ids, or the chat template;
+              a list of prompts) -> one engine request per prompt and choice (``n``): engine.submit (429 queue
+              full, 400 over a limit; all or none) -> events from the engine's thread -> incremental
+              detokenization -> stop strings (cancel the request) -> SSE chunks (each choice's, as they come) or
+              one JSON answer
 
 One background thread (``EngineLoop``) owns the engine: it calls ``step()`` while there is work, hands each event
 to the asyncio queue of its request, and snapshots ``metrics()``. A client that disconnects cancels its request,
@@ -32,7 +34,7 @@ import time
 import traceback
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import torch
@@ -43,8 +45,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ..engine import IncrementalText, Sampling
 from ..errors import ConfigError
-from . import QueueFull
+from . import Logprobs, QueueFull
 from . import Request as EngineRequest
+from .runner import TOP_LOGPROBS
 
 log = logging.getLogger("sparsekv.serve")
 
@@ -54,6 +57,12 @@ RATE_WINDOW = 10.0
 IDLE_WAIT = 0.5
 # Seconds between checks, while a whole (non-streamed) answer is awaited, of whether its client is still there.
 DISCONNECT_POLL = 1.0
+# The most choices one request may ask for (``n``, OpenAI's limit); each is an engine request of its own.
+MAX_CHOICES = 128
+# How many of the likeliest tokens a completion may have listed with each new token (OpenAI's limit there).
+MAX_COMPLETION_LOGPROBS = 5
+# The log-probability given for a token the model rules out (-inf is not JSON).
+LOGPROB_FLOOR = -9999.0
 
 
 class APIError(Exception):
@@ -81,9 +90,8 @@ class StreamOptions(BaseModel):
 
 # OpenAI fields this server cannot honour, with the values it accepts for them (their defaults): anything else is
 # refused with a 400 naming the field rather than answered as if it had not been asked.
-UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
-               "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-               "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
+UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "presence_penalty": (None, 0),
+               "frequency_penalty": (None, 0), "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
                "response_format": (None, {"type": "text"})}
 
 
@@ -99,6 +107,7 @@ class _Generation(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] = []
     seed: StrictInt | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Not OpenAI's: generate through the model's end-of-sequence tokens (exact output lengths for benchmarks).
@@ -118,9 +127,21 @@ class _Generation(BaseModel):
                 raise APIError(400, f"{name}: this server supports only {shown}, got {value!r}", param=name,
                                code="unsupported_value")
 
+    def listed_logprobs(self) -> int | None:
+        """The likeliest tokens to list with each new token's log-probability (None: no log-probabilities)."""
+        raise NotImplementedError
+
+
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
 
 class CompletionRequest(_Generation):
-    prompt: str | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+    # One prompt (text or token ids) or a list of them, each answered by its own choices.
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+
+    def listed_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -136,6 +157,13 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=TOP_LOGPROBS)] | None = None
+
+    def listed_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs true", param="top_logprobs", code="invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _validation_error(err: RequestValidationError) -> APIError:
@@ -177,16 +205,14 @@ class StopStrings:
 
 @dataclass
 class Piece:
-    """A part of an answer: new text, and at the end the finish reason and token counts."""
+    """A part of an answer: new text; where the request asked for them, the log-probabilities of the tokens whose
+    text starts in it (token id, ``Logprobs``, offset of the token's text in the whole answer); and at the end the
+    finish reason and the number of new tokens."""
 
     text: str
+    logprobs: list[tuple[int, Logprobs, int]] = field(default_factory=list)
     finish_reason: str | None = None
-    prompt_tokens: int = 0
     completion_tokens: int = 0
-
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
 # ------------------------------------------------------------------------------------------- the engine thread
@@ -312,14 +338,17 @@ class Service:
             raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        """The prompt's token ids (ids given are checked against the vocabulary by the engine)."""
-        if isinstance(body.prompt, list):
-            return body.prompt
-        ids = self.tokenizer(body.prompt).input_ids
-        if not ids:
-            raise APIError(400, "prompt: the prompt has no tokens", param="prompt", code="invalid_value")
-        return ids
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """The token ids of each prompt (ids given are checked against the vocabulary by the engine)."""
+        given = body.prompt
+        prompts = [given] if isinstance(given, str) or isinstance(given[0], int) else given
+        out = []
+        for prompt in prompts:
+            ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt).input_ids
+            if not ids:
+                raise APIError(400, "prompt: a prompt has no tokens", param="prompt", code="invalid_value")
+            out.append(ids)
+        return out
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
         if not self.chat_template:
@@ -337,117 +366,226 @@ class Service:
                            code="invalid_value") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def submit(self, body: _Generation, prompt: list[int], max_tokens: int | None) -> tuple[int, _Subscriber]:
+    def submit(self, body: _Generation, prompts: list[list[int]], max_tokens: int | None,
+               listed: int | None) -> list[tuple[int, _Subscriber]]:
+        """One engine request per prompt and choice (``n`` choices per prompt, prompt by prompt), all or none: a
+        refusal cancels those already queued. Choice j of a prompt draws with the seed ``choice_seed(seed, j)``;
+        ``listed``: the likeliest tokens whose log-probabilities come with each new token's (None: none)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-        if max_tokens is None:  # a chat answer may take what the limits leave
-            max_tokens = max(min(self.max_context - len(prompt), self.max_new_tokens), 1)
         stops = () if body.ignore_eos else tuple(self.engine.stop_tokens_default)
+        if len(prompts) * body.n > self.engine.max_queue:  # could never be queued at once
+            name = "n" if len(prompts) == 1 else "prompt"
+            raise APIError(400, f"{name}: {len(prompts)} prompt(s) of {body.n} choice(s) each are more requests than "
+                                f"this server queues at once (max_queue, {self.engine.max_queue})", param=name,
+                           code="invalid_value")
+        submitted: list[tuple[int, _Subscriber]] = []
         try:
             sampling = Sampling(temperature=body.temperature, top_p=body.top_p)
-            request = EngineRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop_tokens=stops,
-                                    seed=body.seed)
-            return self.loop.submit(request)
-        except QueueFull as err:
-            raise APIError(429, f"the queue is full ({err}); retry later", "rate_limit_error",
-                           code="queue_full") from None
-        except ConfigError as err:  # RequestError (a limit, a token id) or Sampling's refusal
+            for prompt in prompts:
+                # A chat answer may take what the limits leave.
+                most = max_tokens or max(min(self.max_context - len(prompt), self.max_new_tokens), 1)
+                for j in range(body.n):
+                    request = EngineRequest(prompt=prompt, max_tokens=most, sampling=sampling, stop_tokens=stops,
+                                            seed=choice_seed(body.seed, j), logprobs=listed)
+                    submitted.append(self.loop.submit(request))
+            return submitted
+        except (QueueFull, ConfigError) as err:
+            for rid, _ in submitted:
+                self.loop.cancel(rid)
+            if isinstance(err, QueueFull):
+                raise APIError(429, f"the queue is full ({err}); retry later", "rate_limit_error",
+                               code="queue_full") from None
+            # RequestError (a limit, a token id) or Sampling's refusal
             raise APIError(400, str(err), param=err.field, code="invalid_value") from None
 
-    async def pieces(self, rid: int, subscriber: _Subscriber, stops: list[str],
-                     http: Request | None) -> AsyncIterator[Piece]:
-        """The answer's text as it is generated, ending with a piece that has the finish reason and the counts.
-        Leaving before the end (a disconnect) cancels the request. ``http``: watched for a disconnect while
-        waiting (for answers given whole; a stream notices when a write fails)."""
+    async def pieces(self, rid: int, subscriber: _Subscriber, stops: list[str]) -> AsyncIterator[Piece]:
+        """The answer's text as it is generated, ending with a piece that has the finish reason and the count of
+        new tokens. Leaving before the end (a disconnect, a sibling choice's failure) cancels the request."""
         text_of, stopper = IncrementalText(self.tokenizer), StopStrings(stops)
+        made = given = 0  # characters of the answer detokenized, and given out (stop strings hold some back)
+        held: list[tuple[int, Logprobs, int]] = []  # log-probabilities of tokens whose text is not given out yet
         done = False
-        watch = _Watch(http)
         try:
             while True:
-                event = await watch.next(subscriber.queue)
+                event = await subscriber.queue.get()
                 if isinstance(event, BaseException):
                     raise APIError(500, f"the engine failed: {event!r}", "server_error")
-                text, hit = stopper.feed(text_of.push(event.tokens), event.finished)
+                if event.logprobs is None:
+                    text = text_of.push(event.tokens)
+                else:  # token by token, for the offset of each one's text
+                    parts = []
+                    for token, logprobs in zip(event.tokens, event.logprobs):
+                        parts.append(text_of.push([token]))
+                        held.append((token, logprobs, made))
+                        made += len(parts[-1])
+                    text = "".join(parts)
+                text, hit = stopper.feed(text, event.finished)
+                given += len(text)
+                # A stop string drops the tokens after it; a natural end gives every token out.
+                out = [h for h in held if h[2] < given or (event.finished and not hit)]
+                held = held[len(out):]
                 if hit or event.finished:
                     done = True
                     if hit and not event.finished:
                         self.loop.cancel(rid)
-                    yield Piece(text, "stop" if hit else event.finish_reason, event.prompt_tokens,
-                                event.completion_tokens)
+                    yield Piece(text, out, "stop" if hit else event.finish_reason, event.completion_tokens)
                     return
-                if text:
-                    yield Piece(text)
+                if text or out:
+                    yield Piece(text, out)
         finally:
             if not done:
                 self.loop.cancel(rid)
 
 
-class _Watch:
-    """Takes a request's events from its queue; with ``http``, also checks every ``DISCONNECT_POLL`` seconds
-    whether the client is still there (raising a 499 when it is not)."""
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of a request's choice ``choice``: ``seed`` itself for the first, a hash of both for the others (so
+    that choices differ and a request's seed gives the same choices every time)."""
+    if seed is None or choice == 0:
+        return seed
+    return (seed + choice * 0x9E3779B97F4A7C15) % (1 << 62)
 
-    def __init__(self, http: Request | None):
-        self.http = http
-        self.checked = time.monotonic()
 
-    async def next(self, queue: asyncio.Queue):
-        if self.http is None:
-            return await queue.get()
-        getter = asyncio.ensure_future(queue.get())
-        try:
-            while True:
-                wait = max(self.checked + DISCONNECT_POLL - time.monotonic(), 0)
-                finished, _ = await asyncio.wait({getter}, timeout=wait)
-                if finished:
-                    return getter.result()
-                self.checked = time.monotonic()
-                if await self.http.is_disconnected():
-                    raise APIError(499, "the client closed the connection", code="client_closed")
-        finally:
-            getter.cancel()
+async def _gathered(coroutines: list, http: Request) -> list:
+    """The results of ``coroutines`` run side by side, checking every ``DISCONNECT_POLL`` seconds that the client
+    is still there (a 499 when it is not). The first failure, or leaving early, cancels the rest."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        while True:
+            done, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()
+            if not pending:
+                return [task.result() for task in tasks]
+            if await http.is_disconnected():
+                raise APIError(499, "the client closed the connection", code="client_closed")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # their requests are cancelled as they end
 
 
 def _sse(data) -> str:
     return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
 
 
-async def _answer(service: Service, body: _Generation, prompt: list[int], max_tokens: int | None, http: Request,
-                  kind: Literal["text_completion", "chat.completion"]):
-    """The streamed or whole answer of a completion or chat request."""
-    rid, subscriber = service.submit(body, prompt, max_tokens)
+async def _answer(service: Service, body: _Generation, prompts: list[list[int]], max_tokens: int | None,
+                  http: Request, kind: Literal["text_completion", "chat.completion"]):
+    """The streamed or whole answer of a completion or chat request: ``n`` choices for each of ``prompts``."""
+    listed = body.listed_logprobs()
+    choices = service.submit(body, prompts, max_tokens, listed)
     chat = kind == "chat.completion"
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": service.model_name}
+    logprobs = _ChatLogprobs(service.tokenizer) if chat else _CompletionLogprobs(service.tokenizer)
 
-    def choice(text: str, finish: str | None, delta: bool) -> dict:
+    def choice(index: int, text: str, scores: list, finish: str | None, delta: bool) -> dict:
+        scored = None if listed is None else logprobs(scores)
         if not chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text, "logprobs": scored, "finish_reason": finish}
         content = {"role": "assistant", "content": text}
-        return {"index": 0, ("delta" if delta else "message"): content, "logprobs": None, "finish_reason": finish}
+        return {"index": index, ("delta" if delta else "message"): content, "logprobs": scored,
+                "finish_reason": finish}
+
+    def usage(lasts: list[Piece]) -> dict:
+        completion = sum(p.completion_tokens for p in lasts)
+        prompt = sum(len(p) for p in prompts)  # a prompt's n choices count it once
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     if not body.stream:
-        parts, last = [], None
-        async for piece in service.pieces(rid, subscriber, body.stop, http):
-            parts.append(piece.text)
-            last = piece
-        return JSONResponse({**head, "object": kind, "choices": [choice("".join(parts), last.finish_reason, False)],
-                             "usage": last.usage()})
+        async def whole(rid: int, subscriber: _Subscriber) -> tuple[str, list, Piece]:
+            parts, scores, last = [], [], None
+            async for piece in service.pieces(rid, subscriber, body.stop):
+                parts.append(piece.text)
+                scores += piece.logprobs
+                last = piece
+            return "".join(parts), scores, last
+
+        done = await _gathered([whole(rid, subscriber) for rid, subscriber in choices], http)
+        return JSONResponse({**head, "object": kind,
+                             "choices": [choice(i, text, scores, last.finish_reason, False)
+                                         for i, (text, scores, last) in enumerate(done)],
+                             "usage": usage([last for *_, last in done])})
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     async def events() -> AsyncIterator[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, rid: int, subscriber: _Subscriber) -> None:
+            try:
+                async for piece in service.pieces(rid, subscriber, body.stop):
+                    queue.put_nowait((index, piece))
+            except APIError as err:
+                queue.put_nowait((index, err))
+
+        tasks = [asyncio.ensure_future(pump(i, rid, subscriber)) for i, (rid, subscriber) in enumerate(choices)]
         try:
-            async for piece in service.pieces(rid, subscriber, body.stop, None):
-                yield _sse({**head, "object": obj, "choices": [choice(piece.text, piece.finish_reason, True)],
+            lasts = []
+            while len(lasts) < len(tasks):  # each choice's pieces as they come
+                index, piece = await queue.get()
+                if isinstance(piece, APIError):
+                    raise piece
+                yield _sse({**head, "object": obj,
+                            "choices": [choice(index, piece.text, piece.logprobs, piece.finish_reason, True)],
                             **({"usage": None} if include_usage else {})})
-                if piece.finish_reason is not None and include_usage:
-                    yield _sse({**head, "object": obj, "choices": [], "usage": piece.usage()})
+                if piece.finish_reason is not None:
+                    lasts.append(piece)
+            if include_usage:
+                yield _sse({**head, "object": obj, "choices": [], "usage": usage(lasts)})
         except APIError as err:
             yield _sse(err.body())
+        finally:  # a client that left, or a failed choice: the others are cancelled
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class _CompletionLogprobs:
+    """A completion's ``logprobs``: OpenAI's lists of the tokens, their log-probabilities, the likeliest tokens
+    (text to log-probability) and the offset of each token's text in the answer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def top(self, logprobs: Logprobs) -> dict[str, float]:
+        """The likeliest tokens by their text (of tokens with one text, such as the bytes of a character that
+        decode alone to U+FFFD, the likeliest)."""
+        out: dict[str, float] = {}
+        for token, logprob in logprobs.top:
+            out.setdefault(self.text(token), _finite(logprob))
+        return out
+
+    def __call__(self, scores: list[tuple[int, Logprobs, int]]) -> dict:
+        return {"tokens": [self.text(t) for t, _, _ in scores],
+                "token_logprobs": [_finite(lp.logprob) for _, lp, _ in scores],
+                "top_logprobs": [self.top(lp) for _, lp, _ in scores],
+                "text_offset": [offset for *_, offset in scores]}
+
+
+class _ChatLogprobs(_CompletionLogprobs):
+    """A chat answer's ``logprobs``: ``content``, per token its text, log-probability, UTF-8 bytes and likeliest
+    tokens."""
+
+    def entry(self, token: int, logprob: float) -> dict:
+        text = self.text(token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+    def __call__(self, scores: list[tuple[int, Logprobs, int]]) -> dict:
+        return {"content": [{**self.entry(t, lp.logprob), "top_logprobs": [self.entry(*top) for top in lp.top]}
+                            for t, lp, _ in scores], "refusal": None}
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
 
 
 def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None = None) -> FastAPI:
@@ -478,15 +616,15 @@ def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None 
     async def completions(body: CompletionRequest, http: Request):
         service.check_model(body.model)
         body.check_supported()
-        return await _answer(service, body, service.completion_prompt(body), body.max_tokens or 16, http,
+        return await _answer(service, body, service.completion_prompts(body), body.max_tokens or 16, http,
                              "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: Request):
         service.check_model(body.model)
         body.check_supported()
-        return await _answer(service, body, service.chat_prompt(body), body.max_completion_tokens or body.max_tokens,
-                             http, "chat.completion")
+        return await _answer(service, body, [service.chat_prompt(body)],
+                             body.max_completion_tokens or body.max_tokens, http, "chat.completion")
 
     @app.get("/v1/models")
     async def models():

@@ -30,7 +30,7 @@ for i in range(rows):
     job = runner.start(prompt)
     while job.logits is None:
         runner.prefill(job, 1 << 30)
-    runner.join(i, job, runner.first_token(job, Sampling(), 0), Sampling(), 0, 8192)
+    runner.join(i, job, runner.first_token(job, Sampling(), 0)[0], Sampling(), 0, 8192)
 weights = sum(p.numel() * p.element_size() for p in model.parameters())
 res = {"method": method, "rows": rows, "bandwidth": bw, "weights_bytes": weights, "points": []}
 done = 0

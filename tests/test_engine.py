@@ -123,6 +123,24 @@ def test_top_p_keeps_the_smallest_set_reaching_it():
     assert drawn == {0, 1}
 
 
+@pytest.mark.parametrize("vocab", [7, 20, 1024, 1025, 5000, 128256])
+def test_token_logprobs_are_the_log_softmax(vocab):
+    """Against the log-softmax in float64 (a float32 sum over up to 128K terms), tokens ruled out included."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(4, vocab, generator=gen) * 4).to(torch.bfloat16)
+    x[1, : vocab // 2] = float("-inf")  # tokens the model rules out
+    token = torch.randint(0, vocab // 2 + 1, (4,), generator=gen)
+    token[1] = vocab - 1
+    ref = x.double().log_softmax(dim=-1)
+    chosen, values, ids = engine_module.token_logprobs(x, token, 20)
+    assert values.shape == ids.shape == (4, min(20, vocab)) and chosen.dtype == values.dtype == torch.float32
+    torch.testing.assert_close(chosen.double(), ref.gather(1, token.view(-1, 1)).squeeze(1), rtol=0, atol=1e-4)
+    expected = ref.topk(min(20, vocab), dim=-1)
+    torch.testing.assert_close(values.double(), expected.values, rtol=0, atol=1e-4)
+    assert torch.equal(ref.gather(1, ids), expected.values)  # the same tokens (up to the order of equal ones)
+    assert (ids < vocab).all()
+
+
 @pytest.mark.parametrize("vocab", [7, 1024, 1025, 5000, 128256])
 def test_two_pass_argmax_is_argmax(vocab):
     gen = torch.Generator().manual_seed(vocab)

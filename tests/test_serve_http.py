@@ -135,6 +135,24 @@ def test_models_health_metrics(server, client):
     assert metric(server, "sparsekv_generated_tokens_total") > 0
 
 
+def test_latency_histograms(server, client):
+    """Time to first token, per output token and per request, as Prometheus histograms (cumulative buckets)."""
+    before = {name: metric(server, name + "_count") for name in ("sparsekv_time_to_first_token_seconds",
+                                                                 "sparsekv_time_per_output_token_seconds",
+                                                                 "sparsekv_request_latency_seconds")}
+    prompt_tokens = metric(server, "sparsekv_prompt_tokens_total")
+    for _ in range(2):
+        client.completions.create(model=NAME, prompt="abcd", max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert metric(server, "sparsekv_prompt_tokens_total") == prompt_tokens + 8
+    text = httpx.get(server + "/metrics").text
+    for name, count in before.items():
+        assert metric(server, name + "_count") == count + 2 and metric(server, name + "_sum") > 0
+        buckets = [float(line.split()[1]) for line in text.splitlines() if line.startswith(name + "_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == count + 2
+        assert f'{name}_bucket{{le="+Inf"}}' in text
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "hi"}, "model"),
     ({"model": NAME}, "prompt"),

@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ..engine import IncrementalText, Sampling
 from ..errors import ConfigError
-from . import Logprobs, QueueFull
+from . import Event, Logprobs, QueueFull
 from . import Request as EngineRequest
 from .runner import TOP_LOGPROBS
 
@@ -63,6 +63,11 @@ MAX_CHOICES = 128
 MAX_COMPLETION_LOGPROBS = 5
 # The log-probability given for a token the model rules out (-inf is not JSON).
 LOGPROB_FLOOR = -9999.0
+# Upper bounds (seconds) of the /metrics histograms' buckets: time to first token (long prompts take minutes), time
+# per output token, and a request's whole time.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
 
 
 class APIError(Exception):
@@ -229,11 +234,62 @@ class _Subscriber:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+class Histogram:
+    """Counts of observed values per bucket (``bounds``, ascending; one more bucket for larger values) and their
+    sum, as Prometheus histograms keep them."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """Cumulative counts by upper bound, the last "+Inf" (Prometheus' form)."""
+        total, out = 0, []
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts):
+            total += count
+            out.append((bound, total))
+        return out
+
+
+class Latencies:
+    """Per request, from its submit (``started``) to its first token (time to first token), then per output token
+    and to its end (for requests that end with "stop" or "length"); and the prompt tokens of the requests that got
+    a first token. Fed from the engine thread's events, read by ``/metrics``; the caller holds a lock."""
+
+    def __init__(self):
+        self.ttft, self.tpot, self.e2e = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS), Histogram(E2E_BUCKETS)
+        self.prompt_tokens = 0
+        self.open: dict[int, list[float]] = {}  # request id -> [submitted, first token] (times)
+
+    def started(self, rid: int, now: float) -> None:
+        self.open[rid] = [now]
+
+    def event(self, event: Event, now: float) -> None:
+        times = self.open.get(event.request_id)
+        if times is None:
+            return
+        if len(times) == 1 and event.completion_tokens:
+            times.append(now)
+            self.ttft.observe(now - times[0])
+            self.prompt_tokens += event.prompt_tokens
+        if event.finished:
+            del self.open[event.request_id]
+            if event.finish_reason in ("stop", "length"):
+                self.e2e.observe(now - times[0])
+                if event.completion_tokens > 1:
+                    self.tpot.observe((now - times[1]) / (event.completion_tokens - 1))
+
+
 class EngineLoop:
     """Drives ``engine.step()`` in one background thread while there is work, and waits for a submit or cancel
-    otherwise. Hands each request's events to its subscriber; keeps the latest ``engine.metrics()`` and the recent
-    (time, generated tokens) samples for the token rate. A failing step fails every open request and stops the
-    loop (``error`` holds it; ``/health`` then answers 503)."""
+    otherwise. Hands each request's events to its subscriber; keeps the latest ``engine.metrics()``, the recent
+    (time, generated tokens) samples for the token rate and the requests' ``Latencies``. A failing step fails every
+    open request and stops the loop (``error`` holds it; ``/health`` then answers 503)."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -245,6 +301,7 @@ class EngineLoop:
         self.metrics = engine.metrics()
         self.peak_running = 0  # the most requests decoding at once, seen after every step
         self.samples: collections.deque = collections.deque()
+        self.latencies = Latencies()  # under ``lock``
         self.thread = threading.Thread(target=self._run, name="sparsekv-engine", daemon=True)
 
     def start(self) -> None:
@@ -264,6 +321,7 @@ class EngineLoop:
                                "server_error")
             rid = self.engine.submit(request)
             self.subscribers[rid] = subscriber
+            self.latencies.started(rid, time.monotonic())
         self.wake.set()
         return rid, subscriber
 
@@ -297,8 +355,10 @@ class EngineLoop:
                 if self.engine.has_work():
                     events = self.engine.step()
                     self._sample()
+                    now = time.monotonic()
                     with self.lock:
                         for event in events:
+                            self.latencies.event(event, now)
                             subscriber = (self.subscribers.pop if event.finished else self.subscribers.get)(
                                 event.request_id, None)
                             if subscriber is not None:
@@ -649,9 +709,19 @@ def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None 
 def prometheus_text(loop: EngineLoop) -> str:
     """The engine's state in Prometheus' text format (``prometheus_client`` writes it)."""
     from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     m = loop.metrics
+    with loop.lock:
+        latencies = loop.latencies
+        histograms = [(name, doc, h.buckets(), h.sum) for name, doc, h in (
+            ("sparsekv_time_to_first_token_seconds", "Seconds from a request's arrival to its first token",
+             latencies.ttft),
+            ("sparsekv_time_per_output_token_seconds", "Seconds per output token after the first, per request",
+             latencies.tpot),
+            ("sparsekv_request_latency_seconds", "Seconds from a request's arrival to its last token",
+             latencies.e2e))]
+        prompt_tokens = latencies.prompt_tokens
 
     class Collector:
         def collect(self):
@@ -673,6 +743,10 @@ def prometheus_text(loop: EngineLoop) -> str:
                                       value=m["generated_tokens"])
             yield CounterMetricFamily("sparsekv_finished_requests", "Requests finished since start",
                                       value=m["finished_requests"])
+            yield CounterMetricFamily("sparsekv_prompt_tokens", "Prompt tokens prefilled since start",
+                                      value=prompt_tokens)
+            for name, doc, buckets, total in histograms:
+                yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Collector())

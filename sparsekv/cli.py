@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from dataclasses import dataclass, replace
@@ -310,7 +311,7 @@ def cmd_serve(args) -> int:
     print(f"sparsekv serve: {name} with {config.name} on {device} ({dtype}), at http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     serve(engine, loaded.tokenizer, name, host=args.host, port=args.port, chat_template=chat_template,
-          log_level=args.log_level)
+          api_key=args.api_key or os.environ.get("SPARSEKV_API_KEY") or None, log_level=args.log_level)
     return 0
 
 
@@ -398,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="device memory for the KV cache of all requests (default: the engine's own)")
     srv.add_argument("--compile", action="store_true", help="fuse the decode step's layer code with torch.compile")
     srv.add_argument("--chat-template", help="a Jinja chat template file, for a tokenizer that has none")
+    srv.add_argument("--api-key", help="the key clients must give (Authorization: Bearer KEY) for /v1/ requests "
+                                       "(default: $SPARSEKV_API_KEY, else none asked)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=cmd_serve)
 

@@ -18,6 +18,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from sparsekv.errors import ConfigError  # noqa: E402
 from sparsekv.serve import ServingEngine  # noqa: E402
 from sparsekv.serve.server import StopStrings, create_app, running  # noqa: E402
 from sparsekv.spec import build_config  # noqa: E402
@@ -415,3 +416,20 @@ def test_chat_logprobs(server, roomy):
                                                                    "top_logprobs")):
         r = httpx.post(server + "/v1/chat/completions", json={"model": NAME, "messages": messages, **fields})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_an_api_key_is_asked_of_v1_requests_only():
+    tokenizer = byte_tokenizer()
+    engine = ServingEngine(tiny_model("llama", layers=2, max_positions=256), build_config("quest", 64),
+                           tokenizer=tokenizer, max_batch=1, max_context=256, prefill_chunk=64)
+    with running(create_app(engine, tokenizer, NAME, api_key="s3cret")) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "ok"})  # no key
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError) as err:
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+        keyed = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert keyed.completions.create(model=NAME, prompt="ok", max_tokens=2).usage.completion_tokens >= 1
+        assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+    with pytest.raises(ConfigError, match="api_key"):
+        create_app(engine, tokenizer, NAME, api_key="")

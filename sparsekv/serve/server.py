@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hmac
 import json
 import logging
 import signal
@@ -648,10 +649,15 @@ def _finite(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
 
 
-def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None = None) -> FastAPI:
+def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None = None,
+               api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (a ``ServingEngine``) as ``model_name``. Its lifespan starts the engine
     thread and, at shutdown, lets it finish what the engine holds. ``chat_template``: a Jinja template for
-    ``/v1/chat/completions`` where the tokenizer has none. ``app.state.service`` is the ``Service``."""
+    ``/v1/chat/completions`` where the tokenizer has none. ``api_key``: the key every ``/v1/`` request must give
+    (``Authorization: Bearer KEY``, as OpenAI's clients send it; else 401); ``/health`` and ``/metrics`` stay open.
+    ``app.state.service`` is the ``Service``."""
+    if api_key is not None and not api_key:
+        raise ConfigError("api_key", "None (no key) or a non-empty string", api_key)
     service = Service(engine, tokenizer, model_name, chat_template)
 
     @contextlib.asynccontextmanager
@@ -667,6 +673,17 @@ def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
         return err.response()
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path.startswith("/v1/") and not hmac.compare_digest(given, expected):
+                return APIError(401, "a valid API key is needed (Authorization: Bearer KEY)",
+                                code="invalid_api_key").response()
+            return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError):
@@ -772,11 +789,11 @@ def _uvicorn(app: FastAPI, host: str, port: int, log_level: str):
 
 
 def serve(engine, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-          chat_template: str | None = None, log_level: str = "info") -> None:
+          chat_template: str | None = None, api_key: str | None = None, log_level: str = "info") -> None:
     """Serves ``engine`` until SIGTERM or SIGINT, which drain it: no new requests, the running ones finish. After
     the drain, SIGTERM returns (uvicorn raises the signal again once its own handlers are gone: the no-op handler
     here takes it, so that a drained server exits with status 0); SIGINT raises KeyboardInterrupt."""
-    app = create_app(engine, tokenizer, model_name, chat_template=chat_template)
+    app = create_app(engine, tokenizer, model_name, chat_template=chat_template, api_key=api_key)
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
     try:
         _uvicorn(app, host, port, log_level).run()

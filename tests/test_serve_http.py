@@ -49,15 +49,20 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def roomy(server):
-    """A client of a second server whose queue takes several choices and prompts at once."""
+def roomy_server():
+    """A second server, whose queue takes several choices and prompts at once."""
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     model = tiny_model("llama", layers=2, max_positions=MAX_CONTEXT)
     engine = ServingEngine(model, build_config("quest", 64), tokenizer=tokenizer, max_batch=MAX_BATCH,
                            max_context=MAX_CONTEXT, prefill_chunk=64, max_queue=8)
     with running(create_app(engine, tokenizer, NAME)) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def roomy(roomy_server):
+    return openai.OpenAI(base_url=roomy_server + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
 def metric(url: str, name: str) -> float:
@@ -433,3 +438,22 @@ def test_an_api_key_is_asked_of_v1_requests_only():
         assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
     with pytest.raises(ConfigError, match="api_key"):
         create_app(engine, tokenizer, NAME, api_key="")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_frees_every_choice(roomy_server, roomy, stream):
+    long = {"model": NAME, "prompt": ["x", "yz"], "n": 2, "max_tokens": MAX_CONTEXT - 2, "ignore_eos": True,
+            "stream": stream}
+    if stream:
+        with httpx.Client(timeout=30) as http, http.stream("POST", roomy_server + "/v1/completions",
+                                                           json=long) as r:
+            assert r.status_code == 200 and next(r.iter_lines()).startswith("data: ")
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(roomy_server + "/v1/completions", json=long, timeout=0.5)
+    deadline = time.monotonic() + 20
+    while (metric(roomy_server, "sparsekv_free_rows") != MAX_BATCH or metric(roomy_server, "sparsekv_requests_queued")
+           or metric(roomy_server, "sparsekv_requests_running")):
+        assert time.monotonic() < deadline, "the choices of a client that left were not all cancelled"
+        time.sleep(0.05)
+    assert complete(roomy, "ok", temperature=0).usage.completion_tokens == 6

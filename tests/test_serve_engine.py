@@ -300,6 +300,34 @@ def test_logprobs_are_the_models_log_softmax(model, config):
             assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
+@pytest.mark.parametrize("name", ["dense", "quest", "omnikv-offload", "raas", "snapkv", "h2o", "lowbit"])
+def test_requests_of_one_prompt_share_its_prefill(model, name):
+    """Requests of one prompt admitted while it is prefilled (a client's n choices) share that prefill: the prompt
+    is prefilled once, each request draws its own tokens (its sampling, seed, length, log-probabilities) and gets
+    those it gets alone; one cancelled while the prefill runs leaves the others theirs; a request of the same
+    prompt that comes after the prefill ended has one of its own."""
+    config = CONFIGS[name]
+    shared, other = prompt(70), prompt(33)
+    hot = Sampling(temperature=1.1, top_p=0.9)
+    requests = [(0, Request(prompt=shared, max_tokens=6)),  # the first of the prompt, cancelled while it prefills
+                (0, Request(prompt=shared, max_tokens=9, sampling=hot, seed=3, logprobs=2)),
+                (0, Request(prompt=other, max_tokens=5)),
+                (1, Request(prompt=shared, max_tokens=1, sampling=hot, seed=9)),  # ends at its first token
+                (1, Request(prompt=shared, max_tokens=7)),  # joins the prefill the first started
+                (12, Request(prompt=shared, max_tokens=4, seed=5))]  # after the prefill ended
+    alone, work = [], []  # each request's tokens and prefill work (token-layers) alone
+    for _, r in requests:
+        engine = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK)
+        alone.append(run(engine, [(0, r)])[0][0])
+        work.append(engine.metrics()["prefill_work"])
+    engine = ServingEngine(model, config, max_batch=6, max_context=CONTEXT, prefill_chunk=CHUNK)
+    tokens, final = run(engine, requests, cancel_after={0: 0})
+    assert engine.metrics()["prefill_work"] == 2 * work[0] + work[2]
+    assert [tokens[i] for i in (1, 2, 3, 4, 5)] == [alone[i] for i in (1, 2, 3, 4, 5)]
+    assert tokens[0] == [] and final[0].finish_reason == "cancelled"
+    assert engine.metrics()["free_rows"] == 6 and engine.metrics()["kv_bytes_in_use"] == 0
+
+
 def test_a_long_prompt_is_prefilled_between_decode_steps(model):
     engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
     first = engine.submit(Request(prompt=prompt(20), max_tokens=30))

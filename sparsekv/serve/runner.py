@@ -10,7 +10,7 @@ A pool, as data::
 
     prompt -> a cache of one row with a method of its own (``engine.prefill_passes``, a few passes per call, so
            that the scheduler interleaves it with the decode steps) -> copied into row n (``PagedLayer.copy_row``,
-           ``Method.copy_row``) -> decoded with the others
+           ``Method.copy_row``; into several rows for requests of one prompt) -> decoded with the others
 
 A decode step over rows [0, n) runs on views of the pool (``PagedKVCache.rows``, ``Method.rows``) and draws each
 row's token under its own sampling and seed (``engine.draw``, ``engine.counter_noise``), so a request's tokens do
@@ -236,7 +236,8 @@ class Runner:
     def join(self, key, job: Prefill, first: int, sampling: Sampling, seed: int, max_tokens: int,
              logprobs: int | None = None) -> None:
         """Makes the prefilled request ``key`` (of at most ``max_tokens`` new tokens) a running row whose next input
-        is ``first``; ``logprobs``: as in ``first_token``, for each of its tokens."""
+        is ``first``; ``logprobs``: as in ``first_token``, for each of its tokens. The prefill is copied, not moved:
+        requests of the same prompt join from one, which the caller then ``discard``s."""
         if not self.free_rows:
             raise RuntimeError("join: every row runs a request")
         row = len(self.keys)
@@ -256,7 +257,6 @@ class Runner:
         self.logprobs.append(logprobs)
         self.prompt_lens.append(job.prompt_len)
         self.max_tokens.append(max_tokens)
-        self.discard(job)
 
     def discard(self, job: Prefill) -> None:
         """Drops a prefill: what its cache and method hold (a cancelled request's, or one copied into a row)."""

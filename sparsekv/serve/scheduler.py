@@ -3,8 +3,9 @@
 A request, as data::
 
     submit -> validate (RequestError) -> queue (QueueFull when max_queue wait) -> admitted when its KV fits
-           -> prefill (in passes: about one chunk per step, or what the PrefillPacer allows while rows decode)
-           -> first token -> a running row
+           -> prefill (in passes: about one chunk per step, or what the PrefillPacer allows while rows decode; one
+              prefill for the requests of one prompt admitted while it runs, such as a client's n choices)
+           -> first token (each request its own) -> a running row
            -> one token per step -> stop token, max_tokens or cancel: its row is freed at the step boundary
 
 ``submit`` and ``cancel`` may come from any thread; ``step`` runs in one thread (the server's loop), which alone
@@ -287,7 +288,8 @@ class ServingEngine:
 
     def _admit(self) -> None:
         """Takes waiting requests in order while a row is free and their KV fits (the first that does not fit
-        waits, and so does everything behind it: no request is passed over for ever)."""
+        waits, and so does everything behind it: no request is passed over for ever). A request whose prompt is
+        being prefilled already shares that prefill: it takes a row of its own when the prefill ends."""
         while True:
             with self._lock:
                 if not self._queue:
@@ -300,38 +302,51 @@ class ServingEngine:
                     return
                 self._queue.popleft()
                 self._in_use += need
-                live.prefill = self.runner.start(live.request.prompt)
+                live.prefill = next((other.prefill for other in self._prefilling
+                                     if other.request.prompt == live.request.prompt), None)
+                if live.prefill is None:
+                    live.prefill = self.runner.start(live.request.prompt)
                 self._prefilling.append(live)
 
     def _prefill(self, events: list[Event], budget: int) -> int:
-        """Runs about ``budget`` token-layers of prompt work (at least one pass), oldest request first; a finished
-        prefill's first token is drawn and the request joins the running rows. Returns the token-layers run."""
+        """Runs about ``budget`` token-layers of prompt work (at least one pass), oldest request first; when a
+        prefill ends, each of its requests (in arrival order) draws its first token and joins the running rows.
+        Returns the token-layers run."""
         start = budget
         while self._prefilling and budget > 0:
-            live = self._prefilling[0]
-            request = live.request
+            job = self._prefilling[0].prefill
+            pending = [live for live in self._prefilling if live.prefill is job]
             try:
-                work = self.runner.prefill(live.prefill, budget)
+                work = self.runner.prefill(job, budget)
                 budget -= work
                 self._prefill_work += work
-                if live.prefill.logits is None:
+                if job.logits is None:
                     continue
-                first, logprobs = self.runner.first_token(live.prefill, request.sampling, live.seed,
-                                                          request.logprobs)
+                with self._lock:
+                    for live in pending:
+                        self._prefilling.remove(live)
+                for live in list(pending):
+                    live.prefill = None
+                    request = live.request
+                    first, logprobs = self.runner.first_token(job, request.sampling, live.seed, request.logprobs)
+                    if not self._emit(live, first, logprobs, events):
+                        self.runner.join(live.id, job, first, request.sampling, live.seed, request.max_tokens,
+                                         request.logprobs)
+                        with self._lock:
+                            self._running[live.id] = live
+                    pending.remove(live)
             except Exception as error:
-                # The request is dropped, what it held freed, and the error raised to the caller of ``step``;
-                # the running requests and the queue are as they were.
-                self._finish(live, "cancelled", [])
-                error.add_note(f"while prefilling request {live.id}, which is dropped")
+                # The requests of this prefill not yet running are dropped, what they held freed, and the error
+                # raised to the caller of ``step``; the running requests and the queue are as they were.
+                with self._lock:
+                    self._prefilling = [live for live in self._prefilling if live.prefill is not job]
+                for live in pending:
+                    live.prefill = None
+                    self._finish(live, "cancelled", [])
+                self.runner.discard(job)
+                error.add_note(f"while prefilling request(s) {[live.id for live in pending]}, which are dropped")
                 raise
-            if self._emit(live, first, logprobs, events):
-                continue
-            self.runner.join(live.id, live.prefill, first, request.sampling, live.seed, request.max_tokens,
-                             request.logprobs)
-            live.prefill = None
-            with self._lock:
-                self._prefilling.pop(0)
-                self._running[live.id] = live
+            self.runner.discard(job)
         return start - budget
 
     def _emit(self, live: _Live, token: int, logprobs: Logprobs | None, events: list[Event]) -> bool:
@@ -366,10 +381,11 @@ class ServingEngine:
             self.runner.release(live.id)
             with self._lock:
                 del self._running[live.id]
-        elif live.prefill is not None:
-            self.runner.discard(live.prefill)
-            live.prefill = None
+        elif live.prefill is not None:  # its prefill goes once no other request of its prompt waits for it
+            job, live.prefill = live.prefill, None
             with self._lock:
                 self._prefilling.remove(live)
+            if not any(other.prefill is job for other in self._prefilling):
+                self.runner.discard(job)
         self._finished += 1
         events.append(self._event(live, True, reason))

@@ -30,6 +30,7 @@ for i in range(rows):
     while job.logits is None:
         runner.prefill(job, 1 << 30)
     runner.join(i, job, runner.first_token(job, Sampling(), 0)[0], Sampling(), 0, 1024)
+    runner.discard(job)
 timer = Timer(dev, reps=30, warmup=3)  # the warm-up runs each variant eagerly, then captures it
 res = {"method": method, "rows": rows, "device": torch.cuda.get_device_name(dev), "steps_ms": []}
 for scored in (False, True, False, True):

@@ -31,6 +31,7 @@ for i in range(rows):
     while job.logits is None:
         runner.prefill(job, 1 << 30)
     runner.join(i, job, runner.first_token(job, Sampling(), 0)[0], Sampling(), 0, 8192)
+    runner.discard(job)
 weights = sum(p.numel() * p.element_size() for p in model.parameters())
 res = {"method": method, "rows": rows, "bandwidth": bw, "weights_bytes": weights, "points": []}
 done = 0

@@ -57,6 +57,7 @@ for method in methods:
             m["prefill_call_ms"].append(synced(partial(runner.prefill, job, runner.prefill_budget)))
             calls += 1
         m["join_ms"].append(synced(partial(runner.join, i, job, 1, Sampling(), 0, 256)))
+        runner.discard(job)
     print(f"== {method}: prefill call median {statistics.median(m['prefill_call_ms']):.2f} ms "
           f"(first {m['prefill_call_ms'][:3]}), join {[round(x, 1) for x in m['join_ms']]} ms", flush=True)
     job = runner.start([1] * lengths[rows])

@@ -760,7 +760,8 @@ def prometheus_text(loop: EngineLoop) -> str:
                                       value=m["generated_tokens"])
             yield CounterMetricFamily("sparsekv_finished_requests", "Requests finished since start",
                                       value=m["finished_requests"])
-            yield CounterMetricFamily("sparsekv_prompt_tokens", "Prompt tokens prefilled since start",
+            yield CounterMetricFamily("sparsekv_prompt_tokens", "Prompt tokens of the requests that reached their "
+                                      "first token since start (a prefill shared by n choices counts n times)",
                                       value=prompt_tokens)
             for name, doc, buckets, total in histograms:
                 yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)

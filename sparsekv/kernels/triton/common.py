@@ -61,7 +61,9 @@ from triton import knobs
 # that read the per-block totals mass_parts at a time (on the H200 at the shape above, scores 91.1 -> 88.1 us with
 # blocks of 256 slots instead of 1024: 8 times more programs).
 # prompt_mass_*: the attention each token receives from a prompt pass's queries (``mass``, H2O's prompt scores):
-# blocks of prompt_mass_block queries (pass 1) and tokens (pass 2), half that for fp32 tiles.
+# prompt_mass_blocks, the (queries, tokens) of a block in pass 1 (programs of queries) and in pass 2 (programs of
+# tokens), half that for fp32 tiles. On the H200 at Llama-3-8B, 4096 queries over 32K tokens (``prompt_mass_sweep.py``
+# under benchmarks/results/h2o): pass 1 7.54 ms with 64 x 64, 6.71 with 128 x 32; pass 2 6.03 with 64 x 64, the best.
 # fp8_*: an fp8 cache's launch where it differs from the key without the prefix (``fp8_launch``). Its attention
 # kernel loads the next block's tiles into registers before the current block's products (the tiles' addresses
 # come from the page table, so Triton's pipeliner cannot prefetch them), converts them there and stages them in
@@ -95,7 +97,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "qmm_block_n": 64, "qmm_block_g": 8, "qmm_split": 4, "qmm_programs": 256, "qmm_warps": 4, "qmm_stages": 3,
           "coded_block": 128, "coded_warps": 4, "coded_heads": 8, "cuda_coded": True, "cuda_coded_block": 128,
           "mass_block": 256, "mass_parts": 1024, "mass_warps": 4,
-          "prompt_mass_block": 64, "prompt_mass_warps": 4, "prompt_mass_stages": 2,
+          "prompt_mass_blocks": ((128, 32), (64, 64)), "prompt_mass_warps": 4, "prompt_mass_stages": 2,
           "append_search": 4096, "append_warps": 4,
           "fp8_attn_block_n": 64, "fp8_attn_long_programs_per_sm": 2, "fp8_attn_long_stages": 1,
           "fp8_attn_few_programs_per_sm": 4, "fp8_page_block": 128,

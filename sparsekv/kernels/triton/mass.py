@@ -134,15 +134,15 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, sl
         return out.zero_()  # no query: every token receives nothing (pass 2 writes every entry otherwise)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
     wide = q.dtype == torch.float32 or interpreted_bf16(q.dtype)  # fp32 tiles: half the block
-    block = TUNING["prompt_mass_block"] // (2 if wide else 1)
+    (lse_q, lse_k), (sum_q, sum_k) = ((x // (2 if wide else 1) for x in pair) for pair in TUNING["prompt_mass_blocks"])
     strides = (*q.stride(), k.stride(0), k.stride(1), k.stride(2), k.stride(3), *slot_page.stride(), *slots.stride(),
                *q_pos.stride())
-    meta = dict(H=h, HS=hs, HKV=hkv, P=p, D=d, BLOCK_D=block_d(d), BLOCK_Q=block, BLOCK_K=block,
-                PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), num_warps=TUNING["prompt_mass_warps"],
+    meta = dict(H=h, HS=hs, HKV=hkv, P=p, D=d, BLOCK_D=block_d(d), PRECISION=precision(q.dtype),
+                UPCAST=interpreted_bf16(q.dtype), num_warps=TUNING["prompt_mass_warps"],
                 num_stages=TUNING["prompt_mass_stages"])
     scale_log2 = scale * LOG2E
-    _mass_lse_kernel[(b * h, triton.cdiv(s, block))](q, k, slot_page, slots, q_pos, lse, s, n, scale_log2, *strides,
-                                                     **meta)
-    _mass_sum_kernel[(b * h, triton.cdiv(n, block))](q, k, slot_page, slots, q_pos, lse, out, s, n, scale_log2,
-                                                     *strides, **meta)
+    _mass_lse_kernel[(b * h, triton.cdiv(s, lse_q))](q, k, slot_page, slots, q_pos, lse, s, n, scale_log2, *strides,
+                                                     BLOCK_Q=lse_q, BLOCK_K=lse_k, **meta)
+    _mass_sum_kernel[(b * h, triton.cdiv(n, sum_k))](q, k, slot_page, slots, q_pos, lse, out, s, n, scale_log2,
+                                                     *strides, BLOCK_Q=sum_q, BLOCK_K=sum_k, **meta)
     return out

@@ -163,3 +163,16 @@ def test_warm_up_runs_every_batch_size_twice():
     for (n, *_), (_, step) in engine.runner.steps.items():
         runs[n] = runs.get(n, 0) + step.runs
     assert sorted(runs) == [1, 2, 3, 4] and min(runs.values()) >= 2
+
+
+def test_fill_rows_joins_prefilled_requests():
+    from sparsekv.bench.common import fill_rows
+    from sparsekv.serve.runner import Runner
+    from sparsekv.spec import build_config
+    from sparsekv.tiny import tiny_model
+
+    runner = Runner(tiny_model("llama", layers=2), build_config("quest", 32), max_batch=3, max_context=64,
+                    prefill_chunk=16, cuda_graph=False, compile=False)
+    fill_rows(runner, 2, 40, 8)
+    assert runner.keys == [0, 1] and runner.free_rows == 1 and runner.pool.pages.lengths[:2] == [40, 40]
+    assert set(runner.decode()) == {0, 1}

@@ -31,15 +31,21 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'developer' %}{{ rai
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def serving(max_queue: int):
+    """A server of a tiny model with Quest on 127.0.0.1 (its URL), for the module's tests."""
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     model = tiny_model("llama", layers=2, max_positions=MAX_CONTEXT)
     engine = ServingEngine(model, build_config("quest", 64), tokenizer=tokenizer, max_batch=MAX_BATCH,
-                           max_context=MAX_CONTEXT, prefill_chunk=64, max_queue=MAX_QUEUE)
-    app = create_app(engine, tokenizer, NAME)
-    with running(app) as url:
+                           max_context=MAX_CONTEXT, prefill_chunk=64, max_queue=max_queue)
+    with running(create_app(engine, tokenizer, NAME)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving(MAX_QUEUE) as url:
         yield url
 
 
@@ -51,12 +57,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def roomy_server():
     """A second server, whose queue takes several choices and prompts at once."""
-    tokenizer = byte_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    model = tiny_model("llama", layers=2, max_positions=MAX_CONTEXT)
-    engine = ServingEngine(model, build_config("quest", 64), tokenizer=tokenizer, max_batch=MAX_BATCH,
-                           max_context=MAX_CONTEXT, prefill_chunk=64, max_queue=8)
-    with running(create_app(engine, tokenizer, NAME)) as url:
+    with serving(8) as url:
         yield url
 
 

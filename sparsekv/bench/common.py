@@ -77,6 +77,21 @@ def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
 
 
 @contextmanager
+def fill_rows(runner, rows: int, prompt_len: int, max_tokens: int, seed: int = 0) -> None:
+    """Joins ``rows`` requests of ``prompt_len`` random token ids (from ``seed``) into ``runner`` (a
+    ``serve.runner.Runner``), each prefilled by the model in one call and greedy, of at most ``max_tokens`` new
+    tokens."""
+    from ..engine import Sampling
+
+    g = torch.Generator().manual_seed(seed)
+    for i in range(rows):
+        job = runner.start(torch.randint(0, runner.vocab_size, (prompt_len,), generator=g).tolist())
+        while job.logits is None:
+            runner.prefill(job, 1 << 30)
+        runner.join(i, job, runner.first_token(job, Sampling(), 0)[0], Sampling(), 0, max_tokens)
+        runner.discard(job)
+
+
 def shared_folder(build: Callable[[Path], None]) -> Iterator[Path]:
     """Under torchrun (process group started): a temporary folder that the first process fills with
     ``build(folder)`` (a random-weight model saved for every process to load with tensor parallelism), removed on

@@ -11,8 +11,8 @@ import sys
 
 import torch
 
-from sparsekv.bench.common import Timer, shape_model
-from sparsekv.engine import Sampling, token_logprobs
+from sparsekv.bench.common import Timer, fill_rows, shape_model
+from sparsekv.engine import token_logprobs
 from sparsekv.eval.runner import method_runs
 from sparsekv.serve.runner import TOP_LOGPROBS, Runner
 
@@ -23,14 +23,7 @@ model = shape_model("llama3-8b", dev, torch.bfloat16, max_context)
 config = method_runs([method], [2048])[0].config
 runner = Runner(model, config, max_batch=rows, max_context=max_context, prefill_chunk=4096, cuda_graph=None,
                 compile=False)
-g = torch.Generator().manual_seed(0)
-for i in range(rows):
-    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()
-    job = runner.start(prompt)
-    while job.logits is None:
-        runner.prefill(job, 1 << 30)
-    runner.join(i, job, runner.first_token(job, Sampling(), 0)[0], Sampling(), 0, 1024)
-    runner.discard(job)
+fill_rows(runner, rows, prompt_len, 1024)
 timer = Timer(dev, reps=30, warmup=3)  # the warm-up runs each variant eagerly, then captures it
 res = {"method": method, "rows": rows, "device": torch.cuda.get_device_name(dev), "steps_ms": []}
 for scored in (False, True, False, True):

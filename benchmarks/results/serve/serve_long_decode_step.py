@@ -10,8 +10,7 @@ import sys
 
 import torch
 
-from sparsekv.bench.common import Timer, copy_bandwidth, kernel_table, shape_model
-from sparsekv.engine import Sampling
+from sparsekv.bench.common import Timer, copy_bandwidth, fill_rows, kernel_table, shape_model
 from sparsekv.eval.runner import method_runs
 from sparsekv.serve.runner import Runner
 
@@ -24,14 +23,7 @@ bw = copy_bandwidth(dev, Timer(dev))
 config = method_runs([method], [2048])[0].config
 runner = Runner(model, config, max_batch=80, max_context=max_context, prefill_chunk=8192, cuda_graph=None,
                 compile=False)
-g = torch.Generator().manual_seed(0)
-for i in range(rows):
-    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()
-    job = runner.start(prompt)
-    while job.logits is None:
-        runner.prefill(job, 1 << 30)
-    runner.join(i, job, runner.first_token(job, Sampling(), 0)[0], Sampling(), 0, 8192)
-    runner.discard(job)
+fill_rows(runner, rows, prompt_len, 8192)
 weights = sum(p.numel() * p.element_size() for p in model.parameters())
 res = {"method": method, "rows": rows, "bandwidth": bw, "weights_bytes": weights, "points": []}
 done = 0

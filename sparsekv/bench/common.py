@@ -76,7 +76,6 @@ def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
     return model.eval()
 
 
-@contextmanager
 def fill_rows(runner, rows: int, prompt_len: int, max_tokens: int, seed: int = 0) -> None:
     """Joins ``rows`` requests of ``prompt_len`` random token ids (from ``seed``) into ``runner`` (a
     ``serve.runner.Runner``), each prefilled by the model in one call and greedy, of at most ``max_tokens`` new
@@ -92,6 +91,7 @@ def fill_rows(runner, rows: int, prompt_len: int, max_tokens: int, seed: int = 0
         runner.discard(job)
 
 
+@contextmanager
 def shared_folder(build: Callable[[Path], None]) -> Iterator[Path]:
     """Under torchrun (process group started): a temporary folder that the first process fills with
     ``build(folder)`` (a random-weight model saved for every process to load with tensor parallelism), removed on

@@ -689,18 +689,20 @@ def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None 
     async def invalid(request: Request, err: RequestValidationError):
         return _validation_error(err).response()
 
+    # Prompts are tokenized in a worker thread (the fast tokenizers release the GIL), so that a long one does not
+    # hold up the event loop, which streams every running request's tokens.
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         service.check_model(body.model)
         body.check_supported()
-        return await _answer(service, body, service.completion_prompts(body), body.max_tokens or 16, http,
-                             "text_completion")
+        return await _answer(service, body, await asyncio.to_thread(service.completion_prompts, body),
+                             body.max_tokens or 16, http, "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: Request):
         service.check_model(body.model)
         body.check_supported()
-        return await _answer(service, body, [service.chat_prompt(body)],
+        return await _answer(service, body, [await asyncio.to_thread(service.chat_prompt, body)],
                              body.max_completion_tokens or body.max_tokens, http, "chat.completion")
 
     @app.get("/v1/models")

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -458,3 +459,30 @@ def test_a_client_that_leaves_frees_every_choice(roomy_server, roomy, stream):
         assert time.monotonic() < deadline, "the choices of a client that left were not all cancelled"
         time.sleep(0.05)
     assert complete(roomy, "ok", temperature=0).usage.completion_tokens == 6
+
+
+def test_a_long_tokenization_leaves_the_server_answering():
+    """Prompts are tokenized off the event loop: while one takes seconds (a sleep stands for a huge prompt's
+    tokenization, which releases the GIL as the fast tokenizers do), the server answers others at once."""
+    tokenizer = byte_tokenizer()
+    engine = ServingEngine(tiny_model("llama", layers=2, max_positions=256), build_config("quest", 64),
+                           tokenizer=tokenizer, max_batch=1, max_context=256, prefill_chunk=64)
+    app = create_app(engine, tokenizer, NAME)
+    service = app.state.service
+    tokenize = service.completion_prompts
+
+    def slowly(body):
+        time.sleep(2.0)
+        return tokenize(body)
+
+    service.completion_prompts = slowly
+    with running(app) as url, httpx.Client(timeout=30) as http:
+        answered = []
+        slow = threading.Thread(target=lambda: answered.append(http.post(
+            url + "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2}).status_code))
+        slow.start()
+        time.sleep(0.3)
+        began = time.monotonic()
+        assert http.get(url + "/health").status_code == 200 and time.monotonic() - began < 1.0
+        slow.join()
+        assert answered == [200]

@@ -235,35 +235,23 @@ class _Subscriber:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class Histogram:
-    """Counts of observed values per bucket (``bounds``, ascending; one more bucket for larger values) and their
-    sum, as Prometheus histograms keep them."""
-
-    def __init__(self, bounds: tuple[float, ...]):
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
-        self.sum += value
-
-    def buckets(self) -> list[tuple[str, int]]:
-        """Cumulative counts by upper bound, the last "+Inf" (Prometheus' form)."""
-        total, out = 0, []
-        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts):
-            total += count
-            out.append((bound, total))
-        return out
-
-
 class Latencies:
     """Per request, from its submit (``started``) to its first token (time to first token), then per output token
     and to its end (for requests that end with "stop" or "length"); and the prompt tokens of the requests that got
-    a first token. Fed from the engine thread's events, read by ``/metrics``; the caller holds a lock."""
+    a first token. Fed from the engine thread's events, read by ``/metrics`` (``prometheus_client``'s histograms,
+    in no registry: each server's own); the caller holds a lock."""
 
     def __init__(self):
-        self.ttft, self.tpot, self.e2e = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS), Histogram(E2E_BUCKETS)
+        from prometheus_client import Histogram
+
+        self.ttft = Histogram("sparsekv_time_to_first_token_seconds",
+                              "Seconds from a request's arrival to its first token", buckets=TTFT_BUCKETS,
+                              registry=None)
+        self.tpot = Histogram("sparsekv_time_per_output_token_seconds",
+                              "Seconds per output token after the first, per request", buckets=TPOT_BUCKETS,
+                              registry=None)
+        self.e2e = Histogram("sparsekv_request_latency_seconds", "Seconds from a request's arrival to its last token",
+                             buckets=E2E_BUCKETS, registry=None)
         self.prompt_tokens = 0
         self.open: dict[int, list[float]] = {}  # request id -> [submitted, first token] (times)
 
@@ -728,18 +716,12 @@ def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None 
 def prometheus_text(loop: EngineLoop) -> str:
     """The engine's state in Prometheus' text format (``prometheus_client`` writes it)."""
     from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     m = loop.metrics
     with loop.lock:
         latencies = loop.latencies
-        histograms = [(name, doc, h.buckets(), h.sum) for name, doc, h in (
-            ("sparsekv_time_to_first_token_seconds", "Seconds from a request's arrival to its first token",
-             latencies.ttft),
-            ("sparsekv_time_per_output_token_seconds", "Seconds per output token after the first, per request",
-             latencies.tpot),
-            ("sparsekv_request_latency_seconds", "Seconds from a request's arrival to its last token",
-             latencies.e2e))]
+        histograms = [metric for h in (latencies.ttft, latencies.tpot, latencies.e2e) for metric in h.collect()]
         prompt_tokens = latencies.prompt_tokens
 
     class Collector:
@@ -765,8 +747,7 @@ def prometheus_text(loop: EngineLoop) -> str:
             yield CounterMetricFamily("sparsekv_prompt_tokens", "Prompt tokens of the requests that reached their "
                                       "first token since start (a prefill shared by n choices counts n times)",
                                       value=prompt_tokens)
-            for name, doc, buckets, total in histograms:
-                yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+            yield from histograms
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Collector())

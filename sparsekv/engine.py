@@ -42,33 +42,75 @@ Step = Callable[[], None]
 
 # The smallest temperature other than 0 (greedy): logits divided by less could overflow float32.
 MIN_TEMPERATURE = 1e-4
+# OpenAI's ranges for the presence and frequency penalties and for a token's logit bias.
+MAX_PENALTY = 2.0
+MAX_BIAS = 100.0
 
 
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
-    """How the next token is drawn from the logits. temperature 0: greedy (argmax). Otherwise the logits are divided
-    by ``temperature`` (at least ``MIN_TEMPERATURE``), cut to the ``top_k`` most likely tokens (0: all) and to the
-    smallest set whose probability reaches ``top_p`` (1: all), and a token is drawn from what is left."""
+    """How the next token is drawn from the logits. First the logits are adjusted as OpenAI's API does
+    (``penalize``): ``logit_bias`` adds its bias to the logit of each token id it names (a mapping, or (id, bias)
+    pairs; each bias from -100 to 100), and a token already drawn c times in this answer loses
+    ``presence_penalty`` once and ``frequency_penalty`` c times (each from -2 to 2). Then temperature 0: greedy
+    (argmax). Otherwise the logits are divided by ``temperature`` (at least ``MIN_TEMPERATURE``), cut to the
+    ``top_k`` most likely tokens (0: all) and to the smallest set whose probability reaches ``top_p`` (1: all), and a
+    token is drawn from what is left."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         require(is_real(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
                 "temperature", f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}", self.temperature)
         require(is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         require(_is_count(self.top_k, 0), "top_k", "an int >= 0 (0: no cut)", self.top_k)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            require(is_real(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name,
+                    f"a number from -{MAX_PENALTY} to {MAX_PENALTY}", value)
+        bias = self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, dict) else bias
+        allowed = f"a mapping of token ids (ints >= 0) to biases from -{MAX_BIAS} to {MAX_BIAS}"
+        require(isinstance(pairs, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and _is_count(p[0], 0) and is_real(p[1])
+            and -MAX_BIAS <= p[1] <= MAX_BIAS for p in pairs), "logit_bias", allowed, bias)
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in dict(pairs).items())))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def adjusts(self) -> bool:
+        """Whether ``penalize`` changes the logits (a penalty or a bias is set)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    def check_vocab(self, vocab: int) -> None:
+        """Refuses a ``logit_bias`` token id outside a vocabulary of ``vocab`` entries."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab]
+        require(not bad, "logit_bias", f"token ids below the model's vocabulary size ({vocab})", bad)
+
+    def penalties(self, rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``penalize``'s presence (rows,), frequency (rows,) and bias (rows, vocab) float32 for rows drawn by this
+        sampling."""
+        presence = torch.full((rows,), self.presence_penalty, dtype=torch.float32, device=device)
+        frequency = torch.full((rows,), self.frequency_penalty, dtype=torch.float32, device=device)
+        bias = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        if self.logit_bias:
+            ids, values = zip(*self.logit_bias)
+            bias[:, list(ids)] = torch.tensor(values, dtype=torch.float32, device=device)
+        return presence, frequency, bias
+
     def __call__(self, logits: torch.Tensor, seed: torch.Tensor | None = None,
                  index: torch.Tensor | None = None) -> torch.Tensor:
-        """logits: (B, V). Returns (B,) int64 tokens, on the device, with no host sync. The draw is a function of each
-        row's ``seed`` (B,) int64 and ``index`` (B,) int64 (the token's place, see ``counter_noise``) when given;
-        otherwise it comes from torch's global random generator."""
+        """logits: (B, V), already adjusted (``penalize``). Returns (B,) int64 tokens, on the device, with no host
+        sync. The draw is a function of each row's ``seed`` (B,) int64 and ``index`` (B,) int64 (the token's place,
+        see ``counter_noise``) when given; otherwise it comes from torch's global random generator."""
         if self.greedy:
             return argmax(logits)
         b, v = logits.shape
@@ -79,6 +121,15 @@ class Sampling:
         return draw(logits, logits.new_full((b,), self.temperature, dtype=torch.float32),
                     logits.new_full((b,), self.top_k, dtype=torch.long),
                     logits.new_full((b,), self.top_p, dtype=torch.float32), noise)
+
+
+def penalize(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+             bias: torch.Tensor) -> torch.Tensor:
+    """OpenAI's adjustment of the logits (B, V) before drawing: each row's ``bias`` (B, V) float32 added, and where
+    the row has drawn a token ``counts`` (B, V) float32 times, ``presence`` (B,) float32 once and ``frequency``
+    (B,) float32 per time taken off. Returns (B, V) float32."""
+    drawn = (counts > 0).float()
+    return logits.float() + bias - presence.unsqueeze(1) * drawn - frequency.unsqueeze(1) * counts
 
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -180,7 +231,8 @@ class Generation:
 class IncrementalText:
     """The text of a growing list of tokens, piece by piece: ``push`` takes new tokens and returns the text they add.
     A token that ends inside a character (a byte-level tokenizer splits multi-byte characters) adds nothing until
-    the rest arrives. Only the last few tokens are decoded again, whatever the length."""
+    the rest arrives, or the text ends (``final``). Only the last few tokens are decoded again, whatever the
+    length."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -188,12 +240,12 @@ class IncrementalText:
         self.prefix = 0  # tokens[prefix:read] were decoded already, as the context of the next piece
         self.read = 0
 
-    def push(self, tokens: Sequence[int]) -> str:
+    def push(self, tokens: Sequence[int], final: bool = False) -> str:
         self.tokens += tokens
         decode = self.tokenizer.decode
         done = decode(self.tokens[self.prefix:self.read], skip_special_tokens=True)
         text = decode(self.tokens[self.prefix:], skip_special_tokens=True)
-        if len(text) <= len(done) or text.endswith("\ufffd"):
+        if len(text) <= len(done) or text.endswith("\ufffd") and not final:
             return ""
         self.prefix, self.read = self.read, len(self.tokens)
         return text[len(done):]
@@ -381,6 +433,7 @@ class Engine:
         require(_is_count(max_new_tokens, least), "max_new_tokens",
                 f"an int >= {least}{' with forced tokens' if least == 0 else ''}", max_new_tokens)
         sampling = sampling or Sampling()
+        sampling.check_vocab(self.model.config.vocab_size)
         stops = self._stop_ids(stop_tokens)
         longest = ids.shape[1]
         total = forced.shape[1] + max_new_tokens  # decoded columns: the forced tokens, then the new ones
@@ -451,6 +504,9 @@ class Engine:
         nll = torch.zeros(b, dtype=torch.float64, device=self.device)
         out = torch.full((b, total), pad, dtype=torch.long, device=self.device)
         column = torch.zeros((), dtype=torch.long, device=self.device)
+        if sampling.adjusts:  # each row's count of every token it has drawn, for the penalties
+            counts = torch.zeros(logits.shape, dtype=torch.float32, device=self.device)
+            penalties = sampling.penalties(b, logits.shape[1], self.device)
 
         def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """The token of ``column``: the forced one while a row has one (its likelihood added up), else drawn."""
@@ -459,7 +515,11 @@ class Engine:
             if scoring:
                 logp = torch.log_softmax(logits.float(), dim=-1).gather(1, want.clamp(min=0).unsqueeze(1))
                 nll.sub_(torch.where(inside, logp.squeeze(1).double(), 0.0))
-            return torch.where(inside, want, sampling(logits, seeds, column.expand(b))), inside
+            if not sampling.adjusts:
+                return torch.where(inside, want, sampling(logits, seeds, column.expand(b))), inside
+            token = torch.where(inside, want, sampling(penalize(logits, counts, *penalties), seeds, column.expand(b)))
+            counts.scatter_add_(1, token.view(b, 1), (~inside).float().view(b, 1))
+            return token, inside
 
         first, inside = pick(logits)
         out[:, 0] = first

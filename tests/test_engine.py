@@ -117,6 +117,85 @@ def test_sampling_is_seeded_and_respects_top_k(model):
     assert a != engine.generate(rows, 12, sampling=hot, seed=5, stop_tokens=()).tokens
 
 
+class OpenAIPenalties:
+    """The reference of OpenAI's presence and frequency penalties and logit bias, as a logits processor of
+    ``model.generate``: counts the tokens after the prompt's ``start`` columns."""
+
+    def __init__(self, start: int, sampling: Sampling):
+        self.start, self.sampling = start, sampling
+
+    def __call__(self, input_ids, scores):
+        counts = torch.zeros_like(scores, dtype=torch.float64)
+        counts.scatter_add_(1, input_ids[:, self.start:], torch.ones_like(input_ids[:, self.start:],
+                                                                           dtype=torch.float64))
+        adjusted = scores.double() - self.sampling.presence_penalty * (counts > 0) \
+            - self.sampling.frequency_penalty * counts
+        for token, bias in self.sampling.logit_bias:
+            adjusted[:, token] += bias
+        return adjusted.to(scores.dtype)
+
+
+PENALIZED = {
+    "frequency": Sampling(frequency_penalty=1.5),
+    "presence and bias": Sampling(presence_penalty=2.0, frequency_penalty=-0.5,
+                                  logit_bias={7: 3.0, 100: -100.0, 12: 0.25}),
+}
+
+
+@pytest.mark.parametrize("name", ["dense", "quest", "raas"])
+@pytest.mark.parametrize("penalties", PENALIZED)
+def test_penalties_and_logit_bias_equal_generates_with_openais_rule(model, name, penalties):
+    """Greedy with OpenAI's penalties and bias: the tokens of ``model.generate`` with a logits processor that
+    adjusts the logits from the tokens drawn so far, eager and captured, in a batch of two prompts."""
+    from transformers import LogitsProcessorList
+
+    config, sampling = CONFIGS[name], PENALIZED[penalties]
+    rows = prompts()
+    expected = []
+    for row in rows:
+        ids = torch.tensor([row])
+        with sparsekv.apply(model, config), torch.no_grad():
+            seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                                 pad_token_id=0,
+                                 logits_processor=LogitsProcessorList([OpenAIPenalties(len(row), sampling)]))
+        expected.append(seq[0, len(row):].tolist())
+    plain = Engine(model, config, max_batch=2, max_context=512, prefill_chunk=64).generate(rows, NEW, stop_tokens=())
+    assert plain.tokens != expected  # the penalties change the answer
+    engine = Engine(model, config, max_batch=2, max_context=512, prefill_chunk=64)
+    assert engine.generate(rows, NEW, sampling=sampling, stop_tokens=()).tokens == expected
+    engine.capture = emulated_graph
+    replayed = engine.generate(rows, NEW, sampling=sampling, stop_tokens=())
+    assert replayed.captured and replayed.tokens == expected
+
+
+def test_a_logit_bias_of_100_forces_its_token_and_of_minus_100_bans_it(model):
+    engine = Engine(model, DenseConfig(), max_batch=2)
+    rows = prompts((40, 25))
+    forced = engine.generate(rows, 6, sampling=Sampling(logit_bias={9: 100}), stop_tokens=()).tokens
+    assert forced == [[9] * 6, [9] * 6]
+    greedy = engine.generate(rows, 6, stop_tokens=()).tokens
+    banned = {t for row in greedy for t in row}
+    hot = Sampling(temperature=1.0, logit_bias={t: -100 for t in banned})
+    out = engine.generate(rows, 6, sampling=hot, seed=0, stop_tokens=()).tokens
+    assert not banned & {t for row in out for t in row}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"logit_bias": {5: 101}}, "logit_bias"), ({"logit_bias": {-1: 1}}, "logit_bias"),
+    ({"logit_bias": [(3, 1, 2)]}, "logit_bias"), ({"logit_bias": {"7": 1}}, "logit_bias")])
+def test_bad_penalties_and_biases_are_refused(kwargs, match):
+    with pytest.raises(sparsekv.errors.ConfigError, match=match):
+        Sampling(**kwargs)
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused(model):
+    engine = Engine(model, DenseConfig())
+    vocab = model.config.vocab_size
+    with pytest.raises(sparsekv.errors.ConfigError, match=f"logit_bias.*{vocab}"):
+        engine.generate(prompts((20,)), 2, sampling=Sampling(logit_bias={vocab: 1.0}))
+
+
 def test_top_p_keeps_the_smallest_set_reaching_it():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     drawn = {int(Sampling(temperature=1.0, top_p=0.8)(logits)) for _ in range(200)}
@@ -197,18 +276,20 @@ def test_capacity_is_checked_before_running(model):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_cuda_graph_replays_the_eager_tokens(name, kv_dtype):
     """On the GPU (bf16 model, a bf16 or fp8 cache): the captured decode step gives the eager engine's tokens,
-    batched and chunked."""
+    batched and chunked, greedy and with penalties and biases."""
     model = tiny_model("llama", seed=1, dtype=torch.bfloat16).cuda()
     model.generation_config.eos_token_id = None
     rows = prompts((300, 211))
     config = dataclasses.replace(CONFIGS[name], kv_dtype=kv_dtype)
     engine = Engine(model, config, max_batch=2, max_context=512, prefill_chunk=64, cuda_graph=False)
-    eager = engine.generate(rows, 40, stop_tokens=())
+    penalized = PENALIZED["presence and bias"]
+    eager = [engine.generate(rows, 40, stop_tokens=(), sampling=s) for s in (None, penalized)]
     assert Engine(model, config).capture is engine_module.capture_graph  # the default on CUDA
     engine.capture = engine_module.capture_graph
-    captured = engine.generate(rows, 40, stop_tokens=())
-    assert captured.captured and captured.tokens == eager.tokens
-    assert captured.stats == pytest.approx(eager.stats)
+    captured = [engine.generate(rows, 40, stop_tokens=(), sampling=s) for s in (None, penalized)]
+    for want, got in zip(eager, captured):
+        assert got.captured and got.tokens == want.tokens
+        assert got.stats == pytest.approx(want.stats)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -103,7 +103,8 @@ def test_batching_changes_no_result(model, name):
             assert tokens[i] == want and final[i].finish_reason == "length"
     metrics = engine.metrics()
     assert metrics["free_rows"] == 3 and metrics["kv_bytes_in_use"] == 0 and metrics["running"] == 0
-    assert metrics["finished_requests"] == len(PLAN)
+    ends = [end if end != "cancel" else "cancelled" for *_, end in PLAN]
+    assert metrics["finished_requests"] == {end: ends.count(end) for end in ends}
     assert metrics["generated_tokens"] == sum(len(t) for t in tokens.values())
 
 
@@ -266,6 +267,30 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model):
     assert run(other, [(0, reseeded)])[0][0] != alone[0]
 
 
+@pytest.mark.parametrize("name", ["dense", "quest", "raas", "snapkv"])
+def test_penalties_and_biases_are_the_same_alone_and_in_a_batch(model, name):
+    """Requests with penalties and logit biases, greedy and sampled, share steps with plain requests, join rows
+    that penalized requests left and move rows: each gives its tokens alone (``Engine.generate``), eager and
+    captured."""
+    config = CONFIGS[name]
+    penalized = Sampling(presence_penalty=1.5, frequency_penalty=0.75, logit_bias={17: 2.0, 30: -100.0})
+    hot = Sampling(temperature=1.2, top_p=0.9, frequency_penalty=2.0)
+    samplings = [penalized, Sampling(), hot, Sampling(temperature=0.9), penalized, Sampling(), Sampling()]
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=sampling, seed=i))
+                for i, ((arrival, n, new, _), sampling) in enumerate(zip(PLAN, samplings))]
+    engine = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    alone = [engine.generate([r.prompt], r.max_tokens, sampling=r.sampling, seed=r.seed, stop_tokens=()).tokens[0]
+             for _, r in requests]
+    assert alone[0] != engine.generate([requests[0][1].prompt], PLAN[0][2], stop_tokens=()).tokens[0]
+    for capture in (None, emulated_graph):
+        serving = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+        serving.runner.engine.capture = capture
+        batched, _ = run(serving, requests)
+        assert [batched[i] for i in range(len(requests))] == alone
+    steps = serving.runner.steps
+    assert any(key[3] for key in steps) and any(not key[3] for key in steps)  # steps with and without penalties
+
+
 @pytest.mark.parametrize("config", [CONFIGS["dense"], QuestConfig(token_budget=CONTEXT, page_size=8, dense_layers=1)],
                          ids=["dense", "quest-whole-budget"])
 def test_logprobs_are_the_models_log_softmax(model, config):
@@ -418,7 +443,7 @@ def test_cancelled_requests_free_their_rows_wherever_they_are(model):
     engine.submit(Request(prompt=prompt(30), max_tokens=3))  # the freed rows serve again
     while engine.has_work():
         engine.step()
-    assert engine.metrics()["finished_requests"] == 5
+    assert engine.metrics()["finished_requests"] == {"cancelled": 4, "length": 1}
 
 
 def test_queue_full_and_requests_that_never_fit(model):
@@ -463,7 +488,7 @@ def test_memory_admits_what_fits_and_the_rest_waits(model):
     assert metrics["queued"] == 1 and metrics["kv_bytes_in_use"] == 2 * need
     while engine.has_work():
         engine.step()
-    assert engine.metrics()["finished_requests"] == 3
+    assert engine.metrics()["finished_requests"] == {"length": 3}
 
 
 @pytest.mark.parametrize("fields,match", [
@@ -489,9 +514,9 @@ def test_bad_requests_are_refused(fields, match):
                                                  ("quest-fp8", "float", 5)])
 def test_cuda_graphs_serve_the_eager_tokens(name, weights, rows):
     """On the GPU (bf16): steps captured once per batch size (CUDA graphs, the default on CUDA) give the eager
-    steps' tokens, greedy and sampled, over rows that join, move and leave; on int4 weights (laid out for the CUDA
-    kernel: its products of one B operand up to 8 rows, two up to 16), with up to 7 and 12 rows; over fp8 caches
-    of pages of 16 at head dim 64, whose dense layers take the CUDA attention kernel."""
+    steps' tokens, greedy and sampled, with and without penalties, over rows that join, move and leave; on int4
+    weights (laid out for the CUDA kernel: its products of one B operand up to 8 rows, two up to 16), with up to 7
+    and 12 rows; over fp8 caches of pages of 16 at head dim 64, whose dense layers take the CUDA attention kernel."""
     from sparsekv.kernels.cuda import available
     from sparsekv.kernels.reference import tiled
     from sparsekv.quant import QuantLinear, quantize_model
@@ -504,9 +529,10 @@ def test_cuda_graphs_serve_the_eager_tokens(name, weights, rows):
     quantize_model(model, weights)
     if weights == "int4" and available(torch.device("cuda"), "quant"):
         assert all(tiled(m.codes) for m in model.modules() if isinstance(m, QuantLinear))
-    hot = Sampling(temperature=0.8, top_p=0.9)
-    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=hot if i % 2 else Sampling(), seed=i,
-                                  logprobs=2 if i % 3 == 0 else None))
+    hot = Sampling(temperature=0.8, top_p=0.9, frequency_penalty=0.5)
+    penalized = Sampling(presence_penalty=1.0, logit_bias={17: 1.5})
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=[penalized, hot, Sampling(), hot][i % 4],
+                                  seed=i, logprobs=2 if i % 3 == 0 else None))
                 for i, (arrival, n, new, _) in enumerate(PLAN)]
     tokens, logprobs = [], []
     for cuda_graph in (False, None):

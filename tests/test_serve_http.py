@@ -131,6 +131,30 @@ def test_chat_whole_and_streamed(client):
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"
+    # OpenAI's shape: the role in the first chunk alone, with empty content
+    assert (chunks[0].choices[0].delta.role, chunks[0].choices[0].delta.content) == ("assistant", "")
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
+
+
+def test_nulls_take_the_defaults_and_tiny_temperatures_are_greedy(server, client):
+    body = {"model": NAME, "prompt": "abc", "max_tokens": 6, "ignore_eos": True}
+    greedy = httpx.post(server + "/v1/completions", json={**body, "temperature": 0}).json()
+    for fields in ({"temperature": 1e-6}, {"temperature": None, "top_k": 1, "n": None, "stream": None,
+                                           "stop": None, "seed": None, "logit_bias": None, "top_p": None}):
+        r = httpx.post(server + "/v1/completions", json={**body, **fields})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
+
+
+def test_models_by_name_and_openai_errors_for_unknown_paths(server, client):
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("other")
+    assert err.value.body["code"] == "model_not_found"
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, server + path)
+        assert r.status_code == status and path in r.json()["error"]["message"], r.text
+    check_still_serves(client)
 
 
 def test_models_health_metrics(server, client):
@@ -168,11 +192,24 @@ def test_latency_histograms(server, client):
     ({"model": NAME, "prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"model": NAME, "prompt": "hi", "temperature": 5}, "temperature"),
     ({"model": NAME, "prompt": "hi", "top_p": 0}, "top_p"),
-    ({"model": NAME, "prompt": "hi", "temperature": 1e-6}, "temperature"),
+    ({"model": NAME, "prompt": "hi", "temperature": "0.5"}, "temperature"),
+    ({"model": NAME, "prompt": "hi", "stream": "yes"}, "stream"),
+    ({"model": NAME, "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": NAME, "prompt": [1, "a"]}, "prompt"),
+    ({"prompt": "hi", "model": None}, "model"),
     ({"model": NAME, "prompt": "hi", "n": 0}, "n"),
     ({"model": NAME, "prompt": "hi", "n": 2}, "n"),  # more choices than max_queue
     ({"model": NAME, "prompt": ["hi", "ho"]}, "prompt"),  # more prompts than max_queue
-    ({"model": NAME, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": NAME, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": NAME, "prompt": "hi", "frequency_penalty": "high"}, "frequency_penalty"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"100000": 1}}, "logit_bias"),  # outside the vocabulary
+    ({"model": NAME, "prompt": "hi", "top_k": -2}, "top_k"),
+    ({"model": NAME, "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"model": NAME, "prompt": "hi", "stop_token_ids": [100000]}, "stop_tokens"),
+    ({"model": NAME, "prompt": "hi", "min_p": 0.1}, "min_p"),
+    ({"model": NAME, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
     ({"model": NAME, "prompt": "hi", "logprobs": 6}, "logprobs"),
     ({"model": NAME, "prompt": "hi", "echo": True}, "echo"),
     ({"model": NAME, "prompt": "hi", "stop": [""]}, "stop"),
@@ -186,6 +223,28 @@ def test_bad_fields_give_400_naming_the_field(server, client, body, param):
     error = r.json()["error"]
     assert error["param"] == param and param in error["message"] and error["type"] == "invalid_request_error"
     check_still_serves(client)
+
+
+def test_penalties_logit_bias_top_k_and_stop_token_ids(client):
+    def text(**fields):
+        out = client.completions.create(model=NAME, prompt="abc", max_tokens=16, temperature=0,
+                                        extra_body={"ignore_eos": True, **fields.pop("extra", {})}, **fields)
+        return out.choices[0]
+
+    plain = text()
+    assert text(logit_bias={"123": 100}).text == "x" * 16  # byte 'x' is token 123
+    assert text(frequency_penalty=2.0).text != plain.text
+    assert text(presence_penalty=-2.0, frequency_penalty=0.0, extra={"top_k": 1}).text != plain.text
+    assert text(extra={"top_k": -1}).text == plain.text == text(extra={"top_k": 0}).text
+    char = next(c for c in plain.text[1:] if c.isascii())
+    cut = text(extra={"stop_token_ids": [ord(char) + 3]})  # the byte tokenizer's id of an ASCII character
+    assert cut.finish_reason == "stop" and cut.text == plain.text[:plain.text.index(char)]
+    assert cut.text != plain.text
+    forced = text(logit_bias={"123": 100}, extra={"stop_token_ids": [123]})
+    assert forced.finish_reason == "stop" and forced.text == ""
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          temperature=0, logit_bias={"123": 100}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == "xxxxx"
 
 
 def test_bad_chat_fields_give_400(server, client):
@@ -219,6 +278,7 @@ def test_prompt_over_capacity_gives_400_naming_the_limit(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=NAME, prompt=[5] * (MAX_CONTEXT + 3), max_tokens=1)
     assert "max_context" in err.value.body["message"] and err.value.body["param"] == "prompt"
+    assert err.value.body["code"] == "context_length_exceeded"
     check_still_serves(client)
 
 
@@ -251,6 +311,7 @@ def test_full_queue_gives_429_and_a_disconnect_frees_rows(server, client):
         assert metric(server, "sparsekv_free_rows") == 0 and metric(server, "sparsekv_requests_queued") == MAX_QUEUE
         r = http.post(server + "/v1/completions", json={**long, "stream": False})
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert r.headers["retry-after"] == "1"
         for s in streams:
             s.close()
     deadline = time.monotonic() + 20
@@ -269,7 +330,7 @@ def test_a_client_that_leaves_a_whole_answer_frees_its_row(server, client):
     while metric(server, "sparsekv_free_rows") != MAX_BATCH:
         assert time.monotonic() < deadline, "the row of a disconnected client was not freed"
         time.sleep(0.05)
-    assert metric(server, "sparsekv_finished_requests_total") > 0
+    assert metric(server, 'sparsekv_finished_requests_total{reason="cancelled"}') > 0
     check_still_serves(client)
 
 
@@ -417,8 +478,13 @@ def test_chat_logprobs(server, roomy):
     content = out.choices[0].logprobs.content
     assert len(content) == 5
     for entry in content:
-        assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 2
-        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert len(entry.top_logprobs) == 2 and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+    assert bytes(b for entry in content for b in entry.bytes).decode(errors="replace") == out.choices[0].message.content
+    # Each token of this tokenizer is a byte: a lone byte of a character is U+FFFD as text, itself as bytes.
+    forced = roomy.chat.completions.create(model=NAME, messages=messages, max_tokens=3, temperature=0,
+                                           logprobs=True, logit_bias={str(0xC3 + 3): 100},
+                                           extra_body={"ignore_eos": True}).choices[0].logprobs.content
+    assert [(e.token, e.bytes) for e in forced] == [("\ufffd", [0xC3])] * 3
     for fields, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21},
                                                                    "top_logprobs")):
         r = httpx.post(server + "/v1/chat/completions", json={"model": NAME, "messages": messages, **fields})

@@ -4,7 +4,8 @@ A pool, as data::
 
     a cache of max_batch rows (every layer allocated once, each row sized for any request of max_context tokens,
     at most max_new_tokens of them new: ``Method.pool_pages``)
-    + the method's state for those rows + per-row next token, sampling, seed and token index
+    + the method's state for those rows + per-row next token, sampling, seed, token index, and the penalties'
+    state (each row's count of every token drawn and its logit bias: ``engine.penalize``)
     running rows packed low: rows [0, n) run, n = the running requests; a request that ends gives its row to the
     last running one (its pages, bounds and state copied over), so a step runs over rows [0, n) only
 
@@ -30,8 +31,8 @@ import torch
 from .. import parallel
 from ..cache import PagedLayer, storage_dtype
 from ..cache.host_store import require_host_bytes
-from ..engine import (CapturedStep, Engine, Sampling, _is_count, argmax, counter_noise, draw, prefill_passes,
-                      token_logprobs)
+from ..engine import (CapturedStep, Engine, Sampling, _is_count, argmax, counter_noise, draw, penalize,
+                      prefill_passes, token_logprobs)
 from ..integrations import apply
 from ..integrations.decode import DecodeModel
 from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
@@ -67,7 +68,7 @@ def available_device_bytes(device: torch.device) -> int | None:
 @dataclass(frozen=True)
 class Logprobs:
     """A drawn token's log-probability under the model (``engine.token_logprobs``: the log-softmax of its logits,
-    before temperature and top-p), and ``top``: the likeliest tokens and theirs, most likely first."""
+    before penalties, temperature and top-p), and ``top``: the likeliest tokens and theirs, most likely first."""
 
     logprob: float
     top: tuple[tuple[int, float], ...]
@@ -109,6 +110,9 @@ class Runner:
         require(_is_count(self.max_new_tokens, 1) and self.max_new_tokens <= max_context, "max_new_tokens",
                 f"None (max_context) or an int from 1 to max_context ({max_context})", max_new_tokens)
         prefill_bytes = max_context * self.num_layers * self.token_bytes  # one prompt's KV, before any eviction
+        # Each row's penalty state: its count of every token drawn and its logit bias (float32, ``penalize``).
+        self.vocab_size = model.config.vocab_size
+        prefill_bytes += max_batch * 2 * self.vocab_size * 4
         free = available_device_bytes(self.device)
 
         def pool_bytes(method) -> int:
@@ -129,14 +133,14 @@ class Runner:
         self.extra_state_bytes = sum(max(b - 8, 0) for b in self.method.slot_state_bytes(attn.head_dim)) * kv_heads
         require(free is None or need + prefill_bytes <= free, POOL_FIELD,
                 f"small enough that the pool of rows ({need / 2**30:.2f} GiB) and one prompt's "
-                f"prefill ({prefill_bytes / 2**30:.2f} GiB) fit the device's free {(free or 0) / 2**30:.2f} GiB",
+                f"prefill and the rows' sampling state ({prefill_bytes / 2**30:.2f} GiB) fit the device's free "
+                f"{(free or 0) / 2**30:.2f} GiB",
                 (max_batch, max_context))
         # The pool's host store, and one prompt's own store while it is prefilled, must fit before any is taken.
         require_host_bytes((max_batch + 1) * self.method.pool_host_tokens(max_context) * self.token_bytes,
                            f"max_batch: the host store of {max_batch} rows and one prompt's own store need",
                            "use a smaller max_batch or max_context")
         self.model, self.config, self.passes = model, self.method.config, passes
-        self.vocab_size = model.config.vocab_size
         # About one chunk of the prompt through every layer per call of ``prefill``.
         self.prefill_budget = prefill_chunk * self.num_layers
         self.window = _sliding_window(model.config)
@@ -160,6 +164,10 @@ class Runner:
         self.token = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)  # each row's next input
         self.temperature, self.top_p = per_row(0.0, torch.float32), per_row(1.0, torch.float32)
         self.top_k, self.seed, self.index = per_row(0, torch.long), per_row(0, torch.long), per_row(0, torch.long)
+        # ``penalize``'s per-row state, read by the steps of rows whose sampling adjusts the logits.
+        self.presence, self.frequency = per_row(0.0, torch.float32), per_row(0.0, torch.float32)
+        self.counts = torch.zeros(max_batch, self.vocab_size, dtype=torch.float32, device=self.device)
+        self.bias = torch.zeros_like(self.counts)
         # A step's log-probabilities (``token_logprobs``), written by the steps of rows that asked for them.
         top = min(TOP_LOGPROBS, self.vocab_size)
         self.logprob = per_row(0.0, torch.float32)
@@ -167,10 +175,11 @@ class Runner:
         self.top_ids = torch.zeros(max_batch, top, dtype=torch.long, device=self.device)
         self.keys: list = []  # the request running in each row, rows [0, n)
         self.sampled: list[bool] = []
+        self.adjusted: list[bool] = []  # whether the row's sampling adjusts the logits (``Sampling.adjusts``)
         self.logprobs: list[int | None] = []  # the top log-probabilities each row asked for (None: none)
         self.prompt_lens: list[int] = []
         self.max_tokens: list[int] = []
-        self.steps: dict[tuple[int, bool, bool, int, int | None], tuple[SparseKVCache, CapturedStep]] = {}
+        self.steps: dict[tuple[int, bool, bool, bool, int, int | None], tuple[SparseKVCache, CapturedStep]] = {}
 
     @property
     def free_rows(self) -> int:
@@ -227,7 +236,11 @@ class Runner:
         """The request's first new token, drawn from its prompt's logits (token index 0), and with ``logprobs`` (the
         likeliest tokens to list, up to ``TOP_LOGPROBS``) its log-probabilities."""
         one = torch.ones(1, dtype=torch.long, device=self.device)
-        token = sampling(job.logits, one * seed, one * 0)
+        logits = job.logits
+        if sampling.adjusts:  # nothing drawn yet: only the bias
+            logits = penalize(logits, torch.zeros_like(logits, dtype=torch.float32),
+                              *sampling.penalties(1, logits.shape[1], self.device))
+        token = sampling(logits, one * seed, one * 0)
         if logprobs is None:
             return int(token[0]), None
         found = token_logprobs(job.logits, token, TOP_LOGPROBS)
@@ -252,8 +265,14 @@ class Runner:
         self.temperature[row], self.top_k[row], self.top_p[row] = sampling.temperature, sampling.top_k, \
             sampling.top_p
         self.seed[row], self.index[row] = seed, 1
+        # Written for every request: a row that does not adjust may run in a step that does.
+        presence, frequency, bias = sampling.penalties(1, self.vocab_size, self.device)
+        self.presence[row], self.frequency[row], self.bias[row] = presence[0], frequency[0], bias[0]
+        self.counts[row].zero_()
+        self.counts[row, first] = 1
         self.keys.append(key)
         self.sampled.append(not sampling.greedy)
+        self.adjusted.append(sampling.adjusts)
         self.logprobs.append(logprobs)
         self.prompt_lens.append(job.prompt_len)
         self.max_tokens.append(max_tokens)
@@ -275,7 +294,8 @@ class Runner:
                 pages.lengths[row] = pages.lengths[last]
                 pages.seq_len[row] = pages.seq_len[last]
                 self.method.copy_row(row, self.method, last, self.prompt_lens[last])
-                for t in (self.token, self.temperature, self.top_k, self.top_p, self.seed, self.index):
+                for t in (self.token, self.temperature, self.top_k, self.top_p, self.seed, self.index,
+                          self.presence, self.frequency, self.bias, self.counts):
                     t[row] = t[last]
             for rows in self._host_rows:
                 rows[row] = rows[last]
@@ -286,7 +306,7 @@ class Runner:
     @property
     def _host_rows(self) -> tuple[list, ...]:
         """What the host keeps per running row."""
-        return self.keys, self.sampled, self.logprobs, self.prompt_lens, self.max_tokens
+        return self.keys, self.sampled, self.adjusted, self.logprobs, self.prompt_lens, self.max_tokens
 
     def _pages(self, tokens: int) -> int:
         return -(-tokens // self.config.page_size)
@@ -299,7 +319,7 @@ class Runner:
         if self.method.sized_by_decode_tokens:  # a step per power of two of the rows' longest decode
             room = min(room, 1 << (max(self.max_tokens) - 1).bit_length())
         scored = any(k is not None for k in self.logprobs)
-        cache, run = self._step(n, any(self.sampled), scored, room, self.method.step_slots(n))
+        cache, run = self._step(n, any(self.sampled), scored, any(self.adjusted), room, self.method.step_slots(n))
         pages = self.pool.pages
         cache.pages.lengths = pages.lengths[:n]
         for layer, view in zip(pages.layers, cache.pages.layers):
@@ -314,13 +334,14 @@ class Runner:
             found = [None if k is None else _logprobs(*row, k) for *row, k in zip(lp, top, ids, self.logprobs)]
         return dict(zip(self.keys, zip(tokens, found)))
 
-    def _step(self, n: int, sampled: bool, scored: bool, room: int,
+    def _step(self, n: int, sampled: bool, scored: bool, adjusted: bool, room: int,
               slots: int | None) -> tuple[SparseKVCache, CapturedStep]:
         """The decode step over rows [0, n) (``sampled``: some row samples; ``scored``: some row asked for
-        log-probabilities; ``room``: no row holds more tokens after its prompt; ``slots``: ``Method.step_slots``),
-        made at its first use: a cache and method that are views of the pool's first n rows, and the step (captured
-        at its second run where the engine captures)."""
-        key = (n, sampled, scored, room, slots)
+        log-probabilities; ``adjusted``: some row's sampling adjusts the logits; ``room``: no row holds more tokens
+        after its prompt; ``slots``: ``Method.step_slots``), made at its first use: a cache and method that are views
+        of the pool's first n rows, and the step (captured at its second run where the engine captures). A row whose
+        sampling does not adjust runs in an adjusting step unchanged: its penalties and bias are zero."""
+        key = (n, sampled, scored, adjusted, room, slots)
         if key in self.steps:
             return self.steps[key]
         cache = SparseKVCache(self.method.rows(n, room), DecodeStats(tp_group=self.tp_group), self.window)
@@ -329,15 +350,19 @@ class Runner:
         temperature, top_k, top_p = self.temperature[:n], self.top_k[:n], self.top_p[:n]
         seed, index = self.seed[:n], self.index[:n]
         logprob, top_logprob, top_ids = self.logprob[:n], self.top_logprob[:n], self.top_ids[:n]
+        counts, penalties = self.counts[:n], (self.presence[:n], self.frequency[:n], self.bias[:n])
 
         def step() -> None:
             logits = self.decoder(token, seq_len.view(n, 1), cache)
+            chosen = penalize(logits, counts, *penalties) if adjusted else logits
             if sampled:
-                nxt = draw(logits, temperature, top_k, top_p, counter_noise(seed, index, logits.shape[1]))
+                nxt = draw(chosen, temperature, top_k, top_p, counter_noise(seed, index, logits.shape[1]))
             else:
-                nxt = argmax(logits)
+                nxt = argmax(chosen)
             token.copy_(nxt.view(n, 1))
             index.add_(1)
+            if adjusted:
+                counts.scatter_add_(1, token, torch.ones_like(token, dtype=torch.float32))
             if scored:
                 for out, value in zip((logprob, top_logprob, top_ids), token_logprobs(logits, nxt, TOP_LOGPROBS)):
                     out.copy_(value)

@@ -31,6 +31,10 @@ class RequestError(ConfigError):
     """A request field that is not allowed, or a request that can never fit: ``field`` must be ``allowed``."""
 
 
+class ContextTooLong(RequestError):
+    """A request whose prompt, or prompt and new tokens, exceed ``max_context``."""
+
+
 class QueueFull(RuntimeError):
     """``max_queue`` requests already wait; the client should retry later."""
 
@@ -182,7 +186,7 @@ class ServingEngine:
         self._running: dict[int, _Live] = {}  # id -> request
         self._in_use = 0  # KV bytes of the admitted requests
         self._generated = 0
-        self._finished = 0
+        self._finished: dict[str, int] = {}  # requests finished since the start, by finish reason
         self._prefill_work = 0  # token-layers of prefill run
 
     @property
@@ -205,14 +209,15 @@ class ServingEngine:
             raise RequestError("prompt", f"token ids below the vocabulary size ({vocab})", _short(request.prompt))
         if request.stop_tokens and max(request.stop_tokens) >= vocab:
             raise RequestError("stop_tokens", f"token ids below the vocabulary size ({vocab})", request.stop_tokens)
+        request.sampling.check_vocab(vocab)
         if request.max_tokens > runner.max_new_tokens:
             raise RequestError("max_tokens", f"at most max_new_tokens ({runner.max_new_tokens})", request.max_tokens)
         if len(request.prompt) >= runner.max_context:
-            raise RequestError("prompt", f"at most {runner.max_context - 1} tokens (max_context, "
+            raise ContextTooLong("prompt", f"at most {runner.max_context - 1} tokens (max_context, "
                                f"{runner.max_context}, less one new token)", len(request.prompt))
         total = len(request.prompt) + request.max_tokens
         if total > runner.max_context:
-            raise RequestError("max_tokens", f"at most max_context ({runner.max_context}) less the prompt's "
+            raise ContextTooLong("max_tokens", f"at most max_context ({runner.max_context}) less the prompt's "
                                f"{len(request.prompt)} tokens", request.max_tokens)
         need = runner.kv_bytes(len(request.prompt), total)
         if need > self.kv_memory_bytes:
@@ -240,13 +245,13 @@ class ServingEngine:
 
     def metrics(self) -> dict:
         """Rows, queue and memory now (``free_rows``: rows neither running nor taken by a prefill), and totals since
-        the start."""
+        the start (``finished_requests``: by finish reason, "stop", "length" or "cancelled")."""
         with self._lock:
             queued, running, prefilling = len(self._queue), len(self._running), len(self._prefilling)
         return {"running": running, "queued": queued, "prefilling": prefilling,
                 "free_rows": self.runner.max_batch - running - prefilling, "kv_bytes_in_use": self._in_use,
                 "kv_bytes_capacity": self.kv_memory_bytes, "host_kv_bytes": self.runner.host_bytes(),
-                "generated_tokens": self._generated, "finished_requests": self._finished,
+                "generated_tokens": self._generated, "finished_requests": dict(self._finished),
                 "prefill_work": self._prefill_work}
 
     def step(self) -> list[Event]:
@@ -387,5 +392,5 @@ class ServingEngine:
                 self._prefilling.remove(live)
             if not any(other.prefill is job for other in self._prefilling):
                 self.runner.discard(job)
-        self._finished += 1
+        self._finished[reason] = self._finished.get(reason, 0) + 1
         events.append(self._event(live, True, reason))

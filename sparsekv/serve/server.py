@@ -36,17 +36,20 @@ import traceback
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Literal
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
+                      model_validator)
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import IncrementalText, Sampling
+from ..engine import MAX_BIAS, MAX_PENALTY, MIN_TEMPERATURE, IncrementalText, Sampling
 from ..errors import ConfigError
 from . import Event, Logprobs, QueueFull
+from .scheduler import ContextTooLong
 from . import Request as EngineRequest
 from .runner import TOP_LOGPROBS
 
@@ -75,15 +78,16 @@ class APIError(Exception):
     """An error answered as OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 # ---------------------------------------------------------------------------------------------------- requests
@@ -94,30 +98,78 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-# OpenAI fields this server cannot honour, with the values it accepts for them (their defaults): anything else is
-# refused with a 400 naming the field rather than answered as if it had not been asked.
-UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "presence_penalty": (None, 0),
-               "frequency_penalty": (None, 0), "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
-               "response_format": (None, {"type": "text"})}
+# Fields this server cannot honour (OpenAI's, and vLLM's extensions that change the output), with the values it
+# accepts for them (their defaults): anything else is refused with a 400 naming the field rather than answered as if
+# it had not been asked.
+UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
+               "response_format": (None, {"type": "text"}), "min_p": (None, 0), "repetition_penalty": (None, 1),
+               "min_tokens": (None, 0), "use_beam_search": (None, False), "prompt_logprobs": (None,),
+               "bad_words": (None, []), "allowed_token_ids": (None,), "include_stop_str_in_output": (None, False),
+               "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+               "structured_outputs": (None,), "functions": (None, []), "function_call": (None, "none"),
+               "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,)}
+
+
+# A number field: an int or a float, not a string or a bool.
+Number = Annotated[float, Field(strict=True)]
 
 
 class _Generation(BaseModel):
-    """Fields both endpoints share. Other fields are accepted and ignored, except those of ``UNSUPPORTED`` at a
-    value other than their default, which ``check_supported`` refuses."""
+    """Fields both endpoints share. A field given as null takes its default, as OpenAI's do. Other fields are
+    accepted and ignored, except those of ``UNSUPPORTED`` at a value other than their default, which
+    ``check_supported`` refuses."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    temperature: Annotated[Number, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[Number, Field(gt=0, le=1)] = 1.0
     stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] = []
     seed: StrictInt | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[Number, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    frequency_penalty: Annotated[Number, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    # Token ids (JSON keys, so strings) to biases added to their logits.
+    logit_bias: dict[str, Annotated[Number, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] = {}
+    # vLLM's, not OpenAI's: the likeliest tokens a draw keeps (-1 or 0: all); token ids that end the answer as the
+    # model's end-of-sequence does (finish reason "stop", the token's text left out).
+    top_k: Annotated[StrictInt, Field(ge=-1)] = -1
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = []
     # Not OpenAI's: generate through the model's end-of-sequence tokens (exact output lengths for benchmarks).
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data):
+        """A declared field given as null is left out (it takes its default; a required one is then missing)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value):
+        if not all(key.isdigit() for key in value):
+            raise ValueError("keys must be token ids (decimal strings of ints >= 0)")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _streamed(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only with stream true")
+        return value
+
+    def sampling(self) -> Sampling:
+        """The engine's ``Sampling`` of the request's fields. A temperature below the engine's least
+        (``MIN_TEMPERATURE``) is greedy, the limit of drawing at ever smaller temperatures (as vLLM takes it)."""
+        return Sampling(temperature=self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0,
+                        top_p=self.top_p, top_k=max(self.top_k, 0), presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty,
+                        logit_bias={int(k): v for k, v in self.logit_bias.items()})
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -163,7 +215,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    logprobs: bool | None = None
+    logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=TOP_LOGPROBS)] | None = None
 
     def listed_logprobs(self) -> int | None:
@@ -181,6 +233,10 @@ def _validation_error(err: RequestValidationError) -> APIError:
                         code="invalid_json")
     if not loc:
         return APIError(400, f"the request body must be a JSON object: {first.get('msg')}")
+    if loc[0] == "prompt" and len(loc) > 1:  # pydantic names the first form of the union that failed
+        return APIError(400, f"prompt: must be a string, a list of token ids (ints >= 0), or a non-empty list of "
+                             f"either (got {first.get('input')!r} at {'.'.join(loc)})", param="prompt",
+                        code="invalid_value")
     return APIError(400, f"{'.'.join(loc)}: {first.get('msg')} (got {first.get('input')!r})", param=loc[0],
                     code="invalid_value")
 
@@ -225,11 +281,12 @@ class Piece:
 
 
 class _Subscriber:
-    """A request's asyncio queue, fed from the engine thread."""
+    """A request's asyncio queue, fed from the engine thread, and its ``stop_tokens``."""
 
-    def __init__(self):
+    def __init__(self, stop_tokens: tuple[int, ...]):
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.stop_tokens = stop_tokens
 
     def push(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -303,7 +360,7 @@ class EngineLoop:
         self.thread.join()
 
     def submit(self, request: EngineRequest) -> tuple[int, _Subscriber]:
-        subscriber = _Subscriber()
+        subscriber = _Subscriber(request.stop_tokens)
         with self.lock:  # the engine thread sets ``error`` under it, so no request is left waiting after a failure
             if self.error is not None:
                 raise APIError(503, f"the engine failed and serves no more requests: {self.error!r}",
@@ -422,7 +479,7 @@ class Service:
         ``listed``: the likeliest tokens whose log-probabilities come with each new token's (None: none)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-        stops = () if body.ignore_eos else tuple(self.engine.stop_tokens_default)
+        stops = (() if body.ignore_eos else tuple(self.engine.stop_tokens_default)) + tuple(body.stop_token_ids or ())
         if len(prompts) * body.n > self.engine.max_queue:  # could never be queued at once
             name = "n" if len(prompts) == 1 else "prompt"
             raise APIError(400, f"{name}: {len(prompts)} prompt(s) of {body.n} choice(s) each are more requests than "
@@ -430,7 +487,7 @@ class Service:
                            code="invalid_value")
         submitted: list[tuple[int, _Subscriber]] = []
         try:
-            sampling = Sampling(temperature=body.temperature, top_p=body.top_p)
+            sampling = body.sampling()
             for prompt in prompts:
                 # A chat answer may take what the limits leave.
                 most = max_tokens or max(min(self.max_context - len(prompt), self.max_new_tokens), 1)
@@ -444,9 +501,10 @@ class Service:
                 self.loop.cancel(rid)
             if isinstance(err, QueueFull):
                 raise APIError(429, f"the queue is full ({err}); retry later", "rate_limit_error",
-                               code="queue_full") from None
+                               code="queue_full", headers={"Retry-After": "1"}) from None
             # RequestError (a limit, a token id) or Sampling's refusal
-            raise APIError(400, str(err), param=err.field, code="invalid_value") from None
+            code = "context_length_exceeded" if isinstance(err, ContextTooLong) else "invalid_value"
+            raise APIError(400, str(err), param=err.field, code=code) from None
 
     async def pieces(self, rid: int, subscriber: _Subscriber, stops: list[str]) -> AsyncIterator[Piece]:
         """The answer's text as it is generated, ending with a piece that has the finish reason and the count of
@@ -460,13 +518,20 @@ class Service:
                 event = await subscriber.queue.get()
                 if isinstance(event, BaseException):
                     raise APIError(500, f"the engine failed: {event!r}", "server_error")
+                # A stop token ends the answer without text or log-probabilities (the model's end-of-sequence has
+                # no text either).
+                tokens = event.tokens
+                cut = event.finish_reason == "stop" and bool(tokens) and tokens[-1] in subscriber.stop_tokens
                 if event.logprobs is None:
-                    text = text_of.push(event.tokens)
+                    text = text_of.push(tokens[:-1] if cut else tokens, event.finished)
                 else:  # token by token, for the offset of each one's text
                     parts = []
-                    for token, logprobs in zip(event.tokens, event.logprobs):
+                    for token, logprobs in zip(tokens[:-1] if cut else tokens, event.logprobs):
                         parts.append(text_of.push([token]))
                         held.append((token, logprobs, made))
+                        made += len(parts[-1])
+                    if event.finished:  # a character the last tokens left unfinished
+                        parts.append(text_of.push([], True))
                         made += len(parts[-1])
                     text = "".join(parts)
                 text, hit = stopper.feed(text, event.finished)
@@ -533,8 +598,10 @@ async def _answer(service: Service, body: _Generation, prompts: list[list[int]],
         scored = None if listed is None else logprobs(scores)
         if not chat:
             return {"index": index, "text": text, "logprobs": scored, "finish_reason": finish}
-        content = {"role": "assistant", "content": text}
-        return {"index": index, ("delta" if delta else "message"): content, "logprobs": scored,
+        if not delta:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": scored,
+                    "finish_reason": finish}
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": scored,
                 "finish_reason": finish}
 
     def usage(lasts: list[Piece]) -> dict:
@@ -572,6 +639,11 @@ async def _answer(service: Service, body: _Generation, prompts: list[list[int]],
 
         tasks = [asyncio.ensure_future(pump(i, rid, subscriber)) for i, (rid, subscriber) in enumerate(choices)]
         try:
+            if chat:  # OpenAI's first chunk of each choice gives the role alone
+                for index in range(len(choices)):
+                    yield _sse({**head, "object": obj, "choices": [{
+                        "index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}], **({"usage": None} if include_usage else {})})
             lasts = []
             while len(lasts) < len(tasks):  # each choice's pieces as they come
                 index, piece = await queue.get()
@@ -621,16 +693,52 @@ class _CompletionLogprobs:
 
 
 class _ChatLogprobs(_CompletionLogprobs):
-    """A chat answer's ``logprobs``: ``content``, per token its text, log-probability, UTF-8 bytes and likeliest
-    tokens."""
+    """A chat answer's ``logprobs``: ``content``, per token its text, log-probability, bytes and likeliest
+    tokens. A token's bytes are those it stands for (``token_bytes``), so that the bytes of a character split over
+    tokens join into it, where each token's text alone is U+FFFD."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.bytes = token_bytes(tokenizer)
 
     def entry(self, token: int, logprob: float) -> dict:
-        text = self.text(token)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+        return {"token": self.text(token), "logprob": _finite(logprob), "bytes": list(self.bytes(token))}
 
     def __call__(self, scores: list[tuple[int, Logprobs, int]]) -> dict:
         return {"content": [{**self.entry(t, lp.logprob), "top_logprobs": [self.entry(*top) for top in lp.top]}
                             for t, lp, _ in scores], "refusal": None}
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The characters that byte-level BPE vocabularies (GPT-2's, Llama-3's, Qwen's) write each byte as, read
+    backwards: printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)}
+    shifted = iter(range(256, 512))
+    return {chr(b if b in printable else next(shifted)): b for b in range(256)}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer) -> Callable[[int], bytes]:
+    """A function giving the bytes a token id stands for: a byte-fallback token's (``<0xNN>``, SentencePiece), a
+    byte-level BPE token's (its characters read through ``BYTE_LEVEL``, where the tokenizer decodes byte-level),
+    else the UTF-8 of its text."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    byte_level = type(decoder).__name__ == "ByteLevel"
+
+    def of(token: int) -> bytes:
+        piece = tokenizer.convert_ids_to_tokens(token)
+        if isinstance(piece, str):
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                with contextlib.suppress(ValueError):
+                    return bytes([int(piece[3:5], 16)])
+            if byte_level and piece and all(c in BYTE_LEVEL for c in piece):
+                return bytes(BYTE_LEVEL[c] for c in piece)
+        return tokenizer.decode([token]).encode()
+
+    return of
 
 
 def _finite(logprob: float) -> float:
@@ -677,6 +785,14 @@ def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None 
     async def invalid(request: Request, err: RequestValidationError):
         return _validation_error(err).response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        """An unknown path (404) or method (405) in OpenAI's error body."""
+        what = {404: f"no such path: {request.url.path}",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(err.status_code, str(err.detail))
+        return APIError(err.status_code, what, code="not_found" if err.status_code == 404 else None,
+                        headers=err.headers).response()
+
     # Prompts are tokenized in a worker thread (the fast tokenizers release the GIL), so that a long one does not
     # hold up the event loop, which streams every running request's tokens.
     @app.post("/v1/completions")
@@ -693,10 +809,18 @@ def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None 
         return await _answer(service, body, [await asyncio.to_thread(service.chat_prompt, body)],
                              body.max_completion_tokens or body.max_tokens, http, "chat.completion")
 
+    def model_card() -> dict:
+        return {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "sparsekv",
+                "max_model_len": service.max_context}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.created,
-                                            "owned_by": "sparsekv", "max_model_len": service.max_context}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        service.check_model(name)
+        return model_card()
 
     @app.get("/health")
     async def health():
@@ -742,8 +866,11 @@ def prometheus_text(loop: EngineLoop) -> str:
                                     value=m["host_kv_bytes"])
             yield CounterMetricFamily("sparsekv_generated_tokens", "Tokens generated since start",
                                       value=m["generated_tokens"])
-            yield CounterMetricFamily("sparsekv_finished_requests", "Requests finished since start",
-                                      value=m["finished_requests"])
+            finished = CounterMetricFamily("sparsekv_finished_requests", "Requests finished since start, by finish "
+                                           "reason (stop, length, cancelled)", labels=["reason"])
+            for reason in ("stop", "length", "cancelled"):
+                finished.add_metric([reason], m["finished_requests"].get(reason, 0))
+            yield finished
             yield CounterMetricFamily("sparsekv_prompt_tokens", "Prompt tokens of the requests that reached their "
                                       "first token since start (a prefill shared by n choices counts n times)",
                                       value=prompt_tokens)

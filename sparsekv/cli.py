@@ -306,7 +306,8 @@ def cmd_serve(args) -> int:
     engine = ServingEngine(loaded.model, config, tokenizer=loaded.tokenizer, max_batch=args.max_batch,
                            max_context=args.max_context, max_new_tokens=args.max_new_tokens,
                            prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
-                           max_queue=args.max_queue, compile=args.compile, kv_memory_bytes=kv_memory)
+                           max_queue=args.max_queue, compile=args.compile, kv_memory_bytes=kv_memory,
+                           prefix_cache_bytes=int(args.prefix_cache_gib * 2**30))
     name = args.name or served_name(args.model)
     print(f"sparsekv serve: {name} with {config.name} on {device} ({dtype}), at http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
@@ -397,6 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission (beyond: 429)")
     srv.add_argument("--kv-memory-gib", type=float, default=None,
                      help="device memory for the KV cache of all requests (default: the engine's own)")
+    srv.add_argument("--prefix-cache-gib", type=float, default=0.0,
+                     help="device memory for finished prompts' KV, kept so that a prompt that begins with the same "
+                          "tokens (a conversation's next turn, another question on one document) prefills only the "
+                          "rest (dense, quest, lowbit, oracle, raas, omnikv without offload; default 0: none)")
     srv.add_argument("--compile", action="store_true", help="fuse the decode step's layer code with torch.compile")
     srv.add_argument("--chat-template", help="a Jinja chat template file, for a tokenizer that has none")
     srv.add_argument("--api-key", help="the key clients must give (Authorization: Bearer KEY) for /v1/ requests "

@@ -565,16 +565,19 @@ class Engine:
         return out[:, :ran + 1], nll, ran, run.captured, seconds, step_seconds if timer is not None else None
 
 
-def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor,
-                   chunk: int) -> Generator[int, None, torch.Tensor]:
+def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor, chunk: int,
+                   start: int = 0) -> Generator[int, None, torch.Tensor]:
     """Runs the prompt ids (B, S) with padding ``mask`` (B, S) through the model layer by layer, each layer chunk by
     chunk, yielding after each pass the tokens it ran (a caller interleaves other work between passes); returns the
     last column's logits (B, V). Layer-major order keeps one layer's prompt KV in flight: a method that moves a
     layer's prompt to host memory after its last chunk (OmniKV's offload) never holds the whole prompt's KV on the
     device. Activations are one chunk's, plus the (B, S, hidden) hidden states between layers. The chunks are
-    aligned to the end, so the last one is full (methods read the prompt's last queries from it)."""
+    aligned to the end, so the last one is full (methods read the prompt's last queries from it). ``start``: the
+    cache holds the prompt's first ``start`` tokens of every row already (``PagedKVCache.seed``), and ids (with no
+    padding then) are the rest."""
     decoder = model.get_decoder()
-    position = (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 1)  # transformers' positions for left padding
+    # transformers' positions for left padding
+    position = (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 1) + start
     hidden = decoder.embed_tokens(ids)
     rotary = {}
     cache_arg = cache_argument(decoder.layers[0])

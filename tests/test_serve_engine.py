@@ -353,6 +353,80 @@ def test_requests_of_one_prompt_share_its_prefill(model, name):
     assert engine.metrics()["free_rows"] == 6 and engine.metrics()["kv_bytes_in_use"] == 0
 
 
+PREFIX_METHODS = ["dense", "quest", "omnikv", "raas", "raas-quest", "lowbit", "oracle", "quest-per-query-head"]
+
+
+@pytest.mark.parametrize("name", PREFIX_METHODS)
+def test_prompts_that_begin_like_a_kept_one_start_from_its_pages(model, name):
+    """With a prefix cache: a conversation's next turn (the last prompt, its answer and more), another question on
+    the same document, the same prompt again, and a prompt shorter than a page in common, each after the prompts
+    before it have run; each request gives its tokens alone, and the prefill runs only what no kept prompt gave."""
+    config = CONFIGS[name]
+    page = config.page_size
+    document = prompt(70)
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    first = alone.generate([document], 6, stop_tokens=()).tokens[0]
+    turns = [document, document + first + prompt(11), document[:50] + prompt(23), document, prompt(30)]
+    engine = ServingEngine(model, config, max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           prefix_cache_bytes=1 << 30)
+    layers = model.config.num_hidden_layers
+    for turn in turns:
+        want = alone.generate([turn], 6, stop_tokens=()).tokens[0]
+        kept = dict(engine.runner.prefixes.entries)
+        shared = max((next((i for i, (a, b) in enumerate(zip(k, turn)) if a != b), min(len(k), len(turn)))
+                      for k in kept), default=0)
+        before = engine.metrics()["prefill_work"]
+        tokens, final = run(engine, [(0, Request(prompt=turn, max_tokens=6))])
+        assert tokens[0] == want
+        cached = final[0].cached_tokens
+        assert cached % page == 0 and cached <= shared and cached > shared - page - CHUNK
+        work = engine.metrics()["prefill_work"] - before  # token-layers (the call that ends a prefill counts 1)
+        assert (len(turn) - cached) * layers <= work <= (len(turn) - cached) * layers + 2
+    metrics = engine.metrics()
+    assert metrics["prefix_hits"] == 3 and metrics["prefix_tokens_reused"] > 0
+    assert 0 < metrics["prefix_cache_bytes"] == engine.runner.prefixes.bytes <= 1 << 30
+
+
+def test_the_prefix_cache_keeps_what_its_budget_holds_and_refuses_methods_that_drop_the_prompt(model):
+    config = CONFIGS["quest"]
+    engine = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           prefix_cache_bytes=1 << 30)
+    run(engine, [(0, Request(prompt=prompt(41), max_tokens=2))])
+    one = engine.metrics()["prefix_cache_bytes"]  # a prompt of 6 pages
+    small = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
+                          prefix_cache_bytes=3 * one)
+    for n in (41, 42, 43, 44):  # different prompts of 6 pages: the oldest goes
+        run(small, [(0, Request(prompt=prompt(n), max_tokens=2))])
+    kept = small.runner.prefixes.entries
+    assert [len(k) for k in kept] == [42, 43, 44] and small.metrics()["prefix_cache_bytes"] == 3 * one
+    longer = prompt(44) + prompt(20)  # a prompt that begins with a kept one takes its place, and more room
+    run(small, [(0, Request(prompt=longer, max_tokens=2))])
+    assert [len(k) for k in kept] == [43, 64] and small.metrics()["prefix_cache_bytes"] <= 3 * one
+    tiny = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
+                         prefix_cache_bytes=one - 1)
+    run(tiny, [(0, Request(prompt=prompt(41), max_tokens=2))])
+    assert not tiny.runner.prefixes.entries and tiny.metrics()["prefix_cache_bytes"] == 0
+    for name in ("snapkv", "h2o", "streamingllm", "omnikv-offload"):
+        with pytest.raises(ConfigError, match="prefix_cache_bytes"):
+            ServingEngine(model, CONFIGS[name], max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
+                          prefix_cache_bytes=1 << 20)
+
+
+def test_a_cancelled_prefill_releases_the_kept_prompt_it_would_start_from(model):
+    engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           prefix_cache_bytes=1 << 30)
+    document = prompt(64)
+    run(engine, [(0, Request(prompt=document, max_tokens=2))])
+    engine.submit(Request(prompt=document + prompt(40), max_tokens=2))
+    other = engine.submit(Request(prompt=document + prompt(12), max_tokens=2))
+    engine.step()  # both admitted, each pinning the kept prompt; the first one's first pass copies its pages
+    assert list(engine.runner.prefixes.pins.values()) == [1]
+    engine.cancel(other)
+    while engine.has_work():
+        engine.step()
+    assert not engine.runner.prefixes.pins
+
+
 def test_a_long_prompt_is_prefilled_between_decode_steps(model):
     engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
     first = engine.submit(Request(prompt=prompt(20), max_tokens=30))

@@ -33,13 +33,14 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'developer' %}{{ rai
 
 
 @contextlib.contextmanager
-def serving(max_queue: int):
+def serving(max_queue: int, prefix_cache_bytes: int = 0):
     """A server of a tiny model with Quest on 127.0.0.1 (its URL), for the module's tests."""
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     model = tiny_model("llama", layers=2, max_positions=MAX_CONTEXT)
     engine = ServingEngine(model, build_config("quest", 64), tokenizer=tokenizer, max_batch=MAX_BATCH,
-                           max_context=MAX_CONTEXT, prefill_chunk=64, max_queue=max_queue)
+                           max_context=MAX_CONTEXT, prefill_chunk=64, max_queue=max_queue,
+                           prefix_cache_bytes=prefix_cache_bytes)
     with running(create_app(engine, tokenizer, NAME)) as url:
         yield url
 
@@ -57,8 +58,8 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def roomy_server():
-    """A second server, whose queue takes several choices and prompts at once."""
-    with serving(8) as url:
+    """A second server, whose queue takes several choices and prompts at once, with a prefix cache."""
+    with serving(8, 64 << 20) as url:
         yield url
 
 
@@ -489,6 +490,28 @@ def test_chat_logprobs(server, roomy):
                                                                    "top_logprobs")):
         r = httpx.post(server + "/v1/chat/completions", json={"model": NAME, "messages": messages, **fields})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_conversations_next_turn_starts_from_the_kept_prompt(server, client, roomy_server, roomy):
+    """The server with a prefix cache answers a second turn as the one without, having prefilled only what the first
+    turn's prompt did not hold, and says so in ``usage.prompt_tokens_details.cached_tokens``."""
+    messages = [{"role": "system", "content": "Read this: " + "the quick brown fox jumps over it. " * 12},
+                {"role": "user", "content": "What jumps?"}]
+    for turn in range(2):
+        answers = [c.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True}) for c in (client, roomy)]
+        assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+        cached = answers[1].usage.prompt_tokens_details.cached_tokens
+        assert answers[0].usage.prompt_tokens_details.cached_tokens == 0
+        if turn == 0:
+            assert cached == 0
+            first = answers[1].usage.prompt_tokens
+        else:
+            assert 0 < cached <= first and cached % 16 == 0 and first - cached < 16
+        messages += [{"role": "assistant", "content": answers[1].choices[0].message.content},
+                     {"role": "user", "content": "And then?"}]
+    assert metric(roomy_server, "sparsekv_prefix_cache_hits_total") >= 1
+    assert metric(roomy_server, "sparsekv_prefix_cache_bytes") > 0
 
 
 def test_an_api_key_is_asked_of_v1_requests_only():

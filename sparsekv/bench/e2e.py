@@ -89,13 +89,14 @@ def memory_problems(device: torch.device, weights: tuple[int, int] | None, kv: i
             or memory_problem({"float32 weights while building": building}, device))
 
 
-def random_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor,
-                  chunk: int) -> Generator[int, None, torch.Tensor]:
+def random_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor, chunk: int,
+                  start: int = 0) -> Generator[int, None, torch.Tensor]:
     """``engine.prefill_passes`` with random keys and values instead of the model: the same appends and method hooks
     as a real chunked prefill (random queries stand for the prompt's), without its compute, pass by pass (layer
     major), yielding the tokens of each pass; returns zero logits (B, V). Layer by layer, so a method that moves a
     layer's prompt to host memory at the layer's last chunk (OmniKV's offload) holds one offloaded layer on the
-    device at a time."""
+    device at a time. ``start``: as in ``prefill_passes`` (the cache's keys continue; the random ones have no
+    positions)."""
     heads, kv_heads = parallel.local_heads(model)
     head_dim = model.get_decoder().layers[0].self_attn.head_dim
     dtype = next(model.parameters()).dtype

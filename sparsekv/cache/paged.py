@@ -214,7 +214,13 @@ class PagedLayer:
             raise ValueError(f"copy_row: the source row holds pages beyond this layer's {self.capacity} slots")
         if source.has_holes and not self.may_have_holes:
             raise ValueError("copy_row: the source row has freed slots but this layer does not search for them")
-        used = min(c, pages)
+        self.copy_slots(row, source, source_row, min(c, pages))
+        self.cur_slot[row].copy_(source.cur_slot[source_row])
+        self.dropped[row] = source.dropped[source_row]
+
+    def copy_slots(self, row: int, source: "PagedLayer", source_row: int, used: int) -> None:
+        """Slots [0, used) of ``row`` take those of row ``source_row`` of ``source`` (pages, bounds, per-slot state);
+        the row's other slots are freed."""
         for name in self.stored:
             getattr(self, name)[row, :, :used].copy_(getattr(source, name)[source_row, :, :used])
         # A free slot's keys and bounds are never read: a page that takes it restarts them.
@@ -224,8 +230,6 @@ class PagedLayer:
                 self.slot_state[name] = torch.zeros((*self.slot_page.shape, *src.shape[3:]), dtype=src.dtype,
                                                     device=src.device)
             self.slot_state[name][row, :, :used].copy_(src[source_row, :, :used])
-        self.cur_slot[row].copy_(source.cur_slot[source_row])
-        self.dropped[row] = source.dropped[source_row]
 
     def token_position(self) -> torch.Tensor:
         """(B, Hkv, C + 1, P) position of every stored token, -1 where the slot is free."""
@@ -404,6 +408,26 @@ class PagedKVCache:
         self.seq_len.add_(valid.sum(dim=1))
         self.in_prompt = prompt and not prompt_end
         return self.plan
+
+    def seed(self, source: "PagedKVCache", tokens: int) -> None:
+        """Starts this cache, empty and of one row, with the first ``tokens`` tokens (whole pages) of row 0 of
+        ``source``, a cache that holds them as its prompt's passes wrote them (no page evicted or moved: slot j holds
+        page j): every layer allocated as an append would (``planned_tokens``) with those pages, their bounds and
+        per-slot state copied. The next pass continues the prompt at position ``tokens``."""
+        pages = tokens // self.page_size
+        if self.lengths:
+            raise ValueError("seed: the cache already holds tokens")
+        if tokens % self.page_size or not 0 < tokens <= source.lengths[0]:
+            raise ValueError(f"seed: tokens must be whole pages of the source's {source.lengths[0]} tokens, got "
+                             f"{tokens}")
+        for i, src in enumerate(source.layers):
+            layer = PagedLayer(1, src.shape[1], src.shape[3], self.page_size, self._size(pages, None), src.k.dtype,
+                               src.k.device)
+            layer.copy_slots(0, src, 0, pages)
+            layer.cur_slot.fill_(pages - 1)
+            self.layers[i] = layer
+        self.lengths = [tokens]
+        self.seq_len = torch.tensor([tokens], device=source.seq_len.device)
 
     def advance(self, steps: int) -> None:
         """Moves the host lengths on by ``steps`` decode tokens per row that ran without Python (graph replays)."""

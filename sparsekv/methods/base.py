@@ -103,9 +103,14 @@ class Method:
     ``tp_group``: the process group over which tensor parallelism splits every layer's heads (``apply`` sets it from
     the model, see ``sparsekv.parallel``), None when they are not split. The tensors a method sees hold this
     process's heads only; a decision over all heads of a layer reduces over ``tp_group``.
+    ``prefix_reuse``: after a prompt, every layer holds each of its pages as the prompt's passes wrote them
+    (nothing evicted, offloaded or compressed), and the passes carry no state from one chunk to the next but the
+    pages: so the first pages of one prompt's cache start any prompt that begins with the same tokens
+    (``PagedKVCache.seed``, a server's prefix cache).
     """
 
     max_pages: int | None = None
+    prefix_reuse: bool = False
     accepts_chunks: bool = True
     sized_by_decode_tokens: bool = False
     tp_group = None

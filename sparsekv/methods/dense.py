@@ -17,6 +17,8 @@ class DenseConfig(MethodConfig):
 
 
 class Dense(Method):
+    prefix_reuse = True
+
     def select(self, layer_idx, q, layer, seq_len):
         return all_slots(layer)
 

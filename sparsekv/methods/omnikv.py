@@ -140,6 +140,10 @@ class OmniKV(Method):
     accepts_chunks = False
     sized_by_decode_tokens = True
 
+    @property
+    def prefix_reuse(self) -> bool:
+        return not self.config.offload  # offloaded layers move their prompt to the host store at its end
+
     def __init__(self, config: OmniKVConfig, num_layers: int):
         super().__init__(config, num_layers)
         self.filters = config.layers_for(num_layers)

@@ -91,6 +91,7 @@ class RaaS(Method):
     (``slots``, from ``step_slots``)."""
 
     config: RaaSConfig
+    prefix_reuse = True  # its limits apply from the first decode step
     accepts_chunks = False
 
     def __init__(self, config: RaaSConfig, num_layers: int):

@@ -23,13 +23,14 @@ same calls in the same order; one process serves HTTP and broadcasts the schedul
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Generator
 
 import torch
 
 from .. import parallel
-from ..cache import PagedLayer, storage_dtype
+from ..cache import PagedKVCache, PagedLayer, storage_dtype
 from ..cache.host_store import require_host_bytes
 from ..engine import (CapturedStep, Engine, Sampling, _is_count, argmax, counter_noise, draw, penalize,
                       prefill_passes, token_logprobs)
@@ -76,13 +77,83 @@ class Logprobs:
 
 @dataclass
 class Prefill:
-    """A request's prompt on its way in: its cache of one row, the passes still to run, and the last column's
-    logits (1, V) once they have all run."""
+    """A request's prompt on its way in: its cache of one row, the passes still to run, the prompt's token ids, how
+    many of them a kept prompt's cache gives (``PrefixCache``: they do not run through the model) and, until its
+    first pass copies them, that prompt's key (pinned in the prefix cache); the last column's logits (1, V) once the
+    passes have all run."""
 
     cache: SparseKVCache
-    passes: Generator
-    prompt_len: int
+    passes: Generator | None
+    prompt: list[int]
+    reused: int = 0
+    source: tuple[int, ...] | None = None
     logits: torch.Tensor | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+
+class PrefixCache:
+    """Finished prompts' caches of one row (``PagedKVCache``), kept within ``budget`` device bytes, the least
+    recently used dropped first, for prompts that begin with the same tokens: such a prompt starts from a copy of
+    the shared whole pages (``PagedKVCache.seed``) and runs only the rest through the model (a conversation's next
+    turn, another question on the same document). A kept cache is pinned while a prefill that will copy from it
+    waits, so that the copy finds it. ``hits`` and ``reused_tokens`` count since the start."""
+
+    def __init__(self, budget: int, page_size: int):
+        self.budget, self.page_size = budget, page_size
+        self.entries: OrderedDict[tuple[int, ...], tuple[torch.Tensor, PagedKVCache, int]] = OrderedDict()
+        self.pins: dict[tuple[int, ...], int] = {}
+        self.bytes = self.hits = self.reused_tokens = 0
+
+    def find(self, prompt: list[int], most: int) -> tuple[int, tuple[int, ...] | None]:
+        """The kept prompt sharing the most whole pages with the start of ``prompt``, at most ``most`` tokens: the
+        tokens shared and its key, pinned until ``take`` (0, None: none)."""
+        ids = torch.tensor(prompt)
+        best, found = 0, None
+        for key, (tokens, _, _) in self.entries.items():
+            n = min(len(tokens), len(ids), most)
+            differ = (tokens[:n] != ids[:n]).nonzero()
+            same = int(differ[0]) if len(differ) else n
+            if same // self.page_size * self.page_size > best:
+                best, found = same // self.page_size * self.page_size, key
+        if found is not None:
+            self.entries.move_to_end(found)
+            self.pins[found] = self.pins.get(found, 0) + 1
+            self.hits += 1
+            self.reused_tokens += best
+        return best, found
+
+    def take(self, key: tuple[int, ...]) -> PagedKVCache:
+        """The kept cache of ``key`` (found by ``find``), unpinned."""
+        self.unpin(key)
+        return self.entries[key][1]
+
+    def unpin(self, key: tuple[int, ...]) -> None:
+        self.pins[key] -= 1
+        if not self.pins[key]:
+            del self.pins[key]
+
+    def keep(self, prompt: list[int], pages: PagedKVCache) -> bool:
+        """Keeps the cache of a finished ``prompt`` unless it cannot fit beside the pinned ones (False). Kept
+        prompts that ``prompt`` begins with are dropped (it serves theirs)."""
+        key, size = tuple(prompt), pages.resident_bytes()
+        for other in [k for k in self.entries if len(k) <= len(key) and key[:len(k)] == k and k not in self.pins]:
+            self._drop(other)
+        unpinned = [k for k in self.entries if k not in self.pins]
+        while unpinned and self.bytes + size > self.budget:
+            self._drop(unpinned.pop(0))
+        if self.bytes + size > self.budget:
+            return False
+        self.entries[key] = (torch.tensor(prompt), pages, size)
+        self.bytes += size
+        return True
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        _, pages, size = self.entries.pop(key)
+        pages.layers = []
+        self.bytes -= size
 
 
 class Runner:
@@ -90,11 +161,13 @@ class Runner:
     arguments, validated the same way). ``max_new_tokens``: the most new tokens of any request (None:
     max_context), which sizes the rows of layers that hold only a request's decode tokens on the device (OmniKV's
     offloaded layers). Requests are known by a key the caller gives (``join``). ``passes``: a prompt's prefill,
-    ``engine.prefill_passes``'s signature (benchmarks give random keys and values instead)."""
+    ``engine.prefill_passes``'s signature (benchmarks give random keys and values instead). ``prefix_cache_bytes``:
+    device memory for finished prompts' caches kept for prompts that begin like them (``PrefixCache``; 0: none),
+    for methods whose prompt pages can start another prompt (``Method.prefix_reuse``)."""
 
     def __init__(self, model, config, *, max_batch: int, max_context: int | None, prefill_chunk: int,
                  cuda_graph: bool | None, compile: bool, passes: Callable = prefill_passes,
-                 max_new_tokens: int | None = None):
+                 max_new_tokens: int | None = None, prefix_cache_bytes: int = 0):
         self.engine = Engine(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
         self.max_batch, self.max_context = max_batch, self.engine.max_context
@@ -113,6 +186,9 @@ class Runner:
         # Each row's penalty state: its count of every token drawn and its logit bias (float32, ``penalize``).
         self.vocab_size = model.config.vocab_size
         prefill_bytes += max_batch * 2 * self.vocab_size * 4
+        require(_is_count(prefix_cache_bytes, 0), "prefix_cache_bytes", "an int >= 0 (0: no prefix cache)",
+                prefix_cache_bytes)
+        prefill_bytes += prefix_cache_bytes
         free = available_device_bytes(self.device)
 
         def pool_bytes(method) -> int:
@@ -132,8 +208,8 @@ class Runner:
         # never needs more than its row; a request's pages lie evenly over the layers that hold them.
         self.extra_state_bytes = sum(max(b - 8, 0) for b in self.method.slot_state_bytes(attn.head_dim)) * kv_heads
         require(free is None or need + prefill_bytes <= free, POOL_FIELD,
-                f"small enough that the pool of rows ({need / 2**30:.2f} GiB) and one prompt's "
-                f"prefill and the rows' sampling state ({prefill_bytes / 2**30:.2f} GiB) fit the device's free "
+                f"small enough that the pool of rows ({need / 2**30:.2f} GiB), and one prompt's prefill, the "
+                f"rows' sampling state and the prefix cache ({prefill_bytes / 2**30:.2f} GiB) fit the device's free "
                 f"{(free or 0) / 2**30:.2f} GiB",
                 (max_batch, max_context))
         # The pool's host store, and one prompt's own store while it is prefilled, must fit before any is taken.
@@ -157,6 +233,13 @@ class Runner:
         pages.in_prompt = False
         self.method.start_pool(pages.layers, self.max_context)
         self.request_config = self.method.request_config()
+        self.prefixes = None
+        if prefix_cache_bytes:
+            require(self.method.prefix_reuse, "prefix_cache_bytes",
+                    f"0 for {config.name}: its prompt's pages, once the prompt has run, cannot start another prompt "
+                    f"(evicted, compressed or offloaded); a prefix cache serves dense, quest, lowbit, oracle, raas "
+                    f"and omnikv without offload", prefix_cache_bytes)
+            self.prefixes = PrefixCache(prefix_cache_bytes, config.page_size)
 
         def per_row(fill, dtype):
             return torch.full((max_batch,), fill, dtype=dtype, device=self.device)
@@ -203,15 +286,29 @@ class Runner:
         return self.method.offloaded_bytes()
 
     def start(self, prompt: list[int]) -> Prefill:
-        """A prefill of ``prompt`` into a cache of one row, with a method of its own."""
+        """A prefill of ``prompt`` into a cache of one row, with a method of its own; with a prefix cache, from the
+        kept prompt that shares the most whole pages with its start (leaving at least the last pass's queries that
+        the method reads, ``min_prompt_chunk``), whose pages are copied at the first pass."""
         method = self.request_config.build(self.num_layers)
         method.tp_group = self.tp_group
         cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         # Only the prompt: the request decodes in its row of the pool.
         cache.pages.planned_tokens = method.planned_tokens([len(prompt)], len(prompt))
-        passes = self.passes(self.model, cache, ids, torch.ones_like(ids), self.engine.prefill_chunk)
-        return Prefill(cache, passes, len(prompt))
+        job = Prefill(cache, None, prompt)
+        if self.prefixes is not None:
+            job.reused, job.source = self.prefixes.find(prompt, len(prompt) - method.min_prompt_chunk())
+        ids = torch.tensor([prompt[job.reused:]], dtype=torch.long, device=self.device)
+
+        def passes() -> Generator[int, None, torch.Tensor]:
+            if job.source is not None:
+                source, job.source = self.prefixes.take(job.source), None
+                cache.pages.seed(source, job.reused)
+                cache.columns = job.reused
+            return (yield from self.passes(self.model, cache, ids, torch.ones_like(ids), self.engine.prefill_chunk,
+                                           start=job.reused))
+
+        job.passes = passes()
+        return job
 
     def prefill(self, job: Prefill, budget: int) -> int:
         """Runs passes of ``job`` until about ``budget`` tokens times layers have run (at least one pass); sets
@@ -277,11 +374,18 @@ class Runner:
         self.prompt_lens.append(job.prompt_len)
         self.max_tokens.append(max_tokens)
 
-    def discard(self, job: Prefill) -> None:
-        """Drops a prefill: what its cache and method hold (a cancelled request's, or one copied into a row)."""
+    def discard(self, job: Prefill, keep: bool = False) -> None:
+        """Drops a prefill: what its cache and method hold (a cancelled request's, or one copied into a row).
+        ``keep``: a finished prefill's pages go to the prefix cache instead, if there is one and they fit."""
         job.cache.method.release()
         job.passes.close()
-        job.cache.pages.layers = []
+        if job.source is not None:  # never started: its kept prompt is no longer waited for
+            self.prefixes.unpin(job.source)
+            job.source = None
+        kept = keep and self.prefixes is not None and job.logits is not None and \
+            self.prefixes.keep(job.prompt, job.cache.pages)
+        if not kept:
+            job.cache.pages.layers = []
 
     def release(self, key) -> None:
         """Frees the row of ``key``: the last running row moves into it."""

@@ -93,6 +93,7 @@ class Event:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[Logprobs] | None = None
+    cached_tokens: int = 0  # prompt tokens whose prefill a kept prompt gave (the prefix cache)
 
 
 class PrefillPacer:
@@ -136,13 +137,14 @@ class PrefillPacer:
 @dataclass
 class _Live:
     """A request inside the engine: its id, what it asked, its seed, its prefill while it runs, the tokens it has
-    generated (with their log-probabilities where it asked for them) and how many of them its events have
-    delivered."""
+    generated (with their log-probabilities where it asked for them), how many of them its events have
+    delivered, and the prompt tokens the prefix cache gave."""
 
     id: int
     request: Request
     seed: int
     prefill: Prefill | None = None
+    cached: int = 0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] = field(default_factory=list)
     shown: int = 0
@@ -160,18 +162,19 @@ class ServingEngine:
     time; max_queue: requests that may wait; cuda_graph, compile: as in ``Engine``; kv_memory_bytes: the KV memory
     requests may hold at once (default: what the runner's pool holds for ``max_batch`` rows). tokenizer: gives the
     default stop tokens. prefill: a prompt's prefill, ``engine.prefill_passes``'s signature (benchmarks give
-    ``bench.e2e.random_passes``: random keys and values)."""
+    ``bench.e2e.random_passes``: random keys and values). prefix_cache_bytes: device memory for finished prompts'
+    caches, which start the prompts that begin with the same tokens (``runner.PrefixCache``; 0: none)."""
 
     def __init__(self, model, config, *, tokenizer=None, max_batch: int = 8, max_context: int | None = None,
                  prefill_chunk: int = 4096, prefill_share: float | None = None, max_queue: int = 256,
                  cuda_graph: bool | None = None, compile: bool = False, kv_memory_bytes: int | None = None,
-                 prefill: Callable = prefill_passes, max_new_tokens: int | None = None):
+                 prefill: Callable = prefill_passes, max_new_tokens: int | None = None, prefix_cache_bytes: int = 0):
         if not _is_count(max_queue, 1):
             raise ConfigError("max_queue", "an int >= 1", max_queue)
         self.pacer = None if prefill_share is None else PrefillPacer(prefill_share)
         self.runner = Runner(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile, passes=prefill,
-                             max_new_tokens=max_new_tokens)
+                             max_new_tokens=max_new_tokens, prefix_cache_bytes=prefix_cache_bytes)
         capacity = self.runner.capacity_bytes()
         if kv_memory_bytes is None:
             kv_memory_bytes = capacity
@@ -245,14 +248,22 @@ class ServingEngine:
 
     def metrics(self) -> dict:
         """Rows, queue and memory now (``free_rows``: rows neither running nor taken by a prefill), and totals since
-        the start (``finished_requests``: by finish reason, "stop", "length" or "cancelled")."""
+        the start (``finished_requests``: by finish reason, "stop", "length" or "cancelled"; ``prefix_hits``: prompts
+        started from a kept prompt's cache, ``prefix_tokens_reused``: the prompt tokens it gave them)."""
         with self._lock:
             queued, running, prefilling = len(self._queue), len(self._running), len(self._prefilling)
         return {"running": running, "queued": queued, "prefilling": prefilling,
                 "free_rows": self.runner.max_batch - running - prefilling, "kv_bytes_in_use": self._in_use,
                 "kv_bytes_capacity": self.kv_memory_bytes, "host_kv_bytes": self.runner.host_bytes(),
                 "generated_tokens": self._generated, "finished_requests": dict(self._finished),
-                "prefill_work": self._prefill_work}
+                "prefill_work": self._prefill_work, **self._prefix_metrics()}
+
+    def _prefix_metrics(self) -> dict:
+        cache = self.runner.prefixes
+        if cache is None:
+            return {"prefix_cache_bytes": 0, "prefix_hits": 0, "prefix_tokens_reused": 0}
+        return {"prefix_cache_bytes": cache.bytes, "prefix_hits": cache.hits,
+                "prefix_tokens_reused": cache.reused_tokens}
 
     def step(self) -> list[Event]:
         """One iteration: cancellations, admission, prefill (about one chunk, or what the pacer allows while rows
@@ -331,7 +342,7 @@ class ServingEngine:
                     for live in pending:
                         self._prefilling.remove(live)
                 for live in list(pending):
-                    live.prefill = None
+                    live.prefill, live.cached = None, job.reused
                     request = live.request
                     first, logprobs = self.runner.first_token(job, request.sampling, live.seed, request.logprobs)
                     if not self._emit(live, first, logprobs, events):
@@ -351,7 +362,7 @@ class ServingEngine:
                 self.runner.discard(job)
                 error.add_note(f"while prefilling request(s) {[live.id for live in pending]}, which are dropped")
                 raise
-            self.runner.discard(job)
+            self.runner.discard(job, keep=True)
         return start - budget
 
     def _emit(self, live: _Live, token: int, logprobs: Logprobs | None, events: list[Event]) -> bool:
@@ -375,7 +386,8 @@ class ServingEngine:
         logprobs = None if live.request.logprobs is None else live.logprobs[live.shown:]
         live.shown = len(live.tokens)
         return Event(request_id=live.id, tokens=new, finished=finished, finish_reason=reason,
-                     prompt_tokens=len(live.request.prompt), completion_tokens=len(live.tokens), logprobs=logprobs)
+                     prompt_tokens=len(live.request.prompt), completion_tokens=len(live.tokens), logprobs=logprobs,
+                     cached_tokens=live.cached)
 
     def _finish(self, live: _Live, reason: str, events: list[Event], admitted: bool = True) -> None:
         """Frees what the request holds (its prefill or its row) and emits its last event."""

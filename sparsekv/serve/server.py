@@ -275,6 +275,7 @@ class Piece:
     logprobs: list[tuple[int, Logprobs, int]] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 # ------------------------------------------------------------------------------------------- the engine thread
@@ -543,7 +544,8 @@ class Service:
                     done = True
                     if hit and not event.finished:
                         self.loop.cancel(rid)
-                    yield Piece(text, out, "stop" if hit else event.finish_reason, event.completion_tokens)
+                    yield Piece(text, out, "stop" if hit else event.finish_reason, event.completion_tokens,
+                                event.cached_tokens)
                     return
                 if text or out:
                     yield Piece(text, out)
@@ -605,9 +607,13 @@ async def _answer(service: Service, body: _Generation, prompts: list[list[int]],
                 "finish_reason": finish}
 
     def usage(lasts: list[Piece]) -> dict:
+        """Counts of the choices' last pieces, in choice order (prompt by prompt): a prompt's n choices count it
+        once, its tokens from the prefix cache (``cached_tokens``) as the most any of its choices took."""
         completion = sum(p.completion_tokens for p in lasts)
-        prompt = sum(len(p) for p in prompts)  # a prompt's n choices count it once
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        prompt = sum(len(p) for p in prompts)
+        cached = sum(max(p.cached_tokens for p in lasts[i:i + body.n]) for i in range(0, len(lasts), body.n))
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     if not body.stream:
         async def whole(rid: int, subscriber: _Subscriber) -> tuple[str, list, Piece]:
@@ -644,7 +650,7 @@ async def _answer(service: Service, body: _Generation, prompts: list[list[int]],
                     yield _sse({**head, "object": obj, "choices": [{
                         "index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}], **({"usage": None} if include_usage else {})})
-            lasts = []
+            lasts: dict[int, Piece] = {}
             while len(lasts) < len(tasks):  # each choice's pieces as they come
                 index, piece = await queue.get()
                 if isinstance(piece, APIError):
@@ -653,9 +659,9 @@ async def _answer(service: Service, body: _Generation, prompts: list[list[int]],
                             "choices": [choice(index, piece.text, piece.logprobs, piece.finish_reason, True)],
                             **({"usage": None} if include_usage else {})})
                 if piece.finish_reason is not None:
-                    lasts.append(piece)
+                    lasts[index] = piece
             if include_usage:
-                yield _sse({**head, "object": obj, "choices": [], "usage": usage(lasts)})
+                yield _sse({**head, "object": obj, "choices": [], "usage": usage([lasts[i] for i in sorted(lasts)])})
         except APIError as err:
             yield _sse(err.body())
         finally:  # a client that left, or a failed choice: the others are cancelled
@@ -871,6 +877,12 @@ def prometheus_text(loop: EngineLoop) -> str:
             for reason in ("stop", "length", "cancelled"):
                 finished.add_metric([reason], m["finished_requests"].get(reason, 0))
             yield finished
+            yield GaugeMetricFamily("sparsekv_prefix_cache_bytes", "Device bytes of finished prompts' KV kept for "
+                                    "prompts that begin like them", value=m["prefix_cache_bytes"])
+            yield CounterMetricFamily("sparsekv_prefix_cache_hits", "Prompts started from a kept prompt's KV",
+                                      value=m["prefix_hits"])
+            yield CounterMetricFamily("sparsekv_prefix_cache_tokens", "Prompt tokens a kept prompt's KV gave, not "
+                                      "prefilled", value=m["prefix_tokens_reused"])
             yield CounterMetricFamily("sparsekv_prompt_tokens", "Prompt tokens of the requests that reached their "
                                       "first token since start (a prefill shared by n choices counts n times)",
                                       value=prompt_tokens)

@@ -103,6 +103,11 @@ def generate(model, tokenizer, config: MethodConfig, prompt: str, max_new_tokens
                             offloaded_bytes=out.kv_host_bytes, step_seconds=out.step_seconds)
 
 
+def _draw(args) -> tuple[float, float]:
+    """--temperature and --top-p, or their defaults (1.0)."""
+    return (1.0 if args.temperature is None else args.temperature), (1.0 if args.top_p is None else args.top_p)
+
+
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
     if max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", "an integer >= 1", max_new_tokens)
@@ -141,26 +146,31 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str, extra_cho
     parser.add_argument("--method", default=default_method, type=_method_spec(extra_choices), metavar="SPEC",
                         help=f"sparsity method: NAME or NAME:FIELD=VALUE,... with NAME one of "
                              f"{', '.join([*METHODS, *extra_choices])} (default: {default_method})")
+    budget_default = "256 (the demo's)" if default_method == "all" else "the method's own"
     parser.add_argument("--budget", type=budget_arg, default=None,
                         help="token budget: KV tokens attended (or kept) per layer and KV head per decode step "
-                             "(OmniKV also takes a fraction of the prompt, e.g. 0.1); default: the method's own")
+                             f"(OmniKV also takes a fraction of the prompt, e.g. 0.1); default: {budget_default}")
     parser.add_argument("--opt", action="append", default=[], metavar="FIELD=VALUE",
                         help="another field of the method's config, as in the spec, e.g. --opt page_size=32 "
                              "--opt per_query_head=false (repeatable)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    parser.add_argument("--dtype", default=None, help="float32, float16, bfloat16 (default: bfloat16 on CUDA, "
-                                                      "float32 on CPU)")
+    parser.add_argument("--dtype", default=None, help="float32, float16, bfloat16, float64, or auto (the dtype the "
+                                                      "weights are stored in); default: bfloat16 on CUDA, float32 "
+                                                      "on CPU")
     parser.add_argument("--weights", default="float", choices=["float", "int4", "gguf"],
                         help="float: as loaded (a GGUF dequantized); int4: the layers' linear weights quantized to "
                              "group-wise int4; gguf: a GGUF file's own Q4_0/Q4_1/Q8_0 blocks (default: float)")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"], help=KV_DTYPE_HELP)
     if not generation:
         return
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    parser.add_argument("--sample", action="store_true",
+                        help="sample instead of greedy decoding (with --temperature, --top-p, --seed)")
+    parser.add_argument("--temperature", type=float, default=None, help="with --sample: > 0 (default: 1.0)")
+    parser.add_argument("--top-p", type=float, default=None, help="with --sample: in (0, 1] (default: 1.0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the draws' seed with --sample, so that a run repeats (and the demo's pass key; "
+                             "default: 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress of the prefill and decode on stderr")
 
 
@@ -170,7 +180,11 @@ def _setup(args, method: str, default_budget: int | None = None) -> tuple[torch.
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     if "temperature" in vars(args):  # a command that generates once (serve takes these per request)
-        check_sampling(args.max_new_tokens, args.temperature, args.top_p)
+        for name in ("temperature", "top_p"):
+            if getattr(args, name) is not None and not args.sample:
+                raise ConfigError(f"--{name.replace('_', '-')}", "given only with --sample (without it decoding is "
+                                  "greedy)", getattr(args, name))
+        check_sampling(args.max_new_tokens, *_draw(args))
     budget = args.budget
     if budget is None and takes_budget(method, args.opt):
         budget = default_budget
@@ -199,6 +213,8 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--prompt-file {path}: is empty (give the text to continue)")
     else:
         prompt = args.prompt
+        if not prompt.strip():
+            raise ValueError("--prompt: is empty (give the text to continue)")
     if parallel.launched() and not parallel.started():
         parallel.start()
     try:
@@ -209,7 +225,7 @@ def cmd_generate(args) -> int:
         loaded = load_model(args.model, device, dtype, weights=args.weights)
         first = parallel.is_first()  # under torchrun every process generates the same tokens; the first one prints
         result = generate(loaded.model, loaded.tokenizer, config, prompt, args.max_new_tokens, args.sample,
-                          args.temperature, args.top_p, args.seed, progress=first and not args.no_progress,
+                          *_draw(args), args.seed, progress=first and not args.no_progress,
                           chat=args.chat)
     except BaseException:
         parallel.finish(wait=False)  # every process stops; none waits at a barrier another never reaches
@@ -240,8 +256,8 @@ def cmd_demo(args) -> int:
     prompt = sample.context + sample.question
     prompt_tokens = len(tokenizer(prompt).input_ids)
     check_context(model, prompt_tokens + args.max_new_tokens, "use a smaller --prompt-tokens")
-    how = (f"sampled (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})" if args.sample
-           else "greedy")
+    temperature, top_p = _draw(args)
+    how = f"sampled (temperature {temperature}, top-p {top_p}, seed {args.seed})" if args.sample else "greedy"
     room = loaded.max_positions - prompt_tokens if loaded.max_positions is not None else DEMO_TIMED_STEPS
     steps = max(args.max_new_tokens, min(DEMO_TIMED_STEPS, room))
     print(f"sparsekv demo: model {args.model or 'sparsekv-llama-16m (the project-trained default)'}; a pass key "
@@ -251,7 +267,7 @@ def cmd_demo(args) -> int:
     generate(model, tokenizer, build_config("dense"), "Warm up.", 2)  # so that timings compare fairly
     # Every method decodes `steps` tokens, past the end of its answer, so that the decode speed is the median of
     # that many steps; the answer is cut at the model's EOS and at --max-new-tokens.
-    sampling = dict(sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+    sampling = dict(sample=args.sample, temperature=temperature, top_p=top_p, seed=args.seed,
                     progress=not args.no_progress, stop_tokens=[], time_steps=True)
     eos = _eos_ids(model, tokenizer)
     dense_config = build_config("dense")
@@ -323,6 +339,13 @@ def served_name(spec: str | None) -> str:
     return Path(spec).stem if Path(spec).exists() else spec
 
 
+def _port(text: str) -> int:
+    """A TCP port, checked before the model loads."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"a port from 0 to 65535, got {text!r}")
+    return int(text)
+
+
 class _Version(argparse.Action):
     """``--version``: prints the installed package's version and exits. Read when asked, so that a checkout run
     without being installed (PYTHONPATH) still parses its other arguments."""
@@ -380,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model", help="as for generate (default: the project's trained model)")
     _method_args(srv, "quest", generation=False)
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=_port, default=8000, help="0-65535 (0: a free one; default: 8000)")
     srv.add_argument("--name", help="the model name clients ask for (default: the model folder's or file's name)")
     srv.add_argument("--max-batch", type=int, default=8, help="requests decoding at once (rows)")
     srv.add_argument("--max-context", type=int, default=None,

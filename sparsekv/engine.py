@@ -407,8 +407,9 @@ class Engine:
             if eos is None and self.tokenizer is not None:
                 eos = self.tokenizer.eos_token_id
             stop_tokens = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        if not all(isinstance(t, int) for t in stop_tokens):
-            raise ValueError(f"stop_tokens must be token ids (ints), got {stop_tokens!r}")
+        vocab = self.model.config.vocab_size
+        if not is_token_ids(stop_tokens, vocab):
+            raise ConfigError("stop_tokens", f"token ids: ints from 0 to {vocab - 1} (the vocabulary)", stop_tokens)
         return list(stop_tokens)
 
     def generate(self, prompts, max_new_tokens: int = 64, *, sampling: Sampling | None = None,

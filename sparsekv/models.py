@@ -64,10 +64,16 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
 def check_context(model, tokens: int, hint: str) -> None:
     """Refuses a context of ``tokens`` (prompt plus new tokens) beyond the positions the model was built for;
     ``hint`` says which option to change."""
+    from .integrations.transformers import _sliding_window
+
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and tokens > limit:
         raise ValueError(f"context of {tokens} tokens (prompt plus new tokens) exceeds the model's maximum of "
                          f"{limit} positions (max_position_embeddings); {hint}")
+    window = _sliding_window(model.config)
+    if window is not None and tokens > window:
+        raise ValueError(f"context of {tokens} tokens (prompt plus new tokens) exceeds the model's sliding window "
+                         f"({window}; sparsekv supports full-attention models only); {hint}")
 
 
 def synchronize(device: torch.device) -> None:
@@ -275,6 +281,10 @@ def _gguf_parsed_once() -> Iterator[None]:
         gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_map
 
 
+# A saved tokenizer has at least one of these (a fast tokenizer's, SentencePiece's, or a BPE vocabulary).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
 def _load_saved(spec: str, gguf: tuple[Path, str] | None, device: torch.device, dtype: torch.dtype | None,
                 sharded: bool, weights: str, log=None) -> LoadedModel:
     """``load_model`` of a local folder, a GGUF file (``gguf``: ``find_gguf``'s folder and file) or a hub id."""
@@ -285,6 +295,13 @@ def _load_saved(spec: str, gguf: tuple[Path, str] | None, device: torch.device, 
     local = gguf is not None or Path(spec).is_dir()
     if not local and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
         raise FileNotFoundError(f"model: no model directory at {spec!r}")
+    if gguf is None and local:
+        folder = Path(spec)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"model: {spec!r} has no config.json (a model folder holds config.json, the "
+                                    f"weights and the tokenizer's files; or give a .gguf file)")
+        if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+            raise FileNotFoundError(f"model: {spec!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
     name, source, sharding = spec, {}, {}
     gguf_path = None
     if gguf is not None:

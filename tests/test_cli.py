@@ -64,7 +64,10 @@ def test_generate_from_prompt_file_with_sampling(model_dir, tmp_path, capsys):
     (["--prompt", "hi", "--dtype", "int8"], "dtype must be one of"),
     (["--prompt", "hi", "--opt", "per_query_head=maybe"], "per_query_head must be true or false, got 'maybe'"),
     (["--prompt", "hi", "--top-p", "2", "--sample"], "--top-p must be a number in (0, 1], got 2.0"),
-    (["--prompt", "hi", "--temperature", "0"], "--temperature must be a number > 0"),
+    (["--prompt", "hi", "--temperature", "0", "--sample"], "--temperature must be a number > 0"),
+    (["--prompt", "hi", "--temperature", "0.7"], "--temperature must be given only with --sample"),
+    (["--prompt", "hi", "--top-p", "0.9"], "--top-p must be given only with --sample"),
+    (["--prompt", ""], "--prompt: is empty"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
     (["--prompt", "hi", "--device", "gpu0"], "device must be auto, cpu, cuda or cuda:N, got 'gpu0'"),
     (["--prompt", "word " * 600], "context of 3064 tokens (prompt plus new tokens) exceeds the model's maximum of "

@@ -430,3 +430,9 @@ def test_seeded_draws_follow_the_probabilities_over_seeds_and_places():
         assert torch.allclose(torch.bincount(drawn, minlength=4) / 4000, probs, atol=0.03)
     again = Sampling(temperature=1.0)(logits, n, torch.zeros_like(n))
     assert torch.equal(again, Sampling(temperature=1.0)(logits, n, torch.zeros_like(n)))
+
+
+@pytest.mark.parametrize("stops", [[99999], [-1], ["a"]])
+def test_stop_tokens_must_be_token_ids_of_the_vocabulary(model, stops):
+    with pytest.raises(sparsekv.errors.ConfigError, match="stop_tokens"):
+        Engine(model, DenseConfig()).generate(prompts((20,)), 2, stop_tokens=stops)

@@ -265,3 +265,24 @@ def test_decode_stats_fold_the_sums_of_an_earlier_batch_size():
     assert {layer: float(t) for layer, t in stats.per_layer.items()} == {0: 67 * 2, 1: 3 * 2 * 5}
     assert stats.summary() == {"decode_steps": 3, "attended_per_head": (134 + 30) / 20, "context_per_head": 268 / 20,
                                "fraction": pytest.approx(164 / 268, rel=1e-12)}
+
+
+def test_a_context_past_the_models_positions_is_refused():
+    """As the engine does: ``apply`` refuses to run a sequence past ``max_position_embeddings``."""
+    small = tiny_model("llama", layers=2, max_positions=48)
+    ids = torch.randint(3, 200, (1, 40))
+    with sparsekv.apply(small, QuestConfig(token_budget=16, page_size=8, dense_layers=1)), torch.no_grad():
+        small.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        with pytest.raises(ValueError, match=r"max_position_embeddings \(48\)"):
+            small.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                           do_sample=False, pad_token_id=0)
+
+
+def test_check_context_names_the_sliding_window_and_the_option_to_change():
+    from sparsekv.models import check_context
+
+    model = tiny_model("mistral", layers=2)
+    model.config.sliding_window = 64
+    check_context(model, 64, "shorten it")
+    with pytest.raises(ValueError, match=r"sliding window \(64.*shorten the prompt or --max-new-tokens"):
+        check_context(model, 65, "shorten the prompt or --max-new-tokens")

@@ -550,6 +550,11 @@ def test_a_pool_that_does_not_fit_the_device_is_refused_before_allocating(model,
     ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
 
 
+def test_kv_memory_below_the_smallest_request_is_refused_at_construction(model):
+    with pytest.raises(ConfigError, match="kv_memory_bytes"):
+        ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, kv_memory_bytes=100)
+
+
 def test_memory_admits_what_fits_and_the_rest_waits(model):
     engine = ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
     need = engine.runner.kv_bytes(60, 70)

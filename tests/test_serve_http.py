@@ -210,6 +210,7 @@ def test_latency_histograms(server, client):
     ({"model": NAME, "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"model": NAME, "prompt": "hi", "stop_token_ids": [100000]}, "stop_tokens"),
     ({"model": NAME, "prompt": "hi", "min_p": 0.1}, "min_p"),
+    ({"model": NAME, "prompt": "hi", "max_tokns": 3}, "max_tokns"),  # a misspelling is not ignored
     ({"model": NAME, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
     ({"model": NAME, "prompt": "hi", "logprobs": 6}, "logprobs"),
     ({"model": NAME, "prompt": "hi", "echo": True}, "echo"),
@@ -413,12 +414,22 @@ def test_no_chat_template_and_a_failing_engine():
     (["--chat-template", "/no/such/template.jinja"], "--chat-template: no file"),
     (["--max-batch", "0"], "max_batch"),
     (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--prefix-cache-gib", "1", "--method", "snapkv"], "prefix_cache_bytes must be 0 for snapkv"),
+    (["--kv-memory-gib", "0.0000001"], "kv_memory_bytes"),
 ])
 def test_serve_command_errors(argv, message, capsys):
     from sparsekv.cli import main
 
     assert main(["serve", "--model", "tiny:llama", "--device", "cpu", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_port_out_of_range_is_refused_before_the_model_loads(capsys):
+    from sparsekv.cli import main
+
+    with pytest.raises(SystemExit) as exit_code:
+        main(["serve", "--model", "/no/such/model", "--port", "70000"])
+    assert exit_code.value.code == 2 and "a port from 0 to 65535" in capsys.readouterr().err
 
 
 def complete(client, prompt, **fields):

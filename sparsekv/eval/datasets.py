@@ -71,16 +71,20 @@ class AIME(_Reasoning):
 
 
 def held_out_essays() -> list[Path]:
-    """The essays the project's model was not trained on (``held_out`` in its ``training_args.json``), in the
-    haystack folder: the default text of the perplexity task, so that it measures language modelling rather than
-    memory."""
+    """The essays the project's model was not trained on (``held_out`` in its ``training_args.json``): the default
+    text of the perplexity task, so that it measures language modelling rather than memory. From the shared data's
+    haystack folder where it holds them, else those of them the package ships."""
     from ..models import DEFAULT_MODEL
+    from .synthetic import SHIPPED_HAYSTACK
 
     record = require_path(Path(DEFAULT_MODEL) / "training_args.json", "the project's model's training record",
                           "--data")
-    folder = data_dir() / "haystack" / "paul_graham_essays"
-    return [require_path(folder / name, "held-out essay", "--data") for name in json.loads(record.read_text())
-            ["held_out"]]
+    names = json.loads(record.read_text())["held_out"]
+    for folder in (data_dir() / "haystack" / "paul_graham_essays", SHIPPED_HAYSTACK):
+        found = [folder / name for name in names if (folder / name).is_file()]
+        if found:
+            return found
+    raise EvalError(f"perplexity: none of the held-out essays ({', '.join(names)}) found (pass --data)")
 
 
 class Perplexity(Task):
@@ -112,7 +116,8 @@ class Perplexity(Task):
     def samples(self, tokenizer, length, depth, seed, count):
         prefill = self.options.prefill_tokens
         if not 0 < prefill < length:
-            raise EvalError(f"--prefill-tokens must be between 1 and the length - 1 ({length - 1}), got {prefill}")
+            raise EvalError(f"--prefill-tokens must be between 1 and the length - 1 ({length - 1}), got {prefill} "
+                            f"(the default is 1024: give a smaller one for windows of {length} tokens)")
         ids = tokenizer(self._text(), add_special_tokens=False)["input_ids"]
         windows = len(ids) // length
         if windows == 0:

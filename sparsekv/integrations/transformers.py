@@ -189,12 +189,14 @@ class SparseKVCache(Cache):
     sequence length; the paged cache holds each sequence's real tokens only.
     """
 
-    def __init__(self, method: Method, stats: DecodeStats | None = None, sliding_window: int | None = None):
+    def __init__(self, method: Method, stats: DecodeStats | None = None, sliding_window: int | None = None,
+                 max_positions: int | None = None):
         self.pages = PagedKVCache(method.num_layers, method.config.page_size, method.max_pages,
                                   method.config.kv_dtype)
         self.method = method
         self.stats = stats if stats is not None else DecodeStats()
         self.sliding_window = sliding_window
+        self.max_positions = max_positions
         self.columns = 0
         self.pending_mask: torch.Tensor | None = None
         self.prompt_end = True  # False while a chunked prompt has more chunks to come
@@ -221,6 +223,9 @@ class SparseKVCache(Cache):
             raise ValueError(f"{self.method.config.name} takes one token per forward pass after the prompt, got {s}")
         self.pages.begin(s, mask, b, key_states.device, self.prompt_end)
         self.columns += s
+        if self.max_positions is not None and max(self.pages.lengths) > self.max_positions:
+            raise ValueError(f"context of {max(self.pages.lengths)} tokens exceeds the model's "
+                             f"max_position_embeddings ({self.max_positions}); shorten the prompt or max_new_tokens")
         if self.sliding_window is not None and max(self.pages.lengths) > self.sliding_window:
             raise ValueError(f"context of {max(self.pages.lengths)} tokens exceeds the model's sliding window "
                              f"({self.sliding_window}); sparsekv supports full-attention models only")
@@ -386,9 +391,10 @@ class Session:
     method: Method
     stats: DecodeStats
     cache: SparseKVCache | None = None
+    max_positions: int | None = None  # the model's max_position_embeddings: a longer context is refused
 
     def new_cache(self, sliding_window: int | None) -> SparseKVCache:
-        self.cache = SparseKVCache(self.method, self.stats, sliding_window)
+        self.cache = SparseKVCache(self.method, self.stats, sliding_window, self.max_positions)
         return self.cache
 
 
@@ -407,7 +413,8 @@ def apply(model, config: MethodConfig) -> Iterator[Session]:
     decoder = model.get_decoder()
     method = config.build(model.config.num_hidden_layers)
     method.tp_group = parallel.head_group(model)
-    session = Session(method, DecodeStats(tp_group=method.tp_group))
+    session = Session(method, DecodeStats(tp_group=method.tp_group),
+                      max_positions=getattr(model.config, "max_position_embeddings", None))
     window = _sliding_window(model.config)
     params = list(inspect.signature(decoder.forward).parameters)
     cache_arg = cache_argument(decoder)

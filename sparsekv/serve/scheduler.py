@@ -178,8 +178,10 @@ class ServingEngine:
         capacity = self.runner.capacity_bytes()
         if kv_memory_bytes is None:
             kv_memory_bytes = capacity
-        if not _is_count(kv_memory_bytes, 1):
-            raise ConfigError("kv_memory_bytes", "None (the pool's size) or an int >= 1", kv_memory_bytes)
+        least = self.runner.kv_bytes(1, 2)  # a request of one prompt token and one new one
+        if not _is_count(kv_memory_bytes, least):
+            raise ConfigError("kv_memory_bytes", f"None (the pool's size) or an int >= {least} (the KV of the "
+                              f"smallest request)", kv_memory_bytes)
         self.tokenizer, self.max_queue, self.kv_memory_bytes = tokenizer, max_queue, kv_memory_bytes
         self._lock = threading.Lock()
         self._next_id = 0

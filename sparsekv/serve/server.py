@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import difflib
 import hmac
 import json
 import logging
@@ -178,12 +179,18 @@ class _Generation(BaseModel):
         return [value] if isinstance(value, str) else [] if value is None else value
 
     def check_supported(self) -> None:
-        """Refuses a field of ``UNSUPPORTED`` (kept among the extra fields) at a value this server cannot honour."""
+        """Refuses a field of ``UNSUPPORTED`` (kept among the extra fields) at a value this server cannot honour, and
+        an unknown field whose name is a near miss of a known one (a misspelling would otherwise be ignored)."""
+        known = [*type(self).model_fields, *UNSUPPORTED]
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
                 shown = " or ".join(json.dumps(a) for a in UNSUPPORTED[name])
                 raise APIError(400, f"{name}: this server supports only {shown}, got {value!r}", param=name,
                                code="unsupported_value")
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+            if name not in UNSUPPORTED and near:
+                raise APIError(400, f"{name}: not a field of this endpoint; did you mean {near[0]}?", param=name,
+                               code="unknown_field")
 
     def listed_logprobs(self) -> int | None:
         """The likeliest tokens to list with each new token's log-probability (None: no log-probabilities)."""

@@ -49,19 +49,23 @@ MAX_BIAS = 100.0
 
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
-    """How the next token is drawn from the logits. First the logits are adjusted as OpenAI's API does
-    (``penalize``): ``logit_bias`` adds its bias to the logit of each token id it names (a mapping, or (id, bias)
-    pairs; each bias from -100 to 100), and a token already drawn c times in this answer loses
-    ``presence_penalty`` once and ``frequency_penalty`` c times (each from -2 to 2). Then temperature 0: greedy
-    (argmax). Otherwise the logits are divided by ``temperature`` (at least ``MIN_TEMPERATURE``), cut to the
-    ``top_k`` most likely tokens (0: all) and to the smallest set whose probability reaches ``top_p`` (1: all), and a
+    """How the next token is drawn from the logits. First the logits are adjusted (``penalize``): a token of the
+    prompt or already drawn has its logit divided by ``repetition_penalty`` (> 0; multiplied where negative: the
+    rule of transformers and vLLM); then, as OpenAI's API does, ``logit_bias`` adds its bias to the logit of each
+    token id it names (a mapping, or (id, bias) pairs; each bias from -100 to 100), and a token already drawn c
+    times in this answer loses ``presence_penalty`` once and ``frequency_penalty`` c times (each from -2 to 2). Then
+    temperature 0: greedy (argmax). Otherwise the logits are divided by ``temperature`` (at least
+    ``MIN_TEMPERATURE``), cut to the ``top_k`` most likely tokens (0: all), to those at least ``min_p`` times as
+    likely as the likeliest (0: all) and to the smallest set whose probability reaches ``top_p`` (1: all), and a
     token is drawn from what is left."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
@@ -69,6 +73,9 @@ class Sampling:
                 "temperature", f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}", self.temperature)
         require(is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         require(_is_count(self.top_k, 0), "top_k", "an int >= 0 (0: no cut)", self.top_k)
+        require(is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1] (0: no cut)", self.min_p)
+        require(is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+                "a number > 0 (1: none)", self.repetition_penalty)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             require(is_real(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name,
@@ -88,7 +95,8 @@ class Sampling:
     @property
     def adjusts(self) -> bool:
         """Whether ``penalize`` changes the logits (a penalty or a bias is set)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1)
 
     def check_vocab(self, vocab: int) -> None:
         """Refuses a ``logit_bias`` token id outside a vocabulary of ``vocab`` entries."""
@@ -96,15 +104,15 @@ class Sampling:
         require(not bad, "logit_bias", f"token ids below the model's vocabulary size ({vocab})", bad)
 
     def penalties(self, rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """``penalize``'s presence (rows,), frequency (rows,) and bias (rows, vocab) float32 for rows drawn by this
-        sampling."""
-        presence = torch.full((rows,), self.presence_penalty, dtype=torch.float32, device=device)
-        frequency = torch.full((rows,), self.frequency_penalty, dtype=torch.float32, device=device)
+        """``penalize``'s repetition, presence and frequency (rows,) and bias (rows, vocab) float32 for rows drawn
+        by this sampling."""
+        per_row = [torch.full((rows,), v, dtype=torch.float32, device=device)
+                   for v in (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)]
         bias = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
         if self.logit_bias:
             ids, values = zip(*self.logit_bias)
             bias[:, list(ids)] = torch.tensor(values, dtype=torch.float32, device=device)
-        return presence, frequency, bias
+        return (*per_row, bias)
 
     def __call__(self, logits: torch.Tensor, seed: torch.Tensor | None = None,
                  index: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,31 +128,46 @@ class Sampling:
             noise = counter_noise(seed, index, v)
         return draw(logits, logits.new_full((b,), self.temperature, dtype=torch.float32),
                     logits.new_full((b,), self.top_k, dtype=torch.long),
-                    logits.new_full((b,), self.top_p, dtype=torch.float32), noise)
+                    logits.new_full((b,), self.top_p, dtype=torch.float32),
+                    logits.new_full((b,), self.min_p, dtype=torch.float32), noise)
 
 
-def penalize(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
-             bias: torch.Tensor) -> torch.Tensor:
-    """OpenAI's adjustment of the logits (B, V) before drawing: each row's ``bias`` (B, V) float32 added, and where
-    the row has drawn a token ``counts`` (B, V) float32 times, ``presence`` (B,) float32 once and ``frequency``
-    (B,) float32 per time taken off. Returns (B, V) float32."""
-    drawn = (counts > 0).float()
-    return logits.float() + bias - presence.unsqueeze(1) * drawn - frequency.unsqueeze(1) * counts
+def penalize(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor, repetition: torch.Tensor,
+             presence: torch.Tensor, frequency: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The adjustment of the logits (B, V) before drawing (``Sampling``), where each row has drawn each token
+    ``counts`` (B, V) float32 times and ``prompt`` (B, V) bool marks its prompt's tokens: a token of either has its
+    logit divided by the row's ``repetition`` (B,) float32 (multiplied where negative); then the row's ``bias``
+    (B, V) float32 is added, and a drawn token loses ``presence`` (B,) once and ``frequency`` (B,) per time.
+    Returns (B, V) float32."""
+    x = logits.float()
+    drawn = counts > 0
+    r = repetition.unsqueeze(1)
+    x = torch.where(drawn | prompt, torch.where(x > 0, x / r, x * r), x)
+    return x + bias - presence.unsqueeze(1) * drawn.float() - frequency.unsqueeze(1) * counts
+
+
+def token_set(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, V) bool: the tokens of each row of ``ids`` (B, S) where ``mask`` (B, S) marks real ones."""
+    found = torch.zeros(ids.shape[0], vocab, dtype=torch.long, device=ids.device)
+    return found.scatter_add_(1, ids, mask.long()) > 0
 
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-         noise: torch.Tensor) -> torch.Tensor:
+         min_p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Each row's token under its own sampling: logits (B, V); temperature (B,) float32 (0: greedy), top_k (B,) int64
-    (0: no cut), top_p (B,) float32; noise (B, V) float32 draws of Exp(1). Returns (B,) int64, with no host sync.
-    A sampled row divides its logits by its temperature, keeps its ``top_k`` likeliest tokens (ties with the k-th
-    kept) and the smallest set of those whose probability reaches ``top_p``, and draws by the exponential race
-    (argmax of p / E with E ~ Exp(1) picks each token with probability p)."""
+    (0: no cut), top_p and min_p (B,) float32; noise (B, V) float32 draws of Exp(1). Returns (B,) int64, with no host
+    sync. A sampled row divides its logits by its temperature, keeps its ``top_k`` likeliest tokens (ties with the
+    k-th kept), those at least ``min_p`` times as likely as the likeliest, and the smallest set of those whose
+    probability reaches ``top_p``, and draws by the exponential race (argmax of p / E with E ~ Exp(1) picks each
+    token with probability p)."""
     v = logits.shape[-1]
     scaled = logits.float() / temperature.clamp(min=MIN_TEMPERATURE).unsqueeze(1)
     ordered, order = scaled.sort(dim=-1, descending=True)
     k = torch.where(top_k > 0, top_k, v).clamp(max=v).unsqueeze(1)
     kth = ordered.gather(1, k - 1)
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    # p >= min_p * p_max, in logits: at least the largest plus log(min_p) (-inf for 0: no cut)
+    least = torch.maximum(kth, ordered[:, :1] + min_p.log().unsqueeze(1))
+    ordered = ordered.masked_fill(ordered < least, float("-inf"))
     probs = ordered.softmax(dim=-1)
     beyond = (probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)) | (ordered == float("-inf"))
     scaled = scaled.masked_fill(torch.empty_like(beyond).scatter_(-1, order, beyond), float("-inf"))
@@ -455,9 +478,12 @@ class Engine:
             synchronize(self.device)
             prefill_s = time.perf_counter() - start
             starts = (forced >= 0).sum(dim=1).tolist()
+            # The tokens the penalties count as the prompt's: the prompt and the forced ones.
+            prompt = token_set(torch.cat([ids, forced.clamp(min=0)], 1), torch.cat([mask.bool(), forced >= 0], 1),
+                               logits.shape[1]) if sampling.adjusts else None
             tokens, nll, ran, captured, decode_s, step_s = self._decode(cache, logits, forced, starts,
                                                                         max_new_tokens, sampling, seeds, stops,
-                                                                        stream, time_steps)
+                                                                        stream, time_steps, prompt)
             rows = [_until_stop(row[n:n + max_new_tokens], stops) for row, n in zip(tokens.tolist(), starts)]
             # Each row's decode steps end with its last token (column n + len - 1; column 0 comes from the prefill):
             # the steps run after it, until the stop flags were read, are not counted, nor timed.
@@ -486,9 +512,11 @@ class Engine:
         return run_passes(prefill_passes(self.model, cache, ids, mask, self.prefill_chunk))
 
     def _decode(self, cache, logits: torch.Tensor, forced: torch.Tensor, starts: list[int], new_tokens: int,
-                sampling: Sampling, seeds: torch.Tensor | None, stops: list[int], stream, time_steps: bool):
+                sampling: Sampling, seeds: torch.Tensor | None, stops: list[int], stream, time_steps: bool,
+                prompt: torch.Tensor | None):
         """Decodes the columns after the prompt: the forced tokens (B, F) (-1: a row's own are over; ``starts``: how
-        many each row has), then ``new_tokens`` sampled ones; the first column comes from the prefill's ``logits``
+        many each row has), then ``new_tokens`` sampled ones (``prompt`` (B, V) bool: the tokens a repetition
+        penalty counts before them); the first column comes from the prefill's ``logits``
         (B, V). A row ends at a stop token or its last new token; the steps stop once every row has ended (read
         every ``check_every`` steps), and the decode statistics count each row's steps up to its end only.
         Returns the (B, columns) tokens, the forced tokens' summed negative log-likelihood (B,), the decode steps
@@ -518,7 +546,8 @@ class Engine:
                 nll.sub_(torch.where(inside, logp.squeeze(1).double(), 0.0))
             if not sampling.adjusts:
                 return torch.where(inside, want, sampling(logits, seeds, column.expand(b))), inside
-            token = torch.where(inside, want, sampling(penalize(logits, counts, *penalties), seeds, column.expand(b)))
+            chosen = penalize(logits, counts, prompt, *penalties)
+            token = torch.where(inside, want, sampling(chosen, seeds, column.expand(b)))
             counts.scatter_add_(1, token.view(b, 1), (~inside).float().view(b, 1))
             return token, inside
 

@@ -139,6 +139,8 @@ PENALIZED = {
     "frequency": Sampling(frequency_penalty=1.5),
     "presence and bias": Sampling(presence_penalty=2.0, frequency_penalty=-0.5,
                                   logit_bias={7: 3.0, 100: -100.0, 12: 0.25}),
+    "repetition": Sampling(repetition_penalty=1.6),
+    "repetition and presence": Sampling(repetition_penalty=0.7, presence_penalty=1.0, logit_bias={9: 1.0}),
 }
 
 
@@ -146,7 +148,8 @@ PENALIZED = {
 @pytest.mark.parametrize("penalties", PENALIZED)
 def test_penalties_and_logit_bias_equal_generates_with_openais_rule(model, name, penalties):
     """Greedy with OpenAI's penalties and bias: the tokens of ``model.generate`` with a logits processor that
-    adjusts the logits from the tokens drawn so far, eager and captured, in a batch of two prompts."""
+    adjusts the logits from the tokens drawn so far (after transformers' own repetition penalty, which counts the
+    prompt's tokens too), eager and captured, in a batch of two prompts."""
     from transformers import LogitsProcessorList
 
     config, sampling = CONFIGS[name], PENALIZED[penalties]
@@ -156,7 +159,7 @@ def test_penalties_and_logit_bias_equal_generates_with_openais_rule(model, name,
         ids = torch.tensor([row])
         with sparsekv.apply(model, config), torch.no_grad():
             seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                                 pad_token_id=0,
+                                 pad_token_id=0, repetition_penalty=sampling.repetition_penalty,
                                  logits_processor=LogitsProcessorList([OpenAIPenalties(len(row), sampling)]))
         expected.append(seq[0, len(row):].tolist())
     plain = Engine(model, config, max_batch=2, max_context=512, prefill_chunk=64).generate(rows, NEW, stop_tokens=())
@@ -183,7 +186,8 @@ def test_a_logit_bias_of_100_forces_its_token_and_of_minus_100_bans_it(model):
 @pytest.mark.parametrize("kwargs, match", [
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": float("nan")}, "frequency_penalty"),
     ({"logit_bias": {5: 101}}, "logit_bias"), ({"logit_bias": {-1: 1}}, "logit_bias"),
-    ({"logit_bias": [(3, 1, 2)]}, "logit_bias"), ({"logit_bias": {"7": 1}}, "logit_bias")])
+    ({"logit_bias": [(3, 1, 2)]}, "logit_bias"), ({"logit_bias": {"7": 1}}, "logit_bias"),
+    ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty")])
 def test_bad_penalties_and_biases_are_refused(kwargs, match):
     with pytest.raises(sparsekv.errors.ConfigError, match=match):
         Sampling(**kwargs)
@@ -200,6 +204,13 @@ def test_top_p_keeps_the_smallest_set_reaching_it():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     drawn = {int(Sampling(temperature=1.0, top_p=0.8)(logits)) for _ in range(200)}
     assert drawn == {0, 1}
+
+
+@pytest.mark.parametrize("min_p, kept", [(0.0, {0, 1, 2, 3}), (0.25, {0, 1, 2}), (0.4, {0, 1}), (1.0, {0})])
+def test_min_p_keeps_the_tokens_at_least_that_share_of_the_likeliest(min_p, kept):
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])) * 2  # temperature 2 gives back these probabilities
+    drawn = {int(Sampling(temperature=2.0, min_p=min_p)(logits)) for _ in range(300)}
+    assert drawn == kept
 
 
 @pytest.mark.parametrize("vocab", [7, 20, 1024, 1025, 5000, 128256])

@@ -273,8 +273,9 @@ def test_penalties_and_biases_are_the_same_alone_and_in_a_batch(model, name):
     that penalized requests left and move rows: each gives its tokens alone (``Engine.generate``), eager and
     captured."""
     config = CONFIGS[name]
-    penalized = Sampling(presence_penalty=1.5, frequency_penalty=0.75, logit_bias={17: 2.0, 30: -100.0})
-    hot = Sampling(temperature=1.2, top_p=0.9, frequency_penalty=2.0)
+    penalized = Sampling(presence_penalty=1.5, frequency_penalty=0.75, logit_bias={17: 2.0, 30: -100.0},
+                         repetition_penalty=1.3)
+    hot = Sampling(temperature=1.2, top_p=0.9, frequency_penalty=2.0, min_p=0.05)
     samplings = [penalized, Sampling(), hot, Sampling(temperature=0.9), penalized, Sampling(), Sampling()]
     requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=sampling, seed=i))
                 for i, ((arrival, n, new, _), sampling) in enumerate(zip(PLAN, samplings))]
@@ -608,8 +609,8 @@ def test_cuda_graphs_serve_the_eager_tokens(name, weights, rows):
     quantize_model(model, weights)
     if weights == "int4" and available(torch.device("cuda"), "quant"):
         assert all(tiled(m.codes) for m in model.modules() if isinstance(m, QuantLinear))
-    hot = Sampling(temperature=0.8, top_p=0.9, frequency_penalty=0.5)
-    penalized = Sampling(presence_penalty=1.0, logit_bias={17: 1.5})
+    hot = Sampling(temperature=0.8, top_p=0.9, frequency_penalty=0.5, min_p=0.1)
+    penalized = Sampling(presence_penalty=1.0, logit_bias={17: 1.5}, repetition_penalty=1.2)
     requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=[penalized, hot, Sampling(), hot][i % 4],
                                   seed=i, logprobs=2 if i % 3 == 0 else None))
                 for i, (arrival, n, new, _) in enumerate(PLAN)]

@@ -209,9 +209,10 @@ def test_latency_histograms(server, client):
     ({"model": NAME, "prompt": "hi", "top_k": -2}, "top_k"),
     ({"model": NAME, "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"model": NAME, "prompt": "hi", "stop_token_ids": [100000]}, "stop_tokens"),
-    ({"model": NAME, "prompt": "hi", "min_p": 0.1}, "min_p"),
+    ({"model": NAME, "prompt": "hi", "min_p": 1.5}, "min_p"),
+    ({"model": NAME, "prompt": "hi", "min_tokens": 3}, "min_tokens"),
     ({"model": NAME, "prompt": "hi", "max_tokns": 3}, "max_tokns"),  # a misspelling is not ignored
-    ({"model": NAME, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"model": NAME, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ({"model": NAME, "prompt": "hi", "logprobs": 6}, "logprobs"),
     ({"model": NAME, "prompt": "hi", "echo": True}, "echo"),
     ({"model": NAME, "prompt": "hi", "stop": [""]}, "stop"),
@@ -238,6 +239,8 @@ def test_penalties_logit_bias_top_k_and_stop_token_ids(client):
     assert text(frequency_penalty=2.0).text != plain.text
     assert text(presence_penalty=-2.0, frequency_penalty=0.0, extra={"top_k": 1}).text != plain.text
     assert text(extra={"top_k": -1}).text == plain.text == text(extra={"top_k": 0}).text
+    assert text(extra={"repetition_penalty": 3.0}).text != plain.text
+    assert text(extra={"min_p": 1.0, "temperature": 1.0}, seed=3).text == plain.text  # only the likeliest is left
     char = next(c for c in plain.text[1:] if c.isascii())
     cut = text(extra={"stop_token_ids": [ord(char) + 3]})  # the byte tokenizer's id of an ASCII character
     assert cut.finish_reason == "stop" and cut.text == plain.text[:plain.text.index(char)]

@@ -5,7 +5,7 @@ A pool, as data::
     a cache of max_batch rows (every layer allocated once, each row sized for any request of max_context tokens,
     at most max_new_tokens of them new: ``Method.pool_pages``)
     + the method's state for those rows + per-row next token, sampling, seed, token index, and the penalties'
-    state (each row's count of every token drawn and its logit bias: ``engine.penalize``)
+    state (each row's count of every token drawn, its logit bias and its prompt's tokens: ``engine.penalize``)
     running rows packed low: rows [0, n) run, n = the running requests; a request that ends gives its row to the
     last running one (its pages, bounds and state copied over), so a step runs over rows [0, n) only
 
@@ -33,7 +33,7 @@ from .. import parallel
 from ..cache import PagedKVCache, PagedLayer, storage_dtype
 from ..cache.host_store import require_host_bytes
 from ..engine import (CapturedStep, Engine, Sampling, _is_count, argmax, counter_noise, draw, penalize,
-                      prefill_passes, token_logprobs)
+                      prefill_passes, token_logprobs, token_set)
 from ..integrations import apply
 from ..integrations.decode import DecodeModel
 from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
@@ -183,9 +183,10 @@ class Runner:
         require(_is_count(self.max_new_tokens, 1) and self.max_new_tokens <= max_context, "max_new_tokens",
                 f"None (max_context) or an int from 1 to max_context ({max_context})", max_new_tokens)
         prefill_bytes = max_context * self.num_layers * self.token_bytes  # one prompt's KV, before any eviction
-        # Each row's penalty state: its count of every token drawn and its logit bias (float32, ``penalize``).
+        # Each row's penalty state: its count of every token drawn, its logit bias (float32) and its prompt's tokens
+        # (bool, ``penalize``).
         self.vocab_size = model.config.vocab_size
-        prefill_bytes += max_batch * 2 * self.vocab_size * 4
+        prefill_bytes += max_batch * 9 * self.vocab_size
         require(_is_count(prefix_cache_bytes, 0), "prefix_cache_bytes", "an int >= 0 (0: no prefix cache)",
                 prefix_cache_bytes)
         prefill_bytes += prefix_cache_bytes
@@ -247,10 +248,12 @@ class Runner:
         self.token = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)  # each row's next input
         self.temperature, self.top_p = per_row(0.0, torch.float32), per_row(1.0, torch.float32)
         self.top_k, self.seed, self.index = per_row(0, torch.long), per_row(0, torch.long), per_row(0, torch.long)
+        self.min_p = per_row(0.0, torch.float32)
         # ``penalize``'s per-row state, read by the steps of rows whose sampling adjusts the logits.
-        self.presence, self.frequency = per_row(0.0, torch.float32), per_row(0.0, torch.float32)
+        self.repetition, self.presence, self.frequency = (per_row(v, torch.float32) for v in (1.0, 0.0, 0.0))
         self.counts = torch.zeros(max_batch, self.vocab_size, dtype=torch.float32, device=self.device)
         self.bias = torch.zeros_like(self.counts)
+        self.prompt_tokens = torch.zeros(max_batch, self.vocab_size, dtype=torch.bool, device=self.device)
         # A step's log-probabilities (``token_logprobs``), written by the steps of rows that asked for them.
         top = min(TOP_LOGPROBS, self.vocab_size)
         self.logprob = per_row(0.0, torch.float32)
@@ -334,8 +337,8 @@ class Runner:
         likeliest tokens to list, up to ``TOP_LOGPROBS``) its log-probabilities."""
         one = torch.ones(1, dtype=torch.long, device=self.device)
         logits = job.logits
-        if sampling.adjusts:  # nothing drawn yet: only the bias
-            logits = penalize(logits, torch.zeros_like(logits, dtype=torch.float32),
+        if sampling.adjusts:  # nothing drawn yet: the prompt's repetition and the bias
+            logits = penalize(logits, torch.zeros_like(logits, dtype=torch.float32), self._prompt_set(job),
                               *sampling.penalties(1, logits.shape[1], self.device))
         token = sampling(logits, one * seed, one * 0)
         if logprobs is None:
@@ -362,11 +365,14 @@ class Runner:
         self.temperature[row], self.top_k[row], self.top_p[row] = sampling.temperature, sampling.top_k, \
             sampling.top_p
         self.seed[row], self.index[row] = seed, 1
+        self.min_p[row] = sampling.min_p
         # Written for every request: a row that does not adjust may run in a step that does.
-        presence, frequency, bias = sampling.penalties(1, self.vocab_size, self.device)
-        self.presence[row], self.frequency[row], self.bias[row] = presence[0], frequency[0], bias[0]
+        for t, value in zip((self.repetition, self.presence, self.frequency, self.bias),
+                            sampling.penalties(1, self.vocab_size, self.device)):
+            t[row] = value[0]
         self.counts[row].zero_()
         self.counts[row, first] = 1
+        self.prompt_tokens[row] = self._prompt_set(job)[0]
         self.keys.append(key)
         self.sampled.append(not sampling.greedy)
         self.adjusted.append(sampling.adjusts)
@@ -398,8 +404,8 @@ class Runner:
                 pages.lengths[row] = pages.lengths[last]
                 pages.seq_len[row] = pages.seq_len[last]
                 self.method.copy_row(row, self.method, last, self.prompt_lens[last])
-                for t in (self.token, self.temperature, self.top_k, self.top_p, self.seed, self.index,
-                          self.presence, self.frequency, self.bias, self.counts):
+                for t in (self.token, self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.index,
+                          self.repetition, self.presence, self.frequency, self.bias, self.counts, self.prompt_tokens):
                     t[row] = t[last]
             for rows in self._host_rows:
                 rows[row] = rows[last]
@@ -411,6 +417,11 @@ class Runner:
     def _host_rows(self) -> tuple[list, ...]:
         """What the host keeps per running row."""
         return self.keys, self.sampled, self.adjusted, self.logprobs, self.prompt_lens, self.max_tokens
+
+    def _prompt_set(self, job: Prefill) -> torch.Tensor:
+        """(1, V) bool: the prompt's tokens."""
+        ids = torch.tensor([job.prompt], device=self.device)
+        return token_set(ids, torch.ones_like(ids), self.vocab_size)
 
     def _pages(self, tokens: int) -> int:
         return -(-tokens // self.config.page_size)
@@ -451,16 +462,17 @@ class Runner:
         cache = SparseKVCache(self.method.rows(n, room), DecodeStats(tp_group=self.tp_group), self.window)
         cache.pages = self.pool.pages.rows(n)
         token, seq_len = self.token[:n], self.pool.pages.seq_len[:n]
-        temperature, top_k, top_p = self.temperature[:n], self.top_k[:n], self.top_p[:n]
+        temperature, top_k, top_p, min_p = self.temperature[:n], self.top_k[:n], self.top_p[:n], self.min_p[:n]
         seed, index = self.seed[:n], self.index[:n]
         logprob, top_logprob, top_ids = self.logprob[:n], self.top_logprob[:n], self.top_ids[:n]
-        counts, penalties = self.counts[:n], (self.presence[:n], self.frequency[:n], self.bias[:n])
+        counts, prompt = self.counts[:n], self.prompt_tokens[:n]
+        penalties = (self.repetition[:n], self.presence[:n], self.frequency[:n], self.bias[:n])
 
         def step() -> None:
             logits = self.decoder(token, seq_len.view(n, 1), cache)
-            chosen = penalize(logits, counts, *penalties) if adjusted else logits
+            chosen = penalize(logits, counts, prompt, *penalties) if adjusted else logits
             if sampled:
-                nxt = draw(chosen, temperature, top_k, top_p, counter_noise(seed, index, logits.shape[1]))
+                nxt = draw(chosen, temperature, top_k, top_p, min_p, counter_noise(seed, index, logits.shape[1]))
             else:
                 nxt = argmax(chosen)
             token.copy_(nxt.view(n, 1))

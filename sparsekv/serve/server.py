@@ -103,8 +103,8 @@ class StreamOptions(BaseModel):
 # accepts for them (their defaults): anything else is refused with a 400 naming the field rather than answered as if
 # it had not been asked.
 UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
-               "response_format": (None, {"type": "text"}), "min_p": (None, 0), "repetition_penalty": (None, 1),
-               "min_tokens": (None, 0), "use_beam_search": (None, False), "prompt_logprobs": (None,),
+               "response_format": (None, {"type": "text"}), "min_tokens": (None, 0), "use_beam_search": (None, False),
+               "prompt_logprobs": (None,),
                "bad_words": (None, []), "allowed_token_ids": (None,), "include_stop_str_in_output": (None, False),
                "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
                "structured_outputs": (None,), "functions": (None, []), "function_call": (None, "none"),
@@ -135,9 +135,13 @@ class _Generation(BaseModel):
     frequency_penalty: Annotated[Number, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
     # Token ids (JSON keys, so strings) to biases added to their logits.
     logit_bias: dict[str, Annotated[Number, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] = {}
-    # vLLM's, not OpenAI's: the likeliest tokens a draw keeps (-1 or 0: all); token ids that end the answer as the
-    # model's end-of-sequence does (finish reason "stop", the token's text left out).
+    # vLLM's, not OpenAI's: the likeliest tokens a draw keeps (-1 or 0: all); the least probability a kept token
+    # has, as a share of the likeliest one's; the repetition penalty of transformers and vLLM (prompt and answer
+    # tokens); token ids that end the answer as the model's end-of-sequence does (finish reason "stop", the
+    # token's text left out).
     top_k: Annotated[StrictInt, Field(ge=-1)] = -1
+    min_p: Annotated[Number, Field(ge=0, le=1)] = 0.0
+    repetition_penalty: Annotated[Number, Field(gt=0)] = 1.0
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = []
     # Not OpenAI's: generate through the model's end-of-sequence tokens (exact output lengths for benchmarks).
     ignore_eos: StrictBool = False
@@ -168,8 +172,9 @@ class _Generation(BaseModel):
         """The engine's ``Sampling`` of the request's fields. A temperature below the engine's least
         (``MIN_TEMPERATURE``) is greedy, the limit of drawing at ever smaller temperatures (as vLLM takes it)."""
         return Sampling(temperature=self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0,
-                        top_p=self.top_p, top_k=max(self.top_k, 0), presence_penalty=self.presence_penalty,
-                        frequency_penalty=self.frequency_penalty,
+                        top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                        repetition_penalty=self.repetition_penalty,
                         logit_bias={int(k): v for k, v in self.logit_bias.items()})
 
     @field_validator("stop", mode="before")

@@ -28,7 +28,7 @@ fill_rows(runner, rows, prompt_len, 1024)
 vocab = model.config.vocab_size
 sampling = Sampling(presence_penalty=0.5, frequency_penalty=0.5, logit_bias={13: 5.0, 2000: -100.0})
 penalties = sampling.penalties(rows, vocab, dev)
-runner.presence[:rows], runner.frequency[:rows], runner.bias[:rows] = penalties
+runner.repetition[:rows], runner.presence[:rows], runner.frequency[:rows], runner.bias[:rows] = penalties
 timer = Timer(dev, reps=30, warmup=3)  # the warm-up runs each variant eagerly, then captures it
 res = {"method": method, "rows": rows, "device": torch.cuda.get_device_name(dev), "steps_ms": []}
 for variant in ("plain", "logprobs", "penalties") * 2:
@@ -40,8 +40,8 @@ for variant in ("plain", "logprobs", "penalties") * 2:
 logits = torch.randn(rows, vocab, device=dev, dtype=torch.bfloat16)
 token = logits.argmax(-1)
 res["token_logprobs_ms"] = Timer(dev, reps=100).graph(lambda: token_logprobs(logits, token, TOP_LOGPROBS))
-counts = torch.zeros(rows, vocab, device=dev)
-res["penalize_ms"] = Timer(dev, reps=100).graph(lambda: penalize(logits, counts, *penalties))
+counts, prompt = torch.zeros(rows, vocab, device=dev), torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
+res["penalize_ms"] = Timer(dev, reps=100).graph(lambda: penalize(logits, counts, prompt, *penalties))
 for name in ("token_logprobs", "penalize"):
     print(f"{name} over {rows} rows: {res[name + '_ms'] * 1e3:.1f} us", flush=True)
 json.dump(res, open(out, "w"), indent=1)

@@ -422,9 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-memory-gib", type=float, default=None,
                      help="device memory for the KV cache of all requests (default: the engine's own)")
     srv.add_argument("--prefix-cache-gib", type=float, default=0.0,
-                     help="device memory for finished prompts' KV, kept so that a prompt that begins with the same "
-                          "tokens (a conversation's next turn, another question on one document) prefills only the "
-                          "rest (dense, quest, lowbit, oracle, raas, omnikv without offload; default 0: none)")
+                     help="device memory for finished prompts' KV (and ended answers'), kept so that a prompt that "
+                          "begins with the same tokens (a conversation's next turn, another question on one "
+                          "document) prefills only the rest (dense, quest, lowbit, oracle, raas, omnikv without "
+                          "offload; default 0: none)")
     srv.add_argument("--compile", action="store_true", help="fuse the decode step's layer code with torch.compile")
     srv.add_argument("--chat-template", help="a Jinja chat template file, for a tokenizer that has none")
     srv.add_argument("--api-key", help="the key clients must give (Authorization: Bearer KEY) for /v1/ requests "

@@ -361,7 +361,8 @@ PREFIX_METHODS = ["dense", "quest", "omnikv", "raas", "raas-quest", "lowbit", "o
 def test_prompts_that_begin_like_a_kept_one_start_from_its_pages(model, name):
     """With a prefix cache: a conversation's next turn (the last prompt, its answer and more), another question on
     the same document, the same prompt again, and a prompt shorter than a page in common, each after the prompts
-    before it have run; each request gives its tokens alone, and the prefill runs only what no kept prompt gave."""
+    before it have run; each request gives its tokens alone, and the prefill runs only what no kept prompt gave.
+    Where the method keeps its decode pages, an ended request's answer is kept with its prompt."""
     config = CONFIGS[name]
     page = config.page_size
     document = prompt(70)
@@ -371,7 +372,7 @@ def test_prompts_that_begin_like_a_kept_one_start_from_its_pages(model, name):
     engine = ServingEngine(model, config, max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK,
                            prefix_cache_bytes=1 << 30)
     layers = model.config.num_hidden_layers
-    for turn in turns:
+    for i, turn in enumerate(turns):
         want = alone.generate([turn], 6, stop_tokens=()).tokens[0]
         kept = dict(engine.runner.prefixes.entries)
         shared = max((next((i for i, (a, b) in enumerate(zip(k, turn)) if a != b), min(len(k), len(turn)))
@@ -383,6 +384,10 @@ def test_prompts_that_begin_like_a_kept_one_start_from_its_pages(model, name):
         assert cached % page == 0 and cached <= shared and cached > shared - page - CHUNK
         work = engine.metrics()["prefill_work"] - before  # token-layers (the call that ends a prefill counts 1)
         assert (len(turn) - cached) * layers <= work <= (len(turn) - cached) * layers + 2
+        if i == 0:  # the row held the document and 5 of its 6 new tokens
+            longest = max(len(k) for k in engine.runner.prefixes.entries)
+            answer_reuse = engine.runner.method.answer_reuse
+            assert longest == ((len(turn) + 5) // page * page if answer_reuse else len(turn))
     metrics = engine.metrics()
     assert metrics["prefix_hits"] == 3 and metrics["prefix_tokens_reused"] > 0
     assert 0 < metrics["prefix_cache_bytes"] == engine.runner.prefixes.bytes <= 1 << 30
@@ -404,7 +409,7 @@ def test_the_prefix_cache_keeps_what_its_budget_holds_and_refuses_methods_that_d
     run(small, [(0, Request(prompt=longer, max_tokens=2))])
     assert [len(k) for k in kept] == [43, 64] and small.metrics()["prefix_cache_bytes"] <= 3 * one
     tiny = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
-                         prefix_cache_bytes=one - 1)
+                         prefix_cache_bytes=one // 4)  # neither the prompt nor its answer fits
     run(tiny, [(0, Request(prompt=prompt(41), max_tokens=2))])
     assert not tiny.runner.prefixes.entries and tiny.metrics()["prefix_cache_bytes"] == 0
     for name in ("snapkv", "h2o", "streamingllm", "omnikv-offload"):

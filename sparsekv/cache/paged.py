@@ -409,21 +409,21 @@ class PagedKVCache:
         self.in_prompt = prompt and not prompt_end
         return self.plan
 
-    def seed(self, source: "PagedKVCache", tokens: int) -> None:
-        """Starts this cache, empty and of one row, with the first ``tokens`` tokens (whole pages) of row 0 of
-        ``source``, a cache that holds them as its prompt's passes wrote them (no page evicted or moved: slot j holds
-        page j): every layer allocated as an append would (``planned_tokens``) with those pages, their bounds and
-        per-slot state copied. The next pass continues the prompt at position ``tokens``."""
+    def seed(self, source: "PagedKVCache", tokens: int, row: int = 0) -> None:
+        """Starts this cache, empty and of one row, with the first ``tokens`` tokens (whole pages) of ``row`` of
+        ``source``, a cache that holds them as the passes and steps wrote them (no page evicted or moved: slot j
+        holds page j): every layer allocated as an append would (``planned_tokens``) with those pages, their bounds
+        and per-slot state copied. The next pass continues the prompt at position ``tokens``."""
         pages = tokens // self.page_size
         if self.lengths:
             raise ValueError("seed: the cache already holds tokens")
-        if tokens % self.page_size or not 0 < tokens <= source.lengths[0]:
-            raise ValueError(f"seed: tokens must be whole pages of the source's {source.lengths[0]} tokens, got "
-                             f"{tokens}")
+        if tokens % self.page_size or not 0 < tokens <= source.lengths[row]:
+            raise ValueError(f"seed: tokens must be whole pages of the source row's {source.lengths[row]} tokens, "
+                             f"got {tokens}")
         for i, src in enumerate(source.layers):
             layer = PagedLayer(1, src.shape[1], src.shape[3], self.page_size, self._size(pages, None), src.k.dtype,
                                src.k.device)
-            layer.copy_slots(0, src, 0, pages)
+            layer.copy_slots(0, src, row, pages)
             layer.cur_slot.fill_(pages - 1)
             self.layers[i] = layer
         self.lengths = [tokens]
@@ -516,6 +516,11 @@ class PagedKVCache:
                 held = ((pos >= 0) & (pos < self.seq_len.view(-1, 1, 1, 1))).sum()
                 total += int(held) * 2 * layer.k.shape[-1] * layer.k.element_size()
         return total
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot of one row, summed over the layers: pages, metadata and per-slot state."""
+        return sum(t[0, :, 0].numel() * t.element_size() for layer in self.layers if layer is not None
+                   for t in (*(getattr(layer, n) for n in layer.stored), *layer.slot_state.values()))
 
     def resident_bytes(self) -> int:
         """Bytes allocated for the pages and their metadata on all layers."""

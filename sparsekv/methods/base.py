@@ -106,11 +106,14 @@ class Method:
     ``prefix_reuse``: after a prompt, every layer holds each of its pages as the prompt's passes wrote them
     (nothing evicted, offloaded or compressed), and the passes carry no state from one chunk to the next but the
     pages: so the first pages of one prompt's cache start any prompt that begins with the same tokens
-    (``PagedKVCache.seed``, a server's prefix cache).
+    (``PagedKVCache.seed``, a server's prefix cache). ``answer_reuse``: the same holds after the decode steps,
+    which append to every layer without evicting: a finished request's prompt and answer start the prompts that
+    begin with them (a conversation's next turn).
     """
 
     max_pages: int | None = None
     prefix_reuse: bool = False
+    answer_reuse: bool = False
     accepts_chunks: bool = True
     sized_by_decode_tokens: bool = False
     tp_group = None

@@ -80,7 +80,7 @@ class LowBit(Method):
     them (``kernels.lowbit_select``). The method of a pool's first rows (``rows``) uses views of the pool's."""
 
     config: LowBitConfig
-    prefix_reuse = True  # the prompt's codes are made from its keys at its end (``prefill``)
+    prefix_reuse = answer_reuse = True  # the prompt's codes are made from its keys at its end (``prefill``)
     accepts_chunks = False  # a multi-token pass after the prompt would complete pages without codes
 
     def __init__(self, config: LowBitConfig, num_layers: int):

@@ -144,6 +144,8 @@ class OmniKV(Method):
     def prefix_reuse(self) -> bool:
         return not self.config.offload  # offloaded layers move their prompt to the host store at its end
 
+    answer_reuse = prefix_reuse
+
     def __init__(self, config: OmniKVConfig, num_layers: int):
         super().__init__(config, num_layers)
         self.filters = config.layers_for(num_layers)

@@ -70,7 +70,7 @@ def group_rows(x: torch.Tensor, kv_heads: int, per_query_head: bool) -> torch.Te
 
 class Oracle(Method):
     config: OracleConfig
-    prefix_reuse = True
+    prefix_reuse = answer_reuse = True
 
     def page_scores(self, layer_idx, q, layer, seq_len, scale):
         """The true attention mass of each slot, (B, Hs, C + 1) float32, -inf for free slots (what this method

@@ -49,7 +49,7 @@ class QuestConfig(MethodConfig):
 
 class Quest(Method):
     config: QuestConfig
-    prefix_reuse = True
+    prefix_reuse = answer_reuse = True
 
     def page_scores(self, layer_idx, q, layer, seq_len, scale):
         """The bounds this method ranks pages by, (B, Hs, C + 1), -inf for free slots (see ``kernels.page_scores``);

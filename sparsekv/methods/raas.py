@@ -91,7 +91,7 @@ class RaaS(Method):
     (``slots``, from ``step_slots``)."""
 
     config: RaaSConfig
-    prefix_reuse = True  # its limits apply from the first decode step
+    prefix_reuse = True  # its limits apply from the first decode step, which may evict (no answer_reuse)
     accepts_chunks = False
 
     def __init__(self, config: RaaSConfig, num_layers: int):

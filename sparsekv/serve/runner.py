@@ -95,7 +95,8 @@ class Prefill:
 
 
 class PrefixCache:
-    """Finished prompts' caches of one row (``PagedKVCache``), kept within ``budget`` device bytes, the least
+    """Finished prompts' caches of one row (``PagedKVCache``; also ended requests' prompt and answer,
+    ``Runner.release``), kept within ``budget`` device bytes, the least
     recently used dropped first, for prompts that begin with the same tokens: such a prompt starts from a copy of
     the shared whole pages (``PagedKVCache.seed``) and runs only the rest through the model (a conversation's next
     turn, another question on the same document). A kept cache is pinned while a prefill that will copy from it
@@ -136,19 +137,27 @@ class PrefixCache:
             del self.pins[key]
 
     def keep(self, prompt: list[int], pages: PagedKVCache) -> bool:
-        """Keeps the cache of a finished ``prompt`` unless it cannot fit beside the pinned ones (False). Kept
-        prompts that ``prompt`` begins with are dropped (it serves theirs)."""
-        key, size = tuple(prompt), pages.resident_bytes()
+        """Keeps the cache of a finished ``prompt`` unless it cannot fit beside the pinned ones (False)."""
+        size = pages.resident_bytes()
+        if not self.room(prompt, size):
+            return False
+        self.entries[tuple(prompt)] = (torch.tensor(prompt), pages, size)
+        self.bytes += size
+        return True
+
+    def room(self, prompt: list[int], size: int) -> bool:
+        """Makes room for a cache of ``size`` bytes of ``prompt``, which serves the kept prompts it begins with (they
+        go), then the least recently used (unpinned) as needed; returns whether it fits, False too where a kept
+        prompt begins with ``prompt`` (it serves it already)."""
+        key = tuple(prompt)
+        if any(len(k) >= len(key) and k[:len(key)] == key for k in self.entries):
+            return False
         for other in [k for k in self.entries if len(k) <= len(key) and key[:len(k)] == k and k not in self.pins]:
             self._drop(other)
         unpinned = [k for k in self.entries if k not in self.pins]
         while unpinned and self.bytes + size > self.budget:
             self._drop(unpinned.pop(0))
-        if self.bytes + size > self.budget:
-            return False
-        self.entries[key] = (torch.tensor(prompt), pages, size)
-        self.bytes += size
-        return True
+        return self.bytes + size <= self.budget
 
     def _drop(self, key: tuple[int, ...]) -> None:
         _, pages, size = self.entries.pop(key)
@@ -393,9 +402,13 @@ class Runner:
         if not kept:
             job.cache.pages.layers = []
 
-    def release(self, key) -> None:
-        """Frees the row of ``key``: the last running row moves into it."""
+    def release(self, key, tokens: list[int] | None = None) -> None:
+        """Frees the row of ``key``: the last running row moves into it. ``tokens``: the prompt and answer of a
+        request that ended (stop or length), whose row's whole pages go to the prefix cache first where the method
+        keeps its decode pages (``Method.answer_reuse``) and they fit."""
         row, last = self.keys.index(key), len(self.keys) - 1
+        if tokens is not None and self.prefixes is not None and self.method.answer_reuse:
+            self._keep_row(row, tokens)
         if row != last:
             pages = self.pool.pages
             with torch.no_grad():
@@ -417,6 +430,19 @@ class Runner:
     def _host_rows(self) -> tuple[list, ...]:
         """What the host keeps per running row."""
         return self.keys, self.sampled, self.adjusted, self.logprobs, self.prompt_lens, self.max_tokens
+
+    def _keep_row(self, row: int, tokens: list[int]) -> None:
+        """Copies the whole pages of ``row``, which holds the KV of ``tokens``' first tokens, into the prefix
+        cache, once room is made for them (nothing is allocated beyond its budget)."""
+        pages = self.pool.pages
+        held = min(len(tokens), pages.lengths[row]) // self.config.page_size * self.config.page_size
+        if not held or not self.prefixes.room(tokens[:held], (held // self.config.page_size + 1) * pages.slot_bytes()):
+            return
+        kept = PagedKVCache(self.num_layers, self.config.page_size, None, self.config.kv_dtype)
+        kept.planned_tokens = held
+        with torch.no_grad():
+            kept.seed(pages, held, row)
+        self.prefixes.keep(tokens[:held], kept)
 
     def _prompt_set(self, job: Prefill) -> torch.Tensor:
         """(1, V) bool: the prompt's tokens."""

@@ -397,7 +397,10 @@ class ServingEngine:
             prompt = len(live.request.prompt)
             self._in_use -= self.runner.kv_bytes(prompt, prompt + live.request.max_tokens)
         if live.id in self._running:
-            self.runner.release(live.id)
+            # An answer that ended is kept with its prompt where the prefix cache takes it (the row holds the KV
+            # of every token but the last).
+            ended = reason in ("stop", "length")
+            self.runner.release(live.id, live.request.prompt + live.tokens[:-1] if ended else None)
             with self._lock:
                 del self._running[live.id]
         elif live.prefill is not None:  # its prefill goes once no other request of its prompt waits for it

@@ -7,7 +7,8 @@ tokens a chunk), with and without a prefix cache of CACHE_GIB, in the same proce
   the document.
 
 NEW greedy tokens per request. Per request: time to first token (submit to first token, the engine stepped in this
-process) and the prompt tokens prefilled.
+process), the prompt tokens prefilled, and whether its tokens equal those of the run without the cache (the
+questions' prompts are the same in both runs; a turn's depend on the answers before it).
 
     PYTHONPATH=$PWD python benchmarks/results/serve/prefix_cache.py METHOD REQUESTS LENGTH NEW CACHE_GIB OUT.json
 """
@@ -48,7 +49,7 @@ def ask(engine: ServingEngine, prompt: list[int]) -> tuple[list[int], dict]:
                 if ttft is None and event.tokens:
                     torch.cuda.synchronize()
                     ttft = time.perf_counter() - began
-    return tokens, {"prompt": len(prompt), "ttft_s": ttft, "cached": cached,
+    return tokens, {"prompt": len(prompt), "ttft_s": ttft, "cached": cached, "tokens": tokens,
                     "prefilled": (engine.metrics()["prefill_work"] - work) // layers}
 
 
@@ -68,8 +69,14 @@ for cached in (False, True):
         prompt = prompt + q + answer
     runs["turns"] = turns
     res["cached" if cached else "uncached"] = runs
+    if cached:
+        for kind, rows in runs.items():
+            for row, plain in zip(rows, res["uncached"][kind]):
+                row["same_tokens"] = row["tokens"] == plain["tokens"]
     for kind, rows in runs.items():
         print(f"{method} {'with' if cached else 'without'} prefix cache, {kind}: TTFT "
               + " ".join(f"{r['ttft_s']:.3f}" for r in rows) + " s; prefilled "
-              + " ".join(str(r["prefilled"]) for r in rows), flush=True)
+              + " ".join(str(r["prefilled"]) for r in rows)
+              + ("; same tokens as without: " + " ".join(str(r["same_tokens"]) for r in rows) if cached else ""),
+              flush=True)
 json.dump(res, open(out, "w"), indent=1)

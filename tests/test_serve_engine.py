@@ -418,19 +418,22 @@ def test_the_prefix_cache_keeps_what_its_budget_holds_and_refuses_methods_that_d
                           prefix_cache_bytes=1 << 20)
 
 
-def test_a_cancelled_prefill_releases_the_kept_prompt_it_would_start_from(model):
-    engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK,
-                           prefix_cache_bytes=1 << 30)
+@pytest.mark.parametrize("name", ["quest", "lowbit"])
+def test_requests_on_one_document_arriving_together_prefill_it_once(model, name):
+    """Prefills run one after another and look the prefix cache up at their first pass: requests admitted together
+    take the document from the first one's prefill, and give their tokens alone; one cancelled while it waits takes
+    nothing."""
+    config = CONFIGS[name]
     document = prompt(64)
-    run(engine, [(0, Request(prompt=document, max_tokens=2))])
-    engine.submit(Request(prompt=document + prompt(40), max_tokens=2))
-    other = engine.submit(Request(prompt=document + prompt(12), max_tokens=2))
-    engine.step()  # both admitted, each pinning the kept prompt; the first one's first pass copies its pages
-    assert list(engine.runner.prefixes.pins.values()) == [1]
-    engine.cancel(other)
-    while engine.has_work():
-        engine.step()
-    assert not engine.runner.prefixes.pins
+    prompts = [document + prompt(n) for n in (9, 12, 15, 18)]
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    want = [alone.generate([p], 3, stop_tokens=()).tokens[0] for p in prompts]
+    engine = ServingEngine(model, config, max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           prefix_cache_bytes=1 << 30)
+    tokens, final = run(engine, [(0, Request(prompt=p, max_tokens=3)) for p in prompts], cancel_after={3: 0})
+    assert [final[i].cached_tokens for i in range(3)] == [0, 64, 64] and final[3].finish_reason == "cancelled"
+    assert [tokens[i] for i in range(3)] == want[:3]
+    assert engine.metrics()["prefix_hits"] == 2
 
 
 def test_a_long_prompt_is_prefilled_between_decode_steps(model):

@@ -78,15 +78,13 @@ class Logprobs:
 @dataclass
 class Prefill:
     """A request's prompt on its way in: its cache of one row, the passes still to run, the prompt's token ids, how
-    many of them a kept prompt's cache gives (``PrefixCache``: they do not run through the model) and, until its
-    first pass copies them, that prompt's key (pinned in the prefix cache); the last column's logits (1, V) once the
-    passes have all run."""
+    many of them a kept prompt's cache gave (``PrefixCache``, looked up at the first pass: they do not run through
+    the model), and the last column's logits (1, V) once the passes have all run."""
 
     cache: SparseKVCache
     passes: Generator | None
     prompt: list[int]
     reused: int = 0
-    source: tuple[int, ...] | None = None
     logits: torch.Tensor | None = None
 
     @property
@@ -99,18 +97,16 @@ class PrefixCache:
     ``Runner.release``), kept within ``budget`` device bytes, the least
     recently used dropped first, for prompts that begin with the same tokens: such a prompt starts from a copy of
     the shared whole pages (``PagedKVCache.seed``) and runs only the rest through the model (a conversation's next
-    turn, another question on the same document). A kept cache is pinned while a prefill that will copy from it
-    waits, so that the copy finds it. ``hits`` and ``reused_tokens`` count since the start."""
+    turn, another question on the same document). ``hits`` and ``reused_tokens`` count since the start."""
 
     def __init__(self, budget: int, page_size: int):
         self.budget, self.page_size = budget, page_size
         self.entries: OrderedDict[tuple[int, ...], tuple[torch.Tensor, PagedKVCache, int]] = OrderedDict()
-        self.pins: dict[tuple[int, ...], int] = {}
         self.bytes = self.hits = self.reused_tokens = 0
 
-    def find(self, prompt: list[int], most: int) -> tuple[int, tuple[int, ...] | None]:
+    def find(self, prompt: list[int], most: int) -> tuple[int, PagedKVCache | None]:
         """The kept prompt sharing the most whole pages with the start of ``prompt``, at most ``most`` tokens: the
-        tokens shared and its key, pinned until ``take`` (0, None: none)."""
+        tokens shared and its cache (0, None: none)."""
         ids = torch.tensor(prompt)
         best, found = 0, None
         for key, (tokens, _, _) in self.entries.items():
@@ -119,25 +115,15 @@ class PrefixCache:
             same = int(differ[0]) if len(differ) else n
             if same // self.page_size * self.page_size > best:
                 best, found = same // self.page_size * self.page_size, key
-        if found is not None:
-            self.entries.move_to_end(found)
-            self.pins[found] = self.pins.get(found, 0) + 1
-            self.hits += 1
-            self.reused_tokens += best
-        return best, found
-
-    def take(self, key: tuple[int, ...]) -> PagedKVCache:
-        """The kept cache of ``key`` (found by ``find``), unpinned."""
-        self.unpin(key)
-        return self.entries[key][1]
-
-    def unpin(self, key: tuple[int, ...]) -> None:
-        self.pins[key] -= 1
-        if not self.pins[key]:
-            del self.pins[key]
+        if found is None:
+            return 0, None
+        self.entries.move_to_end(found)
+        self.hits += 1
+        self.reused_tokens += best
+        return best, self.entries[found][1]
 
     def keep(self, prompt: list[int], pages: PagedKVCache) -> bool:
-        """Keeps the cache of a finished ``prompt`` unless it cannot fit beside the pinned ones (False)."""
+        """Keeps the cache of a finished ``prompt`` unless it does not fit (False)."""
         size = pages.resident_bytes()
         if not self.room(prompt, size):
             return False
@@ -147,17 +133,16 @@ class PrefixCache:
 
     def room(self, prompt: list[int], size: int) -> bool:
         """Makes room for a cache of ``size`` bytes of ``prompt``, which serves the kept prompts it begins with (they
-        go), then the least recently used (unpinned) as needed; returns whether it fits, False too where a kept
-        prompt begins with ``prompt`` (it serves it already)."""
+        go), then the least recently used as needed; returns whether it fits, False too where a kept prompt begins
+        with ``prompt`` (it serves it already)."""
         key = tuple(prompt)
-        if any(len(k) >= len(key) and k[:len(key)] == key for k in self.entries):
+        if size > self.budget or any(len(k) >= len(key) and k[:len(key)] == key for k in self.entries):
             return False
-        for other in [k for k in self.entries if len(k) <= len(key) and key[:len(k)] == k and k not in self.pins]:
+        for other in [k for k in self.entries if len(k) <= len(key) and key[:len(k)] == k]:
             self._drop(other)
-        unpinned = [k for k in self.entries if k not in self.pins]
-        while unpinned and self.bytes + size > self.budget:
-            self._drop(unpinned.pop(0))
-        return self.bytes + size <= self.budget
+        while self.bytes + size > self.budget:
+            self._drop(next(iter(self.entries)))
+        return True
 
     def _drop(self, key: tuple[int, ...]) -> None:
         _, pages, size = self.entries.pop(key)
@@ -300,22 +285,23 @@ class Runner:
     def start(self, prompt: list[int]) -> Prefill:
         """A prefill of ``prompt`` into a cache of one row, with a method of its own; with a prefix cache, from the
         kept prompt that shares the most whole pages with its start (leaving at least the last pass's queries that
-        the method reads, ``min_prompt_chunk``), whose pages are copied at the first pass."""
+        the method reads, ``min_prompt_chunk``), looked up and copied at the first pass: prefills run one after
+        another, so the prompts that end before it have been kept by then (requests on one document, arriving
+        together, prefill it once)."""
         method = self.request_config.build(self.num_layers)
         method.tp_group = self.tp_group
         cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
         # Only the prompt: the request decodes in its row of the pool.
         cache.pages.planned_tokens = method.planned_tokens([len(prompt)], len(prompt))
         job = Prefill(cache, None, prompt)
-        if self.prefixes is not None:
-            job.reused, job.source = self.prefixes.find(prompt, len(prompt) - method.min_prompt_chunk())
-        ids = torch.tensor([prompt[job.reused:]], dtype=torch.long, device=self.device)
 
         def passes() -> Generator[int, None, torch.Tensor]:
-            if job.source is not None:
-                source, job.source = self.prefixes.take(job.source), None
-                cache.pages.seed(source, job.reused)
-                cache.columns = job.reused
+            if self.prefixes is not None:
+                job.reused, source = self.prefixes.find(prompt, len(prompt) - method.min_prompt_chunk())
+                if source is not None:
+                    cache.pages.seed(source, job.reused)
+                    cache.columns = job.reused
+            ids = torch.tensor([prompt[job.reused:]], dtype=torch.long, device=self.device)
             return (yield from self.passes(self.model, cache, ids, torch.ones_like(ids), self.engine.prefill_chunk,
                                            start=job.reused))
 
@@ -394,9 +380,6 @@ class Runner:
         ``keep``: a finished prefill's pages go to the prefix cache instead, if there is one and they fit."""
         job.cache.method.release()
         job.passes.close()
-        if job.source is not None:  # never started: its kept prompt is no longer waited for
-            self.prefixes.unpin(job.source)
-            job.source = None
         kept = keep and self.prefixes is not None and job.logits is not None and \
             self.prefixes.keep(job.prompt, job.cache.pages)
         if not kept:

@@ -32,6 +32,19 @@ def test_serve_bench_smoke(tmp_path):
     assert (tmp_path / "serve.png").stat().st_size > 0
 
 
+def test_a_shared_prefix_and_the_prefix_cache(tmp_path, capsys):
+    assert main(["--model", "shape:tiny", "--device", "cpu", "--methods", "dense", "quest", "--budget", "32",
+                 "--requests", "4", "--prompt-len", "80", "90", "--shared-prefix", "64", "--output-len", "3", "3",
+                 "--max-batch", "2", "--via", "engine", "--prefix-cache-gib", "0.01", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "serve.json").read_text())
+    # prefills run one after another: each prompt after the first starts from the first one's 64 tokens (4 pages)
+    assert [r["prefix_reused"] for r in result["rows"]] == [3 * 64, 3 * 64]
+    assert "every prompt begins with the same 64 tokens" in (tmp_path / "serve.md").read_text()
+    assert main(["--model", "shape:tiny", "--device", "cpu", "--methods", "snapkv", "--prefix-cache-gib", "1",
+                 "--requests", "1", "--prompt-len", "80", "90", "--out", str(tmp_path / "b")]) == 2
+    assert "--prefix-cache-gib must be 0 with snapkv" in capsys.readouterr().err
+
+
 def test_random_fill_and_decode_priority(tmp_path):
     """Prompts' KV as random keys and values (no model prefill), labelled as such; decode-phase tokens/s reported."""
     assert main(["--model", "shape:tiny", "--device", "cpu", "--methods", "dense", "quest", "--budget", "32",

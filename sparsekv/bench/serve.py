@@ -143,13 +143,16 @@ def rss() -> int:
 
 
 def workload(args, vocab: int) -> list[Work]:
+    """The requests: arrival time (None: by concurrency), random token ids (every prompt beginning with the same
+    ``--shared-prefix`` tokens) and output length."""
     rng = random.Random(args.seed)
     out, at = [], 0.0
+    head = [rng.randrange(vocab) for _ in range(args.shared_prefix)]
     for _ in range(args.requests):
         if args.concurrency is None and math.isfinite(args.rate):
             at += rng.expovariate(args.rate)
         length = rng.randint(*args.prompt_len)
-        prompt = [rng.randrange(vocab) for _ in range(length)]
+        prompt = head + [rng.randrange(vocab) for _ in range(length - len(head))]
         out.append(Work(None if args.concurrency else at, prompt, rng.randint(*args.output_len)))
     return out
 
@@ -220,8 +223,10 @@ def run_engine(engine: ServingEngine, work: list[Work], concurrency: int | None,
 
 def warm_up(engine: ServingEngine, max_batch: int, vocab: int) -> None:
     """Runs every batch size from 1 to ``max_batch`` twice or more, up and down (a size's decode step is captured on
-    its second run), with short greedy requests, so that the measured run does not pay for the captures."""
-    rng = random.Random(0)
+    its second run), with short greedy requests, so that the measured run does not pay for the captures. Their
+    prompts come from a generator of their own: they share no prefix with the workload's (``workload``, seeded by
+    --seed), which a prefix cache would otherwise give it."""
+    rng = random.Random("warm-up")
     submitted = steps = 0
     while submitted < max_batch or engine.has_work():
         if submitted < max_batch and steps % 2 == 0:
@@ -454,6 +459,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("peak device GiB", "peak_device_gib", "{:.1f}"),
                ("peak KV GiB", "peak_kv_gib", "{:.2f}"), ("host KV GiB", "peak_host_kv_gib", "{:.2f}"),
                ("peak RSS GiB", "peak_rss_gib", "{:.1f}")]
+    if meta.get("prefix_cache_gib"):
+        columns.append(("prefix tokens reused", "prefix_reused", "{}"))
     kv = meta["kv_memory_bytes"]
     kv = "max batch x max context" if kv is None else f"{kv / GIB:.3g} GiB"
     load = (f"{meta['concurrency']} clients at a time" if meta["concurrency"] else
@@ -464,9 +471,12 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     fill = ("; fill random: each prompt's KV is random keys and values, no model prefill (TTFT and overall tokens/s "
             "are not those of a real prefill)" if meta["fill"] == "random" else "")
     weights = "" if meta.get("weights", "float") == "float" else f", {meta['weights']} weights"
+    shared = (f"; every prompt begins with the same {meta['shared_prefix']} tokens" if meta.get("shared_prefix")
+              else "")
+    cached = f"; a prefix cache of {meta['prefix_cache_gib']:g} GiB" if meta.get("prefix_cache_gib") else ""
     lines = [f"# Serving under load ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
              f"{meta['requests']} requests, {load}; prompts of {meta['prompt_len'][0]}-{meta['prompt_len'][1]} "
-             f"tokens, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens; max batch "
+             f"tokens{shared}, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens{cached}; max batch "
              f"{meta['max_batch']}{' (or the most the device holds)' if meta['fit'] else ''}, KV memory {kv}"
              f"{'; --capacity: runs stop once memory keeps requests waiting' if meta['capacity'] else ''}; "
              f"prefill {prefill}{fill}{window}. "
@@ -511,6 +521,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int_arg(1), default=64)
     parser.add_argument("--prompt-len", type=int_arg(1), nargs=2, default=[32768, 131072], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int_arg(1), nargs=2, default=[256, 256], metavar=("MIN", "MAX"))
+    parser.add_argument("--shared-prefix", type=int_arg(0), default=0,
+                        help="tokens every prompt begins with (the same document; below --prompt-len MIN)")
+    parser.add_argument("--prefix-cache-gib", type=float, default=0.0,
+                        help="ServingEngine(prefix_cache_bytes=...): finished prompts' KV kept for prompts that begin "
+                             "like them (methods that keep the prompt's pages; default 0: none)")
     parser.add_argument("--via", nargs="+", choices=["engine", "http"], default=["engine", "http"],
                         help="drive the engine directly, through the HTTP server, or both (each method)")
     parser.add_argument("--max-batch", type=int_arg(1), default=64)
@@ -561,6 +576,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
             if low > high:
                 raise ConfigError(name, "MIN <= MAX", f"{low} {high}")
+        if args.shared_prefix >= args.prompt_len[0]:
+            raise ConfigError("--shared-prefix", f"below the --prompt-len MIN ({args.prompt_len[0]})",
+                              args.shared_prefix)
+        if not (math.isfinite(args.prefix_cache_gib) and args.prefix_cache_gib >= 0):
+            raise ConfigError("--prefix-cache-gib", "a number >= 0", args.prefix_cache_gib)
         if args.max_new_tokens is not None and args.max_new_tokens < args.output_len[1]:
             raise ConfigError("--max-new-tokens", f"at least the --output-len MAX ({args.output_len[1]})",
                               args.max_new_tokens)
@@ -594,6 +614,12 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the 16-bit weights the quantized layers replaced
     work = workload(args, model.config.vocab_size)
+    refused = [run.label for run in runs
+               if args.prefix_cache_gib and not run.config.build(model.config.num_hidden_layers).prefix_reuse]
+    if refused:
+        print(f"sparsekv.bench.serve: error: --prefix-cache-gib must be 0 with {', '.join(refused)} (methods that "
+              f"evict, compress or offload the prompt)", file=sys.stderr)
+        return 2
     kv_memory = None if args.kv_memory_gib is None else int(args.kv_memory_gib * GIB)
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "weights": args.weights,
             "device_name": device_name(device), "torch": torch.__version__, "requests": args.requests,
@@ -602,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
             "fill": args.fill, "duration": args.duration,
             "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk,
             "capacity": args.capacity, "fit": args.fit or args.capacity, "out_of_memory": [],
-            "command": command}
+            "shared_prefix": args.shared_prefix, "prefix_cache_gib": args.prefix_cache_gib, "command": command}
     rows: list[dict] = []
 
     def save() -> None:
@@ -621,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
                              prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
                              max_queue=args.requests, compile=args.compile, kv_memory_bytes=kv_memory,
                              prefill=random_passes if args.fill == "random" else prefill_passes,
-                             max_new_tokens=args.max_new_tokens)
+                             max_new_tokens=args.max_new_tokens, prefix_cache_bytes=int(args.prefix_cache_gib * GIB))
 
     def probe(config, batch: int) -> None:
         """An engine of ``batch`` rows runs one request of a prefill chunk and two tokens."""
@@ -647,14 +673,17 @@ def main(argv: list[str] | None = None) -> int:
                 engine = make(run.config, batch)
                 if args.warmup:
                     warm_up(engine, batch, model.config.vocab_size)
+                reused = engine.metrics()["prefix_tokens_reused"]  # the warm-up's
                 trace = (run_engine(engine, work, args.concurrency, args.capacity, args.duration)
                          if via == "engine" else run_http(engine, tokenizer, work, args.concurrency, args.capacity))
                 # The pool's own choice where the config left it open (OmniKV's device layers).
                 device_layers = getattr(engine.runner.config, "device_layers", None)
+                reused = engine.metrics()["prefix_tokens_reused"] - reused
                 del engine
                 peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
                 row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,
                        "fill": args.fill, "max_batch": batch, "device_layers": device_layers, **summarize(trace),
+                       "prefix_reused": reused,
                        "peak_device_gib": peak,
                        "series": trace.samples}
             except torch.OutOfMemoryError:

@@ -94,10 +94,10 @@ class Prefill:
 
 class PrefixCache:
     """Finished prompts' caches of one row (``PagedKVCache``; also ended requests' prompt and answer,
-    ``Runner.release``), kept within ``budget`` device bytes, the least
-    recently used dropped first, for prompts that begin with the same tokens: such a prompt starts from a copy of
-    the shared whole pages (``PagedKVCache.seed``) and runs only the rest through the model (a conversation's next
-    turn, another question on the same document). ``hits`` and ``reused_tokens`` count since the start."""
+    ``Runner.release``), kept within ``budget`` device bytes, the least recently used dropped first, for prompts
+    that begin with the same tokens: such a prompt starts from a copy of the shared whole pages
+    (``PagedKVCache.seed``) and runs only the rest through the model (a conversation's next turn, another question
+    on the same document). ``hits`` and ``reused_tokens`` count since the start."""
 
     def __init__(self, budget: int, page_size: int):
         self.budget, self.page_size = budget, page_size

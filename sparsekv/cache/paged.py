@@ -139,6 +139,11 @@ class PagedLayer:
         return ("k", "v", "slot_page") + (("_kmin", "_kmax") if self.page_size > 1 else ())
 
     @property
+    def per_slot(self) -> tuple[torch.Tensor, ...]:
+        """Every per-slot tensor (B, Hkv, C + 1, ...): pages, bounds, page table and the method's state."""
+        return (*(getattr(self, n) for n in self.stored), *self.slot_state.values())
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
         """(batch, kv_heads, slots including scratch, head_dim)."""
         b, h, c, _, d = self.k.shape
@@ -520,13 +525,12 @@ class PagedKVCache:
     def slot_bytes(self) -> int:
         """Bytes of one slot of one row, summed over the layers: pages, metadata and per-slot state."""
         return sum(t[0, :, 0].numel() * t.element_size() for layer in self.layers if layer is not None
-                   for t in (*(getattr(layer, n) for n in layer.stored), *layer.slot_state.values()))
+                   for t in layer.per_slot)
 
     def resident_bytes(self) -> int:
         """Bytes allocated for the pages and their metadata on all layers."""
         total = 0
         for layer in self.layers:
             if layer is not None:
-                total += sum(t.numel() * t.element_size()
-                             for t in (*(getattr(layer, n) for n in layer.stored), *layer.slot_state.values()))
+                total += sum(t.numel() * t.element_size() for t in layer.per_slot)
         return total

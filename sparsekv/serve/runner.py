@@ -176,14 +176,14 @@ class Runner:
         self.max_new_tokens = max_context if max_new_tokens is None else max_new_tokens
         require(_is_count(self.max_new_tokens, 1) and self.max_new_tokens <= max_context, "max_new_tokens",
                 f"None (max_context) or an int from 1 to max_context ({max_context})", max_new_tokens)
-        prefill_bytes = max_context * self.num_layers * self.token_bytes  # one prompt's KV, before any eviction
-        # Each row's penalty state: its count of every token drawn, its logit bias (float32) and its prompt's tokens
-        # (bool, ``penalize``).
         self.vocab_size = model.config.vocab_size
-        prefill_bytes += max_batch * 9 * self.vocab_size
         require(_is_count(prefix_cache_bytes, 0), "prefix_cache_bytes", "an int >= 0 (0: no prefix cache)",
                 prefix_cache_bytes)
-        prefill_bytes += prefix_cache_bytes
+        # Device memory beside the pool: one prompt's KV while it is prefilled (before any eviction), each row's
+        # penalty state (its count of every token drawn and its logit bias, float32, and its prompt's tokens, bool:
+        # ``penalize``), and the prefix cache.
+        beside = (max_context * self.num_layers * self.token_bytes + max_batch * 9 * self.vocab_size
+                  + prefix_cache_bytes)
         free = available_device_bytes(self.device)
 
         def pool_bytes(method) -> int:
@@ -195,16 +195,16 @@ class Runner:
         # steps; with the device's memory unknown, the last, which keeps the least there.
         choices = [c.build(self.num_layers) for c in config.build(self.num_layers).pool_configs()]
         self.method = choices[-1] if free is None else next(
-            (m for m in choices if pool_bytes(m) + prefill_bytes + DEVICE_MARGIN * (m is not choices[-1]) <= free),
+            (m for m in choices if pool_bytes(m) + beside + DEVICE_MARGIN * (m is not choices[-1]) <= free),
             choices[-1])
         need = pool_bytes(self.method)
         # Per page slot, summed over layers and KV heads, the method's state beyond its first 8 bytes a slot and KV
         # head, which ``kv_bytes`` leaves uncounted as it does the page table's, so that a request of max_context
         # never needs more than its row; a request's pages lie evenly over the layers that hold them.
         self.extra_state_bytes = sum(max(b - 8, 0) for b in self.method.slot_state_bytes(attn.head_dim)) * kv_heads
-        require(free is None or need + prefill_bytes <= free, POOL_FIELD,
+        require(free is None or need + beside <= free, POOL_FIELD,
                 f"small enough that the pool of rows ({need / 2**30:.2f} GiB), and one prompt's prefill, the "
-                f"rows' sampling state and the prefix cache ({prefill_bytes / 2**30:.2f} GiB) fit the device's free "
+                f"rows' sampling state and the prefix cache ({beside / 2**30:.2f} GiB) fit the device's free "
                 f"{(free or 0) / 2**30:.2f} GiB",
                 (max_batch, max_context))
         # The pool's host store, and one prompt's own store while it is prefilled, must fit before any is taken.

@@ -189,3 +189,18 @@ def test_fill_rows_joins_prefilled_requests():
     fill_rows(runner, 2, 40, 8)
     assert runner.keys == [0, 1] and runner.free_rows == 1 and runner.pool.pages.lengths[:2] == [40, 40]
     assert set(runner.decode()) == {0, 1}
+
+
+def test_short_requests_under_a_long_max_context(tmp_path, capsys):
+    """--max-context sets the server's limit apart from the workload: in the KV memory of two rows of 4096 tokens,
+    dense and Quest (shared pages) run all 8 short requests at once, each holding the pages of its own length."""
+    two_rows = 2 * 4096 * 1024 / 2**30  # tiny:llama holds 1 KiB of keys and values a token, over its 4 layers
+    assert main(["--model", "tiny:llama", "--device", "cpu", "--methods", "dense", "quest", "--budget", "32",
+                 "--requests", "8", "--prompt-len", "16", "48", "--output-len", "6", "6", "--max-batch", "8",
+                 "--max-context", "4096", "--kv-memory-gib", str(two_rows), "--via", "engine", "--out",
+                 str(tmp_path), "--tag", "short"]) == 0
+    rows = json.loads((tmp_path / "short.json").read_text())["rows"]
+    assert [r["max_running"] for r in rows] == [8, 8] and all(r["requests_done"] == 8 for r in rows)
+    assert main(["--model", "tiny:llama", "--device", "cpu", "--prompt-len", "16", "48", "--output-len", "6", "6",
+                 "--max-context", "50", "--out", str(tmp_path)]) == 2
+    assert "--max-context must be at least the longest prompt and output (54)" in capsys.readouterr().err

@@ -31,6 +31,7 @@ CONFIGS = {
     "lowbit": LowBitConfig(token_budget=32, page_size=8, dense_layers=1),
     "lowbit-reuse4": LowBitConfig(token_budget=32, page_size=8, dense_layers=1, reuse=4),
     "oracle": OracleConfig(token_budget=32, page_size=8, dense_layers=1),
+    "quest-kv-fp8": QuestConfig(token_budget=32, page_size=8, dense_layers=1, kv_dtype="fp8"),
 }
 CONTEXT = 160
 CHUNK = 32
@@ -103,6 +104,9 @@ def test_batching_changes_no_result(model, name):
             assert tokens[i] == want and final[i].finish_reason == "length"
     metrics = engine.metrics()
     assert metrics["free_rows"] == 3 and metrics["kv_bytes_in_use"] == 0 and metrics["running"] == 0
+    shared = engine.runner.shared
+    assert (shared is not None) == (name in ("dense", "quest", "quest-per-query-head", "quest-kv-fp8"))
+    assert shared is None or sorted(shared.free) == list(range(shared.pages))  # every page came back
     ends = [end if end != "cancel" else "cancelled" for *_, end in PLAN]
     assert metrics["finished_requests"] == {end: ends.count(end) for end in ends}
     assert metrics["generated_tokens"] == sum(len(t) for t in tokens.values())
@@ -120,6 +124,41 @@ def test_snapkv_rows_hold_the_budget_and_the_new_tokens(model):
     assert [layer.capacity for layer in engine.runner.pool.pages.layers] == [config.token_budget + room] * 3
     tokens, _ = run(engine, requests)
     assert [tokens[i] for i in range(len(PLAN))] == expected
+
+
+@pytest.mark.parametrize("name", ["dense", "quest"])
+def test_shared_pages_hold_each_running_request_and_come_back(model, name):
+    """In shared pages each running row holds store pages of its own, as many as its prompt and max_tokens take;
+    with fewer pages than the rows' slots, what fits is admitted and the rest waits; every request gets its alone
+    tokens and every page comes back when it ends."""
+    config = CONFIGS[name]
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new, _ in PLAN]
+    page_bytes = ServingEngine(model, config, max_batch=1, max_context=CONTEXT).runner.page_store_bytes
+    engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           kv_memory_bytes=26 * page_bytes)  # the two longest requests: 14 and 11 pages
+    runner, shared = engine.runner, engine.runner.shared
+    assert shared.pages == 26
+    ids = {engine.submit(Request(prompt=prompt(n), max_tokens=new, stop_tokens=())): i
+           for i, (_, n, new, _) in enumerate(PLAN)}
+    tokens = {i: [] for i in ids.values()}
+    waited = False
+    while engine.has_work():
+        for event in engine.step():
+            tokens[ids[event.request_id]] += event.tokens
+        held = [shared.held[row] for row in range(len(runner.keys))]
+        want = [-(-(n + m) // config.page_size) for n, m in zip(runner.prompt_lens, runner.max_tokens)]
+        assert [len(h) for h in held] == want
+        assert len({p for h in held for p in h}) == sum(want) == shared.pages - len(shared.free)
+        for row, h in enumerate(held):
+            assert shared.table[row, :len(h)].tolist() == h
+            assert shared.store_page[h].tolist() == list(range(len(h)))
+        m = engine.metrics()
+        waited = waited or (m["queued"] and m["running"] + m["prefilling"] < 3)
+    assert waited  # the store, not the rows, held requests back
+    assert [tokens[i] for i in range(len(PLAN))] == expected
+    assert sorted(shared.free) == list(range(shared.pages))
+    assert bool((shared.table == shared.pages).all()) and bool((shared.store_page == -1).all())
 
 
 @pytest.mark.parametrize("name", ["dense", "quest", "raas", "h2o", "snapkv", "lowbit"])
@@ -543,7 +582,9 @@ def test_queue_full_and_requests_that_never_fit(model):
         engine.submit(Request(prompt=prompt(160), max_tokens=1))
     small = ServingEngine(model, CONFIGS["dense"], max_context=CONTEXT, prefill_chunk=CHUNK,
                           kv_memory_bytes=50_000)
-    with pytest.raises(RequestError, match=r"at most kv_memory_bytes \(50000\)"):
+    # Dense keeps its rows' keys and values in shared pages: kv_memory_bytes sizes them, in whole pages.
+    assert small.kv_memory_bytes == 50_000 // small.runner.page_store_bytes * small.runner.page_store_bytes
+    with pytest.raises(RequestError, match=rf"at most kv_memory_bytes \({small.kv_memory_bytes}\)"):
         small.submit(Request(prompt=prompt(100), max_tokens=20))
     with pytest.raises(RequestError, match="prompt must be token ids below the vocabulary size"):
         small.submit(Request(prompt=[5, 10**6], max_tokens=2))
@@ -554,9 +595,33 @@ def test_a_pool_that_does_not_fit_the_device_is_refused_before_allocating(model,
 
     monkeypatch.setattr(runner, "available_device_bytes", lambda device: 100_000)
     with pytest.raises(ValueError, match=r"max_batch and max_context must be small enough that the pool of rows"):
-        ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
+        ServingEngine(model, CONFIGS["raas"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
     monkeypatch.setattr(runner, "available_device_bytes", lambda device: 10_000_000)
-    ServingEngine(model, CONFIGS["dense"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
+    ServingEngine(model, CONFIGS["raas"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
+
+
+def test_shared_pages_take_the_memory_the_rows_leave(model, monkeypatch):
+    """Dense and Quest keep their rows' keys and values in shared pages: as many as the device's free memory
+    leaves beside the rows, one prompt's prefill and the steps' margin, at most every row's; none left is refused."""
+    from sparsekv.serve import runner
+
+    def pool(free: int):
+        monkeypatch.setattr(runner, "available_device_bytes", lambda device: free)
+        return ServingEngine(model, CONFIGS["quest"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
+
+    rows = 4 * -(-CONTEXT // CONFIGS["quest"].page_size)
+    page = pool(runner.DEVICE_MARGIN + 10**9).runner.page_store_bytes
+    assert pool(runner.DEVICE_MARGIN + 10**9).runner.shared.pages == rows
+    least = runner.DEVICE_MARGIN  # the rows, the prefill and the margin: found page by page
+    while True:
+        try:
+            engine = pool(least)
+            break
+        except ValueError as err:
+            assert "must be small enough that the rows" in str(err) and "leave room for a page of KV" in str(err)
+            least += page
+    assert engine.runner.shared.pages == 1 and engine.kv_memory_bytes == page
+    assert pool(least + 6 * page).runner.shared.pages == 7
 
 
 def test_kv_memory_below_the_smallest_request_is_refused_at_construction(model):

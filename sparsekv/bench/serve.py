@@ -457,12 +457,14 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("median running", "median_running", "{:.0f}"),
                ("vs dense tok/s", "vs_dense", "{:.2f}x"), ("vs dense decode", "decode_vs_dense", "{:.2f}x"),
                ("peak device GiB", "peak_device_gib", "{:.1f}"),
-               ("peak KV GiB", "peak_kv_gib", "{:.2f}"), ("host KV GiB", "peak_host_kv_gib", "{:.2f}"),
+               ("KV capacity GiB", "kv_capacity_gib", "{:.2f}"), ("peak KV GiB", "peak_kv_gib", "{:.2f}"),
+               ("host KV GiB", "peak_host_kv_gib", "{:.2f}"),
                ("peak RSS GiB", "peak_rss_gib", "{:.1f}")]
     if meta.get("prefix_cache_gib"):
         columns.append(("prefix tokens reused", "prefix_reused", "{}"))
     kv = meta["kv_memory_bytes"]
-    kv = "max batch x max context" if kv is None else f"{kv / GIB:.3g} GiB"
+    kv = ("the pool's (dense and Quest: shared pages, as many as the device leaves; other methods: max batch rows "
+          "of max context)" if kv is None else f"{kv / GIB:.3g} GiB")
     load = (f"{meta['concurrency']} clients at a time" if meta["concurrency"] else
             "all at once" if not math.isfinite(meta["rate"]) else f"Poisson arrivals at {meta['rate']} requests/s")
     share = meta["prefill_share"]
@@ -476,7 +478,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     cached = f"; a prefix cache of {meta['prefix_cache_gib']:g} GiB" if meta.get("prefix_cache_gib") else ""
     lines = [f"# Serving under load ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
              f"{meta['requests']} requests, {load}; prompts of {meta['prompt_len'][0]}-{meta['prompt_len'][1]} "
-             f"tokens{shared}, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens{cached}; max batch "
+             f"tokens{shared}, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens{cached}; max context "
+             f"{meta['max_context']}; max batch "
              f"{meta['max_batch']}{' (or the most the device holds)' if meta['fit'] else ''}, KV memory {kv}"
              f"{'; --capacity: runs stop once memory keeps requests waiting' if meta['capacity'] else ''}; "
              f"prefill {prefill}{fill}{window}. "
@@ -529,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--via", nargs="+", choices=["engine", "http"], default=["engine", "http"],
                         help="drive the engine directly, through the HTTP server, or both (each method)")
     parser.add_argument("--max-batch", type=int_arg(1), default=64)
+    parser.add_argument("--max-context", type=int_arg(2), default=None,
+                        help="the engine's max_context (default: the longest prompt and output): a server's limit, "
+                             "which sizes the rows of methods without shared pages")
     parser.add_argument("--prefill-chunk", type=int_arg(1), default=8192)
     parser.add_argument("--prefill-share", type=float, default=None,
                         help="decode priority: prefill takes at most about this share of the decode steps' time while "
@@ -581,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
                               args.shared_prefix)
         if not (math.isfinite(args.prefix_cache_gib) and args.prefix_cache_gib >= 0):
             raise ConfigError("--prefix-cache-gib", "a number >= 0", args.prefix_cache_gib)
+        longest = args.prompt_len[1] + args.output_len[1]
+        if args.max_context is not None and args.max_context < longest:
+            raise ConfigError("--max-context", f"at least the longest prompt and output ({longest})",
+                              args.max_context)
         if args.max_new_tokens is not None and args.max_new_tokens < args.output_len[1]:
             raise ConfigError("--max-new-tokens", f"at least the --output-len MAX ({args.output_len[1]})",
                               args.max_new_tokens)
@@ -600,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" or args.plan else "float32"))
-    max_context = args.prompt_len[1] + args.output_len[1]
+    max_context = args.max_context or args.prompt_len[1] + args.output_len[1]
     command = "python -m sparsekv.bench.serve " + " ".join(argv)
     if args.plan:
         return capacity_plan(args, runs, model_shape(args.model[len("shape:"):]), dtype, max_context, command)
@@ -624,7 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "weights": args.weights,
             "device_name": device_name(device), "torch": torch.__version__, "requests": args.requests,
             "rate": args.rate, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
-            "output_len": args.output_len, "max_batch": args.max_batch, "kv_memory_bytes": kv_memory,
+            "output_len": args.output_len, "max_batch": args.max_batch, "max_context": max_context,
+            "kv_memory_bytes": kv_memory,
             "fill": args.fill, "duration": args.duration,
             "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk,
             "capacity": args.capacity, "fit": args.fit or args.capacity, "out_of_memory": [],
@@ -678,12 +689,13 @@ def main(argv: list[str] | None = None) -> int:
                          if via == "engine" else run_http(engine, tokenizer, work, args.concurrency, args.capacity))
                 # The pool's own choice where the config left it open (OmniKV's device layers).
                 device_layers = getattr(engine.runner.config, "device_layers", None)
+                capacity = engine.kv_memory_bytes / GIB
                 reused = engine.metrics()["prefix_tokens_reused"] - reused
                 del engine
                 peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
                 row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,
                        "fill": args.fill, "max_batch": batch, "device_layers": device_layers, **summarize(trace),
-                       "prefix_reused": reused,
+                       "prefix_reused": reused, "kv_capacity_gib": capacity,
                        "peak_device_gib": peak,
                        "series": trace.samples}
             except torch.OutOfMemoryError:

@@ -14,6 +14,12 @@ and max of the stored (quantized) keys, which fp8 holds exactly, so Quest's boun
 
 One extra *scratch* slot at the end of each row receives the padding tokens of a batch, so that appends are a
 single scatter with a fixed shape; it never holds a page and is never attended.
+
+A serving pool's rows may instead keep their pages in *shared pages* (``SharedPages``): one store of N pages per
+layer for all rows (keys, values and bounds), and a page table per row naming the store page of each of its slots,
+so that a row holds the memory of its own request's tokens rather than of the longest request's. ``slot_page`` and
+``cur_slot`` stay per row; the kernels read the store through the table (``PagedLayer.attend``, Quest's page
+scores), the decode append writes through it (``kernels.append_token``'s ``table``).
 """
 
 from __future__ import annotations
@@ -82,10 +88,66 @@ class AppendPlan:
         return self.prev_seq_len + self.valid.sum(dim=1)
 
 
+class SharedPages:
+    """The page table of a pool whose rows keep their pages in one store of ``pages`` pages per layer,
+    plus a scratch page (store page ``pages``), shared by every layer (each layer has its own store, the same table).
+
+    table: (B, C + 1) int64, the store page of each slot of each row; the scratch page where the slot has none
+    (its last column, the rows' scratch slot, always). store_page: (N + 1,) int64, the logical page each store page
+    holds in its row (-1: none), what the attention kernels read as the page of a slot. ``held[b]``: the store
+    pages of row b in slot order, on the host; ``free``: the store pages no row holds.
+    """
+
+    def __init__(self, rows: int, slots: int, pages: int, device: torch.device):
+        if pages < 1:
+            raise ValueError(f"SharedPages: pages must be >= 1, got {pages}")
+        self.pages = pages
+        self.table = torch.full((rows, slots + 1), pages, dtype=torch.long, device=device)
+        self.store_page = torch.full((pages + 1,), -1, dtype=torch.long, device=device)
+        self.held: list[list[int]] = [[] for _ in range(rows)]
+        self.free = list(range(pages - 1, -1, -1))  # popped from the end: the lowest first
+
+    @property
+    def free_pages(self) -> int:
+        return len(self.free)
+
+    def assign(self, row: int, pages: int) -> None:
+        """Gives ``row``, which holds none, ``pages`` store pages for its slots [0, pages), logical pages 0 ..
+        pages - 1 (written before the tokens are: a page is read only up to the row's length)."""
+        if self.held[row]:
+            raise ValueError(f"SharedPages.assign: row {row} holds pages already")
+        if not 1 <= pages <= min(len(self.free), self.table.shape[1] - 1):
+            raise ValueError(f"SharedPages.assign: {pages} pages asked for row {row}, {len(self.free)} free and "
+                             f"{self.table.shape[1] - 1} slots a row")
+        taken = [self.free.pop() for _ in range(pages)]
+        idx = torch.tensor(taken, device=self.table.device)
+        self.table[row, :pages] = idx
+        self.store_page[idx] = torch.arange(pages, device=idx.device)
+        self.held[row] = taken
+
+    def release(self, row: int) -> None:
+        """Returns the store pages of ``row`` to the free ones."""
+        if self.held[row]:
+            self.store_page[torch.tensor(self.held[row], device=self.table.device)] = -1
+            self.table[row, :len(self.held[row])] = self.pages
+            self.free.extend(reversed(self.held[row]))
+            self.held[row] = []
+
+    def move(self, row: int, source_row: int) -> None:
+        """``row``, which holds none, takes the pages of ``source_row`` (nothing is copied), which then holds none."""
+        if self.held[row]:
+            raise ValueError(f"SharedPages.move: row {row} holds pages already")
+        self.table[row] = self.table[source_row]
+        self.table[source_row] = self.pages
+        self.held[row], self.held[source_row] = self.held[source_row], []
+
+
 class PagedLayer:
     """The pages of one layer.
 
-    k, v: (B, Hkv, C + 1, P, D) with C page slots plus the scratch slot, in the model's dtype or fp8.
+    k, v: (B, Hkv, C + 1, P, D) with C page slots plus the scratch slot, in the model's dtype or fp8; with ``shared``
+    (``SharedPages``), the layer's store of the rows' pages, (1, Hkv, N + 1, P, D), read through ``shared.table``
+    (``table``), as are the bounds (1, Hkv, N + 1, D).
     kmin, kmax: (B, Hkv, C + 1, D), channel-wise bounds of the keys in each slot; with one token per page they are
     views of ``k`` (a token is its own bound), so token-granular methods store nothing extra.
     slot_page: (B, Hkv, C + 1) int64, logical page held by each slot, -1 if free.
@@ -98,15 +160,20 @@ class PagedLayer:
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, page_size: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, shared: SharedPages | None = None):
         self.page_size = page_size
         self.capacity = capacity
         shape = (batch, kv_heads, capacity + 1)
-        self.k = torch.zeros(*shape, page_size, head_dim, dtype=dtype, device=device)
+        self.shared = shared
+        if shared is not None and (page_size == 1 or shared.table.shape != (batch, capacity + 1)):
+            raise ValueError(f"PagedLayer: shared pages need pages of more than one token and a table of "
+                             f"{(batch, capacity + 1)}, got page_size {page_size} and {tuple(shared.table.shape)}")
+        store = shape if shared is None else (1, kv_heads, shared.pages + 1)
+        self.k = torch.zeros(*store, page_size, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         if page_size > 1:
-            self._kmin = torch.full((*shape, head_dim), bound_fill(dtype, False), dtype=dtype, device=device)
-            self._kmax = torch.full((*shape, head_dim), bound_fill(dtype, True), dtype=dtype, device=device)
+            self._kmin = torch.full((*store, head_dim), bound_fill(dtype, False), dtype=dtype, device=device)
+            self._kmax = torch.full((*store, head_dim), bound_fill(dtype, True), dtype=dtype, device=device)
         self.slot_page = torch.full(shape, -1, dtype=torch.long, device=device)
         self.cur_slot = torch.full(shape[:2], -1, dtype=torch.long, device=device)
         # Until a slot is freed, slot j holds page j and allocation needs no search.
@@ -115,6 +182,11 @@ class PagedLayer:
         self.dropped = [0] * batch
         self.slot_state: dict[str, torch.Tensor] = {}
         self._slot_ids: torch.Tensor | None = None
+
+    @property
+    def table(self) -> torch.Tensor | None:
+        """(B, C + 1) the store page of each slot of each row in shared pages, else None."""
+        return None if self.shared is None else self.shared.table
 
     @property
     def kmin(self) -> torch.Tensor:
@@ -134,23 +206,63 @@ class PagedLayer:
         return self._slot_ids
 
     @property
+    def paged(self) -> tuple[str, ...]:
+        """Attributes holding the pages' keys, values and bounds, per row (B, Hkv, C + 1, ...) or in shared pages
+        (1, Hkv, N + 1, ...)."""
+        return ("k", "v") + (("_kmin", "_kmax") if self.page_size > 1 else ())
+
+    @property
     def stored(self) -> tuple[str, ...]:
-        """Attributes holding per-slot tensors (B, Hkv, C + 1, ...)."""
-        return ("k", "v", "slot_page") + (("_kmin", "_kmax") if self.page_size > 1 else ())
+        """Attributes holding per-slot tensors (B, Hkv, C + 1, ...): the pages too unless they are in shared pages."""
+        return (self.paged if self.shared is None else ()) + ("slot_page",)
 
     @property
     def per_slot(self) -> tuple[torch.Tensor, ...]:
         """Every per-slot tensor (B, Hkv, C + 1, ...): pages, bounds, page table and the method's state."""
         return (*(getattr(self, n) for n in self.stored), *self.slot_state.values())
 
+    def resident_bytes(self) -> int:
+        """Bytes of the layer's per-slot tensors and of its store of shared pages."""
+        store = () if self.shared is None else (getattr(self, n) for n in self.paged)
+        return sum(t.numel() * t.element_size() for t in (*self.per_slot, *store))
+
+    def slot_bytes(self) -> int:
+        """Bytes one slot of one row takes: its page (keys, values, bounds) and its per-slot tensors."""
+        store = () if self.shared is None else (getattr(self, n) for n in self.paged)
+        return sum(t[0, :, 0].numel() * t.element_size() for t in (*self.per_slot, *store))
+
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """(batch, kv_heads, slots including scratch, head_dim)."""
-        b, h, c, _, d = self.k.shape
-        return b, h, c, d
+        return (*self.slot_page.shape, self.k.shape[-1])
+
+    def row_pages(self, row: int, used: int) -> dict[str, torch.Tensor]:
+        """The pages of slots [0, used) of ``row`` by attribute (``paged``): (Hkv, used, ...) each, views unless in
+        shared pages."""
+        if self.shared is None:
+            return {n: getattr(self, n)[row, :, :used] for n in self.paged}
+        idx = self.shared.table[row, :used]
+        return {n: raw(t)[0].index_select(1, idx).view(t.dtype) for n in self.paged for t in (getattr(self, n),)}
+
+    def attend(self, q: torch.Tensor, slots: torch.Tensor, seq_len: torch.Tensor, scale: float,
+               attended: torch.Tensor | None = None, in_order: bool = False) -> torch.Tensor:
+        """``kernels.sparse_decode`` over ``slots`` (B, Hs, K) of this layer (-1: none), read through the page
+        table in shared pages (the slot -1 maps to the scratch page, which holds none). q: (B, H, D); returns
+        (B, H, D)."""
+        if self.shared is None:
+            return kernels.sparse_decode(q, self.k, self.v, self.slot_page, slots, seq_len, scale, attended,
+                                         in_order)
+        b, hs = slots.shape[:2]
+        table = self.shared.table[:b].unsqueeze(1).expand(b, hs, -1)
+        if not in_order:  # in order the slots are every slot, whose store pages are the table itself
+            table = table.gather(2, slots % table.shape[2])
+        k, v = self.k.expand(b, *self.k.shape[1:]), self.v.expand(b, *self.v.shape[1:])
+        store_page = self.shared.store_page.expand(b, self.k.shape[1], -1)
+        return kernels.sparse_decode(q, k, v, store_page, table, seq_len, scale, attended, in_order)
 
     def grow(self, capacity: int) -> None:
         """Reallocates to ``capacity`` slots; amortised by the caller asking for geometric growth."""
+        self._not_shared("grow")
         old = self.capacity
 
         def grown(t: torch.Tensor, fill) -> torch.Tensor:
@@ -171,6 +283,7 @@ class PagedLayer:
         Returns (B, Hkv, capacity) the old slot of each new slot."""
         if not 1 <= capacity <= self.capacity:
             raise ValueError(f"capacity must be from 1 to the current {self.capacity} slots, got {capacity}")
+        self._not_shared("compact")
         cap = self.capacity
         order = torch.argsort((self.slot_page[:, :, :cap] < 0).to(torch.int8), dim=2, stable=True)[:, :, :capacity]
         with_scratch = torch.cat([order, torch.full_like(order[:, :, :1], cap)], dim=2)
@@ -191,6 +304,11 @@ class PagedLayer:
         self.has_holes = True  # slot j no longer holds page j
         return order
 
+    def _not_shared(self, name: str) -> None:
+        if self.shared is not None:
+            raise ValueError(f"PagedLayer.{name}: a layer in shared pages keeps its slots (a pool's rows are sized "
+                             f"once, and methods that evict do not use shared pages)")
+
     def free(self, slots: torch.Tensor, mask: torch.Tensor) -> None:
         """Frees ``slots`` (B, Hkv, N) where ``mask`` (B, Hkv, N) is True; their memory is reused by later pages."""
         target = torch.where(mask, slots, torch.full_like(slots, self.capacity))
@@ -203,31 +321,41 @@ class PagedLayer:
         view = copy.copy(self)
         for name in (*self.stored, "cur_slot"):
             setattr(view, name, getattr(self, name)[:n])
+        if self.shared is not None:  # the store is the pool's; the table is read for rows [0, n) (``attend``)
+            view.shared = copy.copy(self.shared)
+            view.shared.table = self.shared.table[:n]
         view.slot_state = {name: t[:n] for name, t in self.slot_state.items()}
         view.dropped = self.dropped[:n]
         return view
 
-    def copy_row(self, row: int, source: "PagedLayer", source_row: int, pages: int) -> None:
+    def copy_row(self, row: int, source: "PagedLayer", source_row: int, pages: int, moved: bool = False) -> None:
         """Makes ``row`` hold what row ``source_row`` of ``source`` (this layer or another of the same heads) holds:
         its pages in the same slots, their bounds, its method's per-slot state, its current slot and its dropped
         count; the other slots are free. ``pages``: the pages the source row has had (its tokens over the page
         size), which bounds the slots it uses, since a new page takes the lowest free slot: only those are copied.
-        Raises ValueError when the source holds pages in slots this layer does not have, or has holes this layer
+        ``moved``: the source row's shared pages were moved to ``row`` (``SharedPages.move``): they are in place. Raises
+        ValueError when the source holds pages in slots this layer does not have, or has holes this layer
         does not search for."""
         c = min(self.capacity, source.capacity)
         if source.capacity > c and bool((source.slot_page[source_row, :, c:source.capacity] >= 0).any()):
             raise ValueError(f"copy_row: the source row holds pages beyond this layer's {self.capacity} slots")
         if source.has_holes and not self.may_have_holes:
             raise ValueError("copy_row: the source row has freed slots but this layer does not search for them")
-        self.copy_slots(row, source, source_row, min(c, pages))
+        self.copy_slots(row, source, source_row, min(c, pages), moved)
         self.cur_slot[row].copy_(source.cur_slot[source_row])
         self.dropped[row] = source.dropped[source_row]
 
-    def copy_slots(self, row: int, source: "PagedLayer", source_row: int, used: int) -> None:
-        """Slots [0, used) of ``row`` take those of row ``source_row`` of ``source`` (pages, bounds, per-slot state);
-        the row's other slots are freed."""
-        for name in self.stored:
-            getattr(self, name)[row, :, :used].copy_(getattr(source, name)[source_row, :, :used])
+    def copy_slots(self, row: int, source: "PagedLayer", source_row: int, used: int, moved: bool = False) -> None:
+        """Slots [0, used) of ``row`` take those of row ``source_row`` of ``source`` (page table, pages and their
+        bounds unless ``moved`` there already, per-slot state); the row's other slots are freed. In shared pages
+        the row's slots must have their store pages already."""
+        self.slot_page[row, :, :used].copy_(source.slot_page[source_row, :, :used])
+        if not moved:
+            for name, src in source.row_pages(source_row, used).items():
+                if self.shared is None:
+                    getattr(self, name)[row, :, :used].copy_(src)
+                else:
+                    raw(getattr(self, name))[0].index_copy_(1, self.shared.table[row, :used], raw(src))
         # A free slot's keys and bounds are never read: a page that takes it restarts them.
         self.slot_page[row, :, used:].fill_(-1)
         for name, src in source.slot_state.items():
@@ -255,8 +383,12 @@ class PagedLayer:
         s = k_new.shape[2]
         if s == 1 and not plan.prompt:
             kernels.append_token(self.k, self.v, self.kmin, self.kmax, self.slot_page, self.cur_slot,
-                                 plan.position[:, 0], k_new[:, :, 0], v_new[:, :, 0], self.may_have_holes)
-        elif not self.may_have_holes and all(n - p == s for p, n in zip(plan.prev_len, plan.new_len)):
+                                 plan.position[:, 0], k_new[:, :, 0], v_new[:, :, 0], self.may_have_holes, self.table)
+            return
+        if self.shared is not None:
+            raise ValueError("a layer in shared pages takes decode tokens, one per row (a prompt runs in a cache "
+                             "of its own, then joins the pool)")
+        if not self.may_have_holes and all(n - p == s for p, n in zip(plan.prev_len, plan.new_len)):
             prev = set(plan.prev_len)
             if len(prev) == 1:
                 self.copy_append(k_new, v_new, slice(None), prev.pop())
@@ -495,6 +627,7 @@ class PagedKVCache:
         for layer in self.layers:
             if layer is None:
                 continue
+            layer._not_shared("reorder")
             for name in (*layer.stored, "cur_slot"):
                 t = getattr(layer, name)
                 setattr(layer, name, t.index_select(0, index.to(t.device)))
@@ -524,13 +657,8 @@ class PagedKVCache:
 
     def slot_bytes(self) -> int:
         """Bytes of one slot of one row, summed over the layers: pages, metadata and per-slot state."""
-        return sum(t[0, :, 0].numel() * t.element_size() for layer in self.layers if layer is not None
-                   for t in layer.per_slot)
+        return sum(layer.slot_bytes() for layer in self.layers if layer is not None)
 
     def resident_bytes(self) -> int:
         """Bytes allocated for the pages and their metadata on all layers."""
-        total = 0
-        for layer in self.layers:
-            if layer is not None:
-                total += sum(t.numel() * t.element_size() for t in layer.per_slot)
-        return total
+        return sum(layer.resident_bytes() for layer in self.layers if layer is not None)

@@ -98,9 +98,10 @@ def _register(name: str, fake: Callable, mutates: tuple[str, ...] = ()) -> Calla
 
 # Fake implementations: outputs of the reference's shapes and dtypes (on CUDA the Triton kernels return the same).
 
-def _page_scores_fake(q, kmin, kmax, slot_page, per_query_head=False):
+def _page_scores_fake(q, kmin, kmax, slot_page, per_query_head=False, table=None):
     b, h, _ = q.shape
-    return q.new_empty(b, h if per_query_head else kmin.shape[1], kmin.shape[2], dtype=reference.acc_dtype(q.dtype))
+    return q.new_empty(b, h if per_query_head else slot_page.shape[1], slot_page.shape[2],
+                       dtype=reference.acc_dtype(q.dtype))
 
 
 def _select_pages_fake(scores, cur_slot, num_pages):
@@ -109,7 +110,8 @@ def _select_pages_fake(scores, cur_slot, num_pages):
     return scores.new_empty(b, hs, min(num_pages, c), dtype=torch.long)
 
 
-def _quest_select_fake(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_head=False, in_order=False):
+def _quest_select_fake(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_head=False, in_order=False,
+                      table=None):
     return _select_pages_fake(_page_scores_fake(q, kmin, kmax, slot_page, per_query_head), cur_slot, num_pages)
 
 
@@ -160,7 +162,7 @@ def _code_page_fake(k, kmin, kmax, codes, cur_slot, bits):
     return None
 
 
-def _append_token_fake(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, has_holes):
+def _append_token_fake(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, has_holes, table=None):
     return None
 
 

@@ -43,13 +43,16 @@ def row_index(batch: int, rows: int, kv_heads: int, device) -> tuple[torch.Tenso
 
 
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
-                per_query_head: bool = False) -> torch.Tensor:
+                per_query_head: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
     """Quest's upper bound of ``q . k`` over each page: ``sum_i max(q_i * max_i, q_i * min_i)``.
 
-    q: (B, H, D); kmin, kmax: (B, Hkv, C, D); slot_page: (B, Hkv, C), -1 for free slots.
+    q: (B, H, D); kmin, kmax: (B, Hkv, C, D), or with ``table`` (B, C) int64 a pool's shared pages (1, Hkv, N, D),
+    slot s of row b's bounds in page ``table[b, s]``; slot_page: (B, Hkv, C), -1 for free slots.
     Returns (B, Hkv, C), the max over each group's query heads, or (B, H, C) with ``per_query_head``;
     free slots score -inf.
     """
+    if table is not None:
+        kmin, kmax = (t[0][:, table].transpose(0, 1) for t in (kmin, kmax))
     b, h, d = q.shape
     hkv = kmin.shape[1]
     acc = acc_dtype(q.dtype)
@@ -82,14 +85,14 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int) -
 
 def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
                  cur_slot: torch.Tensor, num_pages: int, per_query_head: bool = False,
-                 in_order: bool = False) -> torch.Tensor:
+                 in_order: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
     """Quest's page choice in one op: ``select_pages(page_scores(...), cur_slot, num_pages)`` (shapes there), so
     that a fused kernel may score and start the selection in one pass. ``in_order``: the caller's promise that
     slot j holds page j or is free (``check_in_order``), so that a kernel reads the bounds of each row's slots up
     to its current one only; the result is the same. Returns (B, Hs, min(num_pages, C)) int64."""
     if in_order:
         check_in_order("quest_select", slot_page)
-    return select_pages(page_scores(q, kmin, kmax, slot_page, per_query_head), cur_slot, num_pages)
+    return select_pages(page_scores(q, kmin, kmax, slot_page, per_query_head, table), cur_slot, num_pages)
 
 
 def _weights(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor, q_pos: torch.Tensor,
@@ -173,15 +176,22 @@ def check_attended(attended: torch.Tensor, slots: torch.Tensor) -> None:
 
 
 def check_in_order(name: str, slot_page: torch.Tensor, slots: torch.Tensor | None = None) -> None:
-    """The ``in_order`` promise of op ``name``: slot j holds page j or is free (a layer without holes, so that a
-    row's pages are its first slots), and slots (B, Hkv, C), when given, lists every slot in order."""
-    c = slot_page.shape[2]
-    ids = torch.arange(c, device=slot_page.device)
-    if slots is not None and (slots.shape != slot_page.shape or not torch.equal(slots, ids.expand_as(slots))):
-        raise ValueError(f"{name}: in_order needs slots listing all {c} slots of every row in order, got shape "
-                         f"{tuple(slots.shape)}")
-    if bool(((slot_page >= 0) & (slot_page != ids)).any()):
-        raise ValueError(f"{name}: in_order needs slot j to hold page j or be free (a layer without holes)")
+    """The ``in_order`` promise of op ``name``: without ``slots``, slot j holds page j or is free (a layer without
+    holes, so that a row's pages are its first slots); with slots (B, Hkv, N), entry j of each row is the slot of
+    page j or a slot holding nothing (-1 or free: every slot in order in a layer without holes, or a row's page table
+    into a pool's shared pages)."""
+    if slots is None:
+        ids = torch.arange(slot_page.shape[2], device=slot_page.device)
+        if bool(((slot_page >= 0) & (slot_page != ids)).any()):
+            raise ValueError(f"{name}: in_order needs slot j to hold page j or be free (a layer without holes)")
+        return
+    if slots.shape[:2] != slot_page.shape[:2]:
+        raise ValueError(f"{name}: in_order needs one row of slots per KV head, {tuple(slot_page.shape[:2])}, got "
+                         f"{tuple(slots.shape[:2])}")
+    page = torch.where(slots >= 0, slot_page.gather(2, slots.clamp(min=0)), -1)
+    ids = torch.arange(slots.shape[2], device=slots.device)
+    if bool(((page >= 0) & (page != ids)).any()):
+        raise ValueError(f"{name}: in_order needs entry j of slots to be the slot of page j or of none")
 
 
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
@@ -191,10 +201,10 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: 
 
     q: (B, H, D); k, v: (B, Hkv, C, P, D); slot_page: (B, Hkv, C); slots: (B, Hs, K); seq_len: (B,) tokens per
     sequence including the current one; attended: None, or (B, Hs) int64 running totals to which each selection
-    row's attended tokens (``count_attended``) are added in place. ``in_order``: the caller's promise that slots
-    lists every slot of every row in order and slot j holds page j or is free (``check_in_order``), so that a
-    kernel reads each row only up to its length (a pool's rows are sized for its longest request); the result is
-    the same. Returns (B, H, D).
+    row's attended tokens (``count_attended``) are added in place. ``in_order``: the caller's promise that entry j
+    of every row of slots is the slot of page j or of none (``check_in_order``: every slot in order where slot j
+    holds page j, or a row's page table), so that a kernel reads each row only up to its length (a pool's rows are
+    sized for its longest request); the result is the same. Returns (B, H, D).
     """
     if in_order:
         check_in_order("sparse_decode", slot_page, slots)
@@ -399,17 +409,20 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch
 
 def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
                  cur_slot: torch.Tensor, position: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                 has_holes: bool) -> None:
+                 has_holes: bool, table: torch.Tensor | None = None) -> None:
     """Stores one decode token per sequence in place, updates its page's key bounds and the current slots.
 
-    k, v: (B, Hkv, C, P, D), slot C - 1 the cache's scratch slot; kmin, kmax: (B, Hkv, C, D); slot_page: (B, Hkv,
-    C); cur_slot: (B, Hkv) int64 slot of each row's current page, updated in place; position: (B,) int64 the token's
-    position in the sequence (-1: no token for that sequence); k_new, v_new: (B, Hkv, D). The token goes to offset
-    ``position % P`` of the current page's slot; at offset 0 it starts a page in a fresh slot: the lowest free one of
-    the first C - 1 (``has_holes``), else slot ``position // P`` (while no slot was ever freed, slot j holds page j).
-    The caller keeps a free slot for it. The slot then holds page ``position // P``, its bounds restart from this key.
+    k, v: (B, Hkv, C, P, D), slot C - 1 the cache's scratch slot; kmin, kmax: (B, Hkv, C, D); or with ``table``
+    (B, C) int64 a pool's shared pages, k, v (1, Hkv, N, P, D) and kmin, kmax (1, Hkv, N, D), where slot s of row b
+    keeps its keys, values and bounds in page ``table[b, s]``; slot_page: (B, Hkv, C); cur_slot: (B, Hkv) int64 slot
+    of each row's current page, updated in place; position: (B,) int64 the token's position in the sequence (-1: no
+    token for that sequence); k_new, v_new: (B, Hkv, D). The token goes to offset ``position % P`` of the current
+    page's slot; at offset 0 it starts a page in a fresh slot: the lowest free one of the first C - 1
+    (``has_holes``), else slot ``position // P`` (while no slot was ever freed, slot j holds page j). The caller
+    keeps a free slot for it. The slot then holds page ``position // P``, its bounds restart from this key.
     """
-    b, h, c, p, _ = k.shape
+    b, h, c = slot_page.shape
+    p = k.shape[3]
     ok = (position >= 0).view(b, 1, 1)
     pos = position.clamp(min=0).view(b, 1).expand(b, h)
     off = pos % p
@@ -420,16 +433,17 @@ def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
     si = torch.where(off == 0, fresh_slot, cur_slot).clamp(min=0)
     bi = torch.arange(b, device=k.device).view(b, 1)
     hd = torch.arange(h, device=k.device).view(1, h)
+    kb, ks = (bi, si) if table is None else (0, table.gather(1, si))
     # Compared and selected in the accumulation dtype, which holds every cache dtype exactly (torch has no fp8
     # comparisons on the CPU). Rows without a token write back what they read: fixed shapes, no host sync.
     wide = acc_dtype(k.dtype)
-    kn = torch.where(ok, to_cache(k_new, k.dtype).to(wide), k[bi, hd, si, off].to(wide))
-    k[bi, hd, si, off] = kn.to(k.dtype)
-    v[bi, hd, si, off] = torch.where(ok, to_cache(v_new, v.dtype).to(wide), v[bi, hd, si, off].to(wide)).to(v.dtype)
+    kn = torch.where(ok, to_cache(k_new, k.dtype).to(wide), k[kb, hd, ks, off].to(wide))
+    k[kb, hd, ks, off] = kn.to(k.dtype)
+    v[kb, hd, ks, off] = torch.where(ok, to_cache(v_new, v.dtype).to(wide), v[kb, hd, ks, off].to(wide)).to(v.dtype)
     starts = (off == 0).unsqueeze(-1)
-    lo, up = kmin[bi, hd, si].to(wide), kmax[bi, hd, si].to(wide)
-    kmin[bi, hd, si] = torch.where(ok, torch.where(starts, kn, torch.minimum(lo, kn)), lo).to(kmin.dtype)
-    kmax[bi, hd, si] = torch.where(ok, torch.where(starts, kn, torch.maximum(up, kn)), up).to(kmax.dtype)
+    lo, up = kmin[kb, hd, ks].to(wide), kmax[kb, hd, ks].to(wide)
+    kmin[kb, hd, ks] = torch.where(ok, torch.where(starts, kn, torch.minimum(lo, kn)), lo).to(kmin.dtype)
+    kmax[kb, hd, ks] = torch.where(ok, torch.where(starts, kn, torch.maximum(up, kn)), up).to(kmax.dtype)
     slot_page[bi, hd, si] = torch.where(ok.view(b, 1), pos // p, slot_page[bi, hd, si])
     cur_slot.copy_(torch.where(ok.view(b, 1), si, cur_slot))
 

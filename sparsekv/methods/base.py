@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kernels
 from ..cache import AppendPlan, PagedLayer, check_kv_dtype, check_page_size
 from ..errors import ConfigError
 
@@ -109,9 +108,13 @@ class Method:
     (``PagedKVCache.seed``, a server's prefix cache). ``answer_reuse``: the same holds after the decode steps,
     which append to every layer without evicting: a finished request's prompt and answer start the prompts that
     begin with them (a conversation's next turn).
+    ``shared_pages``: the method reads and writes keys and values only through ``PagedLayer.attend`` and the
+    cache's append, and holds every page of a row to its end, so that a serving pool keeps its rows' keys and
+    values in shared pages, each row holding its own request's (``cache.SharedPages``).
     """
 
     max_pages: int | None = None
+    shared_pages: bool = False
     prefix_reuse: bool = False
     answer_reuse: bool = False
     accepts_chunks: bool = True
@@ -228,8 +231,7 @@ class Method:
         tokens attended per selection row in ``tally`` (unless the layer attends the whole context: ``attend_all``).
         The default attends to the slots ``select`` picks."""
         slots = self.select(layer_idx, q, layer, seq_len)
-        return kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale,
-                                     tally.rows(slots.shape[1]))
+        return layer.attend(q, slots, seq_len, scale, tally.rows(slots.shape[1]))
 
 
 def all_slots(layer: PagedLayer) -> torch.Tensor:
@@ -243,5 +245,4 @@ def attend_all(q: torch.Tensor, layer: PagedLayer, seq_len: torch.Tensor, scale:
     """Dense attention (B, H, D) of a layer that holds the whole context (nothing evicted or offloaded); nothing
     is tallied, the statistics counting the context instead. Without holes (slot j holds page j) each row is read
     up to its length only, not over every slot of the layer."""
-    return kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, all_slots(layer), seq_len, scale,
-                                 in_order=not layer.may_have_holes)
+    return layer.attend(q, all_slots(layer), seq_len, scale, in_order=not layer.may_have_holes)

@@ -120,8 +120,7 @@ class EvictionMethod(Method):
                                                        (seq_len - 1).unsqueeze(1), scale)
             out, weights = out.squeeze(2), weights.squeeze(2)
         else:
-            out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale,
-                                        tally.rows(slots.shape[1]))
+            out = layer.attend(q, slots, seq_len, scale, tally.rows(slots.shape[1]))
         if self.evicts_in_decode:
             keep_top(layer, self.step_score(layer_idx, layer, weights, seq_len), self.config.token_budget - 1)
         return out

@@ -162,6 +162,5 @@ class LowBit(Method):
         kernels.lowbit_select(q, layer.k, layer.kmin, layer.kmax, layer.slot_state[codes_entry(cfg.bits)],
                               layer.slot_page, layer.cur_slot, seq_len, self.first, chosen, scale, cfg.bits,
                               cfg.token_budget // cfg.page_size, cfg.reuse, cfg.per_query_head)
-        return kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, chosen, seq_len, scale,
-                                     tally.rows(chosen.shape[1]))
+        return layer.attend(q, chosen, seq_len, scale, tally.rows(chosen.shape[1]))
 

@@ -87,8 +87,7 @@ class Oracle(Method):
         if cfg.granularity == "page":
             slots = kernels.select_pages(self.page_scores(layer_idx, q, layer, seq_len, scale), layer.cur_slot,
                                          cfg.token_budget // cfg.page_size)
-            return kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale,
-                                         tally.rows(slots.shape[1]))
+            return layer.attend(q, slots, seq_len, scale, tally.rows(slots.shape[1]))
         b, hkv, c, p, d = layer.k.shape
         weights = group_rows(true_attention(q, layer, seq_len, scale).flatten(2, 3), hkv, cfg.per_query_head)
         pos = layer.token_position().flatten(2)  # (B, Hkv, N)

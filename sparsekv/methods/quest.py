@@ -49,19 +49,20 @@ class QuestConfig(MethodConfig):
 
 class Quest(Method):
     config: QuestConfig
-    prefix_reuse = answer_reuse = True
+    prefix_reuse = answer_reuse = shared_pages = True
 
     def page_scores(self, layer_idx, q, layer, seq_len, scale):
         """The bounds this method ranks pages by, (B, Hs, C + 1), -inf for free slots (see ``kernels.page_scores``);
         for ``sparsekv.eval.selection``."""
-        return kernels.page_scores(q, layer.kmin, layer.kmax, layer.slot_page, self.config.per_query_head)
+        return kernels.page_scores(q, layer.kmin, layer.kmax, layer.slot_page, self.config.per_query_head,
+                                   layer.table)
 
     def select(self, layer_idx, q, layer, seq_len):
         if layer_idx < self.config.dense_layers:
             return all_slots(layer)
         return kernels.quest_select(q, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot,
                                     self.config.token_budget // self.config.page_size, self.config.per_query_head,
-                                    in_order=not layer.may_have_holes)
+                                    in_order=not layer.may_have_holes, table=layer.table)
 
     def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         if layer_idx < self.config.dense_layers:

@@ -173,8 +173,7 @@ class RaaS(Method):
             # Decode pages are always attended; free slots (page -1, "below" the prompt) keep their -inf score.
             ranked = torch.where(slot_page < self.prompt_pages.view(-1, 1, 1), scores, float("inf"))
             slots = kernels.select_pages(ranked, layer.cur_slot, self.config.budget_pages)
-        out = kernels.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq_len, scale,
-                                    tally.rows(slots.shape[1]))
+        out = layer.attend(q, slots, seq_len, scale, tally.rows(slots.shape[1]))
 
         cfg = self.config
         # Stamps and the eviction in one op: in place, as a captured step reads and writes them at the same address.

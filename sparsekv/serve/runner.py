@@ -3,15 +3,20 @@
 A pool, as data::
 
     a cache of max_batch rows (every layer allocated once, each row sized for any request of max_context tokens,
-    at most max_new_tokens of them new: ``Method.pool_pages``)
+    at most max_new_tokens of them new: ``Method.pool_pages``; for methods that allow it, ``Method.shared_pages``,
+    the rows' keys and values in one store of pages, ``cache.SharedPages``, a request taking the pages of its
+    prompt and max_tokens when it joins and giving them back when it ends, so that the store, sized by
+    kv_memory_bytes or the device's free memory, holds as many requests as their own lengths allow)
     + the method's state for those rows + per-row next token, sampling, seed, token index, and the penalties'
     state (each row's count of every token drawn, its logit bias and its prompt's tokens: ``engine.penalize``)
     running rows packed low: rows [0, n) run, n = the running requests; a request that ends gives its row to the
-    last running one (its pages, bounds and state copied over), so a step runs over rows [0, n) only
+    last running one (its pages, bounds and state copied over; shared pages move by the page table, not copied),
+    so a step runs over rows [0, n) only
 
     prompt -> a cache of one row with a method of its own (``engine.prefill_passes``, a few passes per call, so
            that the scheduler interleaves it with the decode steps) -> copied into row n (``PagedLayer.copy_row``,
-           ``Method.copy_row``; into several rows for requests of one prompt) -> decoded with the others
+           ``Method.copy_row``; into several rows for requests of one prompt; into the row's shared pages) ->
+           decoded with the others
 
 A decode step over rows [0, n) runs on views of the pool (``PagedKVCache.rows``, ``Method.rows``) and draws each
 row's token under its own sampling and seed (``engine.draw``, ``engine.counter_noise``), so a request's tokens do
@@ -30,7 +35,7 @@ from typing import Callable, Generator
 import torch
 
 from .. import parallel
-from ..cache import PagedKVCache, PagedLayer, storage_dtype
+from ..cache import PagedKVCache, PagedLayer, SharedPages, storage_dtype
 from ..cache.host_store import require_host_bytes
 from ..engine import (CapturedStep, Engine, Sampling, _is_count, argmax, counter_noise, draw, penalize,
                       prefill_passes, token_logprobs, token_set)
@@ -157,11 +162,13 @@ class Runner:
     offloaded layers). Requests are known by a key the caller gives (``join``). ``passes``: a prompt's prefill,
     ``engine.prefill_passes``'s signature (benchmarks give random keys and values instead). ``prefix_cache_bytes``:
     device memory for finished prompts' caches kept for prompts that begin like them (``PrefixCache``; 0: none),
-    for methods whose prompt pages can start another prompt (``Method.prefix_reuse``)."""
+    for methods whose prompt pages can start another prompt (``Method.prefix_reuse``). ``kv_memory_bytes``: the KV
+    memory requests may hold at once (``ServingEngine``), which sizes the shared pages where the rows keep theirs
+    there (None: the device's free memory less the rows, one prompt's prefill and ``DEVICE_MARGIN``)."""
 
     def __init__(self, model, config, *, max_batch: int, max_context: int | None, prefill_chunk: int,
                  cuda_graph: bool | None, compile: bool, passes: Callable = prefill_passes,
-                 max_new_tokens: int | None = None, prefix_cache_bytes: int = 0):
+                 max_new_tokens: int | None = None, prefix_cache_bytes: int = 0, kv_memory_bytes: int | None = None):
         self.engine = Engine(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
         self.max_batch, self.max_context = max_batch, self.engine.max_context
@@ -186,10 +193,16 @@ class Runner:
                   + prefix_cache_bytes)
         free = available_device_bytes(self.device)
 
+        def shares(method) -> bool:  # rows that keep keys and values in shared pages (``SharedPages``)
+            return method.shared_pages and config.page_size > 1
+
         def pool_bytes(method) -> int:
+            """The rows' bytes; in shared pages without the pages (keys, values, bounds), with the page table."""
             slots = method.pool_pages(max_context, self.max_new_tokens)
-            return max_batch * row_bytes(slots, config.page_size, self.token_bytes, self.page_bytes, kv_heads,
-                                         method.slot_state_bytes(attn.head_dim))
+            shared = shares(method)
+            return max_batch * (8 * (slots[0] + 1) * shared + row_bytes(
+                slots, config.page_size, 0 if shared else self.token_bytes, 0 if shared else self.page_bytes,
+                kv_heads, method.slot_state_bytes(attn.head_dim)))
 
         # Of the configs the method leaves open (OmniKV's device layers), the first whose rows leave room for the
         # steps; with the device's memory unknown, the last, which keeps the least there.
@@ -197,11 +210,33 @@ class Runner:
         self.method = choices[-1] if free is None else next(
             (m for m in choices if pool_bytes(m) + beside + DEVICE_MARGIN * (m is not choices[-1]) <= free),
             choices[-1])
+        self.config = self.method.config
         need = pool_bytes(self.method)
         # Per page slot, summed over layers and KV heads, the method's state beyond its first 8 bytes a slot and KV
         # head, which ``kv_bytes`` leaves uncounted as it does the page table's, so that a request of max_context
         # never needs more than its row; a request's pages lie evenly over the layers that hold them.
         self.extra_state_bytes = sum(max(b - 8, 0) for b in self.method.slot_state_bytes(attn.head_dim)) * kv_heads
+        slots = self.method.pool_pages(self.max_context, self.max_new_tokens)
+        # Bytes of one shared page: its keys, values and bounds in every layer (0: the rows hold their own).
+        self.page_store_bytes = (config.page_size * self.token_bytes + self.page_bytes) * self.num_layers \
+            if shares(self.method) else 0
+        least = self.kv_bytes(1, 2)  # a request of one prompt token and one new one
+        require(kv_memory_bytes is None or _is_count(kv_memory_bytes, least), "kv_memory_bytes",
+                f"None (the pool's size) or an int >= {least} (the KV of the smallest request)", kv_memory_bytes)
+        store_pages = 0
+        if self.page_store_bytes:
+            # The shared pages: as many as kv_memory_bytes holds, else as the device's free memory leaves beside the
+            # rows and the steps' margin (on a CPU, every row's pages), at most every row's.
+            most = max_batch * slots[0]
+            room = kv_memory_bytes if kv_memory_bytes is not None else \
+                most * self.page_store_bytes if free is None else free - need - beside - DEVICE_MARGIN
+            store_pages = min(most, max(room // self.page_store_bytes, 0))
+            require(store_pages >= 1, POOL_FIELD,
+                    f"small enough that the rows ({need / 2**30:.2f} GiB) and one prompt's prefill, the rows' "
+                    f"sampling state and the prefix cache ({beside / 2**30:.2f} GiB) leave room for a page of KV "
+                    f"({self.page_store_bytes / 2**20:.1f} MiB) and {DEVICE_MARGIN / 2**30:.0f} GiB for the steps "
+                    f"on the device's free {(free or 0) / 2**30:.2f} GiB", (max_batch, max_context))
+            need += store_pages * self.page_store_bytes
         require(free is None or need + beside <= free, POOL_FIELD,
                 f"small enough that the pool of rows ({need / 2**30:.2f} GiB), and one prompt's prefill, the "
                 f"rows' sampling state and the prefix cache ({beside / 2**30:.2f} GiB) fit the device's free "
@@ -211,7 +246,7 @@ class Runner:
         require_host_bytes((max_batch + 1) * self.method.pool_host_tokens(max_context) * self.token_bytes,
                            f"max_batch: the host store of {max_batch} rows and one prompt's own store need",
                            "use a smaller max_batch or max_context")
-        self.model, self.config, self.passes = model, self.method.config, passes
+        self.model, self.passes = model, passes
         # About one chunk of the prompt through every layer per call of ``prefill``.
         self.prefill_budget = prefill_chunk * self.num_layers
         self.window = _sliding_window(model.config)
@@ -220,9 +255,13 @@ class Runner:
         self.pool = SparseKVCache(self.method, DecodeStats(tp_group=self.tp_group), self.window)
         pages = self.pool.pages
         page = config.page_size
-        slots = self.method.pool_pages(self.max_context, self.max_new_tokens)
         kv_dtype = storage_dtype(config.kv_dtype, dtype)
-        pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, n, kv_dtype, self.device) for n in slots]
+        self.shared = SharedPages(max_batch, slots[0], store_pages, self.device) if store_pages else None
+        pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, n, kv_dtype, self.device, self.shared)
+                        for n in slots]
+        # The KV memory requests may hold at once: the shared pages, or what is asked (default: the rows' size).
+        self.kv_memory_bytes = self.capacity_bytes() if self.shared is not None or kv_memory_bytes is None \
+            else kv_memory_bytes
         pages.lengths = [0] * max_batch
         pages.seq_len = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         pages.in_prompt = False
@@ -268,14 +307,19 @@ class Runner:
     def kv_bytes(self, prompt_len: int, total: int) -> int:
         """KV bytes (device and host) a request of ``prompt_len`` prompt tokens and ``total`` tokens in all holds at
         most: its keys and values, the key bounds of its pages and the method's per-slot state beyond 8 bytes
-        (lowbit's key codes)."""
+        (lowbit's key codes); in shared pages, the pages it takes."""
+        if self.page_store_bytes:
+            return self._pages(total) * self.page_store_bytes
         device = self.method.held_tokens(prompt_len, total)
         pages = -(-device // self.config.page_size) + self.num_layers
         return device * self.token_bytes + pages * self.page_bytes + pages * self.extra_state_bytes // \
             self.num_layers + self.method.host_tokens(prompt_len) * self.token_bytes
 
     def capacity_bytes(self) -> int:
-        """Bytes of the pool's keys, values and key bounds on the device, and of its host store."""
+        """Bytes of the pool's keys, values and key bounds on the device, and of its host store; in shared pages,
+        of the pages (what requests take from)."""
+        if self.shared is not None:
+            return self.shared.pages * self.page_store_bytes
         return self.pool.pages.resident_bytes() + self.method.offloaded_bytes()
 
     def host_bytes(self) -> int:
@@ -350,6 +394,8 @@ class Runner:
             raise RuntimeError("join: every row runs a request")
         row = len(self.keys)
         pages, source = self.pool.pages, job.cache.pages
+        if self.shared is not None:
+            self.shared.assign(row, self._pages(job.prompt_len + max_tokens))
         with torch.no_grad():
             for layer, from_layer in zip(pages.layers, source.layers):
                 layer.copy_row(row, from_layer, 0, self._pages(source.lengths[0]))
@@ -392,11 +438,15 @@ class Runner:
         row, last = self.keys.index(key), len(self.keys) - 1
         if tokens is not None and self.prefixes is not None and self.method.answer_reuse:
             self._keep_row(row, tokens)
+        if self.shared is not None:
+            self.shared.release(row)
         if row != last:
             pages = self.pool.pages
+            if self.shared is not None:
+                self.shared.move(row, last)  # its pages stay where they are
             with torch.no_grad():
                 for layer in pages.layers:
-                    layer.copy_row(row, layer, last, self._pages(pages.lengths[last]))
+                    layer.copy_row(row, layer, last, self._pages(pages.lengths[last]), moved=self.shared is not None)
                 pages.lengths[row] = pages.lengths[last]
                 pages.seq_len[row] = pages.seq_len[last]
                 self.method.copy_row(row, self.method, last, self.prompt_lens[last])

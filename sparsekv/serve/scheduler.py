@@ -160,10 +160,12 @@ class ServingEngine:
     pass, and about the prefill work done per step (one chunk through every layer); prefill_share: None, or decode
     priority (``PrefillPacer``): while requests decode, prefill takes at most about this share of the decode steps'
     time; max_queue: requests that may wait; cuda_graph, compile: as in ``Engine``; kv_memory_bytes: the KV memory
-    requests may hold at once (default: what the runner's pool holds for ``max_batch`` rows). tokenizer: gives the
-    default stop tokens. prefill: a prompt's prefill, ``engine.prefill_passes``'s signature (benchmarks give
-    ``bench.e2e.random_passes``: random keys and values). prefix_cache_bytes: device memory for finished prompts'
-    caches, which start the prompts that begin with the same tokens (``runner.PrefixCache``; 0: none)."""
+    requests may hold at once (default: what the runner's pool holds for ``max_batch`` rows; for methods whose rows
+    keep their keys and values in shared pages, the size of those pages, by default what the device leaves).
+    tokenizer: gives the default stop tokens. prefill: a prompt's prefill, ``engine.prefill_passes``'s signature
+    (benchmarks give ``bench.e2e.random_passes``: random keys and values). prefix_cache_bytes: device memory for
+    finished prompts' caches, which start the prompts that begin with the same tokens (``runner.PrefixCache``; 0:
+    none)."""
 
     def __init__(self, model, config, *, tokenizer=None, max_batch: int = 8, max_context: int | None = None,
                  prefill_chunk: int = 4096, prefill_share: float | None = None, max_queue: int = 256,
@@ -174,15 +176,9 @@ class ServingEngine:
         self.pacer = None if prefill_share is None else PrefillPacer(prefill_share)
         self.runner = Runner(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile, passes=prefill,
-                             max_new_tokens=max_new_tokens, prefix_cache_bytes=prefix_cache_bytes)
-        capacity = self.runner.capacity_bytes()
-        if kv_memory_bytes is None:
-            kv_memory_bytes = capacity
-        least = self.runner.kv_bytes(1, 2)  # a request of one prompt token and one new one
-        if not _is_count(kv_memory_bytes, least):
-            raise ConfigError("kv_memory_bytes", f"None (the pool's size) or an int >= {least} (the KV of the "
-                              f"smallest request)", kv_memory_bytes)
-        self.tokenizer, self.max_queue, self.kv_memory_bytes = tokenizer, max_queue, kv_memory_bytes
+                             max_new_tokens=max_new_tokens, prefix_cache_bytes=prefix_cache_bytes,
+                             kv_memory_bytes=kv_memory_bytes)
+        self.tokenizer, self.max_queue, self.kv_memory_bytes = tokenizer, max_queue, self.runner.kv_memory_bytes
         self._lock = threading.Lock()
         self._next_id = 0
         self._queue: deque[_Live] = deque()

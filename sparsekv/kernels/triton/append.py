@@ -1,6 +1,7 @@
-"""``append_token``: writes one decode token's key and value into its page, updates the page's key bounds, and
-chooses the slot of a page the token starts (the lowest free one, by a scan of the slot table) and the current
-slot itself, so that a decode step's append is one kernel."""
+"""``append_token``: writes one decode token's key and value into its page (through the row's page table into a
+pool's shared pages, where given), updates the page's key bounds, and chooses the slot of a page the token starts
+(the lowest free one, by a scan of the slot table) and the current slot itself, so that a decode step's append is
+one kernel."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from .common import TUNING
 
 
 @triton.jit
-def _append_token_kernel(k_ptr, v_ptr, kmin_ptr, kmax_ptr, sp_ptr, cur_ptr, pos_ptr, kn_ptr, vn_ptr, n_free,
-                         sk_b, sk_h, sk_c, sk_p, sv_b, sv_h, sv_c, sv_p, sm_b, sm_h, sm_c, ss_b, ss_h, sc_b, sc_h,
-                         skn_b, skn_h, svn_b, svn_h,
+def _append_token_kernel(k_ptr, v_ptr, kmin_ptr, kmax_ptr, sp_ptr, cur_ptr, pos_ptr, kn_ptr, vn_ptr, table_ptr,
+                         n_free, sk_b, sk_h, sk_c, sk_p, sv_b, sv_h, sv_c, sv_p, sm_b, sm_h, sm_c, ss_b, ss_h, sc_b,
+                         sc_h, skn_b, skn_h, svn_b, svn_h, st_b,
                          HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr,
-                         HAS_HOLES: tl.constexpr, SEARCH: tl.constexpr):
+                         HAS_HOLES: tl.constexpr, SEARCH: tl.constexpr, TABLE: tl.constexpr):
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     h = row % HKV
@@ -41,9 +42,15 @@ def _append_token_kernel(k_ptr, v_ptr, kmin_ptr, kmax_ptr, sp_ptr, cur_ptr, pos_
         d_ok = d < D
         kn = tl.load(kn_ptr + b * skn_b + h * skn_h + d, mask=d_ok).to(k_ptr.dtype.element_ty)
         vn = tl.load(vn_ptr + b * svn_b + h * svn_h + d, mask=d_ok).to(v_ptr.dtype.element_ty)
-        tl.store(k_ptr + b * sk_b + h * sk_h + slot * sk_c + off * sk_p + d, kn, mask=d_ok)
-        tl.store(v_ptr + b * sv_b + h * sv_h + slot * sv_c + off * sv_p + d, vn, mask=d_ok)
-        m_off = b * sm_b + h * sm_h + slot * sm_c + d
+        if TABLE:  # the slot's page in the pool's shared pages (one batch row): its keys, values and bounds
+            kv_slot = tl.load(table_ptr + b * st_b + slot)
+            kv_b = 0
+        else:
+            kv_slot = slot
+            kv_b = b
+        tl.store(k_ptr + kv_b * sk_b + h * sk_h + kv_slot * sk_c + off * sk_p + d, kn, mask=d_ok)
+        tl.store(v_ptr + kv_b * sv_b + h * sv_h + kv_slot * sv_c + off * sv_p + d, vn, mask=d_ok)
+        m_off = kv_b * sm_b + h * sm_h + kv_slot * sm_c + d
         if off == 0:  # a fresh page: its bounds restart from this key
             tl.store(kmin_ptr + m_off, kn, mask=d_ok)
             tl.store(kmax_ptr + m_off, kn, mask=d_ok)
@@ -60,10 +67,12 @@ def _append_token_kernel(k_ptr, v_ptr, kmin_ptr, kmax_ptr, sp_ptr, cur_ptr, pos_
 
 def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
                  cur_slot: torch.Tensor, position: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                 has_holes: bool) -> None:
+                 has_holes: bool, table: torch.Tensor | None = None) -> None:
     if k.dtype == torch.float64:
-        return reference.append_token(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, has_holes)
-    b, hkv, c, p, d = k.shape
+        return reference.append_token(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, has_holes,
+                                      table)
+    b, hkv, c = slot_page.shape
+    p, d = k.shape[3:]
     if k.stride(-1) != 1 or v.stride(-1) != 1 or kmin.stride() != kmax.stride() or kmin.stride(-1) != 1:
         raise ValueError("append_token: k, v, kmin and kmax must be contiguous in head_dim, kmin/kmax alike")
     if k.dtype == reference.FP8:  # saturated by torch, as the reference does (Triton's cast need not saturate)
@@ -71,9 +80,10 @@ def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
     if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
         k_new, v_new = k_new.contiguous(), v_new.contiguous()
     _append_token_kernel[(b * hkv,)](
-        k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, c - 1,
+        k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v_new, slot_page if table is None else table, c - 1,
         k.stride(0), k.stride(1), k.stride(2), k.stride(3), v.stride(0), v.stride(1), v.stride(2), v.stride(3),
         kmin.stride(0), kmin.stride(1), kmin.stride(2), slot_page.stride(0), slot_page.stride(1),
         cur_slot.stride(0), cur_slot.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        0 if table is None else table.stride(0),
         HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), P=p, HAS_HOLES=has_holes,
-        SEARCH=TUNING["append_search"], num_warps=TUNING["append_warps"])
+        SEARCH=TUNING["append_search"], TABLE=table is not None, num_warps=TUNING["append_warps"])

@@ -39,10 +39,7 @@ def _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_
         trow = tl.load(sel_base + j, mask=in_j, other=-1)
         ok = trow >= 0
     else:
-        if IN_ORDER:  # entry j // P is slot j // P: no selection to read
-            slot = tl.where(in_j, j // P, -1)
-        else:
-            slot = tl.load(sel_base + j // P, mask=in_j, other=-1)
+        slot = tl.load(sel_base + j // P, mask=in_j, other=-1)
         off = j % P
         page = tl.load(sp_base + slot, mask=slot >= 0, other=-1)
         ok = (slot >= 0) & (page >= 0) & (page * P + off <= q_pos)
@@ -87,7 +84,7 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
     n_ok = tl.zeros((BLOCK_N,), tl.int32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n_tok, BLOCK_N))
-    if IN_ORDER:  # token j is position j: the blocks past the current token attend nothing
+    if IN_ORDER:  # entry j // P is page j // P: the blocks past the current token attend nothing
         last = tl.minimum(last, tl.cdiv(q_pos + 1, BLOCK_N))
     if PREFETCH:  # block first's tiles; each iteration loads the next block's before its products
         kt, vt, ok = _block_tiles(first, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_t, sv_t, d,

@@ -30,13 +30,19 @@ from .common import (TUNING, block_d, check, f16_products, fp8_launch, group_pad
 
 
 @triton.jit
-def _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, load, sq_b, sq_h, sm_b, sm_h, sm_c,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+def _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, load, sq_b, sq_h, sm_b, sm_h, sm_c, table_ptr,
+                  st_b, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_C: tl.constexpr, G_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                  F16: tl.constexpr):
+                  F16: tl.constexpr, TABLE: tl.constexpr):
     """The bounds (G_PAD, BLOCK_C) fp32 of the group's query heads over slots c, whose bounds are read where
-    ``load`` (0 elsewhere)."""
+    ``load`` (0 elsewhere); with TABLE from the pages of a pool's shared store that row b's table names."""
     s = tl.zeros((G_PAD, BLOCK_C), tl.float32)
+    if TABLE:
+        slot = tl.load(table_ptr + b * st_b + c, mask=load, other=0)
+        bm = 0
+    else:
+        slot = c
+        bm = b
     # Head-dim slices of BLOCK_K: a pipelined loop whose loads go to shared memory (num_stages), so that the
     # tile need not be held in registers.
     for d0 in range(0, BLOCK_D, BLOCK_K):
@@ -51,7 +57,7 @@ def _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, load, sq_b, sq_
         q_minus = tl.minimum(q, zero).to(q.dtype)
         # Bounds are loaded without waiting for the page table; free slots' +-inf bounds give NaN/inf in their
         # own columns only, which the caller masks.
-        m_off = b * sm_b + kvh * sm_h + c[:, None].to(tl.int64) * sm_c + d[None, :]
+        m_off = bm * sm_b + kvh * sm_h + slot[:, None].to(tl.int64) * sm_c + d[None, :]
         m_mask = load[:, None] & (d[None, :] < D)
         kmax = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0)
         kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
@@ -62,12 +68,12 @@ def _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, load, sq_b, sq_
 
 
 @triton.jit
-def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gmax_ptr, n_slots, n_groups,
-                        sq_b, sq_h, sm_b, sm_h, sm_c, ss_b, ss_h, so_b, so_h, cu_b, cu_h,
+def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gmax_ptr, table_ptr, n_slots, n_groups,
+                        sq_b, sq_h, sm_b, sm_h, sm_c, ss_b, ss_h, so_b, so_h, cu_b, cu_h, st_b,
                         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
                         PER_HEAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr,
-                        F16: tl.constexpr, IN_ORDER: tl.constexpr):
+                        F16: tl.constexpr, IN_ORDER: tl.constexpr, TABLE: tl.constexpr):
     """Scores of BLOCK_C slots per chunk; with GS > 0 also the maxima of the score keys (``_key_of``) of each group
     of GS consecutive slots, per selection row, for the group filter of the top-k (rows of n_groups int32). With
     IN_ORDER (slot j holds page j or is free) the bounds past the row's current slot are not read."""
@@ -91,10 +97,11 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
             s = tl.zeros((G_PAD, BLOCK_C), tl.float32)
             if c0 < live:
                 s = _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, in_c & (c < live), sq_b, sq_h,
-                                  sm_b, sm_h, sm_c, G, D, BLOCK_D, BLOCK_K, BLOCK_C, G_PAD, PRECISION, UPCAST, F16)
+                                  sm_b, sm_h, sm_c, table_ptr, st_b, G, D, BLOCK_D, BLOCK_K, BLOCK_C, G_PAD,
+                                  PRECISION, UPCAST, F16, TABLE)
         else:
-            s = _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, in_c, sq_b, sq_h, sm_b, sm_h, sm_c, G,
-                              D, BLOCK_D, BLOCK_K, BLOCK_C, G_PAD, PRECISION, UPCAST, F16)
+            s = _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, in_c, sq_b, sq_h, sm_b, sm_h, sm_c,
+                              table_ptr, st_b, G, D, BLOCK_D, BLOCK_K, BLOCK_C, G_PAD, PRECISION, UPCAST, F16, TABLE)
         s = tl.where((page >= 0)[None, :], s, float("-inf"))
         if PER_HEAD:
             tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], s,
@@ -400,18 +407,19 @@ def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, cand_ptr, out_ptr
 
 
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
-                per_query_head: bool = False) -> torch.Tensor:
+                per_query_head: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
     if q.dtype == torch.float64:
-        return reference.page_scores(q, kmin, kmax, slot_page, per_query_head)
-    return _page_scores(q, kmin, kmax, slot_page, per_query_head)[0]
+        return reference.page_scores(q, kmin, kmax, slot_page, per_query_head, table)
+    return _page_scores(q, kmin, kmax, slot_page, per_query_head, table=table)[0]
 
 
-def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, in_order=False):
+def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, in_order=False, table=None):
     """Scores (B, Hs, C) fp32 and, with gs > 0, the group maxima of their keys (B * Hs, cdiv(C, gs)) int32; with
-    ``in_order`` (cur_slot given) only the bounds up to each row's current slot are read."""
+    ``in_order`` (cur_slot given) only the bounds up to each row's current slot are read; with ``table`` the bounds
+    are a pool's shared pages (``reference.page_scores``)."""
     check(q, kmin, "page_scores")
     b, h, d = q.shape
-    hkv, c = kmin.shape[1], kmin.shape[2]
+    hkv, c = slot_page.shape[1], slot_page.shape[2]
     if kmax.stride() != kmin.stride():
         raise ValueError("page_scores: kmin and kmax must have the same layout")
     g = h // hkv
@@ -422,13 +430,14 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, 
     block_c = max(fp8_launch("page_block", kmin.dtype == torch.float8_e4m3fn), gs)  # groups within one block
     chunks = TUNING["page_chunks"]
     _page_scores_kernel[(b * hkv, triton.cdiv(c, block_c * chunks))](
-        q, kmin, kmax, slot_page, out, cur, gmax, c, n_groups,
+        q, kmin, kmax, slot_page, out, cur, gmax, slot_page if table is None else table, c, n_groups,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
         slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1), cur.stride(0), cur.stride(1),
+        0 if table is None else table.stride(0),
         HKV=hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_K=min(block_d(d), TUNING["page_block_k"]), BLOCK_C=block_c, CHUNKS=chunks,
         PER_HEAD=per_query_head, PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), GS=gs,
-        F16=f16_products(q, kmin), IN_ORDER=in_order, num_warps=TUNING["page_warps"],
+        F16=f16_products(q, kmin), IN_ORDER=in_order, TABLE=table is not None, num_warps=TUNING["page_warps"],
         num_stages=TUNING["page_stages"])
     return out, gmax
 
@@ -490,15 +499,16 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int, o
 
 def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
                  cur_slot: torch.Tensor, num_pages: int, per_query_head: bool = False,
-                 in_order: bool = False) -> torch.Tensor:
+                 in_order: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
     """``select_pages(page_scores(...))``; when the selection takes the group filter, the page-score kernel also
     writes the group maxima, so the filter needs no pass of its own over the scores."""
     if q.dtype == torch.float64:
-        return reference.quest_select(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_head, in_order)
+        return reference.quest_select(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_head, in_order,
+                                      table)
     reference.check_num_pages(num_pages)  # before the groups are sized from it
     b, h, _ = q.shape
-    gs = fused_group_size(b * (h if per_query_head else kmin.shape[1]), kmin.shape[2], num_pages)
-    scores, gmax = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, gs, in_order)
+    gs = fused_group_size(b * (h if per_query_head else slot_page.shape[1]), slot_page.shape[2], num_pages)
+    scores, gmax = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, gs, in_order, table)
     return select_from_maxima(scores, cur_slot, num_pages, gs, gmax)
 
 

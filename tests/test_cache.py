@@ -169,3 +169,28 @@ def test_decode_append_matches_scatter_append(page_size, device, dtype):
             for name in ("k", "v", "kmin", "kmax", "slot_page", "cur_slot"):
                 assert torch.equal(getattr(layer, name), getattr(twin, name)), (t, name)
         keys = torch.randn(b, h, 1, d, device=device, dtype=dtype)
+
+
+def test_shared_pages_assign_release_move_and_runs():
+    """A pool's page table: rows take the lowest free store pages, give them back in order (so that later rows
+    take them in runs), move by their table; a row holds none twice, and the pages asked must be free."""
+    from sparsekv.cache import SharedPages
+
+    shared = SharedPages(rows=3, slots=6, pages=10, device=torch.device("cpu"))
+    shared.assign(0, 4)
+    shared.assign(1, 3)
+    assert shared.held[:2] == [[0, 1, 2, 3], [4, 5, 6]] and shared.free_pages == 3
+    assert shared.table[1].tolist() == [4, 5, 6, 10, 10, 10, 10] and shared.store_page[4:7].tolist() == [0, 1, 2]
+    shared.release(0)
+    shared.assign(2, 6)  # the lowest free pages: the released row's four, then the first never used
+    assert shared.held[2] == [0, 1, 2, 3, 7, 8] and shared.runs(2, 6) == [(0, 0, 4), (4, 7, 2)]
+    assert shared.runs(2, 3) == [(0, 0, 3)]
+    shared.move(0, 2)
+    assert shared.held[0] == [0, 1, 2, 3, 7, 8] and shared.held[2] == [] and bool((shared.table[2] == 10).all())
+    with pytest.raises(ValueError, match="row 0 holds pages already"):
+        shared.assign(0, 1)
+    with pytest.raises(ValueError, match="2 pages asked for row 2, 1 free"):
+        shared.assign(2, 2)
+    for row in range(3):
+        shared.release(row)
+    assert sorted(shared.free) == list(range(10)) and bool((shared.store_page == -1).all())

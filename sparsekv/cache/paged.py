@@ -133,6 +133,18 @@ class SharedPages:
             self.free.extend(reversed(self.held[row]))
             self.held[row] = []
 
+    def runs(self, row: int, used: int) -> list[tuple[int, int, int]]:
+        """The store pages of slots [0, used) of ``row`` as runs of consecutive pages, (first slot, first store
+        page, length) each, so that a copy takes a slice per run: a row's pages come off the free list in runs
+        (``free`` keeps freed rows' pages in order)."""
+        pages, out = self.held[row][:used], []
+        for slot, page in enumerate(pages):
+            if out and page == out[-1][1] + out[-1][2]:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((slot, page, 1))
+        return out
+
     def move(self, row: int, source_row: int) -> None:
         """``row``, which holds none, takes the pages of ``source_row`` (nothing is copied), which then holds none."""
         if self.held[row]:
@@ -351,11 +363,11 @@ class PagedLayer:
         the row's slots must have their store pages already."""
         self.slot_page[row, :, :used].copy_(source.slot_page[source_row, :, :used])
         if not moved:
+            runs = [(0, 0, used)] if self.shared is None else self.shared.runs(row, used)
             for name, src in source.row_pages(source_row, used).items():
-                if self.shared is None:
-                    getattr(self, name)[row, :, :used].copy_(src)
-                else:
-                    raw(getattr(self, name))[0].index_copy_(1, self.shared.table[row, :used], raw(src))
+                dst = getattr(self, name)[row if self.shared is None else 0]
+                for slot, page, n in runs:
+                    dst[:, page:page + n].copy_(src[:, slot:slot + n])
         # A free slot's keys and bounds are never read: a page that takes it restarts them.
         self.slot_page[row, :, used:].fill_(-1)
         for name, src in source.slot_state.items():

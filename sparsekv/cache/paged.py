@@ -105,6 +105,7 @@ class SharedPages:
         self.table = torch.full((rows, slots + 1), pages, dtype=torch.long, device=device)
         self.store_page = torch.full((pages + 1,), -1, dtype=torch.long, device=device)
         self.held: list[list[int]] = [[] for _ in range(rows)]
+        self._runs: list[list[tuple[int, int, int]]] = [[] for _ in range(rows)]  # ``runs``, made at ``assign``
         self.free = list(range(pages - 1, -1, -1))  # popped from the end: the lowest first
 
     @property
@@ -124,6 +125,12 @@ class SharedPages:
         self.table[row, :pages] = idx
         self.store_page[idx] = torch.arange(pages, device=idx.device)
         self.held[row] = taken
+        runs = self._runs[row] = []
+        for slot, page in enumerate(taken):
+            if runs and page == runs[-1][1] + runs[-1][2]:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((slot, page, 1))
 
     def release(self, row: int) -> None:
         """Returns the store pages of ``row`` to the free ones."""
@@ -131,19 +138,13 @@ class SharedPages:
             self.store_page[torch.tensor(self.held[row], device=self.table.device)] = -1
             self.table[row, :len(self.held[row])] = self.pages
             self.free.extend(reversed(self.held[row]))
-            self.held[row] = []
+            self.held[row], self._runs[row] = [], []
 
     def runs(self, row: int, used: int) -> list[tuple[int, int, int]]:
         """The store pages of slots [0, used) of ``row`` as runs of consecutive pages, (first slot, first store
         page, length) each, so that a copy takes a slice per run: a row's pages come off the free list in runs
         (``free`` keeps freed rows' pages in order)."""
-        pages, out = self.held[row][:used], []
-        for slot, page in enumerate(pages):
-            if out and page == out[-1][1] + out[-1][2]:
-                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-            else:
-                out.append((slot, page, 1))
-        return out
+        return [(slot, page, min(n, used - slot)) for slot, page, n in self._runs[row] if slot < used]
 
     def move(self, row: int, source_row: int) -> None:
         """``row``, which holds none, takes the pages of ``source_row`` (nothing is copied), which then holds none."""
@@ -152,6 +153,7 @@ class SharedPages:
         self.table[row] = self.table[source_row]
         self.table[source_row] = self.pages
         self.held[row], self.held[source_row] = self.held[source_row], []
+        self._runs[row], self._runs[source_row] = self._runs[source_row], []
 
 
 class PagedLayer:

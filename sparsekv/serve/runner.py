@@ -413,7 +413,11 @@ class Runner:
             t[row] = value[0]
         self.counts[row].zero_()
         self.counts[row, first] = 1
-        self.prompt_tokens[row] = self._prompt_set(job)[0]
+        # Only a row whose sampling adjusts reads its prompt's tokens (a repetition penalty of 1 changes nothing).
+        if sampling.adjusts:
+            self.prompt_tokens[row] = self._prompt_set(job)[0]
+        else:
+            self.prompt_tokens[row].zero_()
         self.keys.append(key)
         self.sampled.append(not sampling.greedy)
         self.adjusted.append(sampling.adjusts)

@@ -398,9 +398,11 @@ def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_ne
          host_bytes: int) -> dict:
     """The planner's rows (no device used) of a pool of ``config``'s method for requests of ``max_context`` tokens,
     at most ``max_new_tokens`` new, by the runner's own accounting: a device row is ``runner.row_bytes`` of
-    ``Method.pool_pages``; the rows and one prompt's prefill cache must fit ``device_bytes`` less the weights (the
-    runner's check before it allocates); a host row is ``Method.pool_host_tokens``, and the pool's host store plus
-    one prompt's own store while it is prefilled must fit ``host_bytes``. Of the configs the method leaves open
+    ``Method.pool_pages`` (in shared pages, a request's pages of ``max_context`` tokens and its row's page table,
+    with the steps' ``DEVICE_MARGIN`` left free, as the runner sizes its shared pages); the rows and one prompt's
+    prefill cache must fit ``device_bytes`` less the weights (the runner's check before it allocates); a host row
+    is ``Method.pool_host_tokens``, and the pool's host store plus one prompt's own store while it is prefilled must
+    fit ``host_bytes``. Of the configs the method leaves open
     (``Method.pool_configs``: OmniKV's device layers) the one with the most rows, the first of equals; the runner
     takes it for that many rows (the first whose rows fit the device with ``DEVICE_MARGIN`` to spare). The method's
     other per-row state (OmniKV's fetch buffer: its budget times the offloaded layers' token bytes) and the
@@ -413,9 +415,16 @@ def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_ne
     choices = config.build(shape.layers).pool_configs()
     for choice in choices:
         method = choice.build(shape.layers)
-        row = row_bytes(method.pool_pages(max_context, max_new_tokens), config.page_size, token_bytes, page_bytes,
-                        kv_heads, method.slot_state_bytes(head_dim))
-        margin = DEVICE_MARGIN if choice is not choices[-1] else 0
+        slots = method.pool_pages(max_context, max_new_tokens)
+        shared = method.shared_pages and config.page_size > 1
+        if shared:  # a row (its page table and slot_page) and the shared pages of one request of max_context
+            row = 8 * (slots[0] + 1) + row_bytes(slots, config.page_size, 0, 0, kv_heads,
+                                                 method.slot_state_bytes(head_dim)) + \
+                -(-max_context // config.page_size) * (config.page_size * token_bytes + page_bytes) * shape.layers
+        else:
+            row = row_bytes(slots, config.page_size, token_bytes, page_bytes, kv_heads,
+                            method.slot_state_bytes(head_dim))
+        margin = DEVICE_MARGIN if shared or choice is not choices[-1] else 0
         host_row = method.pool_host_tokens(max_context) * token_bytes
         by_device = max((device_bytes - weights - prefill - margin) // row, 0)
         by_host = max(host_bytes // host_row - 1, 0) if host_row else None

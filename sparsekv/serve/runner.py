@@ -4,7 +4,7 @@ A pool, as data::
 
     a cache of max_batch rows (every layer allocated once, each row sized for any request of max_context tokens,
     at most max_new_tokens of them new: ``Method.pool_pages``; for methods that allow it, ``Method.shared_pages``,
-    the rows' keys and values in one store of pages, ``cache.SharedPages``, a request taking the pages of its
+    the rows' pages (keys, values, bounds) in one store, ``cache.SharedPages``, a request taking the pages of its
     prompt and max_tokens when it joins and giving them back when it ends, so that the store, sized by
     kv_memory_bytes or the device's free memory, holds as many requests as their own lengths allow)
     + the method's state for those rows + per-row next token, sampling, seed, token index, and the penalties'
@@ -193,7 +193,7 @@ class Runner:
                   + prefix_cache_bytes)
         free = available_device_bytes(self.device)
 
-        def shares(method) -> bool:  # rows that keep keys and values in shared pages (``SharedPages``)
+        def shares(method) -> bool:  # rows that keep their pages in shared pages (``SharedPages``)
             return method.shared_pages and config.page_size > 1
 
         def pool_bytes(method) -> int:

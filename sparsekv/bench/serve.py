@@ -70,7 +70,7 @@ from ..methods.base import DEVICE_MARGIN
 from ..models import load_model, resolve_device, resolve_dtype
 from ..quant import quantize_model
 from ..serve import Request, ServingEngine
-from ..serve.runner import POOL_FIELD, cache_bytes, row_bytes
+from ..serve.runner import POOL_FIELD, cache_bytes, pool_row_bytes, shared_page_bytes, shares_pages
 from ..spec import budget_arg
 from .common import (ModelShape, device_name, int_arg, markdown_table, model_shape, out_of_memory_lines, pyplot,
                      run_args, shape_model, weights_arg, write_results)
@@ -397,7 +397,7 @@ def largest_batch(make, most: int) -> int:
 def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_new_tokens: int, device_bytes: int,
          host_bytes: int) -> dict:
     """The planner's rows (no device used) of a pool of ``config``'s method for requests of ``max_context`` tokens,
-    at most ``max_new_tokens`` new, by the runner's own accounting: a device row is ``runner.row_bytes`` of
+    at most ``max_new_tokens`` new, by the runner's own accounting: a device row is ``runner.pool_row_bytes`` of
     ``Method.pool_pages`` (in shared pages, a request's pages of ``max_context`` tokens and its row's page table,
     with the steps' ``DEVICE_MARGIN`` left free, as the runner sizes its shared pages); the rows and one prompt's
     prefill cache must fit ``device_bytes`` less the weights (the runner's check before it allocates); a host row
@@ -415,16 +415,11 @@ def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_ne
     choices = config.build(shape.layers).pool_configs()
     for choice in choices:
         method = choice.build(shape.layers)
-        slots = method.pool_pages(max_context, max_new_tokens)
-        shared = method.shared_pages and config.page_size > 1
-        if shared:  # a row (its page table and slot_page) and the shared pages of one request of max_context
-            row = 8 * (slots[0] + 1) + row_bytes(slots, config.page_size, 0, 0, kv_heads,
-                                                 method.slot_state_bytes(head_dim)) + \
-                -(-max_context // config.page_size) * (config.page_size * token_bytes + page_bytes) * shape.layers
-        else:
-            row = row_bytes(slots, config.page_size, token_bytes, page_bytes, kv_heads,
-                            method.slot_state_bytes(head_dim))
-        margin = DEVICE_MARGIN if shared or choice is not choices[-1] else 0
+        # A row, and in shared pages the pages of one request of max_context.
+        row = pool_row_bytes(method, method.pool_pages(max_context, max_new_tokens), token_bytes, page_bytes,
+                             kv_heads, head_dim) + \
+            -(-max_context // config.page_size) * shared_page_bytes(method, token_bytes, page_bytes, shape.layers)
+        margin = DEVICE_MARGIN if shares_pages(method) or choice is not choices[-1] else 0
         host_row = method.pool_host_tokens(max_context) * token_bytes
         by_device = max((device_bytes - weights - prefill - margin) // row, 0)
         by_host = max(host_bytes // host_row - 1, 0) if host_row else None

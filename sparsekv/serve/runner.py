@@ -66,6 +66,28 @@ def row_bytes(slots: list[int], page_size: int, token_bytes: int, page_bytes: in
                for s, state in zip(slots, state_bytes))
 
 
+def shares_pages(method) -> bool:
+    """Whether a pool of ``method`` keeps its rows' pages in shared pages (``SharedPages``): the method allows it
+    (``Method.shared_pages``) and its pages hold more than one token."""
+    return method.shared_pages and method.config.page_size > 1
+
+
+def pool_row_bytes(method, slots: list[int], token_bytes: int, page_bytes: int, kv_heads: int,
+                   head_dim: int) -> int:
+    """Device bytes of one row of a pool of ``method`` whose layers have ``slots`` page slots each: ``row_bytes``,
+    or in shared pages the row's page table and per-slot tensors without the pages (``shared_page_bytes`` each)."""
+    shared = shares_pages(method)
+    return 8 * (slots[0] + 1) * shared + row_bytes(
+        slots, method.config.page_size, 0 if shared else token_bytes, 0 if shared else page_bytes, kv_heads,
+        method.slot_state_bytes(head_dim))
+
+
+def shared_page_bytes(method, token_bytes: int, page_bytes: int, layers: int) -> int:
+    """Bytes of one shared page of a pool of ``method``: its keys, values and bounds in every layer (0 where the
+    rows hold their own pages)."""
+    return (method.config.page_size * token_bytes + page_bytes) * layers if shares_pages(method) else 0
+
+
 def available_device_bytes(device: torch.device) -> int | None:
     """Free memory of a CUDA device, None elsewhere (host memory is not checked)."""
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
@@ -193,16 +215,9 @@ class Runner:
                   + prefix_cache_bytes)
         free = available_device_bytes(self.device)
 
-        def shares(method) -> bool:  # rows that keep their pages in shared pages (``SharedPages``)
-            return method.shared_pages and config.page_size > 1
-
         def pool_bytes(method) -> int:
-            """The rows' bytes; in shared pages without the pages (keys, values, bounds), with the page table."""
-            slots = method.pool_pages(max_context, self.max_new_tokens)
-            shared = shares(method)
-            return max_batch * (8 * (slots[0] + 1) * shared + row_bytes(
-                slots, config.page_size, 0 if shared else self.token_bytes, 0 if shared else self.page_bytes,
-                kv_heads, method.slot_state_bytes(attn.head_dim)))
+            return max_batch * pool_row_bytes(method, method.pool_pages(max_context, self.max_new_tokens),
+                                              self.token_bytes, self.page_bytes, kv_heads, attn.head_dim)
 
         # Of the configs the method leaves open (OmniKV's device layers), the first whose rows leave room for the
         # steps; with the device's memory unknown, the last, which keeps the least there.
@@ -217,9 +232,7 @@ class Runner:
         # never needs more than its row; a request's pages lie evenly over the layers that hold them.
         self.extra_state_bytes = sum(max(b - 8, 0) for b in self.method.slot_state_bytes(attn.head_dim)) * kv_heads
         slots = self.method.pool_pages(self.max_context, self.max_new_tokens)
-        # Bytes of one shared page: its keys, values and bounds in every layer (0: the rows hold their own).
-        self.page_store_bytes = (config.page_size * self.token_bytes + self.page_bytes) * self.num_layers \
-            if shares(self.method) else 0
+        self.page_store_bytes = shared_page_bytes(self.method, self.token_bytes, self.page_bytes, self.num_layers)
         least = self.kv_bytes(1, 2)  # a request of one prompt token and one new one
         require(kv_memory_bytes is None or _is_count(kv_memory_bytes, least), "kv_memory_bytes",
                 f"None (the pool's size) or an int >= {least} (the KV of the smallest request)", kv_memory_bytes)

@@ -158,8 +158,9 @@ def shared_store(slot_page, *pages, seed=0):
 def test_decode_through_a_page_table(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head,
                                      dtype):
     """A serving pool's rows in shared pages (``PagedLayer.attend``'s operands): every page in order through the
-    rows' tables, Quest's page scores and choice through them, and a selection translated through them, give the
-    very outputs of the same pages in rows of their own."""
+    rows' tables (as the slots of the store, and as slots read through the table), Quest's page scores and choice
+    through them, and a selection read through them, attended tokens counted, give the very outputs of the same
+    pages in rows of their own."""
     if page_size == 1:
         pytest.skip("shared pages hold pages of more than one token")
     cap = max(-(-n // page_size) for n in lengths)
@@ -179,11 +180,14 @@ def test_decode_through_a_page_table(batch, heads, kv_heads, head_dim, page_size
         slots = ops.quest_select(q, kmin, kmax, slot_page, cur_slot, n_pages, per_head, True)
         assert torch.equal(ops.quest_select(q, store_min, store_max, slot_page, cur_slot, n_pages, per_head, True,
                                             table), slots)
+        assert torch.equal(ops.sparse_decode(q, store_k, store_v, slot_page, every, seq_len, 0.2, in_order=True,
+                                             table=table), want)
         slots[:, :, -1] = -1
-        rows = table.unsqueeze(1).expand(*slots.shape[:2], -1)
-        picked = torch.where(slots >= 0, rows.gather(2, slots.clamp(min=0)), table.shape[1] * batch)
-        assert torch.equal(ops.sparse_decode(q, *shared, picked, seq_len, 0.2),
-                           ops.sparse_decode(q, k, v, slot_page, slots, seq_len, 0.2))
+        counts = [torch.full(slots.shape[:2], 3, dtype=torch.long, device=DEV) for _ in range(2)]
+        assert torch.equal(ops.sparse_decode(q, store_k, store_v, slot_page, slots, seq_len, 0.2, counts[0],
+                                             table=table),
+                           ops.sparse_decode(q, k, v, slot_page, slots, seq_len, 0.2, counts[1]))
+        assert torch.equal(*counts)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -819,13 +823,15 @@ def test_lowbit_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_p
 @pytest.mark.parametrize("heads, kv_heads, head_dim, per_head", [
     (4, 4, 128, False), (8, 2, 64, False), (6, 2, 128, False), (16, 2, 128, False), (16, 2, 64, False),
     (32, 8, 128, False), (8, 4, 64, True), (12, 2, 128, True)], ids=str)
-@pytest.mark.parametrize("mode", ["selected", "in-order", "page-table", "counted"])
+@pytest.mark.parametrize("mode", ["selected", "in-order", "page-table", "table-selected", "table-in-order",
+                                  "counted"])
 @pytest.mark.parametrize("launch", [{}, {"cuda_fp8_blocks_per_sm": 1024}], ids=str)
 def test_cuda_fp8_attention_matches_float64_reference(dtype, heads, kv_heads, head_dim, per_head, mode, launch,
                                                       monkeypatch):
     """``sparse_decode`` over an fp8 cache through the CUDA kernel (``kernels.cuda.fp8kv``), against float64 on the
     same fp8 values, for 1-8 query heads per selection row and head dims 64 and 128: pages scattered over the slots
-    or in order (every slot listed, rows read up to their length; or the rows' tables into shared pages), free
+    or in order (every slot listed, rows read up to their length; or the rows' tables into shared pages, as the
+    store's slots or read through), free
     slots, -1 entries and repeated pages in the selections, partial last pages, a row of one token and one whose
     selection holds nothing; its attended tokens added into a running total; and with splits of one page a warp."""
     from sparsekv.kernels.cuda import fp8kv as cuda_fp8kv
@@ -836,14 +842,14 @@ def test_cuda_fp8_attention_matches_float64_reference(dtype, heads, kv_heads, he
     lengths = [300, 17, 1, 162, 64]
     k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(len(lengths), kv_heads, head_dim, 16, lengths,
                                                                 torch.float32, seed=heads + head_dim,
-                                                                in_order=mode in ("in-order", "page-table"))
+                                                                in_order=mode not in ("selected", "counted"))
     k, v = (ref.to_cache(t * 4, ref.FP8) for t in (k, v))
     q = torch.randn(len(lengths), heads, head_dim, device=DEV).to(dtype)
     hs = heads if per_head else kv_heads
     if not cuda_fp8kv.supported(q, k, hs):
         pytest.skip("the CUDA kernel cannot be built or run here")
     c = slot_page.shape[2]
-    if mode in ("in-order", "page-table"):
+    if mode in ("in-order", "page-table", "table-in-order"):
         slots = torch.arange(c, device=DEV).expand(len(lengths), hs, c)
     else:
         slots = torch.randint(-1, c, (len(lengths), hs, 13), device=DEV)
@@ -857,6 +863,10 @@ def test_cuda_fp8_attention_matches_float64_reference(dtype, heads, kv_heads, he
         out = tops.sparse_decode(q, store_k.expand(b, *store_k.shape[1:]), store_v.expand(b, *store_v.shape[1:]),
                                  store_page.expand(b, kv_heads, -1), table.unsqueeze(1).expand_as(slots), seq_len,
                                  scale, None, True)
+    elif mode in ("table-selected", "table-in-order"):
+        store_k, store_v, _, table = shared_store(slot_page, k, v)
+        out = tops.sparse_decode(q, store_k, store_v, slot_page, slots, seq_len, scale, None,
+                                 mode == "table-in-order", table)
     else:
         out = tops.sparse_decode(q, k, v, slot_page, slots, seq_len, scale, attended, mode in ("in-order",
                                                                                             "page-table"))

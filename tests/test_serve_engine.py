@@ -475,18 +475,27 @@ def test_requests_on_one_document_arriving_together_prefill_it_once(model, name)
     assert engine.metrics()["prefix_hits"] == 2
 
 
-def test_a_long_prompt_is_prefilled_between_decode_steps(model):
+def test_a_long_prompt_is_prefilled_between_decode_steps(model, monkeypatch):
+    """A running request decodes at every step while a long prompt comes in, its prefill's passes queued behind
+    the step (the step launched, not yet collected)."""
     engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
     first = engine.submit(Request(prompt=prompt(20), max_tokens=30))
     while not engine.metrics()["running"]:
         engine.step()
     engine.submit(Request(prompt=prompt(128), max_tokens=5))
+    prefill, in_flight = engine.runner.prefill, []
+
+    def seen(job, budget):
+        in_flight.append(engine.runner.in_flight is not None)
+        return prefill(job, budget)
+
+    monkeypatch.setattr(engine.runner, "prefill", seen)
     produced = 0
     for _ in range(3):  # 128 tokens in chunks of 32: the running request decodes at every step meanwhile
         events = engine.step()
         produced += sum(len(e.tokens) for e in events if e.request_id == first)
         assert engine.metrics()["prefilling"] == 1
-    assert produced == 3
+    assert produced == 3 and in_flight == [True] * 3
 
 
 def test_the_pacer_spends_on_prefill_a_share_of_the_decode_time():

@@ -261,17 +261,19 @@ class PagedLayer:
     def attend(self, q: torch.Tensor, slots: torch.Tensor, seq_len: torch.Tensor, scale: float,
                attended: torch.Tensor | None = None, in_order: bool = False) -> torch.Tensor:
         """``kernels.sparse_decode`` over ``slots`` (B, Hs, K) of this layer (-1: none), read through the page
-        table in shared pages (the slot -1 maps to the scratch page, which holds none). q: (B, H, D); returns
-        (B, H, D)."""
+        table in shared pages. q: (B, H, D); returns (B, H, D)."""
         if self.shared is None:
             return kernels.sparse_decode(q, self.k, self.v, self.slot_page, slots, seq_len, scale, attended,
                                          in_order)
-        b, hs = slots.shape[:2]
-        table = self.shared.table[:b].unsqueeze(1).expand(b, hs, -1)
-        if not in_order:  # in order the slots are every slot, whose store pages are the table itself
-            table = table.gather(2, slots % table.shape[2])
+        b = slots.shape[0]
+        if not in_order:
+            return kernels.sparse_decode(q, self.k, self.v, self.slot_page, slots, seq_len, scale, attended,
+                                         table=self.shared.table[:b])
+        # In order the slots are every slot, whose store pages are the table itself: the kernels read it as the
+        # slots of the store (one row per sequence), with no lookup through it.
         k, v = self.k.expand(b, *self.k.shape[1:]), self.v.expand(b, *self.v.shape[1:])
         store_page = self.shared.store_page.expand(b, self.k.shape[1], -1)
+        table = self.shared.table[:b].unsqueeze(1).expand(b, slots.shape[1], -1)
         return kernels.sparse_decode(q, k, v, store_page, table, seq_len, scale, attended, in_order)
 
     def grow(self, capacity: int) -> None:

@@ -128,7 +128,7 @@ def _attend_fake(q, k, v, slot_page, slots, q_pos, scale):
     return q.new_empty(q.shape)
 
 
-def _sparse_decode_fake(q, k, v, slot_page, slots, seq_len, scale, attended=None, in_order=False):
+def _sparse_decode_fake(q, k, v, slot_page, slots, seq_len, scale, attended=None, in_order=False, table=None):
     return q.new_empty(q.shape)
 
 

@@ -196,16 +196,19 @@ def check_in_order(name: str, slot_page: torch.Tensor, slots: torch.Tensor | Non
 
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
                   seq_len: torch.Tensor, scale: float, attended: torch.Tensor | None = None,
-                  in_order: bool = False) -> torch.Tensor:
+                  in_order: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step over the selected slots.
 
-    q: (B, H, D); k, v: (B, Hkv, C, P, D); slot_page: (B, Hkv, C); slots: (B, Hs, K); seq_len: (B,) tokens per
-    sequence including the current one; attended: None, or (B, Hs) int64 running totals to which each selection
-    row's attended tokens (``count_attended``) are added in place. ``in_order``: the caller's promise that entry j
-    of every row of slots is the slot of page j or of none (``check_in_order``: every slot in order where slot j
-    holds page j, or a row's page table), so that a kernel reads each row only up to its length (a pool's rows are
-    sized for its longest request); the result is the same. Returns (B, H, D).
+    q: (B, H, D); k, v: (B, Hkv, C, P, D), or with ``table`` (B, C) int64 a pool's shared pages (1, Hkv, N, P, D),
+    slot s of row b's keys and values in page ``table[b, s]``; slot_page: (B, Hkv, C); slots: (B, Hs, K); seq_len:
+    (B,) tokens per sequence including the current one; attended: None, or (B, Hs) int64 running totals to which
+    each selection row's attended tokens (``count_attended``) are added in place. ``in_order``: the caller's promise
+    that entry j of every row of slots is the slot of page j or of none (``check_in_order``: every slot in order
+    where slot j holds page j, or a row's page table), so that a kernel reads each row only up to its length (a
+    pool's rows are sized for its longest request); the result is the same. Returns (B, H, D).
     """
+    if table is not None:
+        k, v = (t[0][:, table].transpose(0, 1) for t in (k, v))
     if in_order:
         check_in_order("sparse_decode", slot_page, slots)
     if attended is not None:

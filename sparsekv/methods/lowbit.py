@@ -112,8 +112,13 @@ class LowBit(Method):
                                                               device=layer.k.device)
 
     def copy_row(self, row, source, source_row, prompt_len):
-        # The row's first step chooses anew, so its chosen pages need not move.
         self.first[row] = source.first[source_row]
+        # A row that joins chooses anew at its first step; one that moves within the pool keeps its choice, which
+        # its steps until its next choice attend.
+        if source.owner is self.owner:
+            for chosen in self.owner.chosen:
+                if chosen is not None:
+                    chosen[row] = chosen[source_row]
 
     def rows(self, n, decode_tokens):
         view = super().rows(n, decode_tokens)

@@ -102,6 +102,14 @@ class Logprobs:
     top: tuple[tuple[int, float], ...]
 
 
+@dataclass(frozen=True)
+class Launched:
+    """A decode step queued on the device (``Runner.launch``): the keys of its rows, in row order, and the top
+    log-probabilities each asked for (None: no row asked)."""
+    keys: list
+    logprobs: list[int | None] | None
+
+
 @dataclass
 class Prefill:
     """A request's prompt on its way in: its cache of one row, the passes still to run, the prompt's token ids, how
@@ -312,6 +320,7 @@ class Runner:
         self.prompt_lens: list[int] = []
         self.max_tokens: list[int] = []
         self.steps: dict[tuple[int, bool, bool, bool, int, int | None], tuple[SparseKVCache, CapturedStep]] = {}
+        self.in_flight: Launched | None = None  # the step ``launch`` queued, until ``collect``
 
     @property
     def free_rows(self) -> int:
@@ -452,6 +461,8 @@ class Runner:
         """Frees the row of ``key``: the last running row moves into it. ``tokens``: the prompt and answer of a
         request that ended (stop or length), whose row's whole pages go to the prefix cache first where the method
         keeps its decode pages (``Method.answer_reuse``) and they fit."""
+        if self.in_flight is not None:
+            raise RuntimeError("release: a decode step over the rows is in flight (collect it first)")
         row, last = self.keys.index(key), len(self.keys) - 1
         if tokens is not None and self.prefixes is not None and self.method.answer_reuse:
             self._keep_row(row, tokens)
@@ -505,6 +516,14 @@ class Runner:
     def decode(self) -> dict:
         """One decode step over the running rows; returns each request's new token and, for a request that asked
         for them, its ``Logprobs`` (else None), by key."""
+        return self.collect(self.launch())
+
+    def launch(self) -> "Launched":
+        """Queues one decode step over the running rows on the device and returns at once, so that the host can
+        queue other work (a prefill's passes, a join) behind it; ``collect`` reads its tokens. Rows that join in
+        between are not in it; no row may be released before it is collected."""
+        if self.in_flight is not None:
+            raise RuntimeError("launch: the step launched before is not collected")
         n = len(self.keys)
         room = self.max_context
         if self.method.sized_by_decode_tokens:  # a step per power of two of the rows' longest decode
@@ -518,12 +537,19 @@ class Runner:
         with torch.no_grad():
             run()
         pages.lengths[:n] = cache.pages.lengths
+        self.in_flight = Launched(list(self.keys), list(self.logprobs) if scored else None)
+        return self.in_flight
+
+    def collect(self, step: "Launched") -> dict:
+        """``decode``'s result for a step ``launch`` queued (waits for the device to finish it)."""
+        self.in_flight = None
+        n = len(step.keys)
         tokens = self.token[:n, 0].tolist()
         found = [None] * n
-        if scored:
+        if step.logprobs is not None:
             lp, top, ids = self.logprob[:n].tolist(), self.top_logprob[:n].tolist(), self.top_ids[:n].tolist()
-            found = [None if k is None else _logprobs(*row, k) for *row, k in zip(lp, top, ids, self.logprobs)]
-        return dict(zip(self.keys, zip(tokens, found)))
+            found = [None if k is None else _logprobs(*row, k) for *row, k in zip(lp, top, ids, step.logprobs)]
+        return dict(zip(step.keys, zip(tokens, found)))
 
     def _step(self, n: int, sampled: bool, scored: bool, adjusted: bool, room: int,
               slots: int | None) -> tuple[SparseKVCache, CapturedStep]:

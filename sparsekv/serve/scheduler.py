@@ -189,6 +189,7 @@ class ServingEngine:
         self._generated = 0
         self._finished: dict[str, int] = {}  # requests finished since the start, by finish reason
         self._prefill_work = 0  # token-layers of prefill run
+        self._carried: list[Event] = []  # events of a step that raised, returned by the next
 
     @property
     def stop_tokens_default(self) -> tuple[int, ...]:
@@ -240,9 +241,9 @@ class ServingEngine:
             self._cancel.add(request_id)
 
     def has_work(self) -> bool:
-        """Whether anything is queued, prefilling or running."""
+        """Whether anything is queued, prefilling or running, or a step that raised left events to return."""
         with self._lock:
-            return bool(self._queue or self._prefilling or self._running)
+            return bool(self._queue or self._prefilling or self._running or self._carried)
 
     def metrics(self) -> dict:
         """Rows, queue and memory now (``free_rows``: rows neither running nor taken by a prefill), and totals since
@@ -264,29 +265,46 @@ class ServingEngine:
                 "prefix_tokens_reused": cache.reused_tokens}
 
     def step(self) -> list[Event]:
-        """One iteration: cancellations, admission, prefill (about one chunk, or what the pacer allows while rows
-        decode), one decode step over the running rows. Returns the events of this step. Call from one thread
-        only."""
-        events: list[Event] = []
+        """One iteration: cancellations, admission, one decode step over the running rows with the prefill (about
+        one chunk, or what the pacer allows while rows decode) queued behind it, or with a pacer before it, so that
+        its time is its own. Returns the events of this step. Call from one thread only. A prefill that raises
+        drops its requests and raises; the step's tokens then come with the next step's events."""
+        events, self._carried = self._carried, []
         self._cancelled(events)
         self._admit()
         pacer = self.pacer
+        launched = None
         if pacer is None:
-            self._prefill(events, self.runner.prefill_budget)
+            # The running rows' step is queued first, so that the host queues the prefill's passes (and joins)
+            # while the device runs it; the rows that join start at the next step.
+            launched = self.runner.launch() if self._running else None
+            try:
+                self._prefill(events, self.runner.prefill_budget)
+            except Exception:
+                if launched is not None:  # its tokens are the running requests': they go out at the next step
+                    self._collect(launched, events)
+                    self._carried = events
+                raise
         elif self._prefilling and (not self._running or pacer.budget()):
             decoding = bool(self._running)
             began = time.perf_counter()
             work = self._prefill(events, pacer.budget() if decoding else self.runner.prefill_budget)
             self.runner.synchronize()
             pacer.prefilled(time.perf_counter() - began, work, decoding)
-        if self._running:
+        if launched is None and self._running:
             began = time.perf_counter()
-            tokens = self.runner.decode()  # reads the tokens back: the step's work is done
+            launched = self.runner.launch()
+            self._collect(launched, events)  # reads the tokens back: the step's work is done
             if pacer is not None:
                 pacer.decoded(time.perf_counter() - began)
-            for rid, (token, logprobs) in tokens.items():
-                self._emit(self._running[rid], token, logprobs, events)
+        elif launched is not None:
+            self._collect(launched, events)
         return events
+
+    def _collect(self, launched, events: list[Event]) -> None:
+        """Emits the tokens of a step the runner launched."""
+        for rid, (token, logprobs) in self.runner.collect(launched).items():
+            self._emit(self._running[rid], token, logprobs, events)
 
     def _cancelled(self, events: list[Event]) -> None:
         with self._lock:

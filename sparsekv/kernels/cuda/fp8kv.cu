@@ -17,7 +17,9 @@
 // Operands: q (B, H, D) bf16 or fp16 with a contiguous head dim (products in fp16, bf16 values past fp16's range
 // clamped); k, v (B, Hkv, C, 16, D) e4m3 of one layout, each slot's page contiguous and 16-byte aligned; slot_page
 // (B, Hkv, C) int64; sel (B, Hs, N) int64, the slots each selection row attends (-1: none), or with ``in_order``
-// entry j the slot of page j (or of none), rows read up to their length; seq_len (B,) int64. A selection row r of b
+// entry j the slot of page j (or of none), rows read up to their length; seq_len (B,) int64; table (B, C) int64 or
+// None: with a table, k and v are a pool's store of shared pages (1, Hkv, N, 16, D) and slot s of row b is its page
+// table[b, s] there. A selection row r of b
 // takes query heads r G .. r G + G - 1 (G = H / Hs) against KV head r / (Hs / Hkv). A block of W warps takes
 // ``per_split`` entries of one row (its split), warp w the entries w, w + W, ...; each warp copies its next pages
 // into shared memory (cp.async, a page ahead, zeros for free slots) while it computes the current one, with
@@ -93,10 +95,11 @@ struct Args {
   const int64_t* slot_page;
   const int64_t* sel;
   const int64_t* seq_len;
+  const int64_t* table;  // null: slot s of row b is page s of the row's own cache
   float* part;
   float* stats;
   int32_t* counts;
-  int64_t sq_b, sq_h, sk_b, sk_h, sk_c, ss_b, ss_h, sl_b, sl_h;
+  int64_t sq_b, sq_h, sk_b, sk_h, sk_c, ss_b, ss_h, sl_b, sl_h, st_b;
   int n_sel, per_split, n_splits, hs, rows_per_kv, group;
   float scale_log2;
 };
@@ -151,6 +154,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const Args a) {
   const uint8_t* v_row = a.v + b * a.sk_b + kvh * a.sk_h;
   const int64_t* sel = a.sel + b * a.sl_b + r * a.sl_h;
   const int64_t* sp = a.slot_page + b * a.ss_b + kvh * a.ss_h;
+  const int64_t* tb = a.table ? a.table + b * a.st_b : nullptr;
   uint8_t* stages = smem + warp * kStages * 2 * PAGE;
   const uint32_t stages_s = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
 
@@ -164,6 +168,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const Args a) {
       if (n + lane < count) my_slot = sel[e];
       const int64_t page = my_slot >= 0 ? sp[my_slot] : -1;
       my_start = page >= 0 ? (int)(page * kPage) : -1;
+      if (tb && my_slot >= 0) my_slot = tb[my_slot];  // where the slot's page is stored
     }
     const int64_t slot = __shfl_sync(0xFFFFFFFFu, my_slot, n % 32);
     const int start = n < count ? __shfl_sync(0xFFFFFFFFu, my_start, n % 32) : -1;
@@ -330,7 +335,8 @@ void by_head_dim(const Args& a, int rows, int D, bool in_order, bool count) {
 std::vector<torch::Tensor> split_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                            const torch::Tensor& slot_page, const torch::Tensor& sel,
                                            const torch::Tensor& seq_len, double scale, int64_t n_splits,
-                                           int64_t per_split, bool in_order, bool count) {
+                                           int64_t per_split, bool in_order, bool count,
+                                           const std::optional<torch::Tensor>& table) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), HKV = k.size(1), HS = sel.size(1);
   const auto type = q.scalar_type();
   TORCH_CHECK(q.is_cuda() && (type == torch::kBFloat16 || type == torch::kHalf) && q.stride(2) == 1,
@@ -348,15 +354,20 @@ std::vector<torch::Tensor> split_attention(const torch::Tensor& q, const torch::
   TORCH_CHECK(H % HS == 0 && HS % HKV == 0 && H / HS <= kMaxGroup && (D == 64 || D == 128) && n_splits >= 1 &&
               per_split >= 1, "fp8 split_attention: unsupported shape (head_dim ", D, ", ", H / HS,
               " query heads a selection row)");
+  const bool store = table.has_value();
+  TORCH_CHECK(!store || (table->scalar_type() == torch::kLong && table->dim() == 2 && table->size(0) == B &&
+                         table->size(1) == slot_page.size(2) && table->stride(1) == 1 && k.size(0) == 1),
+              "fp8 split_attention: table must be (B, C) int64, contiguous in the slots, over a store of one row");
   auto options = q.options().dtype(torch::kFloat);
   auto part = torch::empty({B, H, n_splits, D}, options);
   auto stats = torch::empty({B, H, n_splits, 2}, options);
   auto counts = torch::empty({count ? B * HS : 0, n_splits}, options.dtype(torch::kInt));
   const Args a{q.data_ptr(), reinterpret_cast<const uint8_t*>(k.data_ptr()),
                reinterpret_cast<const uint8_t*>(v.data_ptr()), slot_page.data_ptr<int64_t>(),
-               sel.data_ptr<int64_t>(), seq_len.data_ptr<int64_t>(), part.data_ptr<float>(), stats.data_ptr<float>(),
-               count ? counts.data_ptr<int32_t>() : nullptr, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-               k.stride(2), slot_page.stride(0), slot_page.stride(1), sel.stride(0), sel.stride(1),
+               sel.data_ptr<int64_t>(), seq_len.data_ptr<int64_t>(), store ? table->data_ptr<int64_t>() : nullptr,
+               part.data_ptr<float>(), stats.data_ptr<float>(), count ? counts.data_ptr<int32_t>() : nullptr,
+               q.stride(0), q.stride(1), store ? 0 : k.stride(0), k.stride(1), k.stride(2), slot_page.stride(0),
+               slot_page.stride(1), sel.stride(0), sel.stride(1), store ? table->stride(0) : 0,
                (int)sel.size(2), (int)per_split, (int)n_splits, (int)HS, (int)(HS / HKV), (int)(H / HS),
                (float)scale * kLog2e};
   if (type == torch::kHalf) by_head_dim<__half>(a, B * HS, D, in_order, count);

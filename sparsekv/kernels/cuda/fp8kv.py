@@ -30,9 +30,10 @@ def supported(q: torch.Tensor, k: torch.Tensor, rows_per_b: int) -> bool:
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, sel: torch.Tensor,
                     seq_len: torch.Tensor, scale: float, splits: int, per_split: int, in_order: bool,
-                    count: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    count: bool, table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(part (B, H, splits, D), stats (B, H, splits, 2), counts (B * Hs, splits) int32) float32 partial outputs of
     each selection row's ``splits`` ranges of ``per_split`` entries of sel (B, Hs, N), as the Triton kernel's (counts
-    empty unless ``count``); operands as ``supported`` takes them."""
+    empty unless ``count``), through the rows' page ``table`` (B, C) into a store of shared pages when given;
+    operands as ``supported`` takes them."""
     return tuple(module("fp8kv").split_attention(q, k, v, slot_page, sel, seq_len, scale, splits, per_split,
-                                                 in_order, count))
+                                                 in_order, count, table))

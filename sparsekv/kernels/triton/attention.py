@@ -29,10 +29,10 @@ from .common import (LOG2E, TUNING, block_d, check, f16_products, fp8_launch, gr
 
 
 @triton.jit
-def _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_t, sv_t, d, d_ok,
-                 BLOCK_N: tl.constexpr, P: tl.constexpr, TOKENS: tl.constexpr, IN_ORDER: tl.constexpr):
+def _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q_pos, sk_t, sv_t, d, d_ok,
+                 BLOCK_N: tl.constexpr, P: tl.constexpr, TOKENS: tl.constexpr, TABLE: tl.constexpr):
     """Key and value tiles (BLOCK_N, BLOCK_D) of block blk of the row's tokens (nothing read past block last) and
-    which tokens are attended."""
+    which tokens are attended; with TABLE a slot's tokens are those of the store page the row's table names."""
     j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     in_j = j < tl.minimum(n_tok, last * BLOCK_N)
     if TOKENS:  # rows of a flat token store; every listed token is attended
@@ -43,21 +43,24 @@ def _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_
         off = j % P
         page = tl.load(sp_base + slot, mask=slot >= 0, other=-1)
         ok = (slot >= 0) & (page >= 0) & (page * P + off <= q_pos)
-        trow = slot * P + off
+        if TABLE:
+            trow = tl.load(tb_base + slot, mask=slot >= 0, other=0) * P + off
+        else:
+            trow = slot * P + off
     kt = tl.load(k_base + trow[:, None] * sk_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
     vt = tl.load(v_base + trow[:, None] * sv_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
     return kt, vt, ok
 
 
 @triton.jit
-def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_ptr, stat_ptr, split_count_ptr,
-                            n_sel, blocks_per_split, n_splits, scale_log2,
-                            sq_b, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, ss_b, ss_h, sl_b, sl_h,
+def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, table_ptr, part_ptr, stat_ptr,
+                            split_count_ptr, n_sel, blocks_per_split, n_splits, scale_log2,
+                            sq_b, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, ss_b, ss_h, sl_b, sl_h, st_b,
                             HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                             TOKENS: tl.constexpr, COUNT: tl.constexpr, PRECISION: tl.constexpr,
                             UPCAST: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-                            IN_ORDER: tl.constexpr):
+                            IN_ORDER: tl.constexpr, TABLE: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = (row // HS).to(tl.int64)
@@ -77,6 +80,7 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
     v_base = v_ptr + b * sv_b + kvh * sv_h
     sel_base = sel_ptr + b * sl_b + r * sl_h
     sp_base = sp_ptr + b * ss_b + kvh * ss_h
+    tb_base = table_ptr + b * st_b
 
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
@@ -87,15 +91,15 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, part_
     if IN_ORDER:  # entry j // P is page j // P: the blocks past the current token attend nothing
         last = tl.minimum(last, tl.cdiv(q_pos + 1, BLOCK_N))
     if PREFETCH:  # block first's tiles; each iteration loads the next block's before its products
-        kt, vt, ok = _block_tiles(first, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_t, sv_t, d,
-                                  d_ok, BLOCK_N, P, TOKENS, IN_ORDER)
+        kt, vt, ok = _block_tiles(first, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q_pos, sk_t,
+                                  sv_t, d, d_ok, BLOCK_N, P, TOKENS, TABLE)
     for blk in range(first, last):
         if PREFETCH:
-            k_next, v_next, ok_next = _block_tiles(blk + 1, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos,
-                                                   sk_t, sv_t, d, d_ok, BLOCK_N, P, TOKENS, IN_ORDER)
+            k_next, v_next, ok_next = _block_tiles(blk + 1, last, n_tok, k_base, v_base, sel_base, sp_base,
+                                                   tb_base, q_pos, sk_t, sv_t, d, d_ok, BLOCK_N, P, TOKENS, TABLE)
         else:
-            kt, vt, ok = _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, q_pos, sk_t, sv_t, d,
-                                      d_ok, BLOCK_N, P, TOKENS, IN_ORDER)
+            kt, vt, ok = _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q_pos, sk_t,
+                                      sv_t, d, d_ok, BLOCK_N, P, TOKENS, TABLE)
         kt, vt = kt.to(q.dtype), vt.to(q.dtype)  # an fp8 cache is dequantized here; otherwise q's own dtype
         qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # (G_PAD, BLOCK_N)
         qk = tl.where(ok[None, :], qk, float("-inf"))
@@ -154,11 +158,11 @@ def _merge_kernel(part_ptr, stat_ptr, split_count_ptr, out_ptr, lse_ptr, count_p
             tl.store(count_at, tl.load(count_at) + n)
 
 
-def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_order=False):
+def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_order=False, table=None):
     """Page mode (slot_page given): sparse_decode, output in q's dtype, each row's attended tokens added into
-    attended (B, Hs) int64 when given, each row read up to its length when ``in_order``. Token mode (slot_page
-    None): k, v are flat (B, Hkv, N, D) stores, sel lists their rows; returns the fp32 output and its
-    log-sum-exp."""
+    attended (B, Hs) int64 when given, each row read up to its length when ``in_order``, through the rows' page
+    ``table`` (B, C) into a store of shared pages (1, Hkv, N, P, D) when given. Token mode (slot_page None): k, v
+    are flat (B, Hkv, N, D) stores, sel lists their rows; returns the fp32 output and its log-sum-exp."""
     tokens = slot_page is None
     name = "sparse_decode_tokens" if tokens else "sparse_decode"
     check(q, k, name)
@@ -176,6 +180,11 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_
         reference.check_attended(attended, sel)
     if sel.stride(2) != 1:
         sel = sel.contiguous()
+    if table is not None and (table.dtype != torch.int64 or table.stride(1) != 1 or k.shape[0] != 1
+                              or table.shape != (b, slot_page.shape[2])):
+        raise ValueError(f"{name}: table must be ({b}, {slot_page.shape[2]}) int64 (each slot's store page, contiguous "
+                         f"in the slots) over a store of one row, got {tuple(table.shape)} {table.dtype} and a store "
+                         f"of {k.shape[0]} rows")
     rows_per_b = max(hs, hkv)  # a single token set (hs == 1) is read by every KV head: row stride 0
     g = h // rows_per_b
     rows = b * rows_per_b
@@ -196,7 +205,7 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_
         splits, per_split = _splits(n_sel, TUNING["cuda_fp8_blocks_per_sm"], rows, q.device, n_sel * p, in_order,
                                     TUNING["attn_long_max_splits"], cuda_fp8kv.WARPS)
         part, stats, split_counts = cuda_fp8kv.split_attention(q, k, v, slot_page, sel, seq_len, scale, splits,
-                                                               per_split, in_order, counting)
+                                                               per_split, in_order, counting, table)
         return _merge(q, part, stats, split_counts, attended, rows_per_b, tokens)
     fp8 = k.dtype == torch.float8_e4m3fn
     block_n, stages, per_sm, max_splits, warps = (fp8_launch(key, fp8) for key in keys)
@@ -210,15 +219,16 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_
     stats = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
     split_counts = torch.empty(rows, splits, dtype=torch.int32, device=q.device) if counting else stats
     page_args = (sel, sel, 0, 0) if tokens else (slot_page, seq_len, slot_page.stride(0), slot_page.stride(1))
+    store = table is not None  # every row reads the one store: no row stride
     _split_attention_kernel[(rows, splits)](
-        q, k, v, page_args[0], sel, page_args[1], part, stats, split_counts, n_sel, per_split, splits, scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2 if tokens else 3),
-        v.stride(0), v.stride(1), v.stride(2 if tokens else 3), page_args[2], page_args[3],
-        sel.stride(0), 0 if hs == 1 else sel.stride(1),
+        q, k, v, page_args[0], sel, page_args[1], table if store else sel, part, stats, split_counts, n_sel,
+        per_split, splits, scale * LOG2E, q.stride(0), q.stride(1), 0 if store else k.stride(0), k.stride(1),
+        k.stride(2 if tokens else 3), 0 if store else v.stride(0), v.stride(1), v.stride(2 if tokens else 3),
+        page_args[2], page_args[3], sel.stride(0), 0 if hs == 1 else sel.stride(1), table.stride(0) if store else 0,
         HS=rows_per_b, ROWS_PER_KV=rows_per_b // hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_N=block_n, P=p, TOKENS=tokens, COUNT=counting, PRECISION=precision(q.dtype),
-        UPCAST=interpreted_bf16(q.dtype), F16=f16_products(q, k), PREFETCH=fp8, IN_ORDER=in_order, num_warps=warps,
-        num_stages=stages)
+        UPCAST=interpreted_bf16(q.dtype), F16=f16_products(q, k), PREFETCH=fp8, IN_ORDER=in_order, TABLE=store,
+        num_warps=warps, num_stages=stages)
     return _merge(q, part, stats, split_counts, attended, rows_per_b, tokens)
 
 
@@ -255,10 +265,10 @@ def _merge(q, part, stats, split_counts, attended, rows_per_b, tokens):
 
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
                   seq_len: torch.Tensor, scale: float, attended: torch.Tensor | None = None,
-                  in_order: bool = False) -> torch.Tensor:
+                  in_order: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
     if q.dtype == torch.float64:
-        return reference.sparse_decode(q, k, v, slot_page, slots, seq_len, scale, attended, in_order)
-    return _split_attention(q, k, v, slot_page, slots, seq_len, scale, attended, in_order)
+        return reference.sparse_decode(q, k, v, slot_page, slots, seq_len, scale, attended, in_order, table)
+    return _split_attention(q, k, v, slot_page, slots, seq_len, scale, attended, in_order, table)
 
 
 def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor,

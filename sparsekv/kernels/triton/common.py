@@ -14,7 +14,11 @@ from triton import knobs
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
 # page_block_k: the page-score kernel reads its block of key bounds in head-dim slices of this many, through a loop
 # of page_stages stages (slices of 64 in 4 stages need ~94 registers instead of ~128 for the whole tile, so
-# twice as many programs fit per multiprocessor).
+# twice as many programs fit per multiprocessor). 3 stages rather than 4: Quest's choice over a serving pool's 9 rows
+# of 38K-100K tokens in rows of 131K, through the page table, 75.8 -> 69.4 us a layer (rows of their own 67.0 ->
+# 64.2; floor 43.8), at batch 16 of 128K 147.5 -> 143.4 us, at batch 1 within 0.25 us at 32K-512K; blocks of 128
+# slots gain 2.7 us more in the pool but lose 0.5-0.9 us at 512K, batch 1 (benchmarks/results/serve/
+# page_scores_table.py).
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor (at most attn_max_splits splits), so that enough loads are in flight even for batch 1; with at most
 # attn_few_rows rows it takes the attn_few_* block, stages and programs instead (-0.3 to -0.6 us at Llama-3-8B
@@ -79,7 +83,7 @@ from triton import knobs
 # Triton kernel: 7.8 us against 8.3, a latency both pay.
 # append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
 # starts a page in a cache with freed slots), with append_warps warps.
-TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 4,
+TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 3,
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
           "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
           "select_group_rows": 32, "select_group_scale": 2, "select_group_block": 4096, "select_group_cand": 2,

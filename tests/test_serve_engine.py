@@ -498,6 +498,27 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(model, monkeypatch):
     assert produced == 3 and in_flight == [True] * 3
 
 
+def test_a_launched_step_is_collected_before_rows_are_released_or_stepped_again(model):
+    """``Runner.launch`` queues a step that ``collect`` reads: a row joining in between is not in it, and neither a
+    release nor another launch may come before it is collected."""
+    engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
+    first = engine.submit(Request(prompt=prompt(20), max_tokens=30))
+    while not engine.metrics()["running"]:
+        engine.step()
+    runner = engine.runner
+    launched = runner.launch()
+    with pytest.raises(RuntimeError, match="not collected"):
+        runner.launch()
+    with pytest.raises(RuntimeError, match="in flight"):
+        runner.release(first)
+    job = runner.start(prompt(9))
+    while job.logits is None:
+        runner.prefill(job, runner.prefill_budget)
+    runner.join("late", job, 5, Sampling(), 0, 4)
+    assert list(runner.collect(launched)) == [first] and runner.in_flight is None
+    assert list(runner.decode()) == [first, "late"]
+
+
 def test_the_pacer_spends_on_prefill_a_share_of_the_decode_time():
     """A credit in seconds: a quarter of each 10 ms decode step; an 8.192 ms pass (8192 token-layers) overdraws it,
     and is paid back before the next pass; the allowance is what the credit pays for at the last measured rate."""

@@ -498,6 +498,32 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(model, monkeypatch):
     assert produced == 3 and in_flight == [True] * 3
 
 
+def test_a_failing_prefill_keeps_the_events_made_before_it(model, monkeypatch):
+    """With nothing running, one prefill ends (its request draws its first token and joins) and the next raises in
+    the same step: the first token and the dropped request's end come with the next step's events."""
+    engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
+    kept = engine.submit(Request(prompt=prompt(20), max_tokens=3))
+    dropped = engine.submit(Request(prompt=prompt(30), max_tokens=3))
+    prefill = engine.runner.prefill
+
+    def broken(job, budget):
+        if job.prompt_len == 30:
+            raise MemoryError("no room")
+        return prefill(job, budget)
+
+    monkeypatch.setattr(engine.runner, "prefill", broken)
+    with pytest.raises(MemoryError, match="no room"):
+        engine.step()
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    events = []
+    while engine.has_work():
+        events += engine.step()
+    alone = Engine(model, CONFIGS["dense"], max_context=CONTEXT, prefill_chunk=CHUNK)
+    assert [t for e in events if e.request_id == kept for t in e.tokens] == \
+        alone.generate([prompt(20)], 3, stop_tokens=()).tokens[0]
+    assert {e.request_id: e.finish_reason for e in events if e.finished} == {kept: "length", dropped: "cancelled"}
+
+
 def test_a_launched_step_is_collected_before_rows_are_released_or_stepped_again(model):
     """``Runner.launch`` queues a step that ``collect`` reads: a row joining in between is not in it, and neither a
     release nor another launch may come before it is collected."""
@@ -517,6 +543,20 @@ def test_a_launched_step_is_collected_before_rows_are_released_or_stepped_again(
     runner.join("late", job, 5, Sampling(), 0, 4)
     assert list(runner.collect(launched)) == [first] and runner.in_flight is None
     assert list(runner.decode()) == [first, "late"]
+
+
+def test_a_row_that_moves_keeps_its_choice_of_pages(model):
+    """lowbit with reuse 4 attends the pages it chose at the steps between its choices: a row that moves down the
+    pool when the request before it ends, between two choices, still gives its tokens alone."""
+    config = CONFIGS["lowbit-reuse4"]
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    for first_tokens in range(2, 9):
+        for n in (60, 101):
+            want = alone.generate([prompt(n)], 12, stop_tokens=()).tokens[0]
+            engine = ServingEngine(model, config, max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
+            tokens, _ = run(engine, [(0, Request(prompt=prompt(44), max_tokens=first_tokens)),
+                                     (0, Request(prompt=prompt(n), max_tokens=12))])
+            assert tokens[1] == want, (first_tokens, n)
 
 
 def test_the_pacer_spends_on_prefill_a_share_of_the_decode_time():
@@ -757,10 +797,12 @@ def test_another_architecture():
 
 
 def test_a_failing_prefill_drops_its_request_and_leaves_the_others_running(model, monkeypatch):
+    """The step raises; the next one returns what it made before: the running request's token of the step
+    launched before the prefill, and the dropped request's final event."""
     engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
     first = engine.submit(Request(prompt=prompt(20), max_tokens=6))
     tokens = [t for e in engine.step() for t in e.tokens]
-    engine.submit(Request(prompt=prompt(30), max_tokens=6))
+    dropped = engine.submit(Request(prompt=prompt(30), max_tokens=6))
     prefill = engine.runner.prefill
 
     def broken(job, budget):
@@ -772,8 +814,12 @@ def test_a_failing_prefill_drops_its_request_and_leaves_the_others_running(model
     monkeypatch.setattr(engine.runner, "prefill", prefill)
     metrics = engine.metrics()
     assert (metrics["running"], metrics["prefilling"], metrics["queued"]) == (1, 0, 0)
+    ends = {}
     while engine.has_work():
-        tokens += [t for e in engine.step() if e.request_id == first for t in e.tokens]
+        events = engine.step()
+        tokens += [t for e in events if e.request_id == first for t in e.tokens]
+        ends.update((e.request_id, e.finish_reason) for e in events if e.finished)
     alone = Engine(model, CONFIGS["dense"], max_context=CONTEXT, prefill_chunk=CHUNK)
     assert tokens == alone.generate([prompt(20)], 6, stop_tokens=()).tokens[0]
+    assert ends == {dropped: "cancelled", first: "length"}
     assert engine.metrics()["kv_bytes_in_use"] == 0

@@ -207,14 +207,34 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: 
     where slot j holds page j, or a row's page table), so that a kernel reads each row only up to its length (a
     pool's rows are sized for its longest request); the result is the same. Returns (B, H, D).
     """
-    if table is not None:
-        k, v = (t[0][:, table].transpose(0, 1) for t in (k, v))
     if in_order:
         check_in_order("sparse_decode", slot_page, slots)
     if attended is not None:
         check_attended(attended, slots)
         attended.add_(count_attended(slot_page, slots, seq_len, k.shape[3]))
+    if table is not None:
+        k, v, slot_page, slots = selected_pages(k, v, slot_page, slots, table)
     return attend(q.unsqueeze(2), k, v, slot_page, slots, (seq_len - 1).unsqueeze(1), scale).squeeze(2)
+
+
+def selected_pages(k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
+                   table: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The pages that ``slots`` (B, Hs, K) select in a store of shared pages k, v (1, Hkv, N, P, D), which row b's
+    ``table`` (B, C) maps its slots into, as caches of their own with a row per selection row: keys and values
+    (B, Hs, K, P, D), their pages (B, Hs, K) and the slots selecting them (entry j: slot j, or -1), so that
+    ``attend`` over them is ``attend`` over the rows' slots (only the selection is copied)."""
+    b, hs, n = slots.shape
+    c = slot_page.shape[2]
+    if k.shape[0] != 1 or table.shape != (b, c) or table.dtype != torch.int64:
+        raise ValueError(f"sparse_decode: table must be ({b}, {c}) int64 over a store of one row, got "
+                         f"{tuple(table.shape)} {table.dtype} and a store of {k.shape[0]} rows")
+    picked = slots >= 0
+    at = slots.clamp(min=0)
+    head = (torch.arange(hs, device=slots.device) // (hs // k.shape[1])).view(1, hs, 1)  # each row's KV head
+    store = table.gather(1, at.flatten(1)).view(b, hs, n)
+    pages = torch.where(picked, slot_page[:, head.view(-1)].gather(2, at), -1)
+    ids = torch.where(picked, torch.arange(n, device=slots.device), -1)
+    return k[0][head, store], v[0][head, store], pages, ids
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

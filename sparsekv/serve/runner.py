@@ -418,12 +418,17 @@ class Runner:
         pages, source = self.pool.pages, job.cache.pages
         if self.shared is not None:
             self.shared.assign(row, self._pages(job.prompt_len + max_tokens))
-        with torch.no_grad():
-            for layer, from_layer in zip(pages.layers, source.layers):
-                layer.copy_row(row, from_layer, 0, self._pages(source.lengths[0]))
-            pages.lengths[row] = source.lengths[0]
-            pages.seq_len[row] = source.seq_len[0]
-            self.method.copy_row(row, job.cache.method, 0, job.prompt_len)
+        try:
+            with torch.no_grad():
+                for layer, from_layer in zip(pages.layers, source.layers):
+                    layer.copy_row(row, from_layer, 0, self._pages(source.lengths[0]))
+                pages.lengths[row] = source.lengths[0]
+                pages.seq_len[row] = source.seq_len[0]
+                self.method.copy_row(row, job.cache.method, 0, job.prompt_len)
+        except BaseException:  # the row runs nothing: its pages go back
+            if self.shared is not None:
+                self.shared.release(row)
+            raise
         self.token[row] = first
         self.temperature[row], self.top_k[row], self.top_p[row] = sampling.temperature, sampling.top_k, \
             sampling.top_p
@@ -541,7 +546,9 @@ class Runner:
         return self.in_flight
 
     def collect(self, step: "Launched") -> dict:
-        """``decode``'s result for a step ``launch`` queued (waits for the device to finish it)."""
+        """``decode``'s result for the step ``launch`` queued last (waits for the device to finish it)."""
+        if step is not self.in_flight:
+            raise RuntimeError("collect: not the step in flight (each launched step is collected once)")
         self.in_flight = None
         n = len(step.keys)
         tokens = self.token[:n, 0].tolist()

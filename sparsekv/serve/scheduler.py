@@ -268,8 +268,19 @@ class ServingEngine:
         """One iteration: cancellations, admission, one decode step over the running rows with the prefill (about
         one chunk, or what the pacer allows while rows decode) queued behind it, or with a pacer before it, so that
         its time is its own. Returns the events of this step. Call from one thread only. A prefill that raises
-        drops its requests and raises; the step's tokens then come with the next step's events."""
+        drops its requests (each with a final "cancelled" event) and raises; the events this step made before it
+        raised, the launched step's tokens among them, come with the next step's."""
         events, self._carried = self._carried, []
+        try:
+            self._step(events)
+        except BaseException:
+            if self.runner.in_flight is not None:  # its tokens are the running requests'
+                self._collect(self.runner.in_flight, events)
+            self._carried = events
+            raise
+        return events
+
+    def _step(self, events: list[Event]) -> None:
         self._cancelled(events)
         self._admit()
         pacer = self.pacer
@@ -278,13 +289,7 @@ class ServingEngine:
             # The running rows' step is queued first, so that the host queues the prefill's passes (and joins)
             # while the device runs it; the rows that join start at the next step.
             launched = self.runner.launch() if self._running else None
-            try:
-                self._prefill(events, self.runner.prefill_budget)
-            except Exception:
-                if launched is not None:  # its tokens are the running requests': they go out at the next step
-                    self._collect(launched, events)
-                    self._carried = events
-                raise
+            self._prefill(events, self.runner.prefill_budget)
         elif self._prefilling and (not self._running or pacer.budget()):
             decoding = bool(self._running)
             began = time.perf_counter()
@@ -293,13 +298,11 @@ class ServingEngine:
             pacer.prefilled(time.perf_counter() - began, work, decoding)
         if launched is None and self._running:
             began = time.perf_counter()
-            launched = self.runner.launch()
-            self._collect(launched, events)  # reads the tokens back: the step's work is done
+            self._collect(self.runner.launch(), events)  # reads the tokens back: the step's work is done
             if pacer is not None:
                 pacer.decoded(time.perf_counter() - began)
         elif launched is not None:
             self._collect(launched, events)
-        return events
 
     def _collect(self, launched, events: list[Event]) -> None:
         """Emits the tokens of a step the runner launched."""
@@ -374,7 +377,7 @@ class ServingEngine:
                     self._prefilling = [live for live in self._prefilling if live.prefill is not job]
                 for live in pending:
                     live.prefill = None
-                    self._finish(live, "cancelled", [])
+                    self._finish(live, "cancelled", events)
                 self.runner.discard(job)
                 error.add_note(f"while prefilling request(s) {[live.id for live in pending]}, which are dropped")
                 raise

@@ -21,7 +21,7 @@ def _append_token_kernel(k_ptr, v_ptr, kmin_ptr, kmax_ptr, sp_ptr, cur_ptr, pos_
                          HAS_HOLES: tl.constexpr, SEARCH: tl.constexpr, TABLE: tl.constexpr):
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
-    h = row % HKV
+    h = (row % HKV).to(tl.int64)  # times a head's stride: past 2**31 in a large store of shared pages
     pos = tl.load(pos_ptr + b)
     if pos >= 0:
         off = pos % P

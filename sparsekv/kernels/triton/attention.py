@@ -65,7 +65,7 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, table
     split = tl.program_id(1)
     b = (row // HS).to(tl.int64)
     r = row % HS
-    kvh = r // ROWS_PER_KV
+    kvh = (r // ROWS_PER_KV).to(tl.int64)  # times a head's stride: past 2**31 in a large store of shared pages
     n_tok = n_sel if TOKENS else n_sel * P
     q_pos = 0 if TOKENS else tl.load(seq_ptr + b) - 1
     g = tl.arange(0, G_PAD)

@@ -235,15 +235,19 @@ class PagedLayer:
         """Every per-slot tensor (B, Hkv, C + 1, ...): pages, bounds, page table and the method's state."""
         return (*(getattr(self, n) for n in self.stored), *self.slot_state.values())
 
+    @property
+    def allocated(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the layer allocates: its per-slot tensors (``per_slot``) and its store of shared pages."""
+        store = () if self.shared is None else tuple(getattr(self, n) for n in self.paged)
+        return (*self.per_slot, *store)
+
     def resident_bytes(self) -> int:
         """Bytes of the layer's per-slot tensors and of its store of shared pages."""
-        store = () if self.shared is None else (getattr(self, n) for n in self.paged)
-        return sum(t.numel() * t.element_size() for t in (*self.per_slot, *store))
+        return sum(t.numel() * t.element_size() for t in self.allocated)
 
     def slot_bytes(self) -> int:
         """Bytes one slot of one row takes: its page (keys, values, bounds) and its per-slot tensors."""
-        store = () if self.shared is None else (getattr(self, n) for n in self.paged)
-        return sum(t[0, :, 0].numel() * t.element_size() for t in (*self.per_slot, *store))
+        return sum(t[0, :, 0].numel() * t.element_size() for t in self.allocated)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

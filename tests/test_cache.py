@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sparsekv.cache import PagedKVCache
+from sparsekv.kernels.reference import raw  # a tensor's bits: fp8 tensors compare on the CPU
 
 
 def stored_tokens(layer, b, h, length):
@@ -187,10 +188,67 @@ def test_shared_pages_assign_release_move_and_runs():
     assert shared.runs(2, 3) == [(0, 0, 3)]
     shared.move(0, 2)
     assert shared.held[0] == [0, 1, 2, 3, 7, 8] and shared.held[2] == [] and bool((shared.table[2] == 10).all())
-    with pytest.raises(ValueError, match="row 0 holds pages already"):
+    with pytest.raises(ValueError, match="1 pages asked for row 0, which holds 6"):
         shared.assign(0, 1)
-    with pytest.raises(ValueError, match="2 pages asked for row 2, 1 free"):
+    with pytest.raises(ValueError, match="2 pages asked for row 2, which holds 0, with 1 free"):
         shared.assign(2, 2)
+    with pytest.raises(ValueError, match="row 1 holds pages already"):
+        shared.move(1, 0)
+    # A prompt's table beside the pool's: its row takes pages from the same free list; a pool row takes them over
+    # (nothing copied) and grows by the pages of its new tokens.
+    shared.release(1)
+    job = shared.beside(1)
+    job.assign(0, 2)
+    assert job.held[0] == [4, 5] and shared.free_pages == 2 and shared.store_page[4:6].tolist() == [0, 1]
+    shared.move(1, 0, job)
+    assert job.held[0] == [] and bool((job.table == 10).all()) and shared.table[1, :2].tolist() == [4, 5]
+    shared.assign(1, 4)
+    assert shared.held[1] == [4, 5, 6, 9] and shared.runs(1, 4) == [(0, 4, 3), (3, 9, 1)]
+    assert shared.store_page[[6, 9]].tolist() == [2, 3] and shared.free_pages == 0
+    with pytest.raises(ValueError, match="not over the same store pages"):
+        shared.move(2, 0, SharedPages(rows=1, slots=6, pages=10, device=torch.device("cpu")))
     for row in range(3):
         shared.release(row)
+    job.release(0)
     assert sorted(shared.free) == list(range(10)) and bool((shared.store_page == -1).all())
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_a_prompt_prefilled_into_shared_pages_matches_a_cache_of_its_own(kv_dtype):
+    """A prompt's passes written through a table beside a pool's (``SharedPages.beside``, ``PagedLayer.beside``)
+    into store pages that lie in two runs, in chunks that start and end inside pages, leave the same keys, values,
+    bounds, page table and current slot as a cache of its own, and ``row_tokens`` (what the prompt's attention reads)
+    gives the same keys and values; a pool row then takes the pages with nothing copied and reads the same."""
+    from sparsekv.cache import PagedLayer, SharedPages, storage_dtype
+
+    torch.manual_seed(0)
+    cpu, h, d, p, n = torch.device("cpu"), 2, 8, 4, 23  # 6 pages, the last one partial
+    shared = SharedPages(rows=2, slots=8, pages=12, device=cpu)
+    pool = PagedLayer(2, h, d, p, 8, storage_dtype(kv_dtype, torch.float32), cpu, shared)
+    shared.assign(0, 2)
+    shared.assign(1, 1)
+    shared.release(0)
+    table = shared.beside(1)
+    table.assign(0, 6)
+    assert table.runs(0, 6) == [(0, 0, 2), (2, 3, 4)]
+    own = PagedKVCache(num_layers=1, page_size=p, kv_dtype=kv_dtype)
+    into = PagedKVCache(num_layers=1, page_size=p, kv_dtype=kv_dtype)
+    into.layers = [pool.beside(table)]
+    chunks = [5, 3, 9, 6]
+    for i, s in enumerate(chunks):
+        k, v = torch.randn(1, h, s, d), torch.randn(1, h, s, d)
+        for cache in (own, into):
+            cache.begin(s, None, 1, cpu, prompt_end=i == len(chunks) - 1)
+            cache.append(0, k, v)
+    mine, theirs = own.layers[0], into.layers[0]
+    for name, pages in theirs.row_pages(0, 6).items():
+        assert torch.equal(raw(pages), raw(getattr(mine, name)[0, :, :6])), name
+    assert torch.equal(theirs.slot_page, mine.slot_page[:, :, :9]) and torch.equal(theirs.cur_slot, mine.cur_slot)
+    for got, want in zip(theirs.row_tokens(0, n), mine.row_tokens(0, n)):
+        assert got.shape == (1, h, n, d) and torch.equal(raw(got), raw(want))
+    shared.move(0, 0, table)
+    pool.copy_row(0, theirs, 0, 6, moved=True)
+    assert table.held[0] == [] and shared.held[0] == [0, 1, 3, 4, 5, 6]
+    for name, pages in pool.row_pages(0, 6).items():
+        assert torch.equal(raw(pages), raw(getattr(mine, name)[0, :, :6])), name
+    assert torch.equal(pool.cur_slot[:1], mine.cur_slot)

@@ -149,7 +149,12 @@ def test_shared_pages_hold_each_running_request_and_come_back(model, name):
         held = [shared.held[row] for row in range(len(runner.keys))]
         want = [-(-(n + m) // config.page_size) for n, m in zip(runner.prompt_lens, runner.max_tokens)]
         assert [len(h) for h in held] == want
-        assert len({p for h in held for p in h}) == sum(want) == shared.pages - len(shared.free)
+        # A prompt being prefilled holds its prompt's pages, in a table of its own.
+        jobs = {id(live.prefill): live.prefill for live in engine._prefilling if live.prefill.table is not None}
+        prompts = [job.table.held[0] for job in jobs.values()]
+        assert [len(h) for h in prompts] == [-(-job.prompt_len // config.page_size) for job in jobs.values()]
+        taken = {p for h in held + prompts for p in h}
+        assert len(taken) == sum(want) + sum(map(len, prompts)) == shared.pages - len(shared.free)
         for row, h in enumerate(held):
             assert shared.table[row, :len(h)].tolist() == h
             assert shared.store_page[h].tolist() == list(range(len(h)))
@@ -437,16 +442,17 @@ def test_the_prefix_cache_keeps_what_its_budget_holds_and_refuses_methods_that_d
     engine = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
                            prefix_cache_bytes=1 << 30)
     run(engine, [(0, Request(prompt=prompt(41), max_tokens=2))])
-    one = engine.metrics()["prefix_cache_bytes"]  # a prompt of 6 pages
+    one = engine.metrics()["prefix_cache_bytes"]  # a prompt of 5 whole pages (shared pages keep whole pages)
     small = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
                           prefix_cache_bytes=3 * one)
-    for n in (41, 42, 43, 44):  # different prompts of 6 pages: the oldest goes
+    for n in (41, 42, 43, 44):  # different prompts of 5 whole pages: the oldest goes
         run(small, [(0, Request(prompt=prompt(n), max_tokens=2))])
     kept = small.runner.prefixes.entries
-    assert [len(k) for k in kept] == [42, 43, 44] and small.metrics()["prefix_cache_bytes"] == 3 * one
+    assert list(kept) == [tuple(prompt(n)[:40]) for n in (42, 43, 44)]
+    assert small.metrics()["prefix_cache_bytes"] == 3 * one
     longer = prompt(44) + prompt(20)  # a prompt that begins with a kept one takes its place, and more room
     run(small, [(0, Request(prompt=longer, max_tokens=2))])
-    assert [len(k) for k in kept] == [43, 64] and small.metrics()["prefix_cache_bytes"] <= 3 * one
+    assert [len(k) for k in kept] == [40, 64] and small.metrics()["prefix_cache_bytes"] <= 3 * one
     tiny = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
                          prefix_cache_bytes=one // 4)  # neither the prompt nor its answer fits
     run(tiny, [(0, Request(prompt=prompt(41), max_tokens=2))])
@@ -473,6 +479,29 @@ def test_requests_on_one_document_arriving_together_prefill_it_once(model, name)
     assert [final[i].cached_tokens for i in range(3)] == [0, 64, 64] and final[3].finish_reason == "cancelled"
     assert [tokens[i] for i in range(3)] == want[:3]
     assert engine.metrics()["prefix_hits"] == 2
+
+
+@pytest.mark.parametrize("name", ["dense", "quest"])
+def test_a_prompt_is_prefilled_into_the_shared_pages_its_row_then_holds(model, name):
+    """In shared pages a prompt's passes write store pages it takes at its first pass, and the first request's row
+    takes them with nothing copied: the row holds the prompt's pages, then those of its new tokens; a second request
+    of the prompt copies them into pages of its own."""
+    config = CONFIGS[name]
+    engine = ServingEngine(model, config, max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
+    shared = engine.runner.shared
+    text = prompt(70)  # 9 pages of 8, in 3 passes a layer
+    first, second = (engine.submit(Request(prompt=text, max_tokens=n)) for n in (12, 3))
+    written = None
+    while not engine.metrics()["running"]:
+        engine.step()
+        job = engine._prefilling[0].prefill if engine._prefilling else None
+        if job is not None and job.table is not None and job.table.held[0]:
+            written = list(job.table.held[0])
+            assert len(written) == 9 and shared.free_pages == shared.pages - 9
+    rows = {key: shared.held[row] for row, key in enumerate(engine.runner.keys)}
+    assert rows[first][:9] == written and len(rows[first]) == -(-(70 + 12) // 8)
+    assert len(rows[second]) == -(-(70 + 3) // 8) and not set(rows[second]) & set(written)
+    assert shared.free_pages == shared.pages - len(rows[first]) - len(rows[second])
 
 
 def test_a_long_prompt_is_prefilled_between_decode_steps(model, monkeypatch):

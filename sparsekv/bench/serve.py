@@ -70,7 +70,7 @@ from ..methods.base import DEVICE_MARGIN
 from ..models import load_model, resolve_device, resolve_dtype
 from ..quant import quantize_model
 from ..serve import Request, ServingEngine
-from ..serve.runner import POOL_FIELD, cache_bytes, pool_row_bytes, shared_page_bytes, shares_pages
+from ..serve.runner import POOL_FIELD, cache_bytes, pool_row_bytes, prefill_bytes, shared_page_bytes, shares_pages
 from ..spec import budget_arg
 from .common import (ModelShape, device_name, int_arg, markdown_table, model_shape, out_of_memory_lines, pyplot,
                      run_args, shape_model, weights_arg, write_results)
@@ -400,7 +400,8 @@ def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_ne
     at most ``max_new_tokens`` new, by the runner's own accounting: a device row is ``runner.pool_row_bytes`` of
     ``Method.pool_pages`` (in shared pages, a request's pages of ``max_context`` tokens and its row's page table,
     with the steps' ``DEVICE_MARGIN`` left free, as the runner sizes its shared pages); the rows and one prompt's
-    prefill cache must fit ``device_bytes`` less the weights (the runner's check before it allocates); a host row
+    prefill (``runner.prefill_bytes``) must fit ``device_bytes`` less the weights (the runner's check before it
+    allocates); a host row
     is ``Method.pool_host_tokens``, and the pool's host store plus one prompt's own store while it is prefilled must
     fit ``host_bytes``. Of the configs the method leaves open
     (``Method.pool_configs``: OmniKV's device layers) the one with the most rows, the first of equals; the runner
@@ -410,11 +411,11 @@ def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_ne
     _, kv_heads, head_dim = shape.attention
     token_bytes, page_bytes = cache_bytes(config, kv_heads, head_dim, dtype)
     weights = shape.parameters * dtype.itemsize
-    prefill = max_context * shape.layers * token_bytes
     best = None
     choices = config.build(shape.layers).pool_configs()
     for choice in choices:
         method = choice.build(shape.layers)
+        prefill = prefill_bytes(method, max_context, shape.layers, token_bytes, kv_heads, head_dim, dtype)
         # A row, and in shared pages the pages of one request of max_context.
         row = pool_row_bytes(method, method.pool_pages(max_context, max_new_tokens), token_bytes, page_bytes,
                              kv_heads, head_dim) + \
@@ -435,13 +436,15 @@ def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_ne
 def plan_markdown(meta: dict, rows: list[dict]) -> list[str]:
     columns = [("method", "spec", "{}"), ("device layers", "device_layers", "{}"),
                ("device row GiB", "device_row_gib", "{:.2f}"),
-               ("host row GiB", "host_row_gib", "{:.2f}"), ("rows by device", "rows_by_device", "{}"),
+               ("host row GiB", "host_row_gib", "{:.2f}"), ("prefill GiB", "prefill_gib", "{:.2f}"),
+               ("rows by device", "rows_by_device", "{}"),
                ("rows by host", "rows_by_host", "{}"), ("rows", "rows", "{}"), ("binds", "binds", "{}"),
                ("vs dense", "vs_dense", "{:.2f}x"), ("host GiB for 2x dense", "host_gib_for_2x_dense", "{:.1f}")]
     lines = [f"# Capacity plan ({meta['model']}, {meta['dtype']}): the planner's numbers, not a run", "",
              f"Requests of {meta['max_context']} tokens, at most {meta['max_new_tokens']} new; {meta['device_gib']} "
              f"GiB of device memory less the weights ({rows[0]['weights_gib']:.2f} GiB) for the rows and one "
-             f"prompt's prefill cache ({rows[0]['prefill_gib']:.2f} GiB); {meta['host_gib']} GiB of host memory for "
+             f"prompt's prefill (`prefill GiB`: its own cache, or in shared pages one layer's keys and values "
+             f"gathered for its attention); {meta['host_gib']} GiB of host memory for "
              f"the host store's rows and one prompt's own store. Activations and a method's per-row state beyond the "
              f"pages (OmniKV's fetch buffer) are not counted. Command: `{meta['command']}`", ""]
     return lines + markdown_table(columns, rows)

@@ -113,20 +113,21 @@ class SharedPages:
         return len(self.free)
 
     def assign(self, row: int, pages: int) -> None:
-        """Gives ``row``, which holds none, ``pages`` store pages for its slots [0, pages), logical pages 0 ..
-        pages - 1 (written before the tokens are: a page is read only up to the row's length)."""
-        if self.held[row]:
-            raise ValueError(f"SharedPages.assign: row {row} holds pages already")
-        if not 1 <= pages <= min(len(self.free), self.table.shape[1] - 1):
-            raise ValueError(f"SharedPages.assign: {pages} pages asked for row {row}, {len(self.free)} free and "
-                             f"{self.table.shape[1] - 1} slots a row")
-        taken = [self.free.pop() for _ in range(pages)]
+        """Gives ``row`` store pages for its slots up to ``pages`` (logical pages len(held) .. pages - 1; the pages it
+        holds stay), written before the tokens are: a page is read only up to the row's length."""
+        have = len(self.held[row])
+        if not max(have, 1) <= pages <= min(have + len(self.free), self.table.shape[1] - 1):
+            raise ValueError(f"SharedPages.assign: {pages} pages asked for row {row}, which holds {have}, with "
+                             f"{len(self.free)} free and {self.table.shape[1] - 1} slots a row")
+        taken = [self.free.pop() for _ in range(pages - have)]
+        if not taken:
+            return
         idx = torch.tensor(taken, device=self.table.device)
-        self.table[row, :pages] = idx
-        self.store_page[idx] = torch.arange(pages, device=idx.device)
-        self.held[row] = taken
-        runs = self._runs[row] = []
-        for slot, page in enumerate(taken):
+        self.table[row, have:pages] = idx
+        self.store_page[idx] = torch.arange(have, pages, device=idx.device)
+        self.held[row] += taken
+        runs = self._runs[row]
+        for slot, page in enumerate(taken, have):
             if runs and page == runs[-1][1] + runs[-1][2]:
                 runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
             else:
@@ -146,14 +147,28 @@ class SharedPages:
         (``free`` keeps freed rows' pages in order)."""
         return [(slot, page, min(n, used - slot)) for slot, page, n in self._runs[row] if slot < used]
 
-    def move(self, row: int, source_row: int) -> None:
-        """``row``, which holds none, takes the pages of ``source_row`` (nothing is copied), which then holds none."""
+    def move(self, row: int, source_row: int, source: "SharedPages | None" = None) -> None:
+        """``row``, which holds none, takes the pages of ``source_row`` of ``source`` (this table, or another over the
+        same store pages: ``beside``); nothing is copied, and the source row then holds none."""
+        source = self if source is None else source
         if self.held[row]:
             raise ValueError(f"SharedPages.move: row {row} holds pages already")
-        self.table[row] = self.table[source_row]
-        self.table[source_row] = self.pages
-        self.held[row], self.held[source_row] = self.held[source_row], []
-        self._runs[row], self._runs[source_row] = self._runs[source_row], []
+        if source.free is not self.free:
+            raise ValueError("SharedPages.move: the source table is not over the same store pages")
+        self.table[row] = source.table[source_row]
+        source.table[source_row] = self.pages
+        self.held[row], source.held[source_row] = source.held[source_row], []
+        self._runs[row], source._runs[source_row] = source._runs[source_row], []
+
+    def beside(self, rows: int) -> "SharedPages":
+        """Another table, of ``rows`` rows holding none, over the same store pages: its rows take pages from the
+        same free list and give them back to it (a prompt prefilled straight into shared pages, whose request's
+        row then takes them: ``move``)."""
+        other = copy.copy(self)
+        other.table = torch.full((rows, self.table.shape[1]), self.pages, dtype=torch.long, device=self.table.device)
+        other.held = [[] for _ in range(rows)]
+        other._runs = [[] for _ in range(rows)]
+        return other
 
 
 class PagedLayer:
@@ -262,6 +277,17 @@ class PagedLayer:
         idx = self.shared.table[row, :used]
         return {n: raw(t)[0].index_select(1, idx).view(t.dtype) for n in self.paged for t in (getattr(self, n),)}
 
+    def row_tokens(self, row: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (1, Hkv, end, D) of the first ``end`` tokens of ``row``, whose slot j holds page j (a
+        prompt's): views, or gathered through the page table in shared pages."""
+        used = -(-end // self.page_size)
+        if self.shared is None:
+            k, v = self.k[row:row + 1, :, :used], self.v[row:row + 1, :, :used]
+        else:
+            idx = self.shared.table[row, :used]
+            k, v = (raw(t).index_select(2, idx).view(t.dtype) for t in (self.k, self.v))
+        return k.flatten(2, 3)[:, :, :end], v.flatten(2, 3)[:, :, :end]
+
     def attend(self, q: torch.Tensor, slots: torch.Tensor, seq_len: torch.Tensor, scale: float,
                attended: torch.Tensor | None = None, in_order: bool = False) -> torch.Tensor:
         """``kernels.sparse_decode`` over ``slots`` (B, Hs, K) of this layer (-1: none), read through the page
@@ -348,6 +374,21 @@ class PagedLayer:
         view.dropped = self.dropped[:n]
         return view
 
+    def beside(self, shared: SharedPages) -> "PagedLayer":
+        """A layer over this one's store of shared pages whose rows are those of ``shared``, another table over the
+        same pages (``SharedPages.beside``), with no page yet: a prompt's passes write there through that table, so
+        that its request's row takes the pages once it is prefilled, with no copy."""
+        if self.shared is None or shared.free is not self.shared.free:
+            raise ValueError("PagedLayer.beside: a layer in shared pages and a table over its store pages are needed")
+        other = copy.copy(self)
+        rows = shared.table.shape[0]
+        other.shared = shared
+        other.slot_page = torch.full((rows, *self.slot_page.shape[1:]), -1, dtype=torch.long,
+                                     device=self.slot_page.device)
+        other.cur_slot = torch.full((rows, self.cur_slot.shape[1]), -1, dtype=torch.long, device=self.cur_slot.device)
+        other.has_holes, other.max_pages, other.dropped, other.slot_state = False, None, [0] * rows, {}
+        return other
+
     def copy_row(self, row: int, source: "PagedLayer", source_row: int, pages: int, moved: bool = False) -> None:
         """Makes ``row`` hold what row ``source_row`` of ``source`` (this layer or another of the same heads) holds:
         its pages in the same slots, their bounds, its method's per-slot state, its current slot and its dropped
@@ -405,9 +446,9 @@ class PagedLayer:
             kernels.append_token(self.k, self.v, self.kmin, self.kmax, self.slot_page, self.cur_slot,
                                  plan.position[:, 0], k_new[:, :, 0], v_new[:, :, 0], self.may_have_holes, self.table)
             return
-        if self.shared is not None:
-            raise ValueError("a layer in shared pages takes decode tokens, one per row (a prompt runs in a cache "
-                             "of its own, then joins the pool)")
+        if self.shared is not None and (len(plan.prev_len) > 1 or plan.new_len[0] - plan.prev_len[0] != s):
+            raise ValueError("a layer in shared pages takes decode tokens, one per row, and the passes of one "
+                             "prompt with no padding (``beside``)")
         if not self.may_have_holes and all(n - p == s for p, n in zip(plan.prev_len, plan.new_len)):
             prev = set(plan.prev_len)
             if len(prev) == 1:
@@ -422,33 +463,53 @@ class PagedLayer:
         """``scatter_append`` of real tokens only, (R, Hkv, S, D) at positions ``start .. start + S - 1`` of the
         ``rows`` (R rows) of a layer whose slot j holds page j: the tokens fill a contiguous run of slots, so keys
         and values are one slice copy each and the bounds of whole pages one reduction over a reshape. Leaves the
-        same pages, bounds, ``slot_page`` and ``cur_slot`` as ``scatter_append``, with a few launches, no atomics."""
+        same pages, bounds, ``slot_page`` and ``cur_slot`` as ``scatter_append``, with a few launches, no atomics.
+        In shared pages (one row, its pages assigned) the same per run of the row's store pages (``SharedPages.runs``),
+        each a slice of the store."""
+        p = self.page_size
+        end = start + k_new.shape[2]
+        dtype = self.k.dtype
+        k_new, v_new = kernels.reference.to_cache(k_new, dtype), kernels.reference.to_cache(v_new, dtype)
+        first, last = start // p, (end - 1) // p
+        if self.shared is None:
+            self._write_pages({n: getattr(self, n)[rows] for n in self.paged}, k_new, v_new, start)
+        else:
+            for slot, page, n in self.shared.runs(rows.start or 0, last + 1):
+                lo, hi = max(start, slot * p), min(end, (slot + n) * p)
+                if lo < hi:
+                    self._write_pages({name: getattr(self, name)[:, :, page:page + n] for name in self.paged},
+                                      k_new[:, :, lo - start:hi - start], v_new[:, :, lo - start:hi - start],
+                                      lo - slot * p)
+        self.slot_page[rows, :, first:last + 1] = self.slot_ids[first:last + 1]
+        self.cur_slot[rows] = last
+
+    def _write_pages(self, pages: dict[str, torch.Tensor], k_new: torch.Tensor, v_new: torch.Tensor,
+                     start: int) -> None:
+        """Writes real tokens (R, Hkv, S, D), in the cache's dtype, at token offsets ``start .. start + S - 1`` of
+        ``pages`` (``paged``'s tensors, (R, Hkv, n, P, D) and (R, Hkv, n, D) views of n consecutive pages), and
+        updates those pages' bounds."""
         p = self.page_size
         r, h, s, d = k_new.shape
         end = start + s
-        dtype = self.k.dtype
-        k_new, v_new = kernels.reference.to_cache(k_new, dtype), kernels.reference.to_cache(v_new, dtype)
-        raw(self.k)[rows].view(r, h, -1, d)[:, :, start:end] = raw(k_new)
-        raw(self.v)[rows].view(r, h, -1, d)[:, :, start:end] = raw(v_new)
-        first, last = start // p, (end - 1) // p
-        self.slot_page[rows, :, first:last + 1] = self.slot_ids[first:last + 1]
-        self.cur_slot[rows] = last
+        raw(pages["k"]).view(r, h, -1, d)[:, :, start:end] = raw(k_new)
+        raw(pages["v"]).view(r, h, -1, d)[:, :, start:end] = raw(v_new)
         if p == 1:
             return  # the bounds are views of the keys
         # fp8 bounds are reduced in float32, which holds them exactly (torch has no fp8 reductions on the CPU).
-        wide = k_new.to(torch.float32 if dtype == kernels.reference.FP8 else dtype)
+        wide = k_new.to(torch.float32 if k_new.dtype == kernels.reference.FP8 else k_new.dtype)
+        first = start // p
         whole = -(-start // p)  # first page that starts in this pass
         full = end // p  # pages [whole, full) are filled whole by this pass
-        for bound, reduce, merge in ((self._kmin, torch.amin, torch.minimum), (self._kmax, torch.amax, torch.maximum)):
-            rows_bound = bound[rows]
+        for bound, reduce, merge in ((pages["_kmin"], torch.amin, torch.minimum),
+                                     (pages["_kmax"], torch.amax, torch.maximum)):
             if start % p:  # the partial page the rows were filling: merged with its bound so far
                 head = reduce(wide[:, :, :min(whole * p, end) - start], dim=2)
-                rows_bound[:, :, first] = merge(rows_bound[:, :, first].to(wide.dtype), head)
+                bound[:, :, first] = merge(bound[:, :, first].to(wide.dtype), head)
             if full > whole:
-                pages = wide[:, :, whole * p - start:full * p - start].reshape(r, h, full - whole, p, d)
-                rows_bound[:, :, whole:full] = reduce(pages, dim=3)
+                pages_of = wide[:, :, whole * p - start:full * p - start].reshape(r, h, full - whole, p, d)
+                bound[:, :, whole:full] = reduce(pages_of, dim=3)
             if end % p and full >= whole:  # a new page that this pass leaves partial
-                rows_bound[:, :, full] = reduce(wide[:, :, full * p - start:], dim=2)
+                bound[:, :, full] = reduce(wide[:, :, full * p - start:], dim=2)
 
     def scatter_append(self, k_new: torch.Tensor, v_new: torch.Tensor, plan: AppendPlan) -> None:
         """``append`` for any number of tokens per sequence, padding included, by scatters."""
@@ -569,8 +630,9 @@ class PagedKVCache:
     def seed(self, source: "PagedKVCache", tokens: int, row: int = 0) -> None:
         """Starts this cache, empty and of one row, with the first ``tokens`` tokens (whole pages) of ``row`` of
         ``source``, a cache that holds them as the passes and steps wrote them (no page evicted or moved: slot j
-        holds page j): every layer allocated as an append would (``planned_tokens``) with those pages, their bounds
-        and per-slot state copied. The next pass continues the prompt at position ``tokens``."""
+        holds page j): every layer allocated as an append would (``planned_tokens``), or the layers it has already
+        (in shared pages, with their pages assigned: ``PagedLayer.beside``), with those pages, their bounds and
+        per-slot state copied. The next pass continues the prompt at position ``tokens``."""
         pages = tokens // self.page_size
         if self.lengths:
             raise ValueError("seed: the cache already holds tokens")
@@ -578,8 +640,8 @@ class PagedKVCache:
             raise ValueError(f"seed: tokens must be whole pages of the source row's {source.lengths[row]} tokens, "
                              f"got {tokens}")
         for i, src in enumerate(source.layers):
-            layer = PagedLayer(1, src.shape[1], src.shape[3], self.page_size, self._size(pages, None), src.k.dtype,
-                               src.k.device)
+            layer = self.layers[i] or PagedLayer(1, src.shape[1], src.shape[3], self.page_size,
+                                                 self._size(pages, None), src.k.dtype, src.k.device)
             layer.copy_slots(0, src, row, pages)
             layer.cur_slot.fill_(pages - 1)
             self.layers[i] = layer

@@ -301,14 +301,15 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
     """Dense causal attention of a prompt pass (the whole prompt or one chunk of it) over the sequence so far.
 
     q: (B, H, S, D), the pass's queries; the pass's keys are already stored in ``layer``, where during the prompt
-    slot j holds page j, so a row's first n tokens are the first n entries of its flat store. Each row runs on its
-    own (its real queries are the last ``new_len - prev_len`` columns, or the first ones of a right-padded prompt)
-    in two parts merged by their log-sum-exp: the keys before the pass, unmasked, and the pass's own keys,
-    causally. Peak memory is one chunk's, whatever the context. Padding queries give zeros. Returns (B, H, S, D)."""
+    slot j holds page j, so a row's first n tokens are its first n (``PagedLayer.row_tokens``: views, or gathered
+    through the page table in shared pages). Each row runs on its own (its real queries are the last
+    ``new_len - prev_len`` columns, or the first ones of a right-padded prompt) in two parts merged by their
+    log-sum-exp: the keys before the pass, unmasked, and the pass's own keys, causally. Peak memory is one chunk's
+    (in shared pages, one row's keys and values of one layer besides), whatever the context. Padding queries give
+    zeros. Returns (B, H, S, D)."""
     b, h, s, d = q.shape
     hkv = layer.k.shape[1]
     g = h // hkv
-    k_flat, v_flat = layer.k.flatten(2, 3), layer.v.flatten(2, 3)
     out = torch.zeros_like(q)
     for row, (prev, new) in enumerate(zip(plan.prev_len, plan.new_len)):
         n = new - prev
@@ -316,15 +317,16 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
             continue
         cols = plan.valid[row].nonzero().squeeze(1) if n != s else slice(None)
         qr = q[row:row + 1, :, cols]  # (1, H, n, D)
-        own_k = k_flat[row:row + 1, :, prev:new].repeat_interleave(g, dim=1)
-        own_v = v_flat[row:row + 1, :, prev:new].repeat_interleave(g, dim=1)
+        keys, values = layer.row_tokens(row, new)
+        own_k = keys[:, :, prev:new].repeat_interleave(g, dim=1)
+        own_v = values[:, :, prev:new].repeat_interleave(g, dim=1)
         o, lse = attention_lse(qr, own_k.to(q.dtype), own_v.to(q.dtype), True, scale)
         if prev:
             # Earlier keys: every query sees all of them; the group's queries share a KV head, so they run as one
             # longer query sequence against it.
             qg = qr.reshape(1, hkv, g * n, d)
-            o2, lse2 = attention_lse(qg, k_flat[row:row + 1, :, :prev].to(q.dtype),
-                                     v_flat[row:row + 1, :, :prev].to(q.dtype), False, scale)
+            o2, lse2 = attention_lse(qg, keys[:, :, :prev].to(q.dtype), values[:, :, :prev].to(q.dtype), False,
+                                     scale)
             o2, lse2 = o2.reshape(1, h, n, d), lse2.reshape(1, h, n)
             total = torch.logaddexp(lse, lse2)
             o = o * torch.exp(lse - total).unsqueeze(-1) + o2 * torch.exp(lse2 - total).unsqueeze(-1)

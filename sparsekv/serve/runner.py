@@ -14,9 +14,11 @@ A pool, as data::
     so a step runs over rows [0, n) only
 
     prompt -> a cache of one row with a method of its own (``engine.prefill_passes``, a few passes per call, so
-           that the scheduler interleaves it with the decode steps) -> copied into row n (``PagedLayer.copy_row``,
-           ``Method.copy_row``; into several rows for requests of one prompt; into the row's shared pages) ->
-           decoded with the others
+           that the scheduler interleaves it with the decode steps; in shared pages its pages are store pages taken
+           at its first pass, through a table of its own: ``SharedPages.beside``) -> copied into row n
+           (``PagedLayer.copy_row``, ``Method.copy_row``; into several rows for requests of one prompt; in shared
+           pages the first request's row takes the prompt's pages, nothing copied, and the others copy them)
+           -> decoded with the others
 
 A decode step over rows [0, n) runs on views of the pool (``PagedKVCache.rows``, ``Method.rows``) and draws each
 row's token under its own sampling and seed (``engine.draw``, ``engine.counter_noise``), so a request's tokens do
@@ -88,6 +90,17 @@ def shared_page_bytes(method, token_bytes: int, page_bytes: int, layers: int) ->
     return (method.config.page_size * token_bytes + page_bytes) * layers if shares_pages(method) else 0
 
 
+def prefill_bytes(method, max_context: int, layers: int, token_bytes: int, kv_heads: int, head_dim: int,
+                  dtype: torch.dtype) -> int:
+    """Device bytes one prompt of up to ``max_context`` tokens takes beside a pool of ``method`` while it is
+    prefilled: its cache of one row (every layer's keys and values, before any eviction), or in shared pages, whose
+    store pages it writes, one layer's keys and values in ``dtype`` gathered for its attention
+    (``PagedLayer.row_tokens``)."""
+    if shares_pages(method):
+        return max_context * 2 * kv_heads * head_dim * dtype.itemsize
+    return max_context * layers * token_bytes
+
+
 def available_device_bytes(device: torch.device) -> int | None:
     """Free memory of a CUDA device, None elsewhere (host memory is not checked)."""
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
@@ -114,13 +127,17 @@ class Launched:
 class Prefill:
     """A request's prompt on its way in: its cache of one row, the passes still to run, the prompt's token ids, how
     many of them a kept prompt's cache gave (``PrefixCache``, looked up at the first pass: they do not run through
-    the model), and the last column's logits (1, V) once the passes have all run."""
+    the model), the last column's logits (1, V) once the passes have all run, and in shared pages its table of one
+    row (``SharedPages.beside``) and the key of the request whose row took its pages (``Runner.join``; None: it holds
+    them)."""
 
     cache: SparseKVCache
     passes: Generator | None
     prompt: list[int]
     reused: int = 0
     logits: torch.Tensor | None = None
+    table: SharedPages | None = None
+    holder: object = None
 
     @property
     def prompt_len(self) -> int:
@@ -216,11 +233,10 @@ class Runner:
         self.vocab_size = model.config.vocab_size
         require(_is_count(prefix_cache_bytes, 0), "prefix_cache_bytes", "an int >= 0 (0: no prefix cache)",
                 prefix_cache_bytes)
-        # Device memory beside the pool: one prompt's KV while it is prefilled (before any eviction), each row's
-        # penalty state (its count of every token drawn and its logit bias, float32, and its prompt's tokens, bool:
-        # ``penalize``), and the prefix cache.
-        beside = (max_context * self.num_layers * self.token_bytes + max_batch * 9 * self.vocab_size
-                  + prefix_cache_bytes)
+        # Device memory beside the pool: one prompt's prefill (``prefill_bytes``), each row's penalty state (its count
+        # of every token drawn and its logit bias, float32, and its prompt's tokens, bool: ``penalize``), and the
+        # prefix cache.
+        others = max_batch * 9 * self.vocab_size + prefix_cache_bytes
         free = available_device_bytes(self.device)
 
         def pool_bytes(method) -> int:
@@ -230,10 +246,16 @@ class Runner:
         # Of the configs the method leaves open (OmniKV's device layers), the first whose rows leave room for the
         # steps; with the device's memory unknown, the last, which keeps the least there.
         choices = [c.build(self.num_layers) for c in config.build(self.num_layers).pool_configs()]
+
+        def beside_bytes(method) -> int:
+            return prefill_bytes(method, max_context, self.num_layers, self.token_bytes, kv_heads, attn.head_dim,
+                                 dtype) + others
+
         self.method = choices[-1] if free is None else next(
-            (m for m in choices if pool_bytes(m) + beside + DEVICE_MARGIN * (m is not choices[-1]) <= free),
+            (m for m in choices if pool_bytes(m) + beside_bytes(m) + DEVICE_MARGIN * (m is not choices[-1]) <= free),
             choices[-1])
         self.config = self.method.config
+        beside = beside_bytes(self.method)
         need = pool_bytes(self.method)
         # Per page slot, summed over layers and KV heads, the method's state beyond its first 8 bytes a slot and KV
         # head, which ``kv_bytes`` leaves uncounted as it does the page table's, so that a request of max_context
@@ -353,7 +375,8 @@ class Runner:
         kept prompt that shares the most whole pages with its start (leaving at least the last pass's queries that
         the method reads, ``min_prompt_chunk``), looked up and copied at the first pass: prefills run one after
         another, so the prompts that end before it have been kept by then (requests on one document, arriving
-        together, prefill it once)."""
+        together, prefill it once). In shared pages the prompt's passes write its store pages, taken at the first
+        pass (admission has counted them)."""
         method = self.request_config.build(self.num_layers)
         method.tp_group = self.tp_group
         cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
@@ -362,6 +385,10 @@ class Runner:
         job = Prefill(cache, None, prompt)
 
         def passes() -> Generator[int, None, torch.Tensor]:
+            if self.shared is not None:
+                job.table = self.shared.beside(1)
+                job.table.assign(0, self._pages(len(prompt)))
+                cache.pages.layers = [layer.beside(job.table) for layer in self.pool.pages.layers]
             if self.prefixes is not None:
                 job.reused, source = self.prefixes.find(prompt, len(prompt) - method.min_prompt_chunk())
                 if source is not None:
@@ -410,25 +437,33 @@ class Runner:
     def join(self, key, job: Prefill, first: int, sampling: Sampling, seed: int, max_tokens: int,
              logprobs: int | None = None) -> None:
         """Makes the prefilled request ``key`` (of at most ``max_tokens`` new tokens) a running row whose next input
-        is ``first``; ``logprobs``: as in ``first_token``, for each of its tokens. The prefill is copied, not moved:
-        requests of the same prompt join from one, which the caller then ``discard``s."""
+        is ``first``; ``logprobs``: as in ``first_token``, for each of its tokens. Requests of the same prompt join
+        from one prefill, which the caller then ``discard``s: the prefill is copied into each row, except in shared
+        pages, where the first request's row takes its pages and the others copy them from that row."""
         if not self.free_rows:
             raise RuntimeError("join: every row runs a request")
         row = len(self.keys)
-        pages, source = self.pool.pages, job.cache.pages
-        if self.shared is not None:
-            self.shared.assign(row, self._pages(job.prompt_len + max_tokens))
+        pages, source, method, source_row = self.pool.pages, job.cache.pages, job.cache.method, 0
+        takes = self.shared is not None and job.holder is None
+        if takes:
+            self.shared.move(row, 0, job.table)
+        elif self.shared is not None:
+            source, method, source_row = pages, self.method, self.keys.index(job.holder)
         try:
+            if self.shared is not None:  # the pages of its new tokens
+                self.shared.assign(row, self._pages(job.prompt_len + max_tokens))
             with torch.no_grad():
                 for layer, from_layer in zip(pages.layers, source.layers):
-                    layer.copy_row(row, from_layer, 0, self._pages(source.lengths[0]))
-                pages.lengths[row] = source.lengths[0]
-                pages.seq_len[row] = source.seq_len[0]
-                self.method.copy_row(row, job.cache.method, 0, job.prompt_len)
+                    layer.copy_row(row, from_layer, source_row, self._pages(source.lengths[source_row]), moved=takes)
+                pages.lengths[row] = source.lengths[source_row]
+                pages.seq_len[row] = source.seq_len[source_row]
+                self.method.copy_row(row, method, source_row, job.prompt_len)
         except BaseException:  # the row runs nothing: its pages go back
             if self.shared is not None:
                 self.shared.release(row)
             raise
+        if takes:
+            job.holder = key
         self.token[row] = first
         self.temperature[row], self.top_k[row], self.top_p[row] = sampling.temperature, sampling.top_k, \
             sampling.top_p
@@ -453,13 +488,20 @@ class Runner:
         self.max_tokens.append(max_tokens)
 
     def discard(self, job: Prefill, keep: bool = False) -> None:
-        """Drops a prefill: what its cache and method hold (a cancelled request's, or one copied into a row).
-        ``keep``: a finished prefill's pages go to the prefix cache instead, if there is one and they fit."""
+        """Drops a prefill: what its cache and method hold (a cancelled request's, or one that joined rows).
+        ``keep``: a finished prefill's pages go to the prefix cache instead, if there is one and they fit; in shared
+        pages a copy of its whole pages, from the row that took them if one did."""
         job.cache.method.release()
         job.passes.close()
-        kept = keep and self.prefixes is not None and job.logits is not None and \
-            self.prefixes.keep(job.prompt, job.cache.pages)
-        if not kept:
+        keep = keep and self.prefixes is not None and job.logits is not None
+        if job.table is not None:
+            if keep and job.holder is None:
+                self._keep(job.prompt, job.cache.pages, 0)
+            elif keep:
+                self._keep(job.prompt, self.pool.pages, self.keys.index(job.holder))
+            job.table.release(0)
+            job.cache.pages.layers = []
+        elif not (keep and self.prefixes.keep(job.prompt, job.cache.pages)):
             job.cache.pages.layers = []
 
     def release(self, key, tokens: list[int] | None = None) -> None:
@@ -470,7 +512,7 @@ class Runner:
             raise RuntimeError("release: a decode step over the rows is in flight (collect it first)")
         row, last = self.keys.index(key), len(self.keys) - 1
         if tokens is not None and self.prefixes is not None and self.method.answer_reuse:
-            self._keep_row(row, tokens)
+            self._keep(tokens, self.pool.pages, row)
         if self.shared is not None:
             self.shared.release(row)
         if row != last:
@@ -497,10 +539,10 @@ class Runner:
         """What the host keeps per running row."""
         return self.keys, self.sampled, self.adjusted, self.logprobs, self.prompt_lens, self.max_tokens
 
-    def _keep_row(self, row: int, tokens: list[int]) -> None:
-        """Copies the whole pages of ``row``, which holds the KV of ``tokens``' first tokens, into the prefix
-        cache, once room is made for them (nothing is allocated beyond its budget)."""
-        pages = self.pool.pages
+    def _keep(self, tokens: list[int], pages: PagedKVCache, row: int) -> None:
+        """Copies the whole pages of ``row`` of ``pages`` (the pool's, or a prefill's), which holds the KV of
+        ``tokens``' first tokens, into the prefix cache, once room is made for them (nothing is allocated beyond its
+        budget)."""
         held = min(len(tokens), pages.lengths[row]) // self.config.page_size * self.config.page_size
         if not held or not self.prefixes.room(tokens[:held], (held // self.config.page_size + 1) * pages.slot_bytes()):
             return

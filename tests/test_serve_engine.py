@@ -553,6 +553,30 @@ def test_a_failing_prefill_keeps_the_events_made_before_it(model, monkeypatch):
     assert {e.request_id: e.finish_reason for e in events if e.finished} == {kept: "length", dropped: "cancelled"}
 
 
+def test_a_prefill_whose_copy_into_the_prefix_cache_fails_gives_its_shared_pages_back(model, monkeypatch):
+    """A request that ends at its first token leaves its prompt's shared pages to the prefill, which copies them
+    into the prefix cache and gives them back: when the copy raises, the pages still come back, and the next
+    request is served."""
+    engine = ServingEngine(model, CONFIGS["quest"], max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           prefix_cache_bytes=1 << 30)
+    shared = engine.runner.shared
+
+    def broken(*args):
+        raise MemoryError("no room to copy")
+
+    monkeypatch.setattr(engine.runner, "_keep", broken)
+    first = engine.submit(Request(prompt=prompt(40), max_tokens=1))
+    with pytest.raises(MemoryError, match="no room to copy"):
+        while engine.has_work():
+            engine.step()
+    assert shared.free_pages == shared.pages and engine.metrics()["kv_bytes_in_use"] == 0
+    monkeypatch.undo()
+    carried = engine.step()  # the events the failing step made: the request's token and its end
+    assert [(e.request_id, e.finish_reason, len(e.tokens)) for e in carried] == [(first, "length", 1)]
+    tokens, final = run(engine, [(0, Request(prompt=prompt(50), max_tokens=4))])
+    assert len(tokens[0]) == 4 and final[0].finish_reason == "length" and shared.free_pages == shared.pages
+
+
 def test_a_launched_step_is_collected_before_rows_are_released_or_stepped_again(model):
     """``Runner.launch`` queues a step that ``collect`` reads: a row joining in between is not in it, and neither a
     release nor another launch may come before it is collected."""

@@ -5,7 +5,8 @@ A pool, as data::
     a cache of max_batch rows (every layer allocated once, each row sized for any request of max_context tokens,
     at most max_new_tokens of them new: ``Method.pool_pages``; for methods that allow it, ``Method.shared_pages``,
     the rows' pages (keys, values, bounds) in one store, ``cache.SharedPages``, a request taking the pages of its
-    prompt and max_tokens when it joins and giving them back when it ends, so that the store, sized by
+    prompt when its prefill starts and those of its max_tokens when it joins, and giving them back when it ends,
+    so that the store, sized by
     kv_memory_bytes or the device's free memory, holds as many requests as their own lengths allow)
     + the method's state for those rows + per-row next token, sampling, seed, token index, and the penalties'
     state (each row's count of every token drawn, its logit bias and its prompt's tokens: ``engine.penalize``)
@@ -94,10 +95,11 @@ def prefill_bytes(method, max_context: int, layers: int, token_bytes: int, kv_he
                   dtype: torch.dtype) -> int:
     """Device bytes one prompt of up to ``max_context`` tokens takes beside a pool of ``method`` while it is
     prefilled: its cache of one row (every layer's keys and values, before any eviction), or in shared pages, whose
-    store pages it writes, one layer's keys and values in ``dtype`` gathered for its attention
-    (``PagedLayer.row_tokens``)."""
-    if shares_pages(method):
-        return max_context * 2 * kv_heads * head_dim * dtype.itemsize
+    store pages it writes, one layer's keys and values gathered for its attention (``PagedLayer.row_tokens``), and
+    their copy in ``dtype`` where the cache holds another (fp8)."""
+    if shares_pages(method):  # in a cache dtype other than the model's, the gathered tokens and their conversion
+        converted = 2 * kv_heads * head_dim * dtype.itemsize
+        return max_context * (token_bytes + (converted if converted != token_bytes else 0))
     return max_context * layers * token_bytes
 
 
@@ -495,12 +497,14 @@ class Runner:
         job.passes.close()
         keep = keep and self.prefixes is not None and job.logits is not None
         if job.table is not None:
-            if keep and job.holder is None:
-                self._keep(job.prompt, job.cache.pages, 0)
-            elif keep:
-                self._keep(job.prompt, self.pool.pages, self.keys.index(job.holder))
-            job.table.release(0)
-            job.cache.pages.layers = []
+            try:
+                if keep and job.holder is None:
+                    self._keep(job.prompt, job.cache.pages, 0)
+                elif keep:
+                    self._keep(job.prompt, self.pool.pages, self.keys.index(job.holder))
+            finally:  # the pages no row took go back whatever happens to the copy
+                job.table.release(0)
+                job.cache.pages.layers = []
         elif not (keep and self.prefixes.keep(job.prompt, job.cache.pages)):
             job.cache.pages.layers = []
 

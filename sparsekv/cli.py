@@ -163,7 +163,8 @@ def _method_args(parser: argparse.ArgumentParser, default_method: str, extra_cho
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"], help=KV_DTYPE_HELP)
     if not generation:
         return
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="tokens to generate at most (default: %(default)s)")
     parser.add_argument("--sample", action="store_true",
                         help="sample instead of greedy decoding (with --temperature, --top-p, --seed)")
     parser.add_argument("--temperature", type=float, default=None, help="with --sample: > 0 (default: 1.0)")
@@ -297,9 +298,9 @@ def cmd_demo(args) -> int:
               "little, and choosing them (Quest's page scores, OmniKV's selection, RaaS's page bookkeeping) costs "
               "about as much; sparsity pays on a GPU at long contexts, where a decode step's time is reading the KV "
               "cache (README, Benchmarks).")
-    print("Other fields are each method's defaults (see README, Methods); --method NAME:FIELD=VALUE or --opt "
-          "FIELD=VALUE sets them. KV held: keys and values of the tokens the cache holds; allocated: with the room "
-          "for growth, page metadata and the method's state.")
+    print("Other fields are each method's defaults (see README, Methods); for one method, --method NAME:FIELD=VALUE "
+          "or --method NAME --opt FIELD=VALUE sets them. KV held: keys and values of the tokens the cache holds; "
+          "allocated: with the room for growth, page metadata and the method's state.")
     return 0
 
 
@@ -309,6 +310,8 @@ def cmd_serve(args) -> int:
         from .serve.server import serve
     except ImportError as err:
         raise ImportError(f"sparsekv serve needs the serve extra: pip install 'sparsekv[serve]' ({err})") from None
+    if args.kv_memory_gib is not None and not args.kv_memory_gib > 0:
+        raise ConfigError("--kv-memory-gib", "a number of GiB > 0 (default: what the pool holds)", args.kv_memory_gib)
     device, dtype, config = _setup(args, args.method)
     chat_template = None
     if args.chat_template is not None:
@@ -325,10 +328,13 @@ def cmd_serve(args) -> int:
                            max_queue=args.max_queue, compile=args.compile, kv_memory_bytes=kv_memory,
                            prefix_cache_bytes=int(args.prefix_cache_gib * 2**30))
     name = args.name or served_name(args.model)
-    print(f"sparsekv serve: {name} with {config.name} on {device} ({dtype}), at http://{args.host}:{args.port}/v1",
-          file=sys.stderr, flush=True)
+
+    def ready(port: int) -> None:
+        print(f"sparsekv serve: {name} with {config.name} on {device} ({dtype}), at http://{args.host}:{port}/v1",
+              file=sys.stderr, flush=True)
+
     serve(engine, loaded.tokenizer, name, host=args.host, port=args.port, chat_template=chat_template,
-          api_key=args.api_key or os.environ.get("SPARSEKV_API_KEY") or None, log_level=args.log_level)
+          api_key=args.api_key or os.environ.get("SPARSEKV_API_KEY") or None, log_level=args.log_level, ready=ready)
     return 0
 
 
@@ -395,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the README's main job: dense vs every method (or --method X) on the default "
                                        "model, budget 256 unless --budget")
     _method_args(demo, "all", ("all",))
-    demo.add_argument("--prompt-tokens", type=int, default=4000)
+    demo.add_argument("--prompt-tokens", type=int, default=4000,
+                      help="tokens of the pass-key prompt (default: %(default)s)")
     demo.add_argument("--model", help="model folder, GGUF file or tiny:<arch> (default: the project's trained model)")
     demo.set_defaults(func=cmd_demo, max_new_tokens=48)
 

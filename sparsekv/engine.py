@@ -31,7 +31,7 @@ import torch
 from .errors import ConfigError
 from .integrations import apply
 from .integrations.decode import DecodeModel, Parts
-from .integrations.transformers import _sliding_window, cache_argument
+from .integrations.transformers import _check_model, _sliding_window, cache_argument
 from .methods.base import MethodConfig, is_real, require
 from .models import synchronize
 from .quant import check_weights, fit_kernels, quantize_model
@@ -350,6 +350,7 @@ class Engine:
                  compile: bool = False, check_every: int = 16, weights: str = "float"):
         if not isinstance(config, MethodConfig):
             raise TypeError(f"config must be a sparsekv method config (e.g. QuestConfig), got {type(config).__name__}")
+        _check_model(model)
         limit = getattr(model.config, "max_position_embeddings", None)
         if max_context is None:
             max_context = limit

@@ -141,6 +141,24 @@ def test_perplexity_defaults_to_the_essays_the_model_did_not_train_on():
     assert [f.name for f in task.files] == held and len(held) == 4
 
 
+def test_perplexity_runs_on_the_essays_the_package_ships_without_the_shared_data(tmp_path, monkeypatch):
+    """A fresh install has no shared data folder: the package ships the model's held-out essays, with enough tokens
+    for a window of the longest default length."""
+    from transformers import AutoTokenizer
+
+    from sparsekv.eval.base import DATA_ENV
+    from sparsekv.eval.datasets import Perplexity
+    from sparsekv.models import DEFAULT_MODEL
+
+    monkeypatch.setenv(DATA_ENV, str(tmp_path))  # empty
+    held = json.loads((Path(DEFAULT_MODEL) / "training_args.json").read_text())["held_out"]
+    task = get_task("perplexity", TaskOptions())
+    assert [f.name for f in task.files] == held and all("sparsekv" in f.parts for f in task.files)
+    windows = task.samples(AutoTokenizer.from_pretrained(DEFAULT_MODEL), max(Perplexity.lengths), None, seed=0,
+                           count=2)
+    assert len(windows) == 2
+
+
 def test_perplexity_table_keeps_its_digits():
     from sparsekv.eval.report import markdown
 

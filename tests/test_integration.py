@@ -159,12 +159,17 @@ def test_dense_layers_beyond_model_is_refused():
 
 
 def test_unsupported_model_is_refused():
+    """By ``apply``, and by an ``Engine`` when it is made, before any generation."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         with sparsekv.apply(model, QuestConfig()):
             pass
+    from sparsekv.engine import Engine
+
+    with pytest.raises(ValueError, match="model GPT2LMHeadModel is not supported"):
+        Engine(model, QuestConfig())
 
 
 def test_sliding_window_beyond_window_is_refused():

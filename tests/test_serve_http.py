@@ -5,8 +5,8 @@ full queue, a client that leaves mid-stream (its rows come back), metrics, and S
 import contextlib
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -208,7 +208,8 @@ def test_latency_histograms(server, client):
     ({"model": NAME, "prompt": "hi", "logit_bias": {"100000": 1}}, "logit_bias"),  # outside the vocabulary
     ({"model": NAME, "prompt": "hi", "top_k": -2}, "top_k"),
     ({"model": NAME, "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"model": NAME, "prompt": "hi", "stop_token_ids": [100000]}, "stop_tokens"),
+    ({"model": NAME, "prompt": "hi", "stop_token_ids": [100000]}, "stop_token_ids"),  # outside the vocabulary
+    ({"model": NAME, "prompt": "hi", "stop": 5}, "stop"),
     ({"model": NAME, "prompt": "hi", "min_p": 1.5}, "min_p"),
     ({"model": NAME, "prompt": "hi", "min_tokens": 3}, "min_tokens"),
     ({"model": NAME, "prompt": "hi", "max_tokns": 3}, "max_tokns"),  # a misspelling is not ignored
@@ -266,6 +267,16 @@ def test_bad_chat_fields_give_400(server, client):
 def test_malformed_json_gives_400(server, client, content):
     r = httpx.post(server + "/v1/completions", content=content, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"]
+    check_still_serves(client)
+
+
+def test_a_body_sent_as_a_form_gives_400_naming_the_content_type(server, client):
+    """curl's -d sends a form: the error says which Content-Type the body needs."""
+    r = httpx.post(server + "/v1/completions", content=json.dumps({"model": NAME, "prompt": "hi"}),
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400
+    assert "Content-Type: application/json" in r.json()["error"]["message"]
+    assert "application/x-www-form-urlencoded" in r.json()["error"]["message"]
     check_still_serves(client)
 
 
@@ -347,32 +358,21 @@ def test_stop_strings_hold_back_what_could_start_one():
     assert StopStrings(["zz"]).feed("abz", True) == ("abz", False)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_finishes_the_running_stream_then_exits(tmp_path):
-    """`sparsekv serve` in its own process: SIGTERM during a stream lets it finish with every token, then the
-    process exits 0 and takes no more requests."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    """`sparsekv serve` in its own process, on a port the system chooses (`--port 0`), which its banner names once it
+    listens: SIGTERM during a stream lets it finish with every token, then the process exits 0 and takes no more
+    requests."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "sparsekv.cli", "serve", "--model", "tiny:llama", "--method",
-                             "dense", "--port", str(port), "--max-context", "1024", "--log-level", "warning"],
+                             "dense", "--port", "0", "--max-context", "1024", "--log-level", "warning"],
                             env=env, cwd=root, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        banner = next((line for line in proc.stderr if line.startswith("sparsekv serve:")), "")
+        port = re.search(r"http://127\.0\.0\.1:(\d+)/v1", banner)
+        assert port and int(port.group(1)) > 0, banner
+        url = f"http://127.0.0.1:{port.group(1)}"
+        assert httpx.get(url + "/health").status_code == 200
         body = {"model": "tiny:llama", "prompt": "a", "max_tokens": 120, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -419,6 +419,7 @@ def test_no_chat_template_and_a_failing_engine():
     (["--max-new-tokens", "0"], "max_new_tokens"),
     (["--prefix-cache-gib", "1", "--method", "snapkv"], "prefix_cache_bytes must be 0 for snapkv"),
     (["--kv-memory-gib", "0.0000001"], "kv_memory_bytes"),
+    (["--kv-memory-gib", "-2"], "--kv-memory-gib must be a number of GiB > 0"),
 ])
 def test_serve_command_errors(argv, message, capsys):
     from sparsekv.cli import main

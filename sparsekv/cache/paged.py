@@ -19,7 +19,9 @@ A serving pool's rows may instead keep their pages in *shared pages* (``SharedPa
 layer for all rows (keys, values and bounds), and a page table per row naming the store page of each of its slots,
 so that a row holds the memory of its own request's tokens rather than of the longest request's. ``slot_page`` and
 ``cur_slot`` stay per row; the kernels read the store through the table (``PagedLayer.attend``, Quest's page
-scores), the decode append writes through it (``kernels.append_token``'s ``table``).
+scores), the decode append writes through it (``kernels.append_token``'s ``table``), and so do a prompt's passes,
+through a table of one row beside the pool's (``SharedPages.beside``, ``PagedLayer.beside``), whose pages the
+request's row then takes.
 """
 
 from __future__ import annotations

@@ -73,18 +73,20 @@ class AIME(_Reasoning):
 def held_out_essays() -> list[Path]:
     """The essays the project's model was not trained on (``held_out`` in its ``training_args.json``): the default
     text of the perplexity task, so that it measures language modelling rather than memory. From the shared data's
-    haystack folder where it holds them, else those of them the package ships."""
+    haystack folder where it holds them all, else from the package (its haystack, and the held-out essays that the
+    haystack lacks)."""
     from ..models import DEFAULT_MODEL
     from .synthetic import SHIPPED_HAYSTACK
 
     record = require_path(Path(DEFAULT_MODEL) / "training_args.json", "the project's model's training record",
                           "--data")
     names = json.loads(record.read_text())["held_out"]
-    for folder in (data_dir() / "haystack" / "paul_graham_essays", SHIPPED_HAYSTACK):
-        found = [folder / name for name in names if (folder / name).is_file()]
-        if found:
+    for folders in ((data_dir() / "haystack" / "paul_graham_essays",),
+                    (SHIPPED_HAYSTACK, SHIPPED_HAYSTACK.parent / "held_out")):
+        found = [next((f / name for f in folders if (f / name).is_file()), None) for name in names]
+        if all(found):
             return found
-    raise EvalError(f"perplexity: none of the held-out essays ({', '.join(names)}) found (pass --data)")
+    raise EvalError(f"perplexity: the held-out essays ({', '.join(names)}) were not found (pass --data)")
 
 
 class Perplexity(Task):

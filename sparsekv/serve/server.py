@@ -181,6 +181,8 @@ class _Generation(BaseModel):
     @classmethod
     def _stops(cls, value):
         """OpenAI's forms: one string, a list of up to 4, or null."""
+        if not isinstance(value, (str, list)) and value is not None:
+            raise ValueError("must be a string or a list of up to 4 strings")
         return [value] if isinstance(value, str) else [] if value is None else value
 
     def check_supported(self) -> None:
@@ -236,19 +238,22 @@ class ChatRequest(_Generation):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def _validation_error(err: RequestValidationError) -> APIError:
-    """A 400 naming the first offending field (its top-level name as ``param``, the full location in the text)."""
+def _validation_error(err: RequestValidationError, content_type: str) -> APIError:
+    """A 400 naming the first offending field (its top-level name as ``param``, the full location in the text);
+    ``content_type``: the request's, named where the body was not read as JSON."""
     first = err.errors()[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(),
                         code="invalid_json")
     if not loc:
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            return APIError(400, f"the request body must be a JSON object sent with Content-Type: application/json, "
+                                 f"got Content-Type: {content_type or 'none'}", code="invalid_content_type")
         return APIError(400, f"the request body must be a JSON object: {first.get('msg')}")
     if loc[0] == "prompt" and len(loc) > 1:  # pydantic names the first form of the union that failed
         return APIError(400, f"prompt: must be a string, a list of token ids (ints >= 0), or a non-empty list of "
-                             f"either (got {first.get('input')!r} at {'.'.join(loc)})", param="prompt",
-                        code="invalid_value")
+                             f"either (got {first.get('input')!r})", param="prompt", code="invalid_value")
     return APIError(400, f"{'.'.join(loc)}: {first.get('msg')} (got {first.get('input')!r})", param=loc[0],
                     code="invalid_value")
 
@@ -492,7 +497,11 @@ class Service:
         ``listed``: the likeliest tokens whose log-probabilities come with each new token's (None: none)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-        stops = (() if body.ignore_eos else tuple(self.engine.stop_tokens_default)) + tuple(body.stop_token_ids or ())
+        vocab = self.engine.runner.vocab_size
+        if any(t >= vocab for t in body.stop_token_ids):
+            raise APIError(400, f"stop_token_ids: must be token ids below the vocabulary size ({vocab}), got "
+                                f"{body.stop_token_ids}", param="stop_token_ids", code="invalid_value")
+        stops = (() if body.ignore_eos else tuple(self.engine.stop_tokens_default)) + tuple(body.stop_token_ids)
         if len(prompts) * body.n > self.engine.max_queue:  # could never be queued at once
             name = "n" if len(prompts) == 1 else "prompt"
             raise APIError(400, f"{name}: {len(prompts)} prompt(s) of {body.n} choice(s) each are more requests than "
@@ -801,7 +810,7 @@ def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None 
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError):
-        return _validation_error(err).response()
+        return _validation_error(err, request.headers.get("content-type", "")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
@@ -908,9 +917,10 @@ def prometheus_text(loop: EngineLoop) -> str:
 # ------------------------------------------------------------------------------------------------- running it
 
 
-def _uvicorn(app: FastAPI, host: str, port: int, log_level: str):
+def _uvicorn(app: FastAPI, host: str, port: int, log_level: str, ready: Callable[[int], None] | None = None):
     """uvicorn's server, which on SIGTERM/SIGINT first marks the service draining (new requests: 503), then stops
-    listening and waits for the open requests to finish (uvicorn's graceful shutdown)."""
+    listening and waits for the open requests to finish (uvicorn's graceful shutdown); ``ready`` is called with the
+    port once it listens (port 0: the one the system chose)."""
     import uvicorn
 
     service = app.state.service
@@ -920,18 +930,25 @@ def _uvicorn(app: FastAPI, host: str, port: int, log_level: str):
             service.draining = True
             super().handle_exit(sig, frame)
 
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if ready is not None and self.started:
+                ready(self.servers[0].sockets[0].getsockname()[1])
+
     return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5))
 
 
 def serve(engine, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-          chat_template: str | None = None, api_key: str | None = None, log_level: str = "info") -> None:
+          chat_template: str | None = None, api_key: str | None = None, log_level: str = "info",
+          ready: Callable[[int], None] | None = None) -> None:
     """Serves ``engine`` until SIGTERM or SIGINT, which drain it: no new requests, the running ones finish. After
     the drain, SIGTERM returns (uvicorn raises the signal again once its own handlers are gone: the no-op handler
-    here takes it, so that a drained server exits with status 0); SIGINT raises KeyboardInterrupt."""
+    here takes it, so that a drained server exits with status 0); SIGINT raises KeyboardInterrupt. ``ready``: called
+    with the port once the server listens (port 0: the one chosen)."""
     app = create_app(engine, tokenizer, model_name, chat_template=chat_template, api_key=api_key)
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
     try:
-        _uvicorn(app, host, port, log_level).run()
+        _uvicorn(app, host, port, log_level, ready).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -91,8 +91,8 @@ def test_serve_bench_refuses_bad_options(tmp_path, capsys):
 def test_capacity_plan_at_128k_without_a_device(tmp_path):
     """The H200's numbers (141 GB = 131.3 GiB, 125 GiB of host memory, Llama-3-8B shape, bf16): dense holds 6 rows of
     128K in shared pages (a prompt is prefilled into them: beside them, one layer's keys and values); OmniKV with
-    every sparse layer offloaded and 256 new tokens holds 23 on the device but 9 in host memory (12 GiB per row);
-    with device_layers left to the pool, 7 of its 24 sparse layers stay on the device and both memories hold 12
+    every sparse layer offloaded and 256 new tokens holds 26 on the device but 9 in host memory (12 GiB per row);
+    with device_layers left to the pool, 7 of its 24 sparse layers stay on the device and both memories hold 13
     rows."""
     assert main(["--plan", "--device-gib", "131.3", "--host-gib", "125", "--methods", "dense",
                  "omnikv:offload=true,device_layers=0", "omnikv:offload=true", "--prompt-len", "131072", "131072",
@@ -100,13 +100,14 @@ def test_capacity_plan_at_128k_without_a_device(tmp_path):
     dense, offload, balanced = json.loads((tmp_path / "plan.json").read_text())["rows"]
     assert (dense["rows"], dense["binds"], dense["rows_by_host"], dense["device_layers"]) == (6, "device", None, None)
     assert dense["prefill_gib"] == pytest.approx(131328 * 2 * 8 * 128 * 2 / 2**30)
-    assert offload["prefill_gib"] == pytest.approx(32 * 131328 * 4096 / 2**30)  # its own cache of every layer
+    # Its own cache: the 8 layers that keep their prompt on the device, and one offloaded layer at a time.
+    assert offload["prefill_gib"] == pytest.approx(9 * 131328 * 4096 / 2**30)
     assert (offload["rows_by_device"], offload["rows_by_host"], offload["rows"], offload["binds"]) == \
-        (23, 9, 9, "host")
+        (26, 9, 9, "host")
     assert offload["host_row_gib"] == pytest.approx(24 * 131328 * 4096 / 2**30)  # 24 offloaded layers
     assert offload["host_gib_for_2x_dense"] == pytest.approx(13 * offload["host_row_gib"])
     assert (balanced["device_layers"], balanced["rows_by_device"], balanced["rows_by_host"], balanced["rows"]) == \
-        (7, 12, 13, 12)
+        (7, 13, 13, 13)
     assert balanced["host_row_gib"] == pytest.approx(17 * 131328 * 4096 / 2**30)
     assert "not a run" in (tmp_path / "plan.md").read_text()
 

@@ -415,7 +415,7 @@ def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_ne
     choices = config.build(shape.layers).pool_configs()
     for choice in choices:
         method = choice.build(shape.layers)
-        prefill = prefill_bytes(method, max_context, shape.layers, token_bytes, kv_heads, head_dim, dtype)
+        prefill = prefill_bytes(method, max_context, token_bytes, kv_heads, head_dim, dtype)
         # A row, and in shared pages the pages of one request of max_context.
         row = pool_row_bytes(method, method.pool_pages(max_context, max_new_tokens), token_bytes, page_bytes,
                              kv_heads, head_dim) + \

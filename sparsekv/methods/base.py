@@ -160,6 +160,11 @@ class Method:
         (``PagedLayer.slot_state``): 8 (a counter or a score) unless the method keeps more."""
         return [8] * self.num_layers
 
+    def prefill_device_tokens(self, max_context: int) -> int:
+        """KV tokens summed over layers that a prompt of up to ``max_context`` tokens holds on the device at most while
+        it is prefilled in a cache of its own, before it joins a pool of this method: every layer's."""
+        return max_context * self.num_layers
+
     def pool_host_tokens(self, max_context: int) -> int:
         """KV tokens summed over layers that a pool's host store keeps per row for requests of up to
         ``max_context`` tokens (a prompt of that many tokens keeps as many in its own store while it is

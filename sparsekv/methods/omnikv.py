@@ -343,6 +343,11 @@ class OmniKV(Method):
         return [min(-(-(page - 1 + max_new_tokens) // page), full) if i in offloaded else full
                 for i in range(self.num_layers)]
 
+    def prefill_device_tokens(self, max_context):
+        # Layer by layer: an offloaded layer's prompt leaves the device at its last chunk, so one is there at a time.
+        offloaded = len(self._pool_offloaded())
+        return max_context * (self.num_layers - offloaded + min(offloaded, 1))
+
     def pool_host_tokens(self, max_context):
         return max_context * len(self._pool_offloaded())
 

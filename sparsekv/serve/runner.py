@@ -91,16 +91,17 @@ def shared_page_bytes(method, token_bytes: int, page_bytes: int, layers: int) ->
     return (method.config.page_size * token_bytes + page_bytes) * layers if shares_pages(method) else 0
 
 
-def prefill_bytes(method, max_context: int, layers: int, token_bytes: int, kv_heads: int, head_dim: int,
+def prefill_bytes(method, max_context: int, token_bytes: int, kv_heads: int, head_dim: int,
                   dtype: torch.dtype) -> int:
     """Device bytes one prompt of up to ``max_context`` tokens takes beside a pool of ``method`` while it is
-    prefilled: its cache of one row (every layer's keys and values, before any eviction), or in shared pages, whose
-    store pages it writes, one layer's keys and values gathered for its attention (``PagedLayer.row_tokens``), and
-    their copy in ``dtype`` where the cache holds another (fp8)."""
+    prefilled: its cache of one row (``Method.prefill_device_tokens``: every layer's keys and values before any
+    eviction, OmniKV's offloaded layers one at a time), or in shared pages, whose store pages it writes, one layer's
+    keys and values gathered for its attention (``PagedLayer.row_tokens``), and their copy in ``dtype`` where the
+    cache holds another (fp8)."""
     if shares_pages(method):  # in a cache dtype other than the model's, the gathered tokens and their conversion
         converted = 2 * kv_heads * head_dim * dtype.itemsize
         return max_context * (token_bytes + (converted if converted != token_bytes else 0))
-    return max_context * layers * token_bytes
+    return method.prefill_device_tokens(max_context) * token_bytes
 
 
 def available_device_bytes(device: torch.device) -> int | None:
@@ -250,8 +251,7 @@ class Runner:
         choices = [c.build(self.num_layers) for c in config.build(self.num_layers).pool_configs()]
 
         def beside_bytes(method) -> int:
-            return prefill_bytes(method, max_context, self.num_layers, self.token_bytes, kv_heads, attn.head_dim,
-                                 dtype) + others
+            return prefill_bytes(method, max_context, self.token_bytes, kv_heads, attn.head_dim, dtype) + others
 
         self.method = choices[-1] if free is None else next(
             (m for m in choices if pool_bytes(m) + beside_bytes(m) + DEVICE_MARGIN * (m is not choices[-1]) <= free),

@@ -293,6 +293,9 @@ def _load_saved(spec: str, gguf: tuple[Path, str] | None, device: torch.device, 
     from .quant import load_gguf_blocks, quantize_model
 
     local = gguf is not None or Path(spec).is_dir()
+    if not local and Path(spec).expanduser().is_file():
+        raise ValueError(f"model: {spec!r} is a file but not a GGUF file (.gguf); pass a model folder (config.json "
+                         f"and weights), a .gguf file, a hub id or tiny:<arch>")
     if not local and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
         raise FileNotFoundError(f"model: no model directory at {spec!r}")
     if gguf is None and local:

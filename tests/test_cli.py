@@ -84,6 +84,13 @@ def test_missing_model_directory(capsys):
     assert "model: no model directory at '/nonexistent/model'" in capsys.readouterr().err
 
 
+def test_a_model_file_that_is_not_gguf_is_named(tmp_path, capsys):
+    text = tmp_path / "long.txt"
+    text.write_text("not a model")
+    assert main(["generate", "--model", str(text), "--prompt", "hi"]) == 2
+    assert f"model: '{text}' is a file but not a GGUF file (.gguf)" in capsys.readouterr().err
+
+
 def test_unknown_method_is_rejected_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--model", "x", "--prompt", "hi", "--method", "magic"])

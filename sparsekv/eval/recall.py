@@ -108,6 +108,9 @@ class RecallProbe(Method):
     def pool_host_tokens(self, max_context):
         return self.pool_pages(max_context, None)
 
+    def prefill_device_tokens(self, max_context):
+        return self.pool_pages(max_context, None)
+
     def slot_state_bytes(self, head_dim):
         return self.pool_pages(None, None)
 

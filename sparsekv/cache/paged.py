@@ -271,24 +271,20 @@ class PagedLayer:
         """(batch, kv_heads, slots including scratch, head_dim)."""
         return (*self.slot_page.shape, self.k.shape[-1])
 
-    def row_pages(self, row: int, used: int) -> dict[str, torch.Tensor]:
-        """The pages of slots [0, used) of ``row`` by attribute (``paged``): (Hkv, used, ...) each, views unless in
-        shared pages."""
+    def row_pages(self, row: int, used: int, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """The pages of slots [0, used) of ``row`` by attribute (``names``, default ``paged``): (Hkv, used, ...)
+        each, views unless in shared pages."""
+        names = self.paged if names is None else names
         if self.shared is None:
-            return {n: getattr(self, n)[row, :, :used] for n in self.paged}
+            return {n: getattr(self, n)[row, :, :used] for n in names}
         idx = self.shared.table[row, :used]
-        return {n: raw(t)[0].index_select(1, idx).view(t.dtype) for n in self.paged for t in (getattr(self, n),)}
+        return {n: raw(t)[0].index_select(1, idx).view(t.dtype) for n in names for t in (getattr(self, n),)}
 
     def row_tokens(self, row: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (1, Hkv, end, D) of the first ``end`` tokens of ``row``, whose slot j holds page j (a
-        prompt's): views, or gathered through the page table in shared pages."""
-        used = -(-end // self.page_size)
-        if self.shared is None:
-            k, v = self.k[row:row + 1, :, :used], self.v[row:row + 1, :, :used]
-        else:
-            idx = self.shared.table[row, :used]
-            k, v = (raw(t).index_select(2, idx).view(t.dtype) for t in (self.k, self.v))
-        return k.flatten(2, 3)[:, :, :end], v.flatten(2, 3)[:, :, :end]
+        prompt's): views, or gathered through the page table in shared pages (``row_pages``)."""
+        pages = self.row_pages(row, -(-end // self.page_size), ("k", "v"))
+        return pages["k"].flatten(1, 2)[None, :, :end], pages["v"].flatten(1, 2)[None, :, :end]
 
     def attend(self, q: torch.Tensor, slots: torch.Tensor, seq_len: torch.Tensor, scale: float,
                attended: torch.Tensor | None = None, in_order: bool = False) -> torch.Tensor:

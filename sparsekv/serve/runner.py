@@ -45,7 +45,7 @@ from ..engine import (CapturedStep, Engine, Sampling, _is_count, argmax, counter
 from ..integrations import apply
 from ..integrations.decode import DecodeModel
 from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
-from ..methods.base import DEVICE_MARGIN, require
+from ..methods.base import DEVICE_MARGIN, Method, require
 
 # The field a pool that the device's free memory cannot hold is refused under (benchmarks search the largest pool).
 POOL_FIELD = "max_batch and max_context"
@@ -445,12 +445,11 @@ class Runner:
         if not self.free_rows:
             raise RuntimeError("join: every row runs a request")
         row = len(self.keys)
-        pages, source, method, source_row = self.pool.pages, job.cache.pages, job.cache.method, 0
+        pages = self.pool.pages
+        source, method, source_row = self._prefilled(job)
         takes = self.shared is not None and job.holder is None
         if takes:
             self.shared.move(row, 0, job.table)
-        elif self.shared is not None:
-            source, method, source_row = pages, self.method, self.keys.index(job.holder)
         try:
             if self.shared is not None:  # the pages of its new tokens
                 self.shared.assign(row, self._pages(job.prompt_len + max_tokens))
@@ -498,10 +497,9 @@ class Runner:
         keep = keep and self.prefixes is not None and job.logits is not None
         if job.table is not None:
             try:
-                if keep and job.holder is None:
-                    self._keep(job.prompt, job.cache.pages, 0)
-                elif keep:
-                    self._keep(job.prompt, self.pool.pages, self.keys.index(job.holder))
+                if keep:
+                    source, _, row = self._prefilled(job)
+                    self._keep(job.prompt, source, row)
             finally:  # the pages no row took go back whatever happens to the copy
                 job.table.release(0)
                 job.cache.pages.layers = []
@@ -542,6 +540,13 @@ class Runner:
     def _host_rows(self) -> tuple[list, ...]:
         """What the host keeps per running row."""
         return self.keys, self.sampled, self.adjusted, self.logprobs, self.prompt_lens, self.max_tokens
+
+    def _prefilled(self, job: Prefill) -> tuple[PagedKVCache, Method, int]:
+        """Where a finished prefill's prompt is: its own cache and method, row 0, or in shared pages, once a
+        request's row took its pages (``join``), the pool's cache and method at that row."""
+        if job.holder is None:
+            return job.cache.pages, job.cache.method, 0
+        return self.pool.pages, self.method, self.keys.index(job.holder)
 
     def _keep(self, tokens: list[int], pages: PagedKVCache, row: int) -> None:
         """Copies the whole pages of ``row`` of ``pages`` (the pool's, or a prefill's), which holds the KV of

@@ -957,16 +957,16 @@ def serve(engine, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: 
 def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> Iterator[str]:
     """Serves ``app`` from a background thread (tests, benchmarks): yields the base URL (``http://host:port``;
     port 0 picks a free one); leaving stops the server as SIGTERM would and waits for it."""
-    server = _uvicorn(app, host, port, log_level)
+    bound: list[int] = []
+    server = _uvicorn(app, host, port, log_level, ready=bound.append)
     thread = threading.Thread(target=server.run, name="sparsekv-http", daemon=True)
     thread.start()
-    while not server.started:
+    while not bound:
         if not thread.is_alive():
             raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
         time.sleep(0.02)
-    bound = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://{host}:{bound}"
+        yield f"http://{host}:{bound[0]}"
     finally:
         server.handle_exit(None, None)
         thread.join()

@@ -596,9 +596,10 @@ class Engine:
         return out[:, :ran + 1], nll, ran, run.captured, seconds, step_seconds if timer is not None else None
 
 
-def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor, chunk: int,
+def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor | None, chunk: int,
                    start: int = 0) -> Generator[int, None, torch.Tensor]:
-    """Runs the prompt ids (B, S) with padding ``mask`` (B, S) through the model layer by layer, each layer chunk by
+    """Runs the prompt ids (B, S) with padding ``mask`` (B, S; None: no padding, and no host read of the passes'
+    lengths) through the model layer by layer, each layer chunk by
     chunk, yielding after each pass the tokens it ran (a caller interleaves other work between passes); returns the
     last column's logits (B, V). Layer-major order keeps one layer's prompt KV in flight: a method that moves a
     layer's prompt to host memory after its last chunk (OmniKV's offload) never holds the whole prompt's KV on the
@@ -607,12 +608,14 @@ def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor, chunk: i
     cache holds the prompt's first ``start`` tokens of every row already (``PagedKVCache.seed``), and ids (with no
     padding then) are the rest."""
     decoder = model.get_decoder()
-    # transformers' positions for left padding
-    position = (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 1) + start
+    if mask is None:
+        position = torch.arange(start, start + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+    else:  # transformers' positions for left padding
+        position = (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 1) + start
     hidden = decoder.embed_tokens(ids)
     rotary = {}
     cache_arg = cache_argument(decoder.layers[0])
-    for index, begin, end in prompt_passes(cache, mask, chunk, len(decoder.layers)):
+    for index, begin, end in prompt_passes(cache, ids.shape[1], mask, chunk, len(decoder.layers)):
         if index == 0:
             rotary[begin] = decoder.rotary_emb(hidden[:, :1], position[:, begin:end])
         out = decoder.layers[index](hidden[:, begin:end], attention_mask=None, position_ids=position[:, begin:end],
@@ -632,19 +635,20 @@ def run_passes(passes: Generator[int, None, torch.Tensor]) -> torch.Tensor:
             return done.value
 
 
-def prompt_passes(cache, mask: torch.Tensor, chunk: int, num_layers: int) -> Iterator[tuple[int, int, int]]:
-    """The prompt's passes in layer-major order: (layer, first column, end column) for every layer, and within it
-    every chunk of ``chunk`` columns (aligned to the end, so the last one is full: methods read the prompt's last
-    queries from it), with ``cache`` set for the pass. Layer 0 plans each chunk's pass (its padding from ``mask``
-    (B, S), the last one ending the prompt); the layers above take the same plans, in the same order."""
-    width = mask.shape[1]
+def prompt_passes(cache, width: int, mask: torch.Tensor | None, chunk: int,
+                  num_layers: int) -> Iterator[tuple[int, int, int]]:
+    """The passes of a prompt of ``width`` columns in layer-major order: (layer, first column, end column) for every
+    layer, and within it every chunk of ``chunk`` columns (aligned to the end, so the last one is full: methods read
+    the prompt's last queries from it), with ``cache`` set for the pass. Layer 0 plans each chunk's pass (its
+    padding from ``mask`` (B, S), None for none; the last one ending the prompt); the layers above take the same
+    plans, in the same order."""
     bounds = list(range(width, 0, -chunk))[::-1]
     plans = []
     for index in range(num_layers):
         for begin, end in zip([0] + bounds[:-1], bounds):
             if index == 0:
                 cache.prompt_end = end == width
-                cache.pending_mask = mask[:, :end]
+                cache.pending_mask = None if mask is None else mask[:, :end]
             else:
                 cache.pages.plan = plans.pop(0)
             yield index, begin, end
@@ -653,6 +657,8 @@ def prompt_passes(cache, mask: torch.Tensor, chunk: int, num_layers: int) -> Ite
 
 def is_token_ids(ids: Sequence, vocab_size: int | None = None) -> bool:
     """Whether ``ids`` are token ids: ints (not bools) >= 0, below ``vocab_size`` when given."""
+    if set(map(type, ids)) <= {int}:  # plain ints, checked by builtins: 2.5 ms for 80K ids against 6.4 per item
+        return not ids or (min(ids) >= 0 and (vocab_size is None or max(ids) < vocab_size))
     return all(_is_count(t, 0) and (vocab_size is None or t < vocab_size) for t in ids)
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sparsekv.bench.serve import main
+from sparsekv.engine import Sampling
 
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
@@ -129,6 +130,7 @@ def test_capacity_plan_counts_an_fp8_cache_at_one_byte(tmp_path):
     (["--output-len", "8", "8", "--max-new-tokens", "4"], "--max-new-tokens must be at least the --output-len MAX"),
     (["--plan", "--device-gib", "80"], "--plan must be a shape: model with --device-gib and --host-gib"),
     (["--plan", "--device-gib", "80", "--host-gib", "64", "--weights", "int4"], "--weights must be float with --plan"),
+    (["--fill-chunk", "64"], "--fill-chunk must be given with --fill random only"),
 ])
 def test_serve_bench_refuses_bad_pool_options(tmp_path, capsys, argv, message):
     assert main(["--model", "shape:tiny", *argv, "--out", str(tmp_path)]) == 2
@@ -180,6 +182,35 @@ def test_warm_up_runs_every_batch_size_twice():
     for (n, *_), (_, step) in engine.runner.steps.items():
         runs[n] = runs.get(n, 0) + step.runs
     assert sorted(runs) == [1, 2, 3, 4] and min(runs.values()) >= 2
+
+
+def test_the_fill_writes_its_own_passes_and_a_step_the_runners_chunk(tmp_path):
+    """``--fill-chunk``: the random fill's passes are that many tokens (the first one the rest of the prompt), while a
+    runner's prefill call still runs about its chunk through every layer: fewer, longer passes."""
+    from sparsekv.bench.e2e import fill_passes
+    from sparsekv.serve.runner import Runner
+    from sparsekv.spec import build_config
+    from sparsekv.tiny import tiny_model
+
+    runner = Runner(tiny_model("llama", layers=2), build_config("quest", 32), max_batch=2, max_context=256,
+                    prefill_chunk=16, cuda_graph=False, compile=False, passes=fill_passes(64))
+    job = runner.start([1] * 150)
+    calls = []
+    while job.logits is None:
+        calls.append(runner.prefill(job, runner.prefill_budget))
+    # Passes of 22, 64, 64 tokens per layer; a call stops once its 16 x 2 token-layers are run (the last one ends
+    # the prefill).
+    assert calls == [22 + 64, 64, 22 + 64, 64, 1]
+    runner.join(0, job, 1, Sampling(), 0, 4)
+    runner.discard(job)
+    assert runner.pool.pages.lengths[0] == 150 and set(runner.decode()) == {0}
+    assert main(["--model", "shape:tiny", "--device", "cpu", "--methods", "quest", "--budget", "32", "--requests", "2",
+                 "--prompt-len", "40", "90", "--output-len", "3", "3", "--max-batch", "2", "--fill", "random",
+                 "--fill-chunk", "64", "--prefill-chunk", "16", "--via", "engine", "--out", str(tmp_path),
+                 "--tag", "fill"]) == 0
+    result = json.loads((tmp_path / "fill.json").read_text())
+    assert result["meta"]["fill_chunk"] == 64 and result["rows"][0]["requests_done"] == 2
+    assert "written in passes of 64 tokens" in (tmp_path / "fill.md").read_text()
 
 
 def test_fill_rows_joins_prefilled_requests():

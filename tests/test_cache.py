@@ -94,6 +94,23 @@ def test_padding_after_prompt_is_refused():
         cache.begin(2, torch.tensor([[True, True], [False, True]]), 2, torch.device("cpu"))
 
 
+def test_a_prompt_without_a_mask_plans_as_one_of_real_tokens():
+    """``begin(valid=None)`` (no padding: a server's prompts) plans each chunk as a mask of ones does, without reading
+    the mask's counts back from the device."""
+    plans = []
+    for valid in (None, torch.ones(2, 10, dtype=torch.bool)):
+        cache = PagedKVCache(num_layers=1, page_size=4)
+        for i, n in enumerate((3, 4, 3)):
+            chunk = None if valid is None else valid[:, :n]
+            plans.append(cache.begin(n, chunk, 2, torch.device("cpu"), prompt_end=i == 2))
+        plans.append(cache.begin(1, None, 2, torch.device("cpu")))  # a decode pass
+    for got, want in zip(plans[:4], plans[4:]):
+        assert got.prev_len == want.prev_len and got.new_len == want.new_len and got.prompt == want.prompt
+        assert got.prompt_end == want.prompt_end and torch.equal(got.position, want.position)
+        assert torch.equal(got.valid, want.valid) and torch.equal(got.prev_seq_len, want.prev_seq_len)
+    assert plans[3].new_len == [11, 11]
+
+
 def test_growth_keeps_contents_and_freed_slots_are_reused():
     torch.manual_seed(1)
     cache = PagedKVCache(num_layers=1, page_size=2)

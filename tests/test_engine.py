@@ -3,6 +3,7 @@ decode step that survives capture (checked on the CPU with an emulated CUDA grap
 streaming, and the capacity checks."""
 
 import dataclasses
+import enum
 
 import pytest
 import torch
@@ -447,3 +448,17 @@ def test_seeded_draws_follow_the_probabilities_over_seeds_and_places():
 def test_stop_tokens_must_be_token_ids_of_the_vocabulary(model, stops):
     with pytest.raises(sparsekv.errors.ConfigError, match="stop_tokens"):
         Engine(model, DenseConfig()).generate(prompts((20,)), 2, stop_tokens=stops)
+
+
+class _Id(enum.IntEnum):
+    THREE = 3
+
+
+@pytest.mark.parametrize("ids, vocab, want", [
+    ([], None, True), ([1, 2], None, True), ((1, 4), 5, True), ([1, 5], 5, False), ([-1, 2], None, False),
+    ([True, 2], None, False), ([1, 2.0], None, False), ([_Id.THREE], None, True), ([_Id.THREE], 3, False),
+    ([_Id.THREE, False], None, False),
+])
+def test_token_ids_are_ints_not_bools_in_range(ids, vocab, want):
+    """Plain ints go through builtins' checks, anything else item by item; both answer alike."""
+    assert engine_module.is_token_ids(ids, vocab) is want

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from sparsekv.cache import PagedKVCache
 from sparsekv.kernels import reference as ref
+from sparsekv.quant import quantize_int4
 
 
 def filled_layer(lengths, hkv, d, page_size, dtype=torch.float64, seed=0):
@@ -127,3 +128,39 @@ def test_attend_is_causal_over_positions():
 def test_select_pages_rejects_zero_pages():
     with pytest.raises(ValueError, match="num_pages must be >= 1"):
         ref.select_pages(torch.zeros(1, 1, 4), torch.zeros(1, 1, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_linear_of_rows_laid_out_as_compiled_is_one_matrix_product(quantized, bias):
+    """A decode step's (B, 1, K) input whose size-1 dim has a stride other than K (torch.compile's layout of the
+    attention output) goes through one matrix product, not a batch of matrix-vector products that each read the
+    whole weight, and gives F.linear's values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    b, heads, d, n = 9, 4, 8, 24
+    x = torch.randn(b * heads * d, generator=g).as_strided((b, 1, heads * d), (heads * d, d, 1))
+    w = torch.randn(n, heads * d, generator=g)
+    bias = torch.randn(n, generator=g) if bias else None
+    if quantized:
+        codes, scale, minimum = quantize_int4(w)
+        w = ref.dequantize(codes, scale, minimum, heads * d)
+    want = torch.nn.functional.linear(x.contiguous().view(b, heads * d), w, bias).view(b, 1, n)
+    with Ops() as ops:
+        if quantized:
+            out = ref.linear_quantized(x, codes, scale, minimum, bias)
+        else:
+            out = ref.linear(x, w, bias)
+    assert "bmm.default" not in ops.names and {"mm.default", "addmm.default"} & set(ops.names)
+    assert out.shape == (b, 1, n)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

@@ -771,6 +771,7 @@ def test_memory_admits_what_fits_and_the_rest_waits(model):
     (dict(prompt=[1, 2.5], max_tokens=3), "prompt must be a non-empty list of token ids"),
     (dict(prompt=b"abc", max_tokens=3), "prompt must be a non-empty list of token ids"),
     (dict(prompt=[True, 2], max_tokens=3), "prompt must be a non-empty list of token ids"),
+    (dict(prompt=[3, -1], max_tokens=3), "prompt must be a non-empty list of token ids"),
     (dict(prompt=[], max_tokens=3), "prompt must be a non-empty list of token ids"),
     (dict(prompt=[1], max_tokens=0), "max_tokens must be an int >= 1"),
     (dict(prompt=[1], max_tokens=2, stop_tokens=(-1,)), "stop_tokens must be a tuple of token ids"),

@@ -33,7 +33,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Generator
+from typing import Callable, Generator
 
 import torch
 import torch.distributed as dist
@@ -119,7 +119,7 @@ class Noise:
 noise = Noise()
 
 
-def random_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor, chunk: int,
+def random_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor | None, chunk: int,
                   start: int = 0) -> Generator[int, None, torch.Tensor]:
     """``engine.prefill_passes`` with random keys and values (``noise``) instead of the model: the same appends and
     method hooks as a real chunked prefill (random queries stand for the prompt's), without its compute, pass by
@@ -131,7 +131,7 @@ def random_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor, chunk: in
     head_dim = model.get_decoder().layers[0].self_attn.head_dim
     dtype = next(model.parameters()).dtype
     b, scale, pages = ids.shape[0], head_dim ** -0.5, cache.pages
-    for layer, begin, end in prompt_passes(cache, mask, chunk, model.config.num_hidden_layers):
+    for layer, begin, end in prompt_passes(cache, ids.shape[1], mask, chunk, model.config.num_hidden_layers):
         k, v = (noise(b, kv_heads, end - begin, head_dim, dtype, ids.device) for _ in range(2))
         cache.update(k, v, layer)
         q = noise(b, heads, end - begin, head_dim, dtype, ids.device)
@@ -140,6 +140,16 @@ def random_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor, chunk: in
             cache.method.prefill(layer, q, pages.layers[layer], pages.plan, scale)
         yield (end - begin) * b
     return torch.zeros(b, model.config.vocab_size, device=ids.device)
+
+
+def fill_passes(chunk: int | None) -> Callable:
+    """``random_passes`` (for the serving runner's ``passes``) writing passes of ``chunk`` tokens whatever chunk the
+    runner asks for (None: the runner's). The runner still runs about its own chunk's token-layers per step, so the
+    same keys and values come in fewer, longer passes: a pass of the fill takes more of the host's time than of the
+    device's (8192 tokens of Llama-3-8B on the H200: about 0.4 ms of launches, 0.09 ms on the device)."""
+    if chunk is None:
+        return random_passes
+    return lambda model, cache, ids, mask, _, start=0: random_passes(model, cache, ids, mask, chunk, start)
 
 
 def random_fill(model):

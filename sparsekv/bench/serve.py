@@ -19,15 +19,17 @@ from the given ranges, the same workload for every method. Per run: output token
 time to first token (submit to the first token) and time per output token ((last - first token) / (tokens - 1)) at
 p50/p90/p99, the decode step (median engine step without prefill work, engine runs) and the decode-phase output
 tokens/s (the tokens of those steps over their time: what the decode side sustains, prefill aside), the running and
-queued
-requests over time (the engine's metrics), the most requests running at once, peak device memory
+queued requests over time (the engine's metrics), the most requests running at once, peak device memory
 (``torch.cuda.max_memory_allocated``), peak host RSS and host KV (offload). ``--static`` also times the static
 engine's step (``sparsekv.engine.Engine``) at the run's median running batch, on prompts of the workload's lengths.
 ``--prefill-share S`` runs the engine with decode priority (``sparsekv.serve.PrefillPacer``). ``--fill random``
 fills each prompt's KV with random keys and values (``bench.e2e.random_passes``) instead of running the model's
 prefill, so that the decode side of a workload whose real prefill takes far longer than a run (64 prompts of
 32K-128K: about 5M prompt tokens) can be measured; its time to first token and overall tokens/s are not those of
-a real prefill (the tables say ``fill random``).
+a real prefill (the tables say ``fill random``). ``--fill-chunk N`` writes the fill in passes of N tokens while
+a step still runs about ``--prefill-chunk`` tokens through every layer: a pass of the fill takes more of the host's
+time than of the device's, so with passes of 8192 tokens a step that fills is host-bound where the decode step is
+shorter than the fill's launches (Quest's at ten rows), which a real prefill, bound by its compute, is not.
 Before each run short requests step every batch size up to the max batch (``--no-warmup``: not), so that the CUDA
 graph of each size is captured before the measurement.
 
@@ -74,7 +76,7 @@ from ..serve.runner import POOL_FIELD, cache_bytes, pool_row_bytes, prefill_byte
 from ..spec import budget_arg
 from .common import (ModelShape, device_name, int_arg, markdown_table, model_shape, out_of_memory_lines, pyplot,
                      run_args, shape_model, weights_arg, write_results)
-from .e2e import random_fill, random_passes
+from .e2e import fill_passes, random_fill
 
 GIB = 2**30
 # Seconds between samples of the engine's metrics during an HTTP run (engine runs sample every step).
@@ -479,6 +481,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     prefill = "a chunk per step" if share is None else f"at most {share} of the decode time (decode priority)"
     fill = ("; fill random: each prompt's KV is random keys and values, no model prefill (TTFT and overall tokens/s "
             "are not those of a real prefill)" if meta["fill"] == "random" else "")
+    if meta["fill"] == "random" and meta.get("fill_chunk"):
+        fill += f", written in passes of {meta['fill_chunk']} tokens"
     weights = "" if meta.get("weights", "float") == "float" else f", {meta['weights']} weights"
     shared = (f"; every prompt begins with the same {meta['shared_prefix']} tokens" if meta.get("shared_prefix")
               else "")
@@ -548,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
                              "requests decode (default: a chunk per step)")
     parser.add_argument("--fill", choices=["prefill", "random"], default="prefill",
                         help="random: prompts' KV filled with random keys and values instead of the model's prefill")
+    parser.add_argument("--fill-chunk", type=int_arg(1), default=None,
+                        help="with --fill random: tokens per pass of the fill (default: --prefill-chunk); a step "
+                             "still runs about --prefill-chunk tokens through every layer, in fewer passes")
     parser.add_argument("--kv-memory-gib", type=float, default=None,
                         help="KV memory admission may fill (default: the engine's pool)")
     parser.add_argument("--fit", action="store_true",
@@ -598,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_context is not None and args.max_context < longest:
             raise ConfigError("--max-context", f"at least the longest prompt and output ({longest})",
                               args.max_context)
+        if args.fill_chunk is not None and args.fill != "random":
+            raise ConfigError("--fill-chunk", "given with --fill random only", args.fill_chunk)
         if args.max_new_tokens is not None and args.max_new_tokens < args.output_len[1]:
             raise ConfigError("--max-new-tokens", f"at least the --output-len MAX ({args.output_len[1]})",
                               args.max_new_tokens)
@@ -644,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
             "output_len": args.output_len, "max_batch": args.max_batch, "max_context": max_context,
             "kv_memory_bytes": kv_memory,
             "fill": args.fill, "duration": args.duration,
-            "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk,
+            "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk, "fill_chunk": args.fill_chunk,
             "capacity": args.capacity, "fit": args.fit or args.capacity, "out_of_memory": [],
             "shared_prefix": args.shared_prefix, "prefix_cache_gib": args.prefix_cache_gib, "command": command}
     rows: list[dict] = []
@@ -664,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         return ServingEngine(model, config, tokenizer=tokenizer, max_batch=batch, max_context=max_context,
                              prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
                              max_queue=args.requests, compile=args.compile, kv_memory_bytes=kv_memory,
-                             prefill=random_passes if args.fill == "random" else prefill_passes,
+                             prefill=fill_passes(args.fill_chunk) if args.fill == "random" else prefill_passes,
                              max_new_tokens=args.max_new_tokens, prefix_cache_bytes=int(args.prefix_cache_gib * GIB))
 
     def probe(config, batch: int) -> None:

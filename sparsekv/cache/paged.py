@@ -90,6 +90,14 @@ class AppendPlan:
         return self.prev_seq_len + self.valid.sum(dim=1)
 
 
+def device_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """(len(values),) int64 of the host's ``values`` on ``device``, copied without waiting for the work queued there:
+    on CUDA from pinned memory, asynchronously (a copy from pageable memory waits for the stream, which would hold
+    a server's host, queuing a prompt's passes, until the decode step launched before them has run)."""
+    host = torch.tensor(values, dtype=torch.long)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 class SharedPages:
     """The page table of a pool whose rows keep their pages in one store of ``pages`` pages per layer,
     plus a scratch page (store page ``pages``), shared by every layer (each layer has its own store, the same table).
@@ -124,7 +132,7 @@ class SharedPages:
         taken = [self.free.pop() for _ in range(pages - have)]
         if not taken:
             return
-        idx = torch.tensor(taken, device=self.table.device)
+        idx = device_tensor(taken, self.table.device)
         self.table[row, have:pages] = idx
         self.store_page[idx] = torch.arange(have, pages, device=idx.device)
         self.held[row] += taken
@@ -138,7 +146,7 @@ class SharedPages:
     def release(self, row: int) -> None:
         """Returns the store pages of ``row`` to the free ones."""
         if self.held[row]:
-            self.store_page[torch.tensor(self.held[row], device=self.table.device)] = -1
+            self.store_page.index_fill_(0, device_tensor(self.held[row], self.table.device), -1)
             self.table[row, :len(self.held[row])] = self.pages
             self.free.extend(reversed(self.held[row]))
             self.held[row], self._runs[row] = [], []
@@ -593,10 +601,12 @@ class PagedKVCache:
 
         Padding is allowed only before a row's first token (left padding over one or more prompt chunks, or a
         right-padded prompt in one pass): afterwards every row grows by the same number of real tokens.
-        A decode pass (one token per row after the prompt) reads no host value and updates ``seq_len`` in place.
+        A decode pass (one token per row after the prompt), or any pass with ``valid`` None, reads no host value
+        (so it does not wait for the device's queued work) and updates ``seq_len`` in place.
         """
+        counts = None
         if valid is None:
-            valid = torch.ones(batch, num_new, dtype=torch.bool, device=device)
+            valid, counts = torch.ones(batch, num_new, dtype=torch.bool, device=device), [num_new] * batch
         valid = valid.to(device=device, dtype=torch.bool)
         if valid.shape != (batch, num_new):
             raise ValueError(f"attention_mask: expected the last {num_new} columns for batch {batch}, "
@@ -608,12 +618,12 @@ class PagedKVCache:
             raise ValueError(f"batch size changed from {self.batch_size} to {batch} within one cache")
         prev = list(self.lengths)
         prompt = self.in_prompt
-        if prompt or num_new > 1:
-            counts = valid.sum(dim=1).tolist()  # one host sync per prompt or chunk, never per decode token
+        if counts is None and (prompt or num_new > 1):
+            counts = valid.sum(dim=1).tolist()  # one host sync per padded prompt or chunk, never per decode token
             if any(p > 0 and c != num_new for p, c in zip(prev, counts)):
                 raise ValueError("attention_mask: padding is only supported before a sequence's first token (the "
                                  "prompt's left padding); later tokens must all be real")
-        else:
+        elif counts is None:
             counts = [num_new] * batch
         new = [p + c for p, c in zip(prev, counts)]
         position = self.seq_len.unsqueeze(1) + valid.long().cumsum(dim=1) - 1

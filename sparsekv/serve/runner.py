@@ -38,7 +38,7 @@ from typing import Callable, Generator
 import torch
 
 from .. import parallel
-from ..cache import PagedKVCache, PagedLayer, SharedPages, storage_dtype
+from ..cache import PagedKVCache, PagedLayer, SharedPages, device_tensor, storage_dtype
 from ..cache.host_store import require_host_bytes
 from ..engine import (CapturedStep, Engine, Sampling, _is_count, argmax, counter_noise, draw, penalize,
                       prefill_passes, token_logprobs, token_set)
@@ -396,9 +396,8 @@ class Runner:
                 if source is not None:
                     cache.pages.seed(source, job.reused)
                     cache.columns = job.reused
-            ids = torch.tensor([prompt[job.reused:]], dtype=torch.long, device=self.device)
-            return (yield from self.passes(self.model, cache, ids, torch.ones_like(ids), self.engine.prefill_chunk,
-                                           start=job.reused))
+            ids = device_tensor(prompt[job.reused:], self.device).view(1, -1)
+            return (yield from self.passes(self.model, cache, ids, None, self.engine.prefill_chunk, start=job.reused))
 
         job.passes = passes()
         return job
@@ -465,17 +464,18 @@ class Runner:
             raise
         if takes:
             job.holder = key
-        self.token[row] = first
-        self.temperature[row], self.top_k[row], self.top_p[row] = sampling.temperature, sampling.top_k, \
-            sampling.top_p
-        self.seed[row], self.index[row] = seed, 1
-        self.min_p[row] = sampling.min_p
+        # Each value is filled in by a kernel, not copied from the host: such a copy would wait for the step in
+        # flight.
+        for t, value in ((self.token[row], first), (self.temperature[row], sampling.temperature),
+                         (self.top_k[row], sampling.top_k), (self.top_p[row], sampling.top_p), (self.seed[row], seed),
+                         (self.index[row], 1), (self.min_p[row], sampling.min_p)):
+            t.fill_(value)
         # Written for every request: a row that does not adjust may run in a step that does.
         for t, value in zip((self.repetition, self.presence, self.frequency, self.bias),
                             sampling.penalties(1, self.vocab_size, self.device)):
             t[row] = value[0]
         self.counts[row].zero_()
-        self.counts[row, first] = 1
+        self.counts[row, first].fill_(1)
         # Only a row whose sampling adjusts reads its prompt's tokens (a repetition penalty of 1 changes nothing).
         if sampling.adjusts:
             self.prompt_tokens[row] = self._prompt_set(job)[0]

@@ -4,10 +4,13 @@ median of 30 steps) and per kernel (torch.profiler over 5 steps), and one prefil
 8192 tokens through every layer, random keys and values) and one join (the prompt copied into its row), timed
 with the device synchronized and per kernel.
 
-    PYTHONPATH=$PWD python benchmarks/results/serve/serve_saturating_step.py OUT.json [ROWS] [METHODS...]
+    PYTHONPATH=$PWD [COMPILE=1] python benchmarks/results/serve/serve_saturating_step.py OUT.json [ROWS] [METHODS...]
+
+COMPILE=1: the runner's step compiled (``Runner(compile=True)``), as ``bench.serve --compile`` runs it.
 """
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -34,7 +37,8 @@ torch.cuda.empty_cache()  # the model's float32 build and the copy's buffers
 weights = sum(p.numel() * p.element_size() for p in model.parameters())
 rng = random.Random(0)
 lengths = [rng.randint(32768, 131072) for _ in range(rows + 1)]
-res = {"rows": rows, "lengths": lengths, "bandwidth": bw, "weights_bytes": weights, "methods": {}}
+compiled = os.environ.get("COMPILE") == "1"
+res = {"rows": rows, "compile": compiled, "lengths": lengths, "bandwidth": bw, "weights_bytes": weights, "methods": {}}
 
 
 def synced(fn) -> float:
@@ -48,7 +52,7 @@ def synced(fn) -> float:
 for method in methods:
     config = method_runs([method], [2048])[0].config
     runner = Runner(model, config, max_batch=rows, max_context=max_context, prefill_chunk=8192, cuda_graph=None,
-                    compile=False, passes=random_passes, max_new_tokens=256)
+                    compile=compiled, passes=random_passes, max_new_tokens=256)
     m = {"prefill_call_ms": [], "join_ms": []}
     for i, n in enumerate(lengths[:rows]):
         job = runner.start([1] * n)

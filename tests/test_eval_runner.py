@@ -158,7 +158,7 @@ def test_errors_are_clear_and_keep_results(tmp_path, loaded):
 
 
 def test_cli_reports_errors(tmp_path, capsys):
-    assert main(["--task", "nope", "--out", str(tmp_path)]) == 1
+    assert main(["--task", "nope", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "unknown task 'nope'" in err and "finished runs" not in err  # nothing ran
 
@@ -199,7 +199,7 @@ EVAL_ARGS = ["--task", "passkey", "--methods", "dense", "--lengths", "300", "--d
     (["--methods", "omnikv:window=x"], "window must be an integer, got 'x'"),
 ])
 def test_cli_refuses_counts_that_would_run_nothing(tmp_path, capsys, argv, message):
-    assert main([*EVAL_ARGS, "--out", str(tmp_path), *argv]) == 1
+    assert main([*EVAL_ARGS, "--out", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / RESULTS).exists()
 
@@ -208,9 +208,9 @@ def test_cli_checks_out_before_loading_the_model(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("")
     args = [*EVAL_ARGS[:-4], "--model", "/nonexistent/model"]
-    assert main([*args, "--out", str(afile)]) == 1
+    assert main([*args, "--out", str(afile)]) == 2
     assert f"--out {afile}: is a file, not a folder" in capsys.readouterr().err
-    assert main([*args, "--out", str(afile / "sub")]) == 1
+    assert main([*args, "--out", str(afile / "sub")]) == 2
     assert f"--out {afile / 'sub'}: cannot create the folder" in capsys.readouterr().err
 
 
@@ -270,7 +270,7 @@ def test_a_bad_row_is_refused_with_its_line_and_never_deleted(tmp_path, loaded, 
         with pytest.raises(EvalError, match=f"{RESULTS}:2: "):
             read_results(tmp_path / RESULTS)
         # The command line says the same without a traceback, and keeps the file.
-        assert main([*EVAL_ARGS, "--out", str(tmp_path)]) == 1
+        assert main([*EVAL_ARGS, "--out", str(tmp_path)]) == 2
         assert f"{RESULTS}:2: " in capsys.readouterr().err
         assert (tmp_path / RESULTS).read_bytes() == content
 
@@ -281,7 +281,7 @@ def test_summary_refuses_a_bad_row_without_a_traceback(tmp_path, loaded, capsys)
     _one_run(tmp_path / "passkey", loaded)
     path = tmp_path / "passkey" / RESULTS
     path.write_text(path.read_text() + '{"task": "passkey"}\n')
-    assert summary_main([str(tmp_path)]) == 1
+    assert summary_main([str(tmp_path)]) == 2
     assert f"{path}:2: has no 'key' field" in capsys.readouterr().err
 
 

@@ -50,5 +50,5 @@ def test_command_on_a_tiny_model(tmp_path, capsys):
     assert "## quest: mean spearman" in capsys.readouterr().out
     table = json.loads(out.read_text())
     assert set(table["methods"]) == {"quest", "lowbit:bits=1"} and table["methods"]["quest"]["rows"]
-    assert main(["--model", "tiny:llama", "--task", "passkey", "--length", "300", "--methods", "h2o"]) == 1
+    assert main(["--model", "tiny:llama", "--task", "passkey", "--length", "300", "--methods", "h2o"]) == 2
     assert "has no page scores" in capsys.readouterr().err

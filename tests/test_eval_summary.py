@@ -36,4 +36,4 @@ def test_markdown_and_files(tmp_path):
     assert main([str(tmp_path)]) == 0
     assert len(json.loads((tmp_path / "summary.json").read_text())) == 4
     assert (tmp_path / "summary.md").read_text() == text
-    assert main([str(tmp_path / "niah")]) == 1
+    assert main([str(tmp_path / "niah")]) == 2

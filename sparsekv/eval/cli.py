@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sparsekv eval: error: {e}", file=sys.stderr)
         if (Path(out) / RESULTS).is_file():
             print(f"(finished runs are kept in {out}/{RESULTS}; rerun to resume)", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:
         print(f"\nsparsekv eval: interrupted; finished runs are kept in {out}/{RESULTS}, rerun the same "
               f"command to resume", file=sys.stderr)

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         out, prompt_tokens = Engine(loaded, config, args.question_mode, args.chat == "on").run(samples[-1])
     except (EvalError, ValueError, FileNotFoundError) as err:
         print(f"sparsekv.eval.selection: error: {err}", file=sys.stderr)
-        return 1
+        return 2
     table = dict(zip(args.methods, out.method.table()))
     print(f"# Page scores against the true attention mass: {args.task}, {prompt_tokens} tokens, "
           f"{args.steps} decode steps per layer\n")

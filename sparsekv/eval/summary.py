@@ -120,12 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     files = sorted(args.folder.glob(f"*/{RESULTS}"))
     if not files:
         print(f"sparsekv.eval.summary: error: no */{RESULTS} under {args.folder}", file=sys.stderr)
-        return 1
+        return 2
     try:
         records = [(f, read_results(f)) for f in files]
     except EvalError as err:
         print(f"sparsekv.eval.summary: error: {err}", file=sys.stderr)
-        return 1
+        return 2
     # A folder holding one task under another name (e.g. recall/) is its own panel.
     rows = summarize([{**r, "source": r["task"] if f.parent.name == r["task"] else f"{r['task']} ({f.parent.name})"}
                       for f, rs in records for r in rs])

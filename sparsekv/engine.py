@@ -599,14 +599,13 @@ class Engine:
 def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor | None, chunk: int,
                    start: int = 0) -> Generator[int, None, torch.Tensor]:
     """Runs the prompt ids (B, S) with padding ``mask`` (B, S; None: no padding, and no host read of the passes'
-    lengths) through the model layer by layer, each layer chunk by
-    chunk, yielding after each pass the tokens it ran (a caller interleaves other work between passes); returns the
-    last column's logits (B, V). Layer-major order keeps one layer's prompt KV in flight: a method that moves a
-    layer's prompt to host memory after its last chunk (OmniKV's offload) never holds the whole prompt's KV on the
-    device. Activations are one chunk's, plus the (B, S, hidden) hidden states between layers. The chunks are
-    aligned to the end, so the last one is full (methods read the prompt's last queries from it). ``start``: the
-    cache holds the prompt's first ``start`` tokens of every row already (``PagedKVCache.seed``), and ids (with no
-    padding then) are the rest."""
+    lengths) through the model layer by layer, each layer chunk by chunk, yielding after each pass the tokens it ran
+    (a caller interleaves other work between passes); returns the last column's logits (B, V). Layer-major order
+    keeps one layer's prompt KV in flight: a method that moves a layer's prompt to host memory after its last chunk
+    (OmniKV's offload) never holds the whole prompt's KV on the device. Activations are one chunk's, plus the
+    (B, S, hidden) hidden states between layers. The chunks are aligned to the end, so the last one is full (methods
+    read the prompt's last queries from it). ``start``: the cache holds the prompt's first ``start`` tokens of every
+    row already (``PagedKVCache.seed``), and ids (with no padding then) are the rest."""
     decoder = model.get_decoder()
     if mask is None:
         position = torch.arange(start, start + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)

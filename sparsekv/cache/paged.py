@@ -619,7 +619,7 @@ class PagedKVCache:
         prev = list(self.lengths)
         prompt = self.in_prompt
         if counts is None and (prompt or num_new > 1):
-            counts = valid.sum(dim=1).tolist()  # one host sync per padded prompt or chunk, never per decode token
+            counts = valid.sum(dim=1).tolist()  # a host sync per prompt chunk given a mask, never per decode token
             if any(p > 0 and c != num_new for p, c in zip(prev, counts)):
                 raise ValueError("attention_mask: padding is only supported before a sequence's first token (the "
                                  "prompt's left padding); later tokens must all be real")

@@ -604,9 +604,9 @@ class PagedKVCache:
         A decode pass (one token per row after the prompt), or any pass with ``valid`` None, reads no host value
         (so it does not wait for the device's queued work) and updates ``seq_len`` in place.
         """
-        counts = None
-        if valid is None:
-            valid, counts = torch.ones(batch, num_new, dtype=torch.bool, device=device), [num_new] * batch
+        masked = valid is not None
+        if not masked:
+            valid = torch.ones(batch, num_new, dtype=torch.bool, device=device)
         valid = valid.to(device=device, dtype=torch.bool)
         if valid.shape != (batch, num_new):
             raise ValueError(f"attention_mask: expected the last {num_new} columns for batch {batch}, "
@@ -618,12 +618,12 @@ class PagedKVCache:
             raise ValueError(f"batch size changed from {self.batch_size} to {batch} within one cache")
         prev = list(self.lengths)
         prompt = self.in_prompt
-        if counts is None and (prompt or num_new > 1):
+        if masked and (prompt or num_new > 1):
             counts = valid.sum(dim=1).tolist()  # a host sync per prompt chunk given a mask, never per decode token
             if any(p > 0 and c != num_new for p, c in zip(prev, counts)):
                 raise ValueError("attention_mask: padding is only supported before a sequence's first token (the "
                                  "prompt's left padding); later tokens must all be real")
-        elif counts is None:
+        else:
             counts = [num_new] * batch
         new = [p + c for p, c in zip(prev, counts)]
         position = self.seq_len.unsqueeze(1) + valid.long().cumsum(dim=1) - 1

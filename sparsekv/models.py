@@ -250,7 +250,7 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     if gguf is None:
         return _load_saved(spec, None, device, dtype, sharded, weights, log)
     _require_gguf_packages()
-    with _gguf_parsed_once():
+    with _gguf_parsed_once(), _gguf_bar_as_transformers():
         return _load_saved(spec, gguf, device, dtype, sharded, weights, log)
 
 
@@ -279,6 +279,25 @@ def _gguf_parsed_once() -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_map
+
+
+@contextmanager
+def _gguf_bar_as_transformers() -> Iterator[None]:
+    """Within the block, transformers' bar over a GGUF file's tensors is shown only while its progress bars are
+    enabled (``transformers.utils.logging``; ``--no-progress`` disables them): that one bar is a plain ``tqdm`` that
+    does not ask."""
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    from transformers.utils import logging as hf_logging
+
+    bar = getattr(hf_gguf, "tqdm", None)
+    if bar is None or hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_gguf.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        hf_gguf.tqdm = bar
 
 
 # A saved tokenizer has at least one of these (a fast tokenizer's, SentencePiece's, or a BPE vocabulary).

@@ -1,16 +1,18 @@
-"""A pass of real tokens only into a layer without freed slots takes slice copies (``PagedLayer.copy_append``): it
-must leave the layer bit for bit as the general scatter path (``scatter_append``) does."""
+"""A pass of real tokens only into a layer without freed slots takes ``kernels.append_pages`` (one op a pass, or a
+row's pass where the rows' lengths differ): it must leave the layer bit for bit as the general scatter path
+(``scatter_append``) does."""
 
 import copy
 
 import pytest
 import torch
 
+from sparsekv import kernels
 from sparsekv.cache import PagedKVCache
 from sparsekv.cache.paged import PagedLayer, storage_dtype
 
 GENERAL = PagedLayer.scatter_append
-COPY = PagedLayer.copy_append
+PAGES = kernels.append_pages
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
@@ -28,7 +30,7 @@ def assert_same(layer: PagedLayer, twin: PagedLayer, where) -> None:
                                             (torch.bfloat16, "fp8"), (torch.float32, "fp8")])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("lead", [[0], [0, 0, 0], [0, 5, 2]], ids=["B1", "B3-equal", "B3-unequal"])
-def test_copy_append_matches_scatter_append(lead, page_size, dtype, kv_dtype, monkeypatch):
+def test_append_pages_matches_scatter_append(lead, page_size, dtype, kv_dtype, monkeypatch):
     """Chunks that start and end mid-page, one-token chunks and whole pages, after a first chunk that left-pads
     rows by ``lead`` tokens (so that later chunks start rows at unequal lengths), then decode steps."""
     gen = torch.Generator().manual_seed(page_size * 7 + len(lead) + sum(lead))
@@ -38,7 +40,7 @@ def test_copy_append_matches_scatter_append(lead, page_size, dtype, kv_dtype, mo
     cache = PagedKVCache(num_layers=1, page_size=page_size, kv_dtype=kv_dtype)
     layer = PagedLayer(b, h, d, page_size, -(-total // page_size), storage_dtype(kv_dtype, dtype), torch.device("cpu"))
     copies = []
-    monkeypatch.setattr(PagedLayer, "copy_append", lambda self, *a: copies.append(a[2]) or COPY(self, *a))
+    monkeypatch.setattr(kernels, "append_pages", lambda *a: copies.append(a[9]) or PAGES(*a))
     for step, s in enumerate(sizes + [1, 1, 1]):
         # Keys past fp8's range, so that saturation is covered; values of both signs around zero.
         keys = torch.randn(b, h, s, d, generator=gen, dtype=torch.float64).mul(200).to(dtype)
@@ -55,12 +57,12 @@ def test_copy_append_matches_scatter_append(lead, page_size, dtype, kv_dtype, mo
         if step == 0 and any(lead):
             assert not copies  # padding takes the general path
         elif plan.prompt or s > 1:
-            assert copies == ([slice(None)] if len(set(plan.prev_len)) == 1 else
-                              [slice(row, row + 1) for row in range(b)])
+            assert copies == ([0] if len(set(plan.prev_len)) == 1 else list(range(b)))  # each op's first row
 
 
 def test_freed_slots_take_the_general_path(monkeypatch):
-    """Once a slot is freed, a new page takes the lowest free slot, which a slice copy cannot place."""
+    """Once a slot is freed, a new page takes the lowest free slot, which ``append_pages`` (slot j for page j)
+    cannot place."""
     cache = PagedKVCache(num_layers=1, page_size=4)
     layer = PagedLayer(1, 2, 8, 4, 8, torch.float32, torch.device("cpu"))
     keys = torch.randn(1, 2, 9, 8)
@@ -69,6 +71,6 @@ def test_freed_slots_take_the_general_path(monkeypatch):
     plan = cache.begin(9, None, 1, keys.device, prompt_end=False)
     twin = copy.deepcopy(layer)
     GENERAL(twin, keys, keys, plan)
-    monkeypatch.setattr(PagedLayer, "copy_append", lambda *a: pytest.fail("copy_append with freed slots"))
+    monkeypatch.setattr(kernels, "append_pages", lambda *a: pytest.fail("append_pages with freed slots"))
     layer.append(keys, keys, plan)
     assert_same(layer, twin, "holes")

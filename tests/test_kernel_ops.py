@@ -11,7 +11,7 @@ from sparsekv.kernels import reference as ref
 B, H, HKV, D, P = 2, 4, 2, 8, 4
 OPS = ("page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page", "sparse_decode",
        "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "sparse_decode_tokens",
-       "append_token", "raas_update")
+       "append_token", "append_pages", "raas_update")
 
 
 def filled_layer(dtype=torch.float32, lengths=(11, 6), seed=0, device="cpu"):
@@ -60,6 +60,9 @@ def op_args(dtype=torch.float32):
         "sparse_decode_tokens": (q, k_flat, v_flat, tokens, 0.3),
         "append_token": (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot, seq_len,
                          k_new, v_new, False),
+        "append_pages": (layer.k, layer.v, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot,
+                         torch.randn(1, HKV, 6, D, generator=g).to(dtype),
+                         torch.randn(1, HKV, 6, D, generator=g).to(dtype), int(seq_len[1]), 1),
         "raas_update": (scores, layer.slot_page, layer.cur_slot, torch.zeros_like(layer.slot_page),
                         torch.tensor(3), seq_len, torch.tensor([2, 1]), torch.tensor([1, 0]), P, layer.capacity, 1,
                         0.5, None, 0.3),
@@ -82,7 +85,7 @@ def test_names_call_the_registered_ops(name):
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args[name]]
     got = public(*args[name])
     want = getattr(ref, name)(*before)
-    if name == "append_token":
+    if name in ("append_token", "append_pages"):
         got, want = args[name][:6], before[:6]  # the mutated state
     if name == "raas_update":
         got, want = [args[name][i] for i in (1, 3)], [before[i] for i in (1, 3)]  # slot_page and stamp

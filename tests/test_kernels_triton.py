@@ -532,6 +532,46 @@ def test_append_token_matches_reference(dtype, has_holes, search, monkeypatch):
                        torch.tensor([[2, 2], [1, 1], [5, 5]], device=DEV))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, ref.FP8], ids=str)
+@pytest.mark.parametrize("page_size,head_dim", [(1, 64), (4, 48), (16, 64)])
+@pytest.mark.parametrize("start,tokens,rows", [(0, 37, (0, 3)), (6, 1, (1, 2)), (5, 3, (0, 3)), (8, 8, (2, 3)),
+                                               (3, 70, (1, 3))])
+@pytest.mark.parametrize("through_table", [False, True], ids=["rows", "table"])
+@pytest.mark.parametrize("pages_tokens", [64, 16])
+def test_append_pages_matches_reference(dtype, page_size, head_dim, start, tokens, rows, through_table, pages_tokens,
+                                        monkeypatch):
+    """A prompt pass written into pages (rows of their own, or shared pages through the rows' tables): passes from
+    a page's start or its middle, within one page, one page exactly, over many pages, with a head dim that is not
+    a power of two and programs of one or several pages; the pages the rows were filling merge their bounds, the
+    fresh ones restart them, and no other slot changes. fp8 keys and values beyond its range are saturated."""
+    monkeypatch.setitem(tops.TUNING, "append_pages_tokens", pages_tokens)
+    wide = torch.float32 if dtype == ref.FP8 else dtype
+    k, v, kmin, kmax, slot_page, cur_slot, _ = make_cache(3, 2, head_dim, page_size, [max(start, 1)] * 3, wide,
+                                                          spare=80, in_order=True)
+    if dtype == ref.FP8:
+        k, v, kmin, kmax = (ref.to_cache(t, dtype) for t in (k, v, kmin, kmax))
+    if page_size == 1:
+        kmin = kmax = k[:, :, :, 0]
+    r = rows[1] - rows[0]
+    gen = torch.Generator().manual_seed(tokens)
+    k_new, v_new = (torch.randn(r, 2, tokens, head_dim, generator=gen).to(DEV, wide) * 200 for _ in range(2))
+    table = None
+    state = [k, v, kmin, kmax, slot_page, cur_slot]
+    if through_table:
+        *stores, _, table = shared_store(slot_page, k, v, kmin, kmax, seed=1)
+        state = [*stores, slot_page, cur_slot]
+        if page_size == 1:
+            state[2] = state[3] = state[0][:, :, :, 0]
+    want = [t.clone() for t in state]
+    if page_size == 1:
+        want[2] = want[3] = want[0][:, :, :, 0]
+    ref.append_pages(*want, k_new, v_new, start, rows[0], table)
+    tops.append_pages(*state, k_new, v_new, start, rows[0], table)
+    for got, exp in zip(state, want):
+        assert torch.equal(ref.raw(got), ref.raw(exp))
+    assert bool((state[4][rows[0]:rows[1], :, :(start + tokens - 1) // page_size + 1] >= 0).all())
+
+
 def test_refuses_mismatched_dtypes():
     k, v, kmin, kmax, slot_page, _, seq_len = make_cache(1, 1, 64, 4, [5], torch.bfloat16)
     with pytest.raises(ValueError, match="q .* must have the cache's dtype"):

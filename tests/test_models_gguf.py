@@ -156,6 +156,23 @@ def test_cli_generate_and_eval_take_a_gguf(gguf_file, tmp_path, capsys):
     assert all(r["model"] == str(gguf_file.parent) and r["prompt_tokens"] > 300 for r in records)
 
 
+def test_no_progress_hides_the_bar_over_a_gguf_files_tensors(gguf_file, capsys):
+    """transformers' bar over a GGUF file's tensors ignores its own switch; ``--no-progress`` hides it too, and the
+    bar is transformers' own again after the load."""
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_gguf.tqdm
+    try:
+        assert main(["generate", "--model", str(gguf_file), "--method", "dense", "--prompt", "The grass is green.",
+                     "--max-new-tokens", "2", "--no-progress"]) == 0
+        err = capsys.readouterr().err
+        assert "GGUF tensors" not in err and err.startswith("[dense] prefill of"), err
+        assert hf_gguf.tqdm is bar
+    finally:
+        hf_logging.enable_progress_bar()
+
+
 def test_find_gguf_ignores_the_extensions_case(gguf_file, tmp_path):
     (tmp_path / "one").mkdir()
     upper = tmp_path / "one" / "M.GGUF"

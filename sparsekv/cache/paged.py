@@ -446,7 +446,8 @@ class PagedLayer:
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, plan: AppendPlan) -> None:
         """Writes the new tokens (B, Hkv, S, D) into their pages and updates the page bounds. One token per sequence
         (a decode step) takes the fused ``kernels.append_token`` (one Triton kernel on CUDA, slot choice included);
-        more take slice copies when every token is real and slot j holds page j (a prefill chunk), else scatters."""
+        more take ``kernels.append_pages`` (one kernel a pass, or a row's pass where the rows' lengths differ) when
+        every token is real and slot j holds page j (a prompt pass or chunk), else scatters."""
         s = k_new.shape[2]
         if s == 1 and not plan.prompt:
             kernels.append_token(self.k, self.v, self.kmin, self.kmax, self.slot_page, self.cur_slot,
@@ -455,67 +456,15 @@ class PagedLayer:
         if self.shared is not None and (len(plan.prev_len) > 1 or plan.new_len[0] - plan.prev_len[0] != s):
             raise ValueError("a layer in shared pages takes decode tokens, one per row, and the passes of one "
                              "prompt with no padding (``beside``)")
-        if not self.may_have_holes and all(n - p == s for p, n in zip(plan.prev_len, plan.new_len)):
-            prev = set(plan.prev_len)
-            if len(prev) == 1:
-                self.copy_append(k_new, v_new, slice(None), prev.pop())
-            else:
-                for row, start in enumerate(plan.prev_len):
-                    self.copy_append(k_new[row:row + 1], v_new[row:row + 1], slice(row, row + 1), start)
-        else:
+        if self.may_have_holes or any(n - p != s for p, n in zip(plan.prev_len, plan.new_len)):
             self.scatter_append(k_new, v_new, plan)
-
-    def copy_append(self, k_new: torch.Tensor, v_new: torch.Tensor, rows: slice, start: int) -> None:
-        """``scatter_append`` of real tokens only, (R, Hkv, S, D) at positions ``start .. start + S - 1`` of the
-        ``rows`` (R rows) of a layer whose slot j holds page j: the tokens fill a contiguous run of slots, so keys
-        and values are one slice copy each and the bounds of whole pages one reduction over a reshape. Leaves the
-        same pages, bounds, ``slot_page`` and ``cur_slot`` as ``scatter_append``, with a few launches, no atomics.
-        In shared pages (one row, its pages assigned) the same per run of the row's store pages (``SharedPages.runs``),
-        each a slice of the store."""
-        p = self.page_size
-        end = start + k_new.shape[2]
-        dtype = self.k.dtype
-        k_new, v_new = kernels.reference.to_cache(k_new, dtype), kernels.reference.to_cache(v_new, dtype)
-        first, last = start // p, (end - 1) // p
-        if self.shared is None:
-            self._write_pages({n: getattr(self, n)[rows] for n in self.paged}, k_new, v_new, start)
+            return
+        state = (self.k, self.v, self.kmin, self.kmax, self.slot_page, self.cur_slot)
+        if len(set(plan.prev_len)) == 1:
+            kernels.append_pages(*state, k_new, v_new, plan.prev_len[0], 0, self.table)
         else:
-            for slot, page, n in self.shared.runs(rows.start or 0, last + 1):
-                lo, hi = max(start, slot * p), min(end, (slot + n) * p)
-                if lo < hi:
-                    self._write_pages({name: getattr(self, name)[:, :, page:page + n] for name in self.paged},
-                                      k_new[:, :, lo - start:hi - start], v_new[:, :, lo - start:hi - start],
-                                      lo - slot * p)
-        self.slot_page[rows, :, first:last + 1] = self.slot_ids[first:last + 1]
-        self.cur_slot[rows] = last
-
-    def _write_pages(self, pages: dict[str, torch.Tensor], k_new: torch.Tensor, v_new: torch.Tensor,
-                     start: int) -> None:
-        """Writes real tokens (R, Hkv, S, D), in the cache's dtype, at token offsets ``start .. start + S - 1`` of
-        ``pages`` (``paged``'s tensors, (R, Hkv, n, P, D) and (R, Hkv, n, D) views of n consecutive pages), and
-        updates those pages' bounds."""
-        p = self.page_size
-        r, h, s, d = k_new.shape
-        end = start + s
-        raw(pages["k"]).view(r, h, -1, d)[:, :, start:end] = raw(k_new)
-        raw(pages["v"]).view(r, h, -1, d)[:, :, start:end] = raw(v_new)
-        if p == 1:
-            return  # the bounds are views of the keys
-        # fp8 bounds are reduced in float32, which holds them exactly (torch has no fp8 reductions on the CPU).
-        wide = k_new.to(torch.float32 if k_new.dtype == kernels.reference.FP8 else k_new.dtype)
-        first = start // p
-        whole = -(-start // p)  # first page that starts in this pass
-        full = end // p  # pages [whole, full) are filled whole by this pass
-        for bound, reduce, merge in ((pages["_kmin"], torch.amin, torch.minimum),
-                                     (pages["_kmax"], torch.amax, torch.maximum)):
-            if start % p:  # the partial page the rows were filling: merged with its bound so far
-                head = reduce(wide[:, :, :min(whole * p, end) - start], dim=2)
-                bound[:, :, first] = merge(bound[:, :, first].to(wide.dtype), head)
-            if full > whole:
-                pages_of = wide[:, :, whole * p - start:full * p - start].reshape(r, h, full - whole, p, d)
-                bound[:, :, whole:full] = reduce(pages_of, dim=3)
-            if end % p and full >= whole:  # a new page that this pass leaves partial
-                bound[:, :, full] = reduce(wide[:, :, full * p - start:], dim=2)
+            for row, start in enumerate(plan.prev_len):
+                kernels.append_pages(*state, k_new[row:row + 1], v_new[row:row + 1], start, row, self.table)
 
     def scatter_append(self, k_new: torch.Tensor, v_new: torch.Tensor, plan: AppendPlan) -> None:
         """``append`` for any number of tokens per sequence, padding included, by scatters."""

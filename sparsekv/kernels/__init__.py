@@ -166,6 +166,10 @@ def _append_token_fake(k, v, kmin, kmax, slot_page, cur_slot, position, k_new, v
     return None
 
 
+def _append_pages_fake(k, v, kmin, kmax, slot_page, cur_slot, k_new, v_new, start, row, table=None):
+    return None
+
+
 def _raas_update_fake(scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages, page_size, capacity,
                       decode_pages, top_fraction, alpha, scale):
     return None
@@ -184,6 +188,8 @@ attention_mass = _register("attention_mass", _attention_mass_fake)
 window_token_maxima = _register("window_token_maxima", _window_token_maxima_fake)
 sparse_decode_tokens = _register("sparse_decode_tokens", _sparse_decode_tokens_fake)
 append_token = _register("append_token", _append_token_fake,
+                         mutates=("k", "v", "kmin", "kmax", "slot_page", "cur_slot"))
+append_pages = _register("append_pages", _append_pages_fake,
                          mutates=("k", "v", "kmin", "kmax", "slot_page", "cur_slot"))
 raas_update = _register("raas_update", _raas_update_fake, mutates=("slot_page", "stamp"))
 linear = _register("linear", _linear_fake)
@@ -215,5 +221,5 @@ weigh_window = reference.weigh_window
 
 __all__ = ["page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page",
            "sparse_decode", "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "weigh_window",
-           "sparse_decode_tokens", "append_token", "raas_update", "linear", "linear_quantized", "count_attended",
-           "merge_attention", "observe", "fused", "reference"]
+           "sparse_decode_tokens", "append_token", "append_pages", "raas_update", "linear", "linear_quantized",
+           "count_attended", "merge_attention", "observe", "fused", "reference"]

@@ -8,6 +8,8 @@ Accumulation is in float32, or float64 for float64 inputs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -431,6 +433,49 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch
     share = torch.exp(lse - total).nan_to_num(0.0)
     out = sum(s.unsqueeze(-1) * p[0] for s, p in zip(share, parts))
     return out.to(dtype)
+
+
+def append_pages(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
+                 cur_slot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, start: int, row: int,
+                 table: torch.Tensor | None = None) -> None:
+    """Stores a prompt pass of real tokens in place: k_new, v_new (R, Hkv, S, D) at positions ``start .. start + S -
+    1`` of rows ``row .. row + R - 1``, in a layer whose slot j holds page j (no slot freed); updates the bounds of
+    the pages the tokens reach (merged with the bound so far on the page the rows were filling, fresh on the
+    others), those slots' ``slot_page`` entries and the rows' ``cur_slot`` (the last page's slot).
+
+    Layouts as ``append_token``'s: k, v (B, Hkv, C, P, D), kmin, kmax (B, Hkv, C, D); or with ``table`` (B, C)
+    int64 a pool's shared pages, k, v (1, Hkv, N, P, D) and kmin, kmax (1, Hkv, N, D), slot s of row b in page
+    ``table[b, s]``; slot_page (B, Hkv, C); cur_slot (B, Hkv) int64. With one token per page the bounds are views
+    of the keys and only the keys are written.
+    """
+    r, h, s, d = k_new.shape
+    p = k.shape[3]
+    end = start + s
+    first, last = start // p, (end - 1) // p
+    n, at = last - first + 1, start - first * p  # pages reached; the first token's offset in them
+    pages = torch.arange(first, last + 1, device=k.device)
+    wide = acc_dtype(k.dtype)
+    for i, b in enumerate(range(row, row + r)):
+        slots, kb = (pages, b) if table is None else (table[b, first:last + 1], 0)
+        kn = to_cache(k_new[i], k.dtype)
+        for cache, new in ((k, kn), (v, to_cache(v_new[i], v.dtype))):
+            block = raw(cache)[kb].index_select(1, slots)  # (Hkv, n, P, D)
+            block.view(h, n * p, d)[:, at:at + s] = raw(new)
+            raw(cache)[kb].index_copy_(1, slots, block)
+        if p == 1:
+            continue
+        # Reduced in the accumulation dtype, which holds every cache dtype exactly (torch has no fp8 reductions on
+        # the CPU); the page the row was filling (one that starts before the pass) keeps its tokens' bounds.
+        for bound, reduce, merge, empty in ((kmin, torch.amin, torch.minimum, math.inf),
+                                            (kmax, torch.amax, torch.maximum, -math.inf)):
+            grid = torch.full((h, n * p, d), empty, dtype=wide, device=k.device)
+            grid[:, at:at + s] = kn.to(wide)
+            new = reduce(grid.view(h, n, p, d), dim=2)  # (Hkv, n, D)
+            if at:
+                new[:, 0] = merge(new[:, 0], raw(bound)[kb, :, slots[0]].view(bound.dtype).to(wide))
+            raw(bound)[kb].index_copy_(1, slots, raw(new.to(bound.dtype)))
+    slot_page[row:row + r, :, first:last + 1] = pages
+    cur_slot[row:row + r] = last
 
 
 def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,

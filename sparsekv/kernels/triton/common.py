@@ -82,7 +82,8 @@ from triton import knobs
 # 71.5 with 2 blocks, 76.0 with 4; the Triton kernel 1322.0 and 179.6. Budgets of 2048 tokens (8 rows) stay with the
 # Triton kernel: 7.8 us against 8.3, a latency both pay.
 # append_search: slot-table entries the append kernel scans at a time for the lowest free slot (only when a token
-# starts a page in a cache with freed slots), with append_warps warps.
+# starts a page in a cache with freed slots), with append_warps warps; append_pages_tokens: tokens of a prompt pass
+# (whole pages) a program of the pages' append writes.
 TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 4, "page_stages": 3,
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
           "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
@@ -102,7 +103,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "coded_block": 128, "coded_warps": 4, "coded_heads": 8, "cuda_coded": True, "cuda_coded_block": 128,
           "mass_block": 256, "mass_parts": 1024, "mass_warps": 4,
           "prompt_mass_blocks": ((128, 32), (64, 64)), "prompt_mass_warps": 4, "prompt_mass_stages": 2,
-          "append_search": 4096, "append_warps": 4,
+          "append_search": 4096, "append_warps": 4, "append_pages_tokens": 64,
           "fp8_attn_block_n": 64, "fp8_attn_long_programs_per_sm": 2, "fp8_attn_long_stages": 1,
           "fp8_attn_few_programs_per_sm": 4, "fp8_page_block": 128,
           "cuda_fp8_attn": True, "cuda_fp8_blocks_per_sm": 2}

@@ -223,8 +223,9 @@ def cmd_generate(args) -> int:
         # different runs, or the processes' collectives part ways.
         parallel.check_agree({**{"--" + name.replace("_", "-"): value for name, value in sorted(vars(args).items())
                                  if name not in _PER_PROCESS}, "the prompt (--prompt or --prompt-file)": prompt})
-        loaded = load_model(args.model, device, dtype, weights=args.weights)
         first = parallel.is_first()  # under torchrun every process generates the same tokens; the first one prints
+        loaded = load_model(args.model, device, dtype, weights=args.weights,
+                            log=(lambda line: print(line, file=sys.stderr)) if first else None)
         result = generate(loaded.model, loaded.tokenizer, config, prompt, args.max_new_tokens, args.sample,
                           *_draw(args), args.seed, progress=first and not args.no_progress,
                           chat=args.chat)
@@ -388,8 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt with a sparsity method")
-    gen.add_argument("--model", required=True, help="local model directory, GGUF file or folder holding one, "
-                     "tiny:<arch>, or a hub id (the local cache, then the hub where it is reachable)")
+    gen.add_argument("--model", help="local model directory, GGUF file or folder holding one, tiny:<arch>, or a hub "
+                     "id (the local cache, then the hub where it is reachable); default: the project's trained model")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")

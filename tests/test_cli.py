@@ -49,6 +49,12 @@ def test_no_progress_keeps_stderr_to_the_summary(model_dir, capsys):
     assert err.startswith("[dense] prefill of") and err.count("\n") == 1
 
 
+def test_generate_without_a_model_takes_the_shipped_one(capsys):
+    assert main(["generate", "--prompt", "hi there", "--max-new-tokens", "2", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("no --model given: using the project's trained model") and "[quest] prefill of" in err
+
+
 def test_generate_from_prompt_file_with_sampling(model_dir, tmp_path, capsys):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Once upon a time " * 10)

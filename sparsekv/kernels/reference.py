@@ -466,10 +466,11 @@ def append_pages(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
             continue
         # Reduced in the accumulation dtype, which holds every cache dtype exactly (torch has no fp8 reductions on
         # the CPU); the page the row was filling (one that starts before the pass) keeps its tokens' bounds.
+        keys = kn.to(wide)
         for bound, reduce, merge, empty in ((kmin, torch.amin, torch.minimum, math.inf),
                                             (kmax, torch.amax, torch.maximum, -math.inf)):
             grid = torch.full((h, n * p, d), empty, dtype=wide, device=k.device)
-            grid[:, at:at + s] = kn.to(wide)
+            grid[:, at:at + s] = keys
             new = reduce(grid.view(h, n, p, d), dim=2)  # (Hkv, n, D)
             if at:
                 new[:, 0] = merge(new[:, 0], raw(bound)[kb, :, slots[0]].view(bound.dtype).to(wide))

@@ -119,8 +119,8 @@ def test_page_scores_and_decode(batch, heads, kv_heads, head_dim, page_size, len
 @pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", SHAPES)
 def test_decode_in_order(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, dtype):
     """Every slot of a layer without holes, read up to each row's length (rows in a layer of far more slots, as in
-    a serving pool), against float64 over the same slots; the reference refuses slots out of order or a layer with
-    holes."""
+    a serving pool), against float64 over the same slots, with the slots not read by the kernel; the reference
+    refuses slots out of order or a layer with holes."""
     cap = max(-(-n // page_size) for n in lengths)
     k, v, _, _, slot_page, _, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths, dtype,
                                                    spare=cap + 3, in_order=True)
@@ -128,18 +128,23 @@ def test_decode_in_order(batch, heads, kv_heads, head_dim, page_size, lengths, n
     slots = torch.arange(slot_page.shape[2], device=DEV).expand_as(slot_page)
     exact = ref.sparse_decode(*up(q, k, v), slot_page, slots, seq_len, 0.2)
     torch_err = rel_err(ref.sparse_decode(q, k, v, slot_page, slots, seq_len, 0.2, in_order=True), exact)
-    assert rel_err(tops.sparse_decode(q, k, v, slot_page, slots, seq_len, 0.2, in_order=True), exact) <= 2 * torch_err
-    with pytest.raises(ValueError, match="entry j of slots to be the slot of page j"):
+    out = tops.sparse_decode(q, k, v, slot_page, slots, seq_len, 0.2, in_order=True)
+    assert rel_err(out, exact) <= 2 * torch_err
+    # In order the kernel takes slot j for entry j and never reads the slots (a read would put a load before the
+    # page's, and that before the keys'): slots that break the promise change nothing there.
+    unread = torch.full_like(slots, -1)
+    assert torch.equal(tops.sparse_decode(q, k, v, slot_page, unread, seq_len, 0.2, in_order=True), out)
+    with pytest.raises(ValueError, match="slots listing all .* slots of every row in order"):
         ref.sparse_decode(q, k, v, slot_page, slots.flip(-1), seq_len, 0.2, in_order=True)
-    with pytest.raises(ValueError, match="entry j of slots to be the slot of page j"):
+    with pytest.raises(ValueError, match="slot j to hold page j"):
         ref.sparse_decode(q, k, v, slot_page.roll(1, -1), slots, seq_len, 0.2, in_order=True)
 
 
 def shared_store(slot_page, *pages, seed=0):
     """The slots of a cache whose slot j holds page j (the same pages for every KV head), moved into one store of
     shared pages in a random order, as a serving pool keeps them: each of ``pages`` (B, Hkv, C, ...), keys, values
-    or bounds, as a store (1, Hkv, N + 1, ...) (store page N the scratch page), the page each store page holds
-    (N + 1,; -1 for the free slots'), and the table (B, C) of each slot's store page."""
+    or bounds, as a store (1, Hkv, N + 1, ...) (store page N the scratch page), and the table (B, C) of each slot's
+    store page."""
     b, h, c = slot_page.shape
     n = b * c
     table = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).view(b, c).to(DEV)
@@ -148,9 +153,7 @@ def shared_store(slot_page, *pages, seed=0):
         store = torch.full((1, h, n + 1, *t.shape[3:]), 7.0, device=DEV).to(t.dtype)
         store[0, :, table.flatten()] = t.transpose(0, 1).flatten(1, 2)
         stores.append(store)
-    store_page = torch.full((n + 1,), -1, dtype=torch.long, device=DEV)
-    store_page[table.flatten()] = slot_page[:, 0].flatten()
-    return *stores, store_page, table
+    return *stores, table
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -158,23 +161,18 @@ def shared_store(slot_page, *pages, seed=0):
 def test_decode_through_a_page_table(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head,
                                      dtype):
     """A serving pool's rows in shared pages (``PagedLayer.attend``'s operands): every page in order through the
-    rows' tables (as the slots of the store, and as slots read through the table), Quest's page scores and choice
-    through them, and a selection read through them, attended tokens counted, give the very outputs of the same
-    pages in rows of their own."""
+    rows' tables, Quest's page scores and choice through them, and a selection read through them, attended tokens
+    counted, give the very outputs of the same pages in rows of their own."""
     if page_size == 1:
         pytest.skip("shared pages hold pages of more than one token")
     cap = max(-(-n // page_size) for n in lengths)
     k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
                                                                 dtype, spare=cap + 3, in_order=True)
     q = torch.randn(batch, heads, head_dim, device=DEV).to(dtype)
-    store_k, store_v, store_min, store_max, store_page, table = shared_store(slot_page, k, v, kmin, kmax)
-    shared = (store_k.expand(batch, *store_k.shape[1:]), store_v.expand(batch, *store_v.shape[1:]),
-              store_page.expand(batch, kv_heads, -1))
+    store_k, store_v, store_min, store_max, table = shared_store(slot_page, k, v, kmin, kmax)
     every = torch.arange(slot_page.shape[2], device=DEV).expand_as(slot_page)
     for ops in (ref, tops):
         want = ops.sparse_decode(q, k, v, slot_page, every, seq_len, 0.2, in_order=True)
-        through = table.unsqueeze(1).expand_as(slot_page)
-        assert torch.equal(ops.sparse_decode(q, *shared, through, seq_len, 0.2, in_order=True), want)
         scores = ops.page_scores(q, kmin, kmax, slot_page, per_head)
         assert torch.equal(ops.page_scores(q, store_min, store_max, slot_page, per_head, table), scores)
         slots = ops.quest_select(q, kmin, kmax, slot_page, cur_slot, n_pages, per_head, True)
@@ -196,7 +194,7 @@ def test_append_token_through_a_page_table(dtype):
     and bounds that rows of their own hold (the page table and current slots are the rows' either way)."""
     k, v, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(3, 2, 64, 4, [8, 6, 3], dtype, spare=3,
                                                                 in_order=True)
-    *stores, _, table = shared_store(slot_page, k, v, kmin, kmax, seed=1)
+    *stores, table = shared_store(slot_page, k, v, kmin, kmax, seed=1)
     position = torch.tensor([8, 6, -1], device=DEV)
     k_new = torch.randn(3, 2, 64, device=DEV).to(dtype)
     v_new = torch.randn(3, 2, 64, device=DEV).to(dtype)
@@ -558,7 +556,7 @@ def test_append_pages_matches_reference(dtype, page_size, head_dim, start, token
     table = None
     state = [k, v, kmin, kmax, slot_page, cur_slot]
     if through_table:
-        *stores, _, table = shared_store(slot_page, k, v, kmin, kmax, seed=1)
+        *stores, table = shared_store(slot_page, k, v, kmin, kmax, seed=1)
         state = [*stores, slot_page, cur_slot]
         if page_size == 1:
             state[2] = state[3] = state[0][:, :, :, 0]
@@ -863,17 +861,16 @@ def test_lowbit_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_p
 @pytest.mark.parametrize("heads, kv_heads, head_dim, per_head", [
     (4, 4, 128, False), (8, 2, 64, False), (6, 2, 128, False), (16, 2, 128, False), (16, 2, 64, False),
     (32, 8, 128, False), (8, 4, 64, True), (12, 2, 128, True)], ids=str)
-@pytest.mark.parametrize("mode", ["selected", "in-order", "page-table", "table-selected", "table-in-order",
-                                  "counted"])
+@pytest.mark.parametrize("mode", ["selected", "in-order", "table-selected", "table-in-order", "counted"])
 @pytest.mark.parametrize("launch", [{}, {"cuda_fp8_blocks_per_sm": 1024}], ids=str)
 def test_cuda_fp8_attention_matches_float64_reference(dtype, heads, kv_heads, head_dim, per_head, mode, launch,
                                                       monkeypatch):
     """``sparse_decode`` over an fp8 cache through the CUDA kernel (``kernels.cuda.fp8kv``), against float64 on the
     same fp8 values, for 1-8 query heads per selection row and head dims 64 and 128: pages scattered over the slots
-    or in order (every slot listed, rows read up to their length; or the rows' tables into shared pages, as the
-    store's slots or read through), free
-    slots, -1 entries and repeated pages in the selections, partial last pages, a row of one token and one whose
-    selection holds nothing; its attended tokens added into a running total; and with splits of one page a warp."""
+    or in order (every slot listed, rows read up to their length), in rows of their own or through the rows' tables
+    into shared pages, free slots, -1 entries and repeated pages in the selections, partial last pages, a row of one
+    token and one whose selection holds nothing; its attended tokens added into a running total; and with splits of
+    one page a warp."""
     from sparsekv.kernels.cuda import fp8kv as cuda_fp8kv
 
     monkeypatch.setitem(tops.TUNING, "attn_long_tokens", 1)  # every row is long enough for the CUDA kernel
@@ -889,7 +886,7 @@ def test_cuda_fp8_attention_matches_float64_reference(dtype, heads, kv_heads, he
     if not cuda_fp8kv.supported(q, k, hs):
         pytest.skip("the CUDA kernel cannot be built or run here")
     c = slot_page.shape[2]
-    if mode in ("in-order", "page-table", "table-in-order"):
+    if mode in ("in-order", "table-in-order"):
         slots = torch.arange(c, device=DEV).expand(len(lengths), hs, c)
     else:
         slots = torch.randint(-1, c, (len(lengths), hs, 13), device=DEV)
@@ -897,19 +894,12 @@ def test_cuda_fp8_attention_matches_float64_reference(dtype, heads, kv_heads, he
         slots[4] = -1  # nothing selected: zeros
     scale = head_dim ** -0.5
     attended = torch.full((len(lengths), hs), 5, dtype=torch.long, device=DEV) if mode == "counted" else None
-    if mode == "page-table" and hs == kv_heads:
-        store_k, store_v, store_page, table = shared_store(slot_page, k, v)
-        b = len(lengths)
-        out = tops.sparse_decode(q, store_k.expand(b, *store_k.shape[1:]), store_v.expand(b, *store_v.shape[1:]),
-                                 store_page.expand(b, kv_heads, -1), table.unsqueeze(1).expand_as(slots), seq_len,
-                                 scale, None, True)
-    elif mode in ("table-selected", "table-in-order"):
-        store_k, store_v, _, table = shared_store(slot_page, k, v)
+    if mode in ("table-selected", "table-in-order"):
+        store_k, store_v, table = shared_store(slot_page, k, v)
         out = tops.sparse_decode(q, store_k, store_v, slot_page, slots, seq_len, scale, None,
                                  mode == "table-in-order", table)
     else:
-        out = tops.sparse_decode(q, k, v, slot_page, slots, seq_len, scale, attended, mode in ("in-order",
-                                                                                            "page-table"))
+        out = tops.sparse_decode(q, k, v, slot_page, slots, seq_len, scale, attended, mode == "in-order")
     want_counts = None if attended is None else 5 + ref.count_attended(slot_page, slots, seq_len, 16)
     exact = ref.sparse_decode(*up(q, k, v), slot_page, slots, seq_len, scale)
     assert out.dtype == dtype and out.shape == exact.shape

@@ -103,9 +103,8 @@ class SharedPages:
     plus a scratch page (store page ``pages``), shared by every layer (each layer has its own store, the same table).
 
     table: (B, C + 1) int64, the store page of each slot of each row; the scratch page where the slot has none
-    (its last column, the rows' scratch slot, always). store_page: (N + 1,) int64, the logical page each store page
-    holds in its row (-1: none), what the attention kernels read as the page of a slot. ``held[b]``: the store
-    pages of row b in slot order, on the host; ``free``: the store pages no row holds.
+    (its last column, the rows' scratch slot, always). ``held[b]``: the store pages of row b in slot order, on the
+    host; ``free``: the store pages no row holds.
     """
 
     def __init__(self, rows: int, slots: int, pages: int, device: torch.device):
@@ -113,7 +112,6 @@ class SharedPages:
             raise ValueError(f"SharedPages: pages must be >= 1, got {pages}")
         self.pages = pages
         self.table = torch.full((rows, slots + 1), pages, dtype=torch.long, device=device)
-        self.store_page = torch.full((pages + 1,), -1, dtype=torch.long, device=device)
         self.held: list[list[int]] = [[] for _ in range(rows)]
         self._runs: list[list[tuple[int, int, int]]] = [[] for _ in range(rows)]  # ``runs``, made at ``assign``
         self.free = list(range(pages - 1, -1, -1))  # popped from the end: the lowest first
@@ -134,7 +132,6 @@ class SharedPages:
             return
         idx = device_tensor(taken, self.table.device)
         self.table[row, have:pages] = idx
-        self.store_page[idx] = torch.arange(have, pages, device=idx.device)
         self.held[row] += taken
         runs = self._runs[row]
         for slot, page in enumerate(taken, have):
@@ -146,7 +143,6 @@ class SharedPages:
     def release(self, row: int) -> None:
         """Returns the store pages of ``row`` to the free ones."""
         if self.held[row]:
-            self.store_page.index_fill_(0, device_tensor(self.held[row], self.table.device), -1)
             self.table[row, :len(self.held[row])] = self.pages
             self.free.extend(reversed(self.held[row]))
             self.held[row], self._runs[row] = [], []
@@ -298,19 +294,9 @@ class PagedLayer:
                attended: torch.Tensor | None = None, in_order: bool = False) -> torch.Tensor:
         """``kernels.sparse_decode`` over ``slots`` (B, Hs, K) of this layer (-1: none), read through the page
         table in shared pages. q: (B, H, D); returns (B, H, D)."""
-        if self.shared is None:
-            return kernels.sparse_decode(q, self.k, self.v, self.slot_page, slots, seq_len, scale, attended,
-                                         in_order)
-        b = slots.shape[0]
-        if not in_order:
-            return kernels.sparse_decode(q, self.k, self.v, self.slot_page, slots, seq_len, scale, attended,
-                                         table=self.shared.table[:b])
-        # In order the slots are every slot, whose store pages are the table itself: the kernels read it as the
-        # slots of the store (one row per sequence), with no lookup through it.
-        k, v = self.k.expand(b, *self.k.shape[1:]), self.v.expand(b, *self.v.shape[1:])
-        store_page = self.shared.store_page.expand(b, self.k.shape[1], -1)
-        table = self.shared.table[:b].unsqueeze(1).expand(b, slots.shape[1], -1)
-        return kernels.sparse_decode(q, k, v, store_page, table, seq_len, scale, attended, in_order)
+        table = None if self.shared is None else self.shared.table[:slots.shape[0]]
+        return kernels.sparse_decode(q, self.k, self.v, self.slot_page, slots, seq_len, scale, attended, in_order,
+                                     table)
 
     def grow(self, capacity: int) -> None:
         """Reallocates to ``capacity`` slots; amortised by the caller asking for geometric growth."""

@@ -178,22 +178,16 @@ def check_attended(attended: torch.Tensor, slots: torch.Tensor) -> None:
 
 
 def check_in_order(name: str, slot_page: torch.Tensor, slots: torch.Tensor | None = None) -> None:
-    """The ``in_order`` promise of op ``name``: without ``slots``, slot j holds page j or is free (a layer without
-    holes, so that a row's pages are its first slots); with slots (B, Hkv, N), entry j of each row is the slot of
-    page j or a slot holding nothing (-1 or free: every slot in order in a layer without holes, or a row's page table
-    into a pool's shared pages)."""
-    if slots is None:
-        ids = torch.arange(slot_page.shape[2], device=slot_page.device)
-        if bool(((slot_page >= 0) & (slot_page != ids)).any()):
-            raise ValueError(f"{name}: in_order needs slot j to hold page j or be free (a layer without holes)")
-        return
-    if slots.shape[:2] != slot_page.shape[:2]:
-        raise ValueError(f"{name}: in_order needs one row of slots per KV head, {tuple(slot_page.shape[:2])}, got "
-                         f"{tuple(slots.shape[:2])}")
-    page = torch.where(slots >= 0, slot_page.gather(2, slots.clamp(min=0)), -1)
-    ids = torch.arange(slots.shape[2], device=slots.device)
-    if bool(((page >= 0) & (page != ids)).any()):
-        raise ValueError(f"{name}: in_order needs entry j of slots to be the slot of page j or of none")
+    """The ``in_order`` promise of op ``name``: slot j holds page j or is free (a layer without holes, so that a
+    row's pages are its first slots), and slots (B, Hkv, C), when given, lists every slot in order (so that a
+    kernel need not read it)."""
+    c = slot_page.shape[2]
+    ids = torch.arange(c, device=slot_page.device)
+    if slots is not None and (slots.shape != slot_page.shape or not torch.equal(slots, ids.expand_as(slots))):
+        raise ValueError(f"{name}: in_order needs slots listing all {c} slots of every row in order, got shape "
+                         f"{tuple(slots.shape)}")
+    if bool(((slot_page >= 0) & (slot_page != ids)).any()):
+        raise ValueError(f"{name}: in_order needs slot j to hold page j or be free (a layer without holes)")
 
 
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
@@ -205,9 +199,10 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: 
     slot s of row b's keys and values in page ``table[b, s]``; slot_page: (B, Hkv, C); slots: (B, Hs, K); seq_len:
     (B,) tokens per sequence including the current one; attended: None, or (B, Hs) int64 running totals to which
     each selection row's attended tokens (``count_attended``) are added in place. ``in_order``: the caller's promise
-    that entry j of every row of slots is the slot of page j or of none (``check_in_order``: every slot in order
-    where slot j holds page j, or a row's page table), so that a kernel reads each row only up to its length (a
-    pool's rows are sized for its longest request); the result is the same. Returns (B, H, D).
+    that slots lists every slot of every row in order and slot j holds page j or is free (``check_in_order``; with
+    ``table``, of the rows' own slots), so that a kernel reads each row only up to its length (a pool's rows are
+    sized for its longest request) and takes slot j for entry j without reading it; the result is the same.
+    Returns (B, H, D).
     """
     if in_order:
         check_in_order("sparse_decode", slot_page, slots)

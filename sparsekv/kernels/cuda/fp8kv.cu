@@ -16,11 +16,11 @@
 //
 // Operands: q (B, H, D) bf16 or fp16 with a contiguous head dim (products in fp16, bf16 values past fp16's range
 // clamped); k, v (B, Hkv, C, 16, D) e4m3 of one layout, each slot's page contiguous and 16-byte aligned; slot_page
-// (B, Hkv, C) int64; sel (B, Hs, N) int64, the slots each selection row attends (-1: none), or with ``in_order``
-// entry j the slot of page j (or of none), rows read up to their length; seq_len (B,) int64; table (B, C) int64 or
-// None: with a table, k and v are a pool's store of shared pages (1, Hkv, N, 16, D) and slot s of row b is its page
-// table[b, s] there. A selection row r of b
-// takes query heads r G .. r G + G - 1 (G = H / Hs) against KV head r / (Hs / Hkv). A block of W warps takes
+// (B, Hkv, C) int64; sel (B, Hs, N) int64, the slots each selection row attends (-1: none), or every slot in order
+// (``in_order``: entry j is slot j, which holds page j or nothing; sel is not read, rows are read up to their
+// length); seq_len (B,) int64; table (B, C) int64 or None: with a table, k and v are a pool's store of shared pages
+// (1, Hkv, N, 16, D) and slot s of row b is its page table[b, s] there. A selection row r of b takes query heads
+// r G .. r G + G - 1 (G = H / Hs) against KV head r / (Hs / Hkv). A block of W warps takes
 // ``per_split`` entries of one row (its split), warp w the entries w, w + W, ...; each warp copies its next pages
 // into shared memory (cp.async, a page ahead, zeros for free slots) while it computes the current one, with
 // an online softmax per head; the warps then merge through shared memory. Outputs, as the Triton kernel's: part
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const Args a) {
     if (n % 32 == 0) {
       const int e = first + warp + kWarps * (n + lane);
       my_slot = -1;
-      if (n + lane < count) my_slot = sel[e];
+      if (n + lane < count) my_slot = IN_ORDER ? e : sel[e];  // in order, entry e is slot e: nothing to read
       const int64_t page = my_slot >= 0 ? sp[my_slot] : -1;
       my_start = page >= 0 ? (int)(page * kPage) : -1;
       if (tb && my_slot >= 0) my_slot = tb[my_slot];  // where the slot's page is stored

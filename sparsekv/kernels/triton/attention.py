@@ -30,7 +30,8 @@ from .common import (LOG2E, TUNING, block_d, check, f16_products, fp8_launch, gr
 
 @triton.jit
 def _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q_pos, sk_t, sv_t, d, d_ok,
-                 BLOCK_N: tl.constexpr, P: tl.constexpr, TOKENS: tl.constexpr, TABLE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, P: tl.constexpr, TOKENS: tl.constexpr, IN_ORDER: tl.constexpr,
+                 TABLE: tl.constexpr):
     """Key and value tiles (BLOCK_N, BLOCK_D) of block blk of the row's tokens (nothing read past block last) and
     which tokens are attended; with TABLE a slot's tokens are those of the store page the row's table names."""
     j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -39,7 +40,10 @@ def _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q
         trow = tl.load(sel_base + j, mask=in_j, other=-1)
         ok = trow >= 0
     else:
-        slot = tl.load(sel_base + j // P, mask=in_j, other=-1)
+        if IN_ORDER:  # entry j // P is slot j // P: no selection to read, so no load waits on another
+            slot = tl.where(in_j, j // P, -1)
+        else:
+            slot = tl.load(sel_base + j // P, mask=in_j, other=-1)
         off = j % P
         page = tl.load(sp_base + slot, mask=slot >= 0, other=-1)
         ok = (slot >= 0) & (page >= 0) & (page * P + off <= q_pos)
@@ -88,18 +92,19 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, table
     n_ok = tl.zeros((BLOCK_N,), tl.int32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(n_tok, BLOCK_N))
-    if IN_ORDER:  # entry j // P is page j // P: the blocks past the current token attend nothing
+    if IN_ORDER:  # entry j // P holds page j // P: the blocks past the current token attend nothing
         last = tl.minimum(last, tl.cdiv(q_pos + 1, BLOCK_N))
     if PREFETCH:  # block first's tiles; each iteration loads the next block's before its products
         kt, vt, ok = _block_tiles(first, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q_pos, sk_t,
-                                  sv_t, d, d_ok, BLOCK_N, P, TOKENS, TABLE)
+                                  sv_t, d, d_ok, BLOCK_N, P, TOKENS, IN_ORDER, TABLE)
     for blk in range(first, last):
         if PREFETCH:
             k_next, v_next, ok_next = _block_tiles(blk + 1, last, n_tok, k_base, v_base, sel_base, sp_base,
-                                                   tb_base, q_pos, sk_t, sv_t, d, d_ok, BLOCK_N, P, TOKENS, TABLE)
+                                                   tb_base, q_pos, sk_t, sv_t, d, d_ok, BLOCK_N, P, TOKENS,
+                                                   IN_ORDER, TABLE)
         else:
             kt, vt, ok = _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q_pos, sk_t,
-                                      sv_t, d, d_ok, BLOCK_N, P, TOKENS, TABLE)
+                                      sv_t, d, d_ok, BLOCK_N, P, TOKENS, IN_ORDER, TABLE)
         kt, vt = kt.to(q.dtype), vt.to(q.dtype)  # an fp8 cache is dequantized here; otherwise q's own dtype
         qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # (G_PAD, BLOCK_N)
         qk = tl.where(ok[None, :], qk, float("-inf"))

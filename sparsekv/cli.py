@@ -103,6 +103,11 @@ def generate(model, tokenizer, config: MethodConfig, prompt: str, max_new_tokens
                             offloaded_bytes=out.kv_host_bytes, step_seconds=out.step_seconds)
 
 
+def _to_stderr(line: str) -> None:
+    """A loader's log line on stderr, so that a command's stdout holds only its output."""
+    print(line, file=sys.stderr)
+
+
 def _draw(args) -> tuple[float, float]:
     """--temperature and --top-p, or their defaults (1.0)."""
     return (1.0 if args.temperature is None else args.temperature), (1.0 if args.top_p is None else args.top_p)
@@ -225,7 +230,7 @@ def cmd_generate(args) -> int:
                                  if name not in _PER_PROCESS}, "the prompt (--prompt or --prompt-file)": prompt})
         first = parallel.is_first()  # under torchrun every process generates the same tokens; the first one prints
         loaded = load_model(args.model, device, dtype, weights=args.weights,
-                            log=(lambda line: print(line, file=sys.stderr)) if first else None)
+                            log=_to_stderr if first else None)
         result = generate(loaded.model, loaded.tokenizer, config, prompt, args.max_new_tokens, args.sample,
                           *_draw(args), args.seed, progress=first and not args.no_progress,
                           chat=args.chat)
@@ -320,8 +325,7 @@ def cmd_serve(args) -> int:
         if not path.is_file():
             raise FileNotFoundError(f"--chat-template: no file at {str(path)!r}")
         chat_template = path.read_text()
-    loaded = load_model(args.model, device, dtype, log=lambda line: print(line, file=sys.stderr),
-                        weights=args.weights)
+    loaded = load_model(args.model, device, dtype, log=_to_stderr, weights=args.weights)
     kv_memory = None if args.kv_memory_gib is None else int(args.kv_memory_gib * 2**30)
     engine = ServingEngine(loaded.model, config, tokenizer=loaded.tokenizer, max_batch=args.max_batch,
                            max_context=args.max_context, max_new_tokens=args.max_new_tokens,

@@ -17,8 +17,8 @@ from triton import knobs
 # twice as many programs fit per multiprocessor). 3 stages rather than 4: Quest's choice over a serving pool's 9 rows
 # of 38K-100K tokens in rows of 131K, through the page table, 75.8 -> 69.4 us a layer (rows of their own 67.0 ->
 # 64.2; floor 43.8), at batch 16 of 128K 147.5 -> 143.4 us, at batch 1 within 0.25 us at 32K-512K; blocks of 128
-# slots gain 2.7 us more in the pool but lose 0.5-0.9 us at 512K, batch 1 (benchmarks/results/serve/
-# page_scores_table.py).
+# slots gain 2.7 us more in the pool but lose 0.5-0.9 us at 512K, batch 1 (the page_scores_table probe in
+# benchmarks/results/serve/README.md).
 # programs_per_sm: the attention kernel splits each row's pages until rows * splits reaches this many programs per
 # multiprocessor (at most attn_max_splits splits), so that enough loads are in flight even for batch 1; with at most
 # attn_few_rows rows it takes the attn_few_* block, stages and programs instead (-0.3 to -0.6 us at Llama-3-8B
@@ -66,8 +66,9 @@ from triton import knobs
 # blocks of 256 slots instead of 1024: 8 times more programs).
 # prompt_mass_*: the attention each token receives from a prompt pass's queries (``mass``, H2O's prompt scores):
 # prompt_mass_blocks, the (queries, tokens) of a block in pass 1 (programs of queries) and in pass 2 (programs of
-# tokens), half that for fp32 tiles. On the H200 at Llama-3-8B, 4096 queries over 32K tokens (``prompt_mass_sweep.py``
-# under benchmarks/results/h2o): pass 1 7.54 ms with 64 x 64, 6.71 with 128 x 32; pass 2 6.03 with 64 x 64, the best.
+# tokens), half that for fp32 tiles. On the H200 at Llama-3-8B, 4096 queries over 32K tokens (a sweep in
+# benchmarks/results/KERNEL_NOTES.md, H2O's prompt scores): pass 1 7.54 ms with 64 x 64, 6.71 with 128 x 32;
+# pass 2 6.03 with 64 x 64, the best.
 # fp8_*: an fp8 cache's launch where it differs from the key without the prefix (``fp8_launch``). Its attention
 # kernel loads the next block's tiles into registers before the current block's products (the tiles' addresses
 # come from the page table, so Triton's pipeliner cannot prefetch them), converts them there and stages them in
@@ -124,7 +125,7 @@ def f16_products(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether q's products with the tiles of the cache k are taken in fp16 (``F16`` of ``product_query``; the
     tiles are converted to q's dtype): for an fp8 cache and 16-bit queries, since e4m3 converts to fp16 exactly in
     one instruction per pair, to bf16 only through fp16 and two more (on the H200 at Llama-3-8B batch 1, 1M
-    tokens: dense attention 1634 -> 1409 us, page scores 57.4 -> 45.4 us; benchmarks/results/fp8kv)."""
+    tokens: dense attention 1634 -> 1409 us, page scores 57.4 -> 45.4 us; benchmarks/results/KERNEL_NOTES.md)."""
     return k.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
 
 

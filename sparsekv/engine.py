@@ -45,19 +45,28 @@ MIN_TEMPERATURE = 1e-4
 # OpenAI's ranges for the presence and frequency penalties and for a token's logit bias.
 MAX_PENALTY = 2.0
 MAX_BIAS = 100.0
+# The repetition penalty's range: a per-row float32 holds it, and the logits divided by it, then by the least
+# temperature, stay finite.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# The largest int a per-row int64 tensor (top_k) holds.
+INT64_MAX = (1 << 63) - 1
+# Seeds are below this: prompt i of a batch draws with seed + i, which stays an int64.
+SEED_LIMIT = 1 << 62
+# What a ``sampling`` argument takes (a dict of its fields is not one).
+SAMPLING_FORM = "a sparsekv.engine.Sampling (from a dict of its fields: Sampling(**fields))"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
     """How the next token is drawn from the logits. First the logits are adjusted (``penalize``): a token of the
-    prompt or already drawn has its logit divided by ``repetition_penalty`` (> 0; multiplied where negative: the
-    rule of transformers and vLLM); then, as OpenAI's API does, ``logit_bias`` adds its bias to the logit of each
-    token id it names (a mapping, or (id, bias) pairs; each bias from -100 to 100), and a token already drawn c
-    times in this answer loses ``presence_penalty`` once and ``frequency_penalty`` c times (each from -2 to 2). Then
-    temperature 0: greedy (argmax). Otherwise the logits are divided by ``temperature`` (at least
-    ``MIN_TEMPERATURE``), cut to the ``top_k`` most likely tokens (0: all), to those at least ``min_p`` times as
-    likely as the likeliest (0: all) and to the smallest set whose probability reaches ``top_p`` (1: all), and a
-    token is drawn from what is left."""
+    prompt or already drawn has its logit divided by ``repetition_penalty`` (from 0.01 to 100; multiplied where
+    negative: the rule of transformers and vLLM); then, as OpenAI's API does, ``logit_bias`` adds its bias to the
+    logit of each token id it names (a mapping, or (id, bias) pairs; each bias from -100 to 100), and a token
+    already drawn c times in this answer loses ``presence_penalty`` once and ``frequency_penalty`` c times (each
+    from -2 to 2). Then temperature 0: greedy (argmax). Otherwise the logits are divided by ``temperature`` (at
+    least ``MIN_TEMPERATURE``), cut to the ``top_k`` most likely tokens (0: all; at most 2**63 - 1), to those at
+    least ``min_p`` times as likely as the likeliest (0: all) and to the smallest set whose probability reaches
+    ``top_p`` (1: all), and a token is drawn from what is left."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -72,10 +81,13 @@ class Sampling:
         require(is_real(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
                 "temperature", f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}", self.temperature)
         require(is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        require(_is_count(self.top_k, 0), "top_k", "an int >= 0 (0: no cut)", self.top_k)
+        require(_is_count(self.top_k, 0) and self.top_k <= INT64_MAX, "top_k", "an int from 0 (no cut) to 2**63 - 1",
+                self.top_k)
         require(is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1] (0: no cut)", self.min_p)
-        require(is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-                "a number > 0 (1: none)", self.repetition_penalty)
+        require(is_real(self.repetition_penalty)
+                and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+                f"a number from {MIN_REPETITION_PENALTY} to {MAX_REPETITION_PENALTY:g} (1: none)",
+                self.repetition_penalty)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             require(is_real(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name,
@@ -169,7 +181,9 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     least = torch.maximum(kth, ordered[:, :1] + min_p.log().unsqueeze(1))
     ordered = ordered.masked_fill(ordered < least, float("-inf"))
     probs = ordered.softmax(dim=-1)
-    beyond = (probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)) | (ordered == float("-inf"))
+    # A top_p too small for float32 (0 once converted) keeps the likeliest token, as any top_p > 0 does.
+    least_p = top_p.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
+    beyond = (probs.cumsum(dim=-1) - probs >= least_p) | (ordered == float("-inf"))
     scaled = scaled.masked_fill(torch.empty_like(beyond).scatter_(-1, order, beyond), float("-inf"))
     drawn = argmax(scaled.softmax(dim=-1) / noise)
     return torch.where(temperature > 0, drawn, argmax(logits))
@@ -391,12 +405,7 @@ class Engine:
                 raise ValueError("prompts are strings but the engine has no tokenizer: pass Engine(..., tokenizer=)")
             rows = [self.tokenizer(p).input_ids for p in prompts]
         elif all(isinstance(p, (list, tuple)) for p in prompts):
-            rows = [list(p) for p in prompts]
-            vocab = self.model.config.vocab_size
-            for i, row in enumerate(rows):
-                if not is_token_ids(row, vocab):
-                    raise ConfigError(f"prompts[{i}]", f"token ids: ints from 0 to {vocab - 1} (the vocabulary)",
-                                      row if len(row) <= 8 else f"{row[:8]}... ({len(row)} items)")
+            rows = [token_id_list(p, f"prompts[{i}]", self.model.config.vocab_size) for i, p in enumerate(prompts)]
         else:
             raise ConfigError("prompts", allowed, prompts)
         if any(len(r) == 0 for r in rows):
@@ -413,9 +422,10 @@ class Engine:
         """(B, F) the forced tokens, -1 after a row's own (F = 0 without any)."""
         if forced is None:
             return torch.full((batch, 0), -1, dtype=torch.long, device=self.device)
-        rows = [list(f) for f in forced]
-        if len(rows) != batch or not all(is_token_ids(r, self.model.config.vocab_size) for r in rows):
-            raise ValueError(f"forced must hold one list of token ids per prompt ({batch}), got {forced!r}")
+        if not isinstance(forced, (list, tuple)) or len(forced) != batch:
+            raise ConfigError("forced", f"None or a list of one list of token ids per prompt ({batch} prompt(s)), "
+                                        f"e.g. [[5, 6]] for one prompt", shorten(forced))
+        rows = [token_id_list(f, f"forced[{i}]", self.model.config.vocab_size) for i, f in enumerate(forced)]
         width = max(len(r) for r in rows)
         return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
 
@@ -431,10 +441,8 @@ class Engine:
             if eos is None and self.tokenizer is not None:
                 eos = self.tokenizer.eos_token_id
             stop_tokens = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        vocab = self.model.config.vocab_size
-        if not is_token_ids(stop_tokens, vocab):
-            raise ConfigError("stop_tokens", f"token ids: ints from 0 to {vocab - 1} (the vocabulary)", stop_tokens)
-        return list(stop_tokens)
+        return token_id_list(stop_tokens, "stop_tokens", self.model.config.vocab_size,
+                             kinds=(list, tuple, set, frozenset), also="None (the model's EOS)")
 
     def generate(self, prompts, max_new_tokens: int = 64, *, sampling: Sampling | None = None,
                  stop_tokens: Sequence[int] | None = None, seed: int | None = None,
@@ -457,15 +465,20 @@ class Engine:
         least = 0 if forced.shape[1] else 1  # scoring forced tokens alone draws none
         require(_is_count(max_new_tokens, least), "max_new_tokens",
                 f"an int >= {least}{' with forced tokens' if least == 0 else ''}", max_new_tokens)
-        sampling = sampling or Sampling()
+        require(sampling is None or isinstance(sampling, Sampling), "sampling", f"None (greedy) or {SAMPLING_FORM}",
+                sampling)
+        sampling = Sampling() if sampling is None else sampling
         sampling.check_vocab(self.model.config.vocab_size)
         stops = self._stop_ids(stop_tokens)
+        for name, value in (("stream", stream), ("prefill", prefill)):
+            require(value is None or callable(value), name, "None or a callable", value)
+        require(isinstance(time_steps, bool), "time_steps", "True or False", time_steps)
         longest = ids.shape[1]
         total = forced.shape[1] + max_new_tokens  # decoded columns: the forced tokens, then the new ones
         if longest + total > self.max_context:
             raise ValueError(f"a prompt of {longest} tokens plus {forced.shape[1]} forced tokens plus "
                              f"max_new_tokens={max_new_tokens} exceeds max_context ({self.max_context})")
-        require(seed is None or _is_count(seed, 0) and seed < 1 << 62, "seed", "None or an int in [0, 2**62)", seed)
+        check_seed(seed)
         # Prompt i draws with seed + i (``counter_noise``): the caller's global random generator is left as it was.
         seeds = None if seed is None else torch.arange(seed, seed + ids.shape[0], device=self.device)
         if self.device.type == "cuda":
@@ -663,6 +676,31 @@ def is_token_ids(ids: Sequence, vocab_size: int | None = None) -> bool:
 
 def _is_count(value, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def token_id_list(value, field: str, vocab: int | None = None, *, least: int = 0, kinds: tuple = (list, tuple),
+                  also: str = "", error: type[ConfigError] = ConfigError) -> list[int]:
+    """``value`` as a list of token ids: one of ``kinds`` of at least ``least`` ints (not bools) from 0, below
+    ``vocab`` when given; else ``error`` naming ``field`` (``also``: another form the caller takes, named first)."""
+    if isinstance(value, kinds) and len(value) >= least and is_token_ids(value, vocab):
+        return list(value)
+    ids = "ints >= 0" if vocab is None else f"ints from 0 to {vocab - 1}, the vocabulary"
+    kind = "list, tuple or set" if set in kinds else "list or tuple"
+    form = f"a non-empty list of token ids ({ids})" if least else f"a {kind} of token ids ({ids})"
+    raise error(field, f"{also} or {form}" if also else form, shorten(value))
+
+
+def check_seed(seed, error: type[ConfigError] = ConfigError) -> None:
+    """Refuses a ``seed`` other than None or an int from 0 below ``SEED_LIMIT``."""
+    if seed is not None and not (_is_count(seed, 0) and seed < SEED_LIMIT):
+        raise error("seed", "None or an int in [0, 2**62)", seed)
+
+
+def shorten(value):
+    """A value for an error message, long lists cut."""
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        return f"{type(value).__name__} of {len(value)} items starting {list(value[:8])!r}"
+    return value
 
 
 def _own(columns: list[int], first: int, start: int, new_tokens: int, stops: list[int], ended: list[bool],

@@ -188,7 +188,11 @@ def test_a_logit_bias_of_100_forces_its_token_and_of_minus_100_bans_it(model):
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": float("nan")}, "frequency_penalty"),
     ({"logit_bias": {5: 101}}, "logit_bias"), ({"logit_bias": {-1: 1}}, "logit_bias"),
     ({"logit_bias": [(3, 1, 2)]}, "logit_bias"), ({"logit_bias": {"7": 1}}, "logit_bias"),
-    ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty")])
+    ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    # per-row tensors hold them: an int64, a float32 the logits are divided by
+    ({"top_k": 2**63}, r"top_k must be an int from 0 \(no cut\) to 2\*\*63 - 1"),
+    ({"repetition_penalty": 1e300}, "repetition_penalty must be a number from 0.01 to 100"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty must be a number from 0.01 to 100")])
 def test_bad_penalties_and_biases_are_refused(kwargs, match):
     with pytest.raises(sparsekv.errors.ConfigError, match=match):
         Sampling(**kwargs)
@@ -205,6 +209,9 @@ def test_top_p_keeps_the_smallest_set_reaching_it():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     drawn = {int(Sampling(temperature=1.0, top_p=0.8)(logits)) for _ in range(200)}
     assert drawn == {0, 1}
+    # a top_p that float32 holds as 0 keeps the likeliest token (not, every token masked, token 0)
+    likeliest = torch.log(torch.tensor([[0.05, 0.5, 0.3, 0.15]]))
+    assert {int(Sampling(temperature=1.0, top_p=1e-46)(likeliest)) for _ in range(20)} == {1}
 
 
 @pytest.mark.parametrize("min_p, kept", [(0.0, {0, 1, 2, 3}), (0.25, {0, 1, 2}), (0.4, {0, 1}), (1.0, {0})])
@@ -448,6 +455,27 @@ def test_seeded_draws_follow_the_probabilities_over_seeds_and_places():
 def test_stop_tokens_must_be_token_ids_of_the_vocabulary(model, stops):
     with pytest.raises(sparsekv.errors.ConfigError, match="stop_tokens"):
         Engine(model, DenseConfig()).generate(prompts((20,)), 2, stop_tokens=stops)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"sampling": {"temperature": 0.7}}, r"sampling must be None \(greedy\) or a sparsekv.engine.Sampling \(from a "
+                                         r"dict of its fields: Sampling\(\*\*fields\)\), got \{'temperature': 0.7\}"),
+    ({"sampling": {}}, "sampling must be None"),  # not taken as greedy
+    ({"stop_tokens": 5}, r"stop_tokens must be None \(the model's EOS\) or a list, tuple or set of token ids "
+                         r".*, got 5"),
+    ({"forced": [5, 6]}, r"forced must be None or a list of one list of token ids per prompt \(1 prompt"),
+    ({"forced": [5]}, r"forced\[0\] must be a list or tuple of token ids \(ints from 0 to \d+, the vocabulary\), "
+                      r"got 5"),
+    ({"forced": 5}, "forced must be None or a list of one list of token ids per prompt"),
+    ({"stream": 5}, "stream must be None or a callable"),
+    ({"prefill": "yes"}, "prefill must be None or a callable"),
+    ({"time_steps": "yes"}, "time_steps must be True or False"),
+    ({"seed": 1 << 62}, r"seed must be None or an int in \[0, 2\*\*62\)"),
+])
+def test_arguments_of_the_wrong_form_are_refused_naming_them(model, kwargs, match):
+    """Each argument of ``generate`` says what it takes, before anything runs."""
+    with pytest.raises(sparsekv.errors.ConfigError, match=match):
+        Engine(model, DenseConfig()).generate(prompts((20,)), 2, **kwargs)
 
 
 class _Id(enum.IntEnum):

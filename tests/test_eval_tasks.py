@@ -159,6 +159,35 @@ def test_perplexity_runs_on_the_essays_the_package_ships_without_the_shared_data
     assert len(windows) == 2
 
 
+@pytest.mark.parametrize("content, message", [
+    ("caf\u00e9 au lait".encode("latin-1"), r"is not UTF-8 text \(byte 0xe9 at offset 3\); --data takes UTF-8 text"),
+    (b"PK\x03\x04\x00\x00binary", r"is a binary file \(a NUL byte at offset 4\), not text; --data takes UTF-8"),
+])
+def test_perplexity_refuses_a_file_that_is_not_utf8_text(tmp_path, capsys, content, message):
+    """Read leniently, a binary or Latin-1 file would be scored as the U+FFFD characters it decodes to."""
+    from sparsekv.eval.cli import main
+
+    bad = tmp_path / "essay.txt"
+    bad.write_bytes(content)
+    for data in (bad, tmp_path):  # the file, or a folder holding it
+        with pytest.raises(EvalError, match=rf"perplexity: {bad} {message}"):
+            get_task("perplexity", TaskOptions(data=str(data)))
+    assert main(["--task", "perplexity", "--data", str(bad), "--model", "tiny:llama", "--out",
+                 str(tmp_path / "out"), "--no-progress", "--no-plots"]) == 2
+    assert f"sparsekv eval: error: perplexity: {bad} " in capsys.readouterr().err
+    (tmp_path / "essay.txt").write_text("caf\u00e9 " * 10, encoding="utf-8")
+    assert get_task("perplexity", TaskOptions(data=str(bad))).text == "caf\u00e9 " * 10
+
+
+@pytest.mark.parametrize("task", ["niah", "ruler_niah_multivalue"])
+def test_a_haystack_that_is_not_utf8_text_is_refused_when_the_task_is_built(tmp_path, task):
+    """Read leniently, its bytes would become U+FFFD characters in every haystack."""
+    (tmp_path / "a.txt").write_text("An essay. " * 20, encoding="utf-8")
+    (tmp_path / "b.txt").write_bytes(b"caf\xe9 " * 10)
+    with pytest.raises(EvalError, match=rf"{task}: {tmp_path / 'b.txt'} is not UTF-8 text .*--haystack-dir"):
+        get_task(task, TaskOptions(haystack_dir=str(tmp_path)))
+
+
 def test_perplexity_table_keeps_its_digits():
     from sparsekv.eval.report import markdown
 

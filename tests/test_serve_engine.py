@@ -526,9 +526,12 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(model, monkeypatch):
     assert produced == 3 and in_flight == [True] * 3
 
 
-def test_a_failing_prefill_keeps_the_events_made_before_it(model, monkeypatch):
+@pytest.mark.parametrize("raise_errors", [True, False])
+def test_a_failing_prefill_ends_its_request_with_error(model, monkeypatch, caplog, raise_errors):
     """With nothing running, one prefill ends (its request draws its first token and joins) and the next raises in
-    the same step: the first token and the dropped request's end come with the next step's events."""
+    the same step: the failing request ends with "error" (saying what failed), and the step raises (its events,
+    the other's first token among them, come with the next step's) or, told not to, logs the failure and returns
+    them; the other request then runs to the tokens it gets alone."""
     engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
     kept = engine.submit(Request(prompt=prompt(20), max_tokens=3))
     dropped = engine.submit(Request(prompt=prompt(30), max_tokens=3))
@@ -540,22 +543,32 @@ def test_a_failing_prefill_keeps_the_events_made_before_it(model, monkeypatch):
         return prefill(job, budget)
 
     monkeypatch.setattr(engine.runner, "prefill", broken)
-    with pytest.raises(MemoryError, match="no room"):
-        engine.step()
-    monkeypatch.setattr(engine.runner, "prefill", prefill)
-    events = []
+    if raise_errors:
+        with pytest.raises(MemoryError, match="no room") as err:
+            engine.step()
+        assert f"while prefilling request(s) [{dropped}], which end with \"error\"" in err.value.__notes__
+        monkeypatch.setattr(engine.runner, "prefill", prefill)
+        events = engine.step()
+    else:
+        events = engine.step(raise_errors=False)
+        assert "a serving step failed" in caplog.text and "MemoryError: no room" in caplog.text
+        monkeypatch.setattr(engine.runner, "prefill", prefill)
+    assert [(e.finish_reason, e.error) for e in events if e.request_id == dropped] == \
+        [("error", "MemoryError: no room")]
+    assert any(e.tokens for e in events if e.request_id == kept)
     while engine.has_work():
         events += engine.step()
     alone = Engine(model, CONFIGS["dense"], max_context=CONTEXT, prefill_chunk=CHUNK)
     assert [t for e in events if e.request_id == kept for t in e.tokens] == \
         alone.generate([prompt(20)], 3, stop_tokens=()).tokens[0]
-    assert {e.request_id: e.finish_reason for e in events if e.finished} == {kept: "length", dropped: "cancelled"}
+    assert {e.request_id: e.finish_reason for e in events if e.finished} == {kept: "length", dropped: "error"}
+    assert engine.metrics()["finished_requests"] == {"length": 1, "error": 1}
 
 
-def test_a_prefill_whose_copy_into_the_prefix_cache_fails_gives_its_shared_pages_back(model, monkeypatch):
+def test_a_prefill_whose_copy_into_the_prefix_cache_fails_gives_its_shared_pages_back(model, monkeypatch, caplog):
     """A request that ends at its first token leaves its prompt's shared pages to the prefill, which copies them
-    into the prefix cache and gives them back: when the copy raises, the pages still come back, and the next
-    request is served."""
+    into the prefix cache and gives them back: when the copy raises, the request has ended well all the same (the
+    failure is logged), the pages still come back, and the next request is served."""
     engine = ServingEngine(model, CONFIGS["quest"], max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
                            prefix_cache_bytes=1 << 30)
     shared = engine.runner.shared
@@ -565,13 +578,13 @@ def test_a_prefill_whose_copy_into_the_prefix_cache_fails_gives_its_shared_pages
 
     monkeypatch.setattr(engine.runner, "_keep", broken)
     first = engine.submit(Request(prompt=prompt(40), max_tokens=1))
-    with pytest.raises(MemoryError, match="no room to copy"):
-        while engine.has_work():
-            engine.step()
+    events = []
+    while engine.has_work():
+        events += engine.step()
+    assert [(e.request_id, e.finish_reason, len(e.tokens)) for e in events] == [(first, "length", 1)]
+    assert "could not be kept in the prefix cache" in caplog.text and "no room to copy" in caplog.text
     assert shared.free_pages == shared.pages and engine.metrics()["kv_bytes_in_use"] == 0
     monkeypatch.undo()
-    carried = engine.step()  # the events the failing step made: the request's token and its end
-    assert [(e.request_id, e.finish_reason, len(e.tokens)) for e in carried] == [(first, "length", 1)]
     tokens, final = run(engine, [(0, Request(prompt=prompt(50), max_tokens=4))])
     assert len(tokens[0]) == 4 and final[0].finish_reason == "length" and shared.free_pages == shared.pages
 
@@ -773,9 +786,14 @@ def test_memory_admits_what_fits_and_the_rest_waits(model):
     (dict(prompt=[3, -1], max_tokens=3), "prompt must be a non-empty list of token ids"),
     (dict(prompt=[], max_tokens=3), "prompt must be a non-empty list of token ids"),
     (dict(prompt=[1], max_tokens=0), "max_tokens must be an int >= 1"),
-    (dict(prompt=[1], max_tokens=2, stop_tokens=(-1,)), "stop_tokens must be a tuple of token ids"),
+    (dict(prompt=[1], max_tokens=2, stop_tokens=(-1,)), "stop_tokens must be a list or tuple of token ids"),
+    (dict(prompt=[1], max_tokens=2, stop_tokens=5), "stop_tokens must be a list or tuple of token ids"),
+    (dict(prompt=5, max_tokens=2), "prompt must be a non-empty list of token ids"),
     (dict(prompt=[1], max_tokens=2, seed=-3), "seed must be None or an int"),
+    (dict(prompt=[1], max_tokens=2, seed=1 << 62), "seed must be None or an int"),
     (dict(prompt=[1], max_tokens=2, sampling=0.5), "sampling must be a sparsekv.engine.Sampling"),
+    (dict(prompt=[1], max_tokens=2, sampling={"temperature": 1.0}),
+     r"sampling must be a sparsekv.engine.Sampling \(from a dict of its fields: Sampling\(\*\*fields\)\)"),
     (dict(prompt=[1], max_tokens=2, logprobs=21), "logprobs must be None or an int from 0 to 20"),
     (dict(prompt=[1], max_tokens=2, logprobs=True), "logprobs must be None or an int from 0 to 20"),
 ])
@@ -851,7 +869,7 @@ def test_another_architecture():
 
 def test_a_failing_prefill_drops_its_request_and_leaves_the_others_running(model, monkeypatch):
     """The step raises; the next one returns what it made before: the running request's token of the step
-    launched before the prefill, and the dropped request's final event."""
+    launched before the prefill, and the failing request's final event ("error")."""
     engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
     first = engine.submit(Request(prompt=prompt(20), max_tokens=6))
     tokens = [t for e in engine.step() for t in e.tokens]
@@ -874,5 +892,98 @@ def test_a_failing_prefill_drops_its_request_and_leaves_the_others_running(model
         ends.update((e.request_id, e.finish_reason) for e in events if e.finished)
     alone = Engine(model, CONFIGS["dense"], max_context=CONTEXT, prefill_chunk=CHUNK)
     assert tokens == alone.generate([prompt(20)], 6, stop_tokens=()).tokens[0]
-    assert ends == {dropped: "cancelled", first: "length"}
+    assert ends == {dropped: "error", first: "length"}
     assert engine.metrics()["kv_bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("raise_errors", [True, False])
+@pytest.mark.parametrize("name", ["dense", "quest"])
+def test_a_failing_decode_step_ends_the_running_requests_with_error_and_the_engine_serves_on(model, monkeypatch,
+                                                                                            name, raise_errors):
+    """A decode step that raises cannot be laid to one row: the running and prefilling requests end with "error"
+    (their events returned, or with the next step's where the step raises), the rows and their pages come back, a
+    waiting request stays queued, and the requests after it get the tokens they get alone."""
+    engine = ServingEngine(model, CONFIGS[name], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
+    running = [engine.submit(Request(prompt=prompt(n), max_tokens=8)) for n in (20, 25)]
+    while engine.metrics()["running"] < 2:
+        engine.step()
+    waiting = engine.submit(Request(prompt=prompt(30), max_tokens=5))
+    launch = engine.runner.launch
+
+    def broken():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "launch", broken)
+    if raise_errors:
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.step()
+    else:
+        events = engine.step(raise_errors=False)
+    metrics = engine.metrics()
+    assert (metrics["running"], metrics["prefilling"], metrics["queued"]) == (0, 0, 1)
+    assert metrics["kv_bytes_in_use"] == 0 and engine.runner.keys == []
+    if engine.runner.shared is not None:
+        assert engine.runner.shared.free_pages == engine.runner.shared.pages
+    monkeypatch.setattr(engine.runner, "launch", launch)
+    if raise_errors:
+        events = engine.step()  # the failed step's events, and this one's
+    assert {e.request_id: (e.finish_reason, e.error) for e in events if e.finished} == \
+        {rid: ("error", "RuntimeError: device lost") for rid in running}
+    later = engine.submit(Request(prompt=prompt(40), max_tokens=6))
+    while engine.has_work():
+        events += engine.step()
+    alone = Engine(model, CONFIGS[name], max_context=CONTEXT, prefill_chunk=CHUNK)
+    for rid, n, new in ((waiting, 30, 5), (later, 40, 6)):
+        assert [t for e in events if e.request_id == rid for t in e.tokens] == \
+            alone.generate([prompt(n)], new, stop_tokens=()).tokens[0]
+    assert engine.metrics()["finished_requests"] == {"error": 2, "length": 2}
+
+
+def test_a_failing_join_or_admission_ends_only_its_request(model, monkeypatch):
+    """A request whose row cannot be set (its join) or whose prefill cannot start ends with "error"; the others
+    get their tokens alone, and the pages come back."""
+    engine = ServingEngine(model, CONFIGS["quest"], max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+    runner = engine.runner
+    set_sampling, start = runner._set_sampling, runner.start
+
+    def broken_join(row, job, first, sampling, seed):
+        if job.prompt_len == 30:
+            raise OverflowError("int too big to convert")
+        return set_sampling(row, job, first, sampling, seed)
+
+    def broken_start(prompt):
+        if len(prompt) == 35:
+            raise MemoryError("no room")
+        return start(prompt)
+
+    monkeypatch.setattr(runner, "_set_sampling", broken_join)
+    monkeypatch.setattr(runner, "start", broken_start)
+    ids = [engine.submit(Request(prompt=prompt(n), max_tokens=5)) for n in (20, 30, 35, 22)]
+    events = []
+    while engine.has_work():
+        events += engine.step(raise_errors=False)
+    final = {e.request_id: (e.finish_reason, e.error) for e in events if e.finished}
+    assert [final[rid] for rid in ids] == [
+        ("length", None), ("error", "OverflowError: int too big to convert"), ("error", "MemoryError: no room"),
+        ("length", None)]
+    alone = Engine(model, CONFIGS["quest"], max_context=CONTEXT, prefill_chunk=CHUNK)
+    for rid, n in ((ids[0], 20), (ids[3], 22)):
+        assert [t for e in events if e.request_id == rid for t in e.tokens] == \
+            alone.generate([prompt(n)], 5, stop_tokens=()).tokens[0]
+    assert runner.shared.free_pages == runner.shared.pages and engine.metrics()["kv_bytes_in_use"] == 0
+
+
+def test_a_request_ended_by_its_caller_with_stop_counts_as_stopped(model):
+    """``cancel(id, "stop")``: a server's stop string ends the request with finish reason "stop"."""
+    engine = ServingEngine(model, CONFIGS["dense"], max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK)
+    rid = engine.submit(Request(prompt=prompt(20), max_tokens=50))
+    engine.step()
+    engine.cancel(rid, "stop")
+    engine.cancel(rid)  # the first reason stands
+    events = engine.step()
+    assert [(e.finish_reason, e.finished) for e in events] == [("stop", True)]
+    assert engine.metrics()["finished_requests"] == {"stop": 1}
+    with pytest.raises(ConfigError, match="reason must be 'cancelled' or 'stop'"):
+        engine.cancel(rid, "length")
+    with pytest.raises(ConfigError, match="request_id must be an id that submit returned"):
+        engine.cancel("0")

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server on a tiny model, through the ``openai`` client and raw HTTP (httpx), on 127.0.0.1
 only: completions, chat, streaming, usage, stop strings, the errors (each followed by a request that succeeds), a
-full queue, a client that leaves mid-stream (its rows come back), metrics, and SIGTERM draining a running stream."""
+full queue, a client that leaves mid-stream (its rows come back), failures inside the engine's steps and the
+handlers (the server serves on), metrics, and SIGTERM draining a running stream."""
 
 import contextlib
 import json
@@ -220,6 +221,23 @@ def test_latency_histograms(server, client):
     ({"model": NAME, "prompt": [1, -2]}, "prompt"),
     ({"model": NAME, "prompt": [1, 100000]}, "prompt"),
     ({"model": NAME, "prompt": []}, "prompt"),
+    # numbers past what the engine's tensors hold, and keys str.isdigit takes that are no token ids
+    ({"model": NAME, "prompt": "hi", "top_k": 2**70}, "top_k"),
+    ({"model": NAME, "prompt": "hi", "repetition_penalty": 1e300}, "repetition_penalty"),
+    ({"model": NAME, "prompt": "hi", "seed": 2**64}, "seed"),
+    ({"model": NAME, "prompt": "hi", "seed": -1}, "seed"),
+    ({"model": NAME, "prompt": "hi", "n": 2**70}, "n"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": 2**70}, "max_tokens"),
+    ({"model": NAME, "prompt": "hi", "logprobs": 2**70}, "logprobs"),
+    ({"model": NAME, "prompt": "hi", "temperature": 1e300}, "temperature"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"5": 1e300}}, "logit_bias"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # '²'
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"\u0663": 1}}, "logit_bias"),  # '٣', an Arabic-Indic 3
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {str(2**64): 1}}, "logit_bias"),
+    ({"model": NAME, "prompt": "hi", "stop_token_ids": [2**70]}, "stop_token_ids"),
+    ({"model": NAME, "prompt": [2**70]}, "prompt"),
+    ({"model": NAME, "prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
 ])
 def test_bad_fields_give_400_naming_the_field(server, client, body, param):
     r = httpx.post(server + "/v1/completions", json=body)
@@ -227,6 +245,20 @@ def test_bad_fields_give_400_naming_the_field(server, client, body, param):
     error = r.json()["error"]
     assert error["param"] == param and param in error["message"] and error["type"] == "invalid_request_error"
     check_still_serves(client)
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("top_k", 2**70, "an int from -1 to 2**63 - 1"), ("seed", 2**62, "an int from 0 to 2**62 - 1"),
+    ("n", 0, "an int from 1 to 128"), ("temperature", 2.5, "a number from 0 to 2"),
+    ("top_p", 0, "a number > 0 and <= 1"), ("repetition_penalty", 0, "a number from 0.01 to 100"),
+    ("min_p", -1, "a number from 0 to 1"), ("max_tokens", 0, "an int >= 1"), ("logprobs", 6, "an int from 0 to 5"),
+    ("stop_token_ids", [-1], "an int >= 0"), ("logit_bias", {"1": -101}, "a number from -100 to 100"),
+])
+def test_a_number_out_of_range_is_refused_naming_the_range(server, field, value, allowed):
+    r = httpx.post(server + "/v1/completions", json={"model": NAME, "prompt": "hi", field: value})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == field and f"must be {allowed}" in error["message"], r.text
+    assert error["message"].startswith(field)
 
 
 def test_penalties_logit_bias_top_k_and_stop_token_ids(client):
@@ -260,6 +292,60 @@ def test_bad_chat_fields_give_400(server, client):
     r = httpx.post(server + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "developer",
                                                                                          "content": "hi"}]})
     assert r.status_code == 400 and "no developer role" in r.json()["error"]["message"]
+    check_still_serves(client)
+
+
+def test_a_chat_limit_is_named_by_the_field_the_client_sent(server, client):
+    messages = [{"role": "user", "content": "hi"}]
+    for field in ("max_completion_tokens", "max_tokens"):
+        r = httpx.post(server + "/v1/chat/completions", json={"model": NAME, "messages": messages,
+                                                              field: MAX_CONTEXT + 1})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == field, r.text
+        assert error["message"].startswith(f"{field} must be at most max_new_tokens ({MAX_CONTEXT})")
+    r = httpx.post(server + "/v1/chat/completions", json={"model": NAME, "messages": messages, "top_logprobs": 2**70,
+                                                          "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    check_still_serves(client)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ["ok", "\\udfff"]}', "prompt"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+                             '"text": "x\\udc00"}]}]}', "messages"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "a", "stop": ["\\ud800"]}', "stop"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "a", "\\ud800": 1}', "\\ud800"),
+], ids=["prompt", "prompts", "message", "message-part", "stop", "key"])
+def test_a_lone_surrogate_is_refused_naming_the_field(server, client, path, body, param):
+    """A \\ud800 escape that is not half of a pair is no character: no tokenizer takes it."""
+    r = httpx.post(server + path, content=body, headers={"content-type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and "lone surrogate" in error["message"], r.text
+    assert error["type"] == "invalid_request_error"
+    # a pair is a character
+    r = httpx.post(server + "/v1/completions", content='{"model": "tiny", "prompt": "\\ud83d\\ude00", '
+                   '"max_tokens": 2}', headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"model": "tiny", "prompt": "\xff"}', "not valid UTF-8: byte 0xff at offset 29"),
+    (b'{"model": "tiny", "prompt": "\xc3"}', "not valid UTF-8: byte 0xc3 at offset 29"),
+    (b'{"model": "tiny",\n "prompt": "a",, }', "not valid JSON: Expecting property name enclosed in double quotes "
+                                               "at line 2, column 16"),
+    (b'{"model": "tiny", "prompt": "a", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", "deeper than 32 levels"),
+    (b'{"model": "tiny", "prompt": "a", "x": ' + b"[" * 40 + b"]" * 40 + b"}", "x: the request body nests arrays "
+                                                                             "and objects deeper than 32 levels"),
+    (b'{"model": "tiny", "prompt": "a", "temperature": NaN}', "NaN is not a JSON number"),
+    (b'{"model": "tiny", "prompt": "a", "x": ' + b"9" * 5000 + b"}", "an integer of 5000 digits"),
+], ids=["latin-1", "cut-character", "two-commas", "nested-5000", "nested-40", "nan", "long-int"])
+def test_a_body_that_is_not_json_says_what_is_wrong(server, client, content, message):
+    r = httpx.post(server + "/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
     check_still_serves(client)
 
 
@@ -390,26 +476,156 @@ def test_sigterm_finishes_the_running_stream_then_exits(tmp_path):
             proc.wait()
 
 
-def test_no_chat_template_and_a_failing_engine():
-    """Without a chat template, chat is a 400 that says how to give one. A step that raises fails the open request
-    with a 500; the server then refuses new requests (503) and /health says so."""
+@pytest.fixture(scope="module")
+def fragile():
+    """A server without a chat template, whose engine and service a test may break (URL, engine, service)."""
     tokenizer = byte_tokenizer()
-    engine = ServingEngine(tiny_model("llama", layers=1, max_positions=256), build_config("dense"),
-                           tokenizer=tokenizer, max_batch=1, max_context=256, prefill_chunk=64)
-    with running(create_app(engine, tokenizer, NAME)) as url:
-        r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user",
-                                                                                        "content": "hi"}]})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
-        assert "--chat-template" in r.json()["error"]["message"]
+    engine = ServingEngine(tiny_model("llama", layers=1, max_positions=1024), build_config("dense"),
+                           tokenizer=tokenizer, max_batch=2, max_context=1024, prefill_chunk=64)
+    app = create_app(engine, tokenizer, NAME)
+    with running(app) as url:
+        yield url, engine, app.state.service
 
-        def broken():
-            raise RuntimeError("device lost")
-        engine.step = broken
-        r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2}, timeout=30)
-        assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
-        assert httpx.get(url + "/health").status_code == 503
-        r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2})
-        assert r.status_code == 503
+
+def fail_once(target, name: str, error: Exception) -> None:
+    """Makes ``target.name`` raise ``error`` at its next call, and be itself again after."""
+    def broken(*args, **kwargs):
+        delattr(target, name)
+        raise error
+
+    setattr(target, name, broken)
+
+
+def served(url: str) -> None:
+    r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "ok", "max_tokens": 3, "ignore_eos": True},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+
+
+def data(lines) -> list:
+    """The JSON of a stream's remaining events (its [DONE] as the string)."""
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def test_no_chat_template(fragile):
+    """Without a chat template, chat is a 400 that says how to give one."""
+    url, _, _ = fragile
+    r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user",
+                                                                                    "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
+    assert "--chat-template" in r.json()["error"]["message"]
+
+
+def test_a_failing_step_ends_its_requests_with_error_and_the_server_serves_on(fragile):
+    """A decode step that raises cannot be laid to one request: the requests it ran end with finish reason "error",
+    each told so (an error event in a stream, then [DONE]; a 500 for a whole answer), /metrics counts them, and the
+    next requests are answered. So too where ``step`` itself raises."""
+    url, engine, _ = fragile
+    errors = metric(url, 'sparsekv_finished_requests_total{reason="error"}')
+    long = {"model": NAME, "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as http, contextlib.ExitStack() as stack:
+        streams = [stack.enter_context(http.stream("POST", url + "/v1/completions", json={**long, "prompt": p}))
+                   for p in ("x", "yz")]
+        lines = [s.iter_lines() for s in streams]
+        for it in lines:  # both run
+            next(line for line in it if line.startswith("data: "))
+        fail_once(engine.runner, "launch", RuntimeError("device lost"))
+        for it in lines:
+            events = data(it)
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_error", events[-3:]
+            assert 'finish reason "error"' in events[-2]["error"]["message"]
+            assert "RuntimeError: device lost" in events[-2]["error"]["message"]
+    assert metric(url, 'sparsekv_finished_requests_total{reason="error"}') == errors + 2
+    served(url)
+    fail_once(engine.runner, "launch", RuntimeError("device lost"))
+    r = httpx.post(url + "/v1/completions", json={**long, "stream": False}, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
+    assert r.json()["error"]["type"] == "server_error" and "device lost" in r.json()["error"]["message"]
+    served(url)
+    fail_once(engine, "step", RuntimeError("a bug"))  # past the engine's own handling
+    r = httpx.post(url + "/v1/completions", json={**long, "stream": False}, timeout=30)
+    assert r.status_code == 500 and "a bug" in r.json()["error"]["message"], r.text
+    served(url)
+
+
+def test_a_request_that_fails_fails_alone(fragile):
+    """A request whose first token fails ends with "error" (a 500); the one streaming beside it gets every token,
+    and the server answers the next."""
+    url, engine, _ = fragile
+    runner = engine.runner
+    first_token = runner.first_token
+
+    def broken(job, *args):
+        if job.prompt == [10] * 5:
+            raise OverflowError("int too big to convert")
+        return first_token(job, *args)
+
+    runner.first_token = broken
+    try:
+        body = {"model": NAME, "prompt": "x", "max_tokens": 300, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": [10] * 5, "max_tokens": 5},
+                           timeout=30)
+            assert r.status_code == 500 and "OverflowError: int too big to convert" in r.json()["error"]["message"]
+            events = data(lines)
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 300
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+    finally:
+        del runner.first_token
+    served(url)
+
+
+def test_an_unexpected_error_in_a_handler_is_a_json_500(fragile, monkeypatch):
+    """An error no handler expected is a 500 in OpenAI's error body, whole or streamed, and the server serves on."""
+    url, _, service = fragile
+
+    def broken(body):
+        raise ValueError("unexpected")
+
+    monkeypatch.setattr(service, "completion_prompts", broken)
+    r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "hi"})
+    assert r.status_code == 500 and r.json()["error"] == {
+        "message": "internal error: ValueError: unexpected", "type": "server_error", "param": None,
+        "code": "internal_error"}
+    monkeypatch.undo()
+
+    async def failing(rid, subscriber, stops):
+        raise KeyError("lost")
+        yield
+
+    monkeypatch.setattr(service, "pieces", failing)
+    with httpx.stream("POST", url + "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2,
+                                                             "stream": True}, timeout=30) as stream:
+        events = data(stream.iter_lines())
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "internal_error"
+    assert "KeyError" in events[-2]["error"]["message"]
+    monkeypatch.undo()
+    served(url)
+
+
+def test_a_stop_string_end_counts_as_stop_in_the_metrics(server, client):
+    """A request cut by a stop string ends with finish reason "stop" in /metrics too (not "cancelled"), and its
+    latency is observed."""
+    def counts():
+        return [metric(server, name) for name in ('sparsekv_finished_requests_total{reason="stop"}',
+                                                  'sparsekv_finished_requests_total{reason="cancelled"}',
+                                                  "sparsekv_request_latency_seconds_count")]
+
+    text = client.completions.create(model=NAME, prompt="stop here", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    before = counts()
+    out = client.completions.create(model=NAME, prompt="stop here", max_tokens=MAX_CONTEXT // 2, temperature=0,
+                                    stop=[text[3:5]], extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 20
+    while counts()[0] == before[0]:  # the engine ends it at its next step
+        assert time.monotonic() < deadline, "the request cut by a stop string did not end"
+        time.sleep(0.05)
+    assert counts() == [before[0] + 1, before[1], before[2] + 1]
 
 
 @pytest.mark.parametrize("argv, message", [

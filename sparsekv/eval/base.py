@@ -20,6 +20,23 @@ class EvalError(Exception):
     traceback by the CLI."""
 
 
+def read_text_file(path: Path, task: str, option: str) -> str:
+    """The text of a UTF-8 file. A file that is not one (binary, or in another encoding) is an EvalError naming it
+    and ``option``: read leniently, its bytes would be scored as the U+FFFD characters they decode to."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise EvalError(f"{task}: cannot read {path} ({e.strerror or e}); {option} takes UTF-8 text files") from None
+    if b"\x00" in data:
+        raise EvalError(f"{task}: {path} is a binary file (a NUL byte at offset {data.index(0)}), not text; {option} "
+                        f"takes UTF-8 text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EvalError(f"{task}: {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                        f"{option} takes UTF-8 text") from None
+
+
 def data_dir() -> Path:
     """The shared read-only data folder: ``$SPARSEKV_DATA_DIR``, else ``../shared/data`` from the repo root."""
     return Path(os.environ.get(DATA_ENV) or REPO_ROOT.parent / "shared" / "data")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .base import EvalError, Sample, Task, data_dir, require_path
+from .base import EvalError, Sample, Task, data_dir, read_text_file, require_path
 from .metrics import (answers_match, classification_score, code_similarity, count_score, extract_answer, qa_f1,
                       retrieval_score, rouge_l)
 
@@ -93,7 +93,7 @@ class Perplexity(Task):
     """Perplexity of windows of a text file (or of a folder of .txt files, joined; default: the essays the
     project's model held out from training). The first ``--prefill-tokens`` of each window are prefilled; every
     later token is fed through the decode path, one per step, as PG19-style evaluations of sparse decoding do.
-    Length = tokens per window."""
+    Length = tokens per window. The files are UTF-8 text, read when the task is made (before any model loads)."""
 
     name = "perplexity"
     metric = "perplexity"
@@ -111,16 +111,14 @@ class Perplexity(Task):
         else:
             self.files = held_out_essays()
             self.path = f"the held-out essays ({', '.join(f.name for f in self.files)})"
-
-    def _text(self) -> str:
-        return "\n\n".join(f.read_text(errors="replace") for f in self.files)
+        self.text = "\n\n".join(read_text_file(f, self.name, "--data") for f in self.files)
 
     def samples(self, tokenizer, length, depth, seed, count):
         prefill = self.options.prefill_tokens
         if not 0 < prefill < length:
             raise EvalError(f"--prefill-tokens must be between 1 and the length - 1 ({length - 1}), got {prefill} "
                             f"(the default is 1024: give a smaller one for windows of {length} tokens)")
-        ids = tokenizer(self._text(), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(self.text, add_special_tokens=False)["input_ids"]
         windows = len(ids) // length
         if windows == 0:
             raise EvalError(f"perplexity: {self.path} has {len(ids)} tokens, fewer than the length {length}")

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 from .base import (HAYSTACK_ENV, EvalError, Sample, Task, TokenFiller, data_dir, fit_length, insert_at,
-                   sample_rng)
+                   read_text_file, sample_rng)
 from .metrics import parse_first_int, string_match
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -106,12 +106,14 @@ def haystack_files(options, task: str) -> list[Path]:
     if not files:
         raise EvalError(f"{task}: no .txt files in haystack folder {folder} (pass --haystack-dir or set "
                         f"{HAYSTACK_ENV})")
+    for f in files:  # here, before a model loads: a file that is not text is refused, not scored as U+FFFD
+        read_text_file(f, task, "--haystack-dir")
     return files
 
 
 def haystack_text(files: list[Path]) -> str:
     """The files in name order, whitespace collapsed within each, separated by blank lines."""
-    return "\n\n".join(" ".join(f.read_text(errors="replace").split()) for f in files) + "\n\n"
+    return "\n\n".join(" ".join(f.read_text(encoding="utf-8").split()) for f in files) + "\n\n"
 
 
 class Niah(_Synthetic):

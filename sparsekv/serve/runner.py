@@ -31,6 +31,7 @@ same calls in the same order; one process serves HTTP and broadcasts the schedul
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Generator
@@ -46,6 +47,8 @@ from ..integrations import apply
 from ..integrations.decode import DecodeModel
 from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
 from ..methods.base import DEVICE_MARGIN, Method, require
+
+log = logging.getLogger("sparsekv.serve")
 
 # The field a pool that the device's free memory cannot hold is refused under (benchmarks search the largest pool).
 POOL_FIELD = "max_batch and max_context"
@@ -458,12 +461,23 @@ class Runner:
                 pages.lengths[row] = source.lengths[source_row]
                 pages.seq_len[row] = source.seq_len[source_row]
                 self.method.copy_row(row, method, source_row, job.prompt_len)
-        except BaseException:  # the row runs nothing: its pages go back
+            self._set_sampling(row, job, first, sampling, seed)
+        except BaseException:  # the row runs nothing: its pages go back (its prefill's pages too, where it took them)
             if self.shared is not None:
                 self.shared.release(row)
+            pages.lengths[row] = 0
             raise
         if takes:
             job.holder = key
+        self.keys.append(key)
+        self.sampled.append(not sampling.greedy)
+        self.adjusted.append(sampling.adjusts)
+        self.logprobs.append(logprobs)
+        self.prompt_lens.append(job.prompt_len)
+        self.max_tokens.append(max_tokens)
+
+    def _set_sampling(self, row: int, job: Prefill, first: int, sampling: Sampling, seed: int) -> None:
+        """Sets ``row``'s next token, sampling, seed, token index and penalties' state."""
         # Each value is filled in by a kernel, not copied from the host: such a copy would wait for the step in
         # flight.
         for t, value in ((self.token[row], first), (self.temperature[row], sampling.temperature),
@@ -481,12 +495,6 @@ class Runner:
             self.prompt_tokens[row] = self._prompt_set(job)[0]
         else:
             self.prompt_tokens[row].zero_()
-        self.keys.append(key)
-        self.sampled.append(not sampling.greedy)
-        self.adjusted.append(sampling.adjusts)
-        self.logprobs.append(logprobs)
-        self.prompt_lens.append(job.prompt_len)
-        self.max_tokens.append(max_tokens)
 
     def discard(self, job: Prefill, keep: bool = False) -> None:
         """Drops a prefill: what its cache and method hold (a cancelled request's, or one that joined rows).
@@ -499,8 +507,8 @@ class Runner:
             try:
                 if keep:
                     source, _, row = self._prefilled(job)
-                    self._keep(job.prompt, source, row)
-            finally:  # the pages no row took go back whatever happens to the copy
+                    self._offer(job.prompt, source, row)
+            finally:  # the pages no row took go back whatever happens
                 job.table.release(0)
                 job.cache.pages.layers = []
         elif not (keep and self.prefixes.keep(job.prompt, job.cache.pages)):
@@ -514,7 +522,7 @@ class Runner:
             raise RuntimeError("release: a decode step over the rows is in flight (collect it first)")
         row, last = self.keys.index(key), len(self.keys) - 1
         if tokens is not None and self.prefixes is not None and self.method.answer_reuse:
-            self._keep(tokens, self.pool.pages, row)
+            self._offer(tokens, self.pool.pages, row)
         if self.shared is not None:
             self.shared.release(row)
         if row != last:
@@ -536,6 +544,19 @@ class Runner:
             rows.pop()
         self.pool.pages.lengths[last] = 0
 
+    def clear(self, jobs=()) -> None:
+        """Drops every row, nothing copied, and the prefills ``jobs``: after a failure that leaves the rows' state
+        unknown (the next requests join from row 0, their rows set anew). Pages the rows hold come back."""
+        self.in_flight = None
+        for job in jobs:
+            self.discard(job)
+        if self.shared is not None:
+            for row in range(self.max_batch):
+                self.shared.release(row)
+        for rows in self._host_rows:
+            rows.clear()
+        self.pool.pages.lengths[:] = [0] * self.max_batch
+
     @property
     def _host_rows(self) -> tuple[list, ...]:
         """What the host keeps per running row."""
@@ -547,6 +568,14 @@ class Runner:
         if job.holder is None:
             return job.cache.pages, job.cache.method, 0
         return self.pool.pages, self.method, self.keys.index(job.holder)
+
+    def _offer(self, tokens: list[int], pages: PagedKVCache, row: int) -> None:
+        """``_keep``, whose failure (no memory for the copy) is logged, not raised: the request the pages come from
+        has ended well, and the prefix cache only saves prefill work."""
+        try:
+            self._keep(tokens, pages, row)
+        except Exception:
+            log.warning("a prompt's pages could not be kept in the prefix cache", exc_info=True)
 
     def _keep(self, tokens: list[int], pages: PagedKVCache, row: int) -> None:
         """Copies the whole pages of ``row`` of ``pages`` (the pool's, or a prefill's), which holds the KV of

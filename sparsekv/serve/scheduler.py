@@ -7,6 +7,7 @@ A request, as data::
               prefill for the requests of one prompt admitted while it runs, such as a client's n choices)
            -> first token (each request its own) -> a running row
            -> one token per step -> stop token, max_tokens or cancel: its row is freed at the step boundary
+           (a failure inside a step: "error", see ``ServingEngine.step``)
 
 ``submit`` and ``cancel`` may come from any thread; ``step`` runs in one thread (the server's loop), which alone
 touches the runner and the model.
@@ -14,6 +15,7 @@ touches the runner and the model.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -21,10 +23,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine import Sampling, _is_count, is_token_ids, prefill_passes
+from ..engine import SAMPLING_FORM, Sampling, _is_count, check_seed, prefill_passes, shorten, token_id_list
 from ..errors import ConfigError
 from ..methods.base import is_real, require
 from .runner import TOP_LOGPROBS, Logprobs, Prefill, Runner
+
+log = logging.getLogger("sparsekv.serve")
+
+# The finish reasons a caller may end a request with (``ServingEngine.cancel``): "stop" where the caller found its
+# end itself (a server's stop string).
+CANCEL_REASONS = ("cancelled", "stop")
 
 
 class RequestError(ConfigError):
@@ -55,36 +63,24 @@ class Request:
     logprobs: int | None = None
 
     def __post_init__(self):
-        prompt = self.prompt
-        if not isinstance(prompt, (list, tuple)) or not prompt or not is_token_ids(prompt):
-            raise RequestError("prompt", "a non-empty list of token ids (ints >= 0)", _short(prompt))
-        object.__setattr__(self, "prompt", list(prompt))
+        object.__setattr__(self, "prompt", token_id_list(self.prompt, "prompt", least=1, error=RequestError))
         if not _is_count(self.max_tokens, 1):
             raise RequestError("max_tokens", "an int >= 1", self.max_tokens)
         if not isinstance(self.sampling, Sampling):
-            raise RequestError("sampling", "a sparsekv.engine.Sampling", self.sampling)
-        stops = self.stop_tokens
-        if not isinstance(stops, (list, tuple)) or not is_token_ids(stops):
-            raise RequestError("stop_tokens", "a tuple of token ids (ints >= 0)", stops)
-        object.__setattr__(self, "stop_tokens", tuple(stops))
-        if self.seed is not None and not (_is_count(self.seed, 0) and self.seed < 1 << 62):
-            raise RequestError("seed", "None or an int in [0, 2**62)", self.seed)
+            raise RequestError("sampling", SAMPLING_FORM, self.sampling)
+        object.__setattr__(self, "stop_tokens", tuple(token_id_list(self.stop_tokens, "stop_tokens",
+                                                                    error=RequestError)))
+        check_seed(self.seed, RequestError)
         if self.logprobs is not None and not (_is_count(self.logprobs, 0) and self.logprobs <= TOP_LOGPROBS):
             raise RequestError("logprobs", f"None or an int from 0 to {TOP_LOGPROBS}", self.logprobs)
-
-
-def _short(value):
-    """A value for an error message, long lists cut."""
-    if isinstance(value, (list, tuple)) and len(value) > 8:
-        return f"{type(value).__name__} of {len(value)} items starting {list(value[:8])!r}"
-    return value
 
 
 @dataclass
 class Event:
     """What happened to one request in one step: its ``tokens`` new since its last event (may be empty at the
-    finish), whether it ``finished`` and why ("stop", "length", "cancelled"), its usage counts, and for a request
-    that asked for them the ``logprobs`` of its new tokens (one each; else None)."""
+    finish), whether it ``finished`` and why ("stop", "length", "cancelled", or "error": a failure inside a step,
+    which ``error`` describes), its usage counts, and for a request that asked for them the ``logprobs`` of its new
+    tokens (one each; else None)."""
 
     request_id: int
     tokens: list[int]
@@ -94,6 +90,7 @@ class Event:
     completion_tokens: int
     logprobs: list[Logprobs] | None = None
     cached_tokens: int = 0  # prompt tokens whose prefill a kept prompt gave (the prefix cache)
+    error: str | None = None  # for finish reason "error": what failed
 
 
 class PrefillPacer:
@@ -173,6 +170,7 @@ class ServingEngine:
                  prefill: Callable = prefill_passes, max_new_tokens: int | None = None, prefix_cache_bytes: int = 0):
         if not _is_count(max_queue, 1):
             raise ConfigError("max_queue", "an int >= 1", max_queue)
+        require(callable(prefill), "prefill", "a callable of engine.prefill_passes's signature", prefill)
         self.pacer = None if prefill_share is None else PrefillPacer(prefill_share)
         self.runner = Runner(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile, passes=prefill,
@@ -182,7 +180,7 @@ class ServingEngine:
         self._lock = threading.Lock()
         self._next_id = 0
         self._queue: deque[_Live] = deque()
-        self._cancel: set[int] = set()
+        self._cancel: dict[int, str] = {}  # request id -> the finish reason it ends with
         self._prefilling: list[_Live] = []
         self._running: dict[int, _Live] = {}  # id -> request
         self._in_use = 0  # KV bytes of the admitted requests
@@ -190,6 +188,7 @@ class ServingEngine:
         self._finished: dict[str, int] = {}  # requests finished since the start, by finish reason
         self._prefill_work = 0  # token-layers of prefill run
         self._carried: list[Event] = []  # events of a step that raised, returned by the next
+        self._ended: Exception | None = None  # a failure whose requests ended already, raised to ``step``
 
     @property
     def stop_tokens_default(self) -> tuple[int, ...]:
@@ -208,7 +207,7 @@ class ServingEngine:
         runner = self.runner
         vocab = runner.vocab_size
         if max(request.prompt) >= vocab:
-            raise RequestError("prompt", f"token ids below the vocabulary size ({vocab})", _short(request.prompt))
+            raise RequestError("prompt", f"token ids below the vocabulary size ({vocab})", shorten(request.prompt))
         if request.stop_tokens and max(request.stop_tokens) >= vocab:
             raise RequestError("stop_tokens", f"token ids below the vocabulary size ({vocab})", request.stop_tokens)
         request.sampling.check_vocab(vocab)
@@ -234,11 +233,16 @@ class ServingEngine:
             self._queue.append(_Live(rid, request, seed))
         return rid
 
-    def cancel(self, request_id: int) -> None:
-        """Ends the request at the next step boundary (a final event with finish_reason "cancelled"). Unknown or
-        finished ids: nothing happens. Thread-safe."""
+    def cancel(self, request_id: int, reason: str = "cancelled") -> None:
+        """Ends the request at the next step boundary, with a final event of finish reason ``reason``: "cancelled",
+        or "stop" for a caller that found the request's end itself (a server's stop string). Unknown or finished ids:
+        nothing happens; a request cancelled twice ends with the first reason. Thread-safe."""
+        if not _is_count(request_id, 0):
+            raise ConfigError("request_id", "an id that submit returned (an int >= 0)", request_id)
+        if reason not in CANCEL_REASONS:
+            raise ConfigError("reason", " or ".join(map(repr, CANCEL_REASONS)), reason)
         with self._lock:
-            self._cancel.add(request_id)
+            self._cancel.setdefault(request_id, reason)
 
     def has_work(self) -> bool:
         """Whether anything is queued, prefilling or running, or a step that raised left events to return."""
@@ -247,8 +251,9 @@ class ServingEngine:
 
     def metrics(self) -> dict:
         """Rows, queue and memory now (``free_rows``: rows neither running nor taken by a prefill), and totals since
-        the start (``finished_requests``: by finish reason, "stop", "length" or "cancelled"; ``prefix_hits``: prompts
-        started from a kept prompt's cache, ``prefix_tokens_reused``: the prompt tokens it gave them)."""
+        the start (``finished_requests``: by finish reason, "stop", "length", "cancelled" or "error";
+        ``prefix_hits``: prompts started from a kept prompt's cache, ``prefix_tokens_reused``: the prompt tokens it
+        gave them)."""
         with self._lock:
             queued, running, prefilling = len(self._queue), len(self._running), len(self._prefilling)
         return {"running": running, "queued": queued, "prefilling": prefilling,
@@ -264,15 +269,36 @@ class ServingEngine:
         return {"prefix_cache_bytes": cache.bytes, "prefix_hits": cache.hits,
                 "prefix_tokens_reused": cache.reused_tokens}
 
-    def step(self) -> list[Event]:
+    def step(self, raise_errors: bool = True) -> list[Event]:
         """One iteration: cancellations, admission, one decode step over the running rows with the prefill (about
         one chunk, or what the pacer allows while rows decode) queued behind it, or with a pacer before it, so that
-        its time is its own. Returns the events of this step. Call from one thread only. A prefill that raises
-        drops its requests (each with a final "cancelled" event) and raises; the events this step made before it
-        raised, the launched step's tokens among them, come with the next step's."""
+        its time is its own. Returns the events of this step. Call from one thread only.
+
+        A failure (an ``Exception``) inside a step ends the requests it belongs to, with finish reason "error" (the
+        event's ``error`` says what failed), and the step stops there: a prefill's, its first token's or its join
+        into a row ends the requests of that prefill, an admission's its request, and the running requests keep
+        the tokens of the step launched before it. A failure no request can be blamed for (the decode step over the
+        rows, freeing a row) ends every admitted request, running or prefilling, with "error" and clears the rows,
+        whose state is not known; the queue waits on. Either way the engine takes requests as before. Then
+        ``raise_errors``: True raises the failure (a benchmark's probe for memory catches it), the events the step
+        made coming with the next step's; False (a server) logs it to ``sparsekv.serve`` and returns the events.
+        Where clearing the rows fails too, or on a ``BaseException`` (KeyboardInterrupt), ``step`` raises whatever
+        ``raise_errors`` says, the events carried the same way."""
         events, self._carried = self._carried, []
         try:
-            self._step(events)
+            try:
+                self._step(events)
+            except Exception as error:
+                if error is self._ended:  # its requests have ended
+                    if self.runner.in_flight is not None:  # its tokens are the running requests'
+                        self._collect(self.runner.in_flight, events)
+                else:
+                    self._fail_all(error, events)
+                self._ended = None
+                if raise_errors:
+                    raise
+                log.error("a serving step failed; the requests it ran or prefilled ended with \"error\"",
+                          exc_info=error)
         except BaseException:
             if self.runner.in_flight is not None:  # its tokens are the running requests'
                 self._collect(self.runner.in_flight, events)
@@ -280,9 +306,19 @@ class ServingEngine:
             raise
         return events
 
+    def _fail_all(self, error: Exception, events: list[Event]) -> None:
+        """Ends every admitted request with "error" and clears the runner's rows and their prefills."""
+        with self._lock:
+            lives = [*self._prefilling, *self._running.values()]
+            self._prefilling, self._running = [], {}
+        self.runner.clear({id(live.prefill): live.prefill for live in lives if live.prefill is not None}.values())
+        for live in lives:
+            live.prefill = None
+            self._finish(live, "error", events, error=error)
+
     def _step(self, events: list[Event]) -> None:
         self._cancelled(events)
-        self._admit()
+        self._admit(events)
         pacer = self.pacer
         launched = None
         if pacer is None:
@@ -311,21 +347,23 @@ class ServingEngine:
 
     def _cancelled(self, events: list[Event]) -> None:
         with self._lock:
-            cancel, self._cancel = self._cancel, set()
+            cancel, self._cancel = self._cancel, {}
             queued = [live for live in self._queue if live.id in cancel]
             for live in queued:
                 self._queue.remove(live)
         for live in queued:
-            self._finish(live, "cancelled", events, admitted=False)
+            self._finish(live, cancel[live.id], events, admitted=False)
         for live in [*self._prefilling, *self._running.values()]:
             if live.id in cancel:
-                self._finish(live, "cancelled", events)
+                self._finish(live, cancel[live.id], events)
 
-    def _admit(self) -> None:
+    def _admit(self, events: list[Event]) -> None:
         """Takes waiting requests in order while a row is free and their KV fits (the first that does not fit
         waits, and so does everything behind it: no request is passed over for ever). A request whose prompt is
-        being prefilled already shares that prefill: it takes a row of its own when the prefill ends."""
+        being prefilled already shares that prefill: it takes a row of its own when the prefill ends. A request
+        whose prefill cannot start ends with "error"."""
         while True:
+            failed = None
             with self._lock:
                 if not self._queue:
                     return
@@ -339,9 +377,17 @@ class ServingEngine:
                 self._in_use += need
                 live.prefill = next((other.prefill for other in self._prefilling
                                      if other.request.prompt == live.request.prompt), None)
-                if live.prefill is None:
-                    live.prefill = self.runner.start(live.request.prompt)
-                self._prefilling.append(live)
+                try:
+                    if live.prefill is None:
+                        live.prefill = self.runner.start(live.request.prompt)
+                    self._prefilling.append(live)
+                except Exception as error:
+                    failed = error
+            if failed is not None:
+                self._finish(live, "error", events, error=failed)
+                self._ended = failed
+                failed.add_note(f"while starting the prefill of request {live.id}, which ends with \"error\"")
+                raise failed
 
     def _prefill(self, events: list[Event], budget: int) -> int:
         """Runs about ``budget`` token-layers of prompt work (at least one pass), oldest request first; when a
@@ -371,15 +417,17 @@ class ServingEngine:
                             self._running[live.id] = live
                     pending.remove(live)
             except Exception as error:
-                # The requests of this prefill not yet running are dropped, what they held freed, and the error
-                # raised to the caller of ``step``; the running requests and the queue are as they were.
+                # The requests of this prefill not yet running end with "error", what they held freed, and the
+                # error is raised to ``step``; the running requests and the queue are as they were.
                 with self._lock:
                     self._prefilling = [live for live in self._prefilling if live.prefill is not job]
                 for live in pending:
                     live.prefill = None
-                    self._finish(live, "cancelled", events)
+                    self._finish(live, "error", events, error=error)
                 self.runner.discard(job)
-                error.add_note(f"while prefilling request(s) {[live.id for live in pending]}, which are dropped")
+                self._ended = error
+                error.add_note(f"while prefilling request(s) {[live.id for live in pending]}, which end with "
+                               f"\"error\"")
                 raise
             self.runner.discard(job, keep=True)
         return start - budget
@@ -400,16 +448,18 @@ class ServingEngine:
         self._finish(live, reason, events)
         return True
 
-    def _event(self, live: _Live, finished: bool, reason: str | None) -> Event:
+    def _event(self, live: _Live, finished: bool, reason: str | None, error: Exception | None = None) -> Event:
         new = live.tokens[live.shown:]
         logprobs = None if live.request.logprobs is None else live.logprobs[live.shown:]
         live.shown = len(live.tokens)
         return Event(request_id=live.id, tokens=new, finished=finished, finish_reason=reason,
                      prompt_tokens=len(live.request.prompt), completion_tokens=len(live.tokens), logprobs=logprobs,
-                     cached_tokens=live.cached)
+                     cached_tokens=live.cached, error=None if error is None else f"{type(error).__name__}: {error}")
 
-    def _finish(self, live: _Live, reason: str, events: list[Event], admitted: bool = True) -> None:
-        """Frees what the request holds (its prefill or its row) and emits its last event."""
+    def _finish(self, live: _Live, reason: str, events: list[Event], admitted: bool = True,
+                error: Exception | None = None) -> None:
+        """Frees what the request holds (its prefill or its row) and emits its last event (``error``: the failure
+        that ended it, for reason "error")."""
         if admitted:
             prompt = len(live.request.prompt)
             self._in_use -= self.runner.kv_bytes(prompt, prompt + live.request.max_tokens)
@@ -427,4 +477,4 @@ class ServingEngine:
             if not any(other.prefill is job for other in self._prefilling):
                 self.runner.discard(job)
         self._finished[reason] = self._finished.get(reason, 0) + 1
-        events.append(self._event(live, True, reason))
+        events.append(self._event(live, True, reason, error))

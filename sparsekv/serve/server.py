@@ -6,15 +6,18 @@ server-sent events (``data: {...}`` chunks, then ``data: [DONE]``) or answered w
 
 Requests, as data::
 
-    JSON body -> pydantic model (400 naming the field) -> prompt token ids (text, token ids, or the chat template;
-              a list of prompts) -> one engine request per prompt and choice (``n``): engine.submit (429 queue
-              full, 400 over a limit; all or none) -> events from the engine's thread -> incremental
-              detokenization -> stop strings (cancel the request) -> SSE chunks (each choice's, as they come) or
-              one JSON answer
+    body -> UTF-8, JSON, nesting and strings checked (``parse_body``: a 400 saying what is wrong and where)
+         -> pydantic model (400 naming the field and what it takes) -> prompt token ids (text, token ids, or the
+              chat template; a list of prompts) -> one engine request per prompt and choice (``n``): engine.submit
+              (429 queue full, 400 over a limit; all or none) -> events from the engine's thread -> incremental
+              detokenization -> stop strings (end the request, finish reason "stop") -> SSE chunks (each choice's,
+              as they come) or one JSON answer
 
 One background thread (``EngineLoop``) owns the engine: it calls ``step()`` while there is work, hands each event
 to the asyncio queue of its request, and snapshots ``metrics()``. A client that disconnects cancels its request,
-which frees its rows. SIGTERM stops accepting (503), lets the running requests finish, then stops.
+which frees its rows. A failure inside a step ends the requests it belongs to (finish reason "error": a 500, or an
+error event in a stream) and the server serves on; so does an error no handler expected (a 500 in OpenAI's error
+body). SIGTERM stops accepting (503), lets the running requests finish, then stops.
 
 FastAPI (on Starlette, served by uvicorn) is the framework: the Python ecosystem's maintained standard for typed JSON
 APIs, whose pydantic validation names the offending field, whose streaming responses carry server-sent events, and
@@ -30,6 +33,7 @@ import difflib
 import hmac
 import json
 import logging
+import re
 import signal
 import threading
 import time
@@ -40,14 +44,17 @@ from dataclasses import dataclass, field
 from typing import Annotated, Callable, Literal
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
-                      model_validator)
+from fastapi.routing import APIRoute
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import MAX_BIAS, MAX_PENALTY, MIN_TEMPERATURE, IncrementalText, Sampling
+from ..engine import (INT64_MAX, MAX_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY,
+                      MIN_TEMPERATURE, SEED_LIMIT, IncrementalText, Sampling)
 from ..errors import ConfigError
 from . import Event, Logprobs, QueueFull
 from .scheduler import ContextTooLong
@@ -73,6 +80,13 @@ LOGPROB_FLOOR = -9999.0
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
+# The deepest nesting of arrays and objects a request body may have (OpenAI's requests nest a few levels).
+MAX_JSON_DEPTH = 32
+# The most digits of an integer in a request body (an int64 has 19; Python's parser refuses more than 4300 with a
+# message about its own settings).
+MAX_INT_DIGITS = 100
+# The finish reasons /metrics counts.
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 class APIError(Exception):
@@ -91,12 +105,138 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def internal_error(err: BaseException) -> APIError:
+    """The 500 of an error no handler expected (its traceback goes to the server's log)."""
+    return APIError(500, printable(f"internal error: {type(err).__name__}: {err}"), "server_error",
+                    code="internal_error")
+
+
+def printable(text: str) -> str:
+    """``text`` with any lone surrogate written as an escape (a JSON answer is UTF-8, which has no such
+    character)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# ------------------------------------------------------------------------------------------------ the body
+
+
+class _BodyError(ValueError):
+    """A request body that is not one this server reads (raised from inside ``json.loads``)."""
+
+
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _BodyError(f"the request body has an integer of {len(text.lstrip('-'))} digits; this server reads at "
+                         f"most {MAX_INT_DIGITS}")
+    return int(text)
+
+
+def _json_constant(name: str):
+    raise _BodyError(f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+# A JSON escape of a UTF-16 surrogate: a string with one may hold a lone surrogate (in UTF-8 text, only such an
+# escape makes one).
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def parse_body(body: bytes):
+    """The JSON value of a request body, or an ``APIError`` (400) saying what is wrong with it: bytes that are not
+    UTF-8 (at which byte), text that is not JSON (where; NaN and Infinity are not JSON), an integer of more than
+    ``MAX_INT_DIGITS`` digits, arrays and objects nested deeper than ``MAX_JSON_DEPTH``, or a string holding a lone
+    surrogate (a ``\\ud800`` escape that is not half of a pair: no character, which no tokenizer takes), named by its
+    field."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise APIError(400, f"the request body is not valid UTF-8: byte 0x{body[err.start]:02x} at offset "
+                            f"{err.start} ({err.reason})", code="invalid_encoding") from None
+    try:
+        value = json.loads(text, parse_int=_json_int, parse_constant=_json_constant)
+    except json.JSONDecodeError as err:
+        raise APIError(400, f"the request body is not valid JSON: {err.msg} at line {err.lineno}, column "
+                            f"{err.colno}", code="invalid_json") from None
+    except _BodyError as err:
+        raise APIError(400, str(err), code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json") from None
+    surrogates = SURROGATE_ESCAPE.search(text) is not None
+    if surrogates or text.count("[") + text.count("{") > MAX_JSON_DEPTH:  # else neither can be there
+        _check_json(value, surrogates)
+    return value
+
+
+def _check_json(value, surrogates: bool) -> None:
+    """Refuses nesting deeper than ``MAX_JSON_DEPTH`` in ``value``, and with ``surrogates`` a string or key holding a
+    lone surrogate."""
+    stack = [(value, 1, ())]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, str):
+            _check_text(item, path)
+            continue
+        if depth > MAX_JSON_DEPTH:
+            param = printable(str(path[0]))
+            raise APIError(400, f"{param}: the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} "
+                                f"levels", param=param, code="invalid_json")
+        children = item.items() if isinstance(item, dict) else enumerate(item)
+        for key, child in children:
+            if surrogates and isinstance(key, str):
+                _check_text(key, path + (key,))
+            if isinstance(child, (dict, list)) or surrogates and isinstance(child, str):
+                stack.append((child, depth + 1, path + (key,)))
+
+
+def _check_text(text: str, path: tuple) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        where = ".".join(printable(str(p)) for p in path) or "the body"
+        raise APIError(400, f"{where}: the text holds a lone surrogate (\\u{ord(text[err.start]):04x} at character "
+                            f"{err.start}, half of a UTF-16 pair without its other half), which is no character",
+                       param=printable(str(path[0])) if path else None, code="invalid_value") from None
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type is one FastAPI reads as JSON."""
+    kind = (content_type or "").split(";")[0].strip().lower()
+    return kind == "application/json" or kind.startswith("application/") and kind.endswith("+json")
+
+
+class _JSONBody(Request):
+    """A request whose JSON body ``parse_body`` reads (FastAPI calls ``json()``)."""
+
+    async def json(self):
+        if not hasattr(self, "_parsed"):
+            self._parsed = parse_body(await self.body())
+        return self._parsed
+
+
+class JSONBodyRoute(APIRoute):
+    """A route whose JSON body ``parse_body`` reads before FastAPI validates it, so that a body that is not UTF-8,
+    not JSON, nested too deep or holding a lone surrogate is a 400 saying so (an error inside FastAPI's own reading
+    becomes its "There was an error parsing the body", which names none of these)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            request = _JSONBody(request.scope, request.receive)
+            if self.body_field is not None and _is_json(request.headers.get("content-type")) and \
+                    await request.body():
+                await request.json()
+            return await handler(request)
+
+        return route
+
+
 # ---------------------------------------------------------------------------------------------------- requests
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 # Fields this server cannot honour (OpenAI's, and vLLM's extensions that change the output), with the values it
@@ -115,6 +255,38 @@ UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, "")
 Number = Annotated[float, Field(strict=True)]
 
 
+def _written(n) -> str:
+    """A bound as an error shows it (2**63 - 1 rather than its 19 digits)."""
+    if isinstance(n, int) and n >= 1 << 32 and not (n + 1) & n:
+        return f"2**{n.bit_length()} - 1"
+    return f"{n:g}" if isinstance(n, float) else str(n)
+
+
+def Between(kind: type, least, most=None, *, above: bool = False):
+    """The type of a field of ``kind`` (int: an int, not a bool; float: an int or a float, not a string) from
+    ``least`` (greater than it with ``above``) to ``most`` (None: no end): out of range, the 400 names the range."""
+    noun = "an int" if kind is int else "a number"
+    low = f"{'>' if above else '>='} {_written(least)}"
+    allowed = f"{noun} {low}" if most is None else f"{noun} {low} and <= {_written(most)}" if above else \
+        f"{noun} from {_written(least)} to {_written(most)}"
+
+    def check(value):
+        if (value > least if above else value >= least) and (most is None or value <= most):
+            return value
+        raise PydanticCustomError("out_of_range", "must be {allowed}", {"allowed": allowed})
+
+    schema = {"exclusiveMinimum" if above else "minimum": least, **({} if most is None else {"maximum": most})}
+    return Annotated[StrictInt if kind is int else Number, AfterValidator(check), Field(json_schema_extra=schema)]
+
+
+def logit_bias_token(key: str) -> int | None:
+    """The token id a ``logit_bias`` key names: ASCII decimal digits of an int64 (None: not one; ``str.isdigit``
+    takes '²' and '٣' too)."""
+    if key.isascii() and key.isdigit() and len(key) <= MAX_INT_DIGITS and int(key) <= INT64_MAX:
+        return int(key)
+    return None
+
+
 class _Generation(BaseModel):
     """Fields both endpoints share. A field given as null takes its default, as OpenAI's do. Other fields are
     accepted and ignored, except those of ``UNSUPPORTED`` at a value other than their default, which
@@ -123,26 +295,27 @@ class _Generation(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: Annotated[Number, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[Number, Field(gt=0, le=1)] = 1.0
+    max_tokens: Between(int, 1) | None = None
+    temperature: Between(float, 0, 2) = 1.0
+    top_p: Between(float, 0, 1, above=True) = 1.0
     stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] = []
-    seed: StrictInt | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1
+    # The engine's seeds (``SEED_LIMIT``): choice 0 draws with the seed itself, as Engine.generate does.
+    seed: Between(int, 0, SEED_LIMIT - 1) | None = None
+    n: Between(int, 1, MAX_CHOICES) = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Annotated[Number, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
-    frequency_penalty: Annotated[Number, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
-    # Token ids (JSON keys, so strings) to biases added to their logits.
-    logit_bias: dict[str, Annotated[Number, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] = {}
+    presence_penalty: Between(float, -MAX_PENALTY, MAX_PENALTY) = 0.0
+    frequency_penalty: Between(float, -MAX_PENALTY, MAX_PENALTY) = 0.0
+    # Token ids (JSON keys, so strings of ASCII digits) to biases added to their logits.
+    logit_bias: dict[str, Between(float, -MAX_BIAS, MAX_BIAS)] = {}
     # vLLM's, not OpenAI's: the likeliest tokens a draw keeps (-1 or 0: all); the least probability a kept token
     # has, as a share of the likeliest one's; the repetition penalty of transformers and vLLM (prompt and answer
     # tokens); token ids that end the answer as the model's end-of-sequence does (finish reason "stop", the
     # token's text left out).
-    top_k: Annotated[StrictInt, Field(ge=-1)] = -1
-    min_p: Annotated[Number, Field(ge=0, le=1)] = 0.0
-    repetition_penalty: Annotated[Number, Field(gt=0)] = 1.0
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = []
+    top_k: Between(int, -1, INT64_MAX) = -1
+    min_p: Between(float, 0, 1) = 0.0
+    repetition_penalty: Between(float, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY) = 1.0
+    stop_token_ids: list[Between(int, 0)] = []
     # Not OpenAI's: generate through the model's end-of-sequence tokens (exact output lengths for benchmarks).
     ignore_eos: StrictBool = False
 
@@ -157,8 +330,10 @@ class _Generation(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, value):
-        if not all(key.isdigit() for key in value):
-            raise ValueError("keys must be token ids (decimal strings of ints >= 0)")
+        bad = [printable(key) for key in value if logit_bias_token(key) is None]
+        if bad:
+            raise PydanticCustomError("invalid_key", "keys must be token ids, ASCII decimal digits of an int from 0 "
+                                      "to 2**63 - 1 (such as \"50256\"); not {bad}", {"bad": ", ".join(map(repr, bad))})
         return value
 
     @field_validator("stream_options")
@@ -175,7 +350,7 @@ class _Generation(BaseModel):
                         top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                         repetition_penalty=self.repetition_penalty,
-                        logit_bias={int(k): v for k, v in self.logit_bias.items()})
+                        logit_bias={logit_bias_token(k): v for k, v in self.logit_bias.items()})
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -210,7 +385,7 @@ TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1
 class CompletionRequest(_Generation):
     # One prompt (text or token ids) or a list of them, each answered by its own choices.
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
-    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    logprobs: Between(int, 0, MAX_COMPLETION_LOGPROBS) | None = None
 
     def listed_logprobs(self) -> int | None:
         return self.logprobs
@@ -228,9 +403,9 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Between(int, 1) | None = None
     logprobs: StrictBool = False
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=TOP_LOGPROBS)] | None = None
+    top_logprobs: Between(int, 0, TOP_LOGPROBS) | None = None
 
     def listed_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -352,15 +527,15 @@ class Latencies:
 class EngineLoop:
     """Drives ``engine.step()`` in one background thread while there is work, and waits for a submit or cancel
     otherwise. Hands each request's events to its subscriber; keeps the latest ``engine.metrics()``, the recent
-    (time, generated tokens) samples for the token rate and the requests' ``Latencies``. A failing step fails every
-    open request and stops the loop (``error`` holds it; ``/health`` then answers 503)."""
+    (time, generated tokens) samples for the token rate and the requests' ``Latencies``. The engine ends the requests
+    a failure inside a step belongs to itself (finish reason "error"); a step that raises all the same fails every
+    open request (their engine requests are cancelled), and the loop goes on after ``IDLE_WAIT``."""
 
     def __init__(self, engine):
         self.engine = engine
         self.lock = threading.Lock()  # submit + subscribe are one step for the dispatcher
         self.wake = threading.Event()
         self.subscribers: dict[int, _Subscriber] = {}
-        self.error: BaseException | None = None
         self.stopping = False
         self.metrics = engine.metrics()
         self.peak_running = 0  # the most requests decoding at once, seen after every step
@@ -379,18 +554,15 @@ class EngineLoop:
 
     def submit(self, request: EngineRequest) -> tuple[int, _Subscriber]:
         subscriber = _Subscriber(request.stop_tokens)
-        with self.lock:  # the engine thread sets ``error`` under it, so no request is left waiting after a failure
-            if self.error is not None:
-                raise APIError(503, f"the engine failed and serves no more requests: {self.error!r}",
-                               "server_error")
+        with self.lock:  # a failed step fails the subscribers under it: none is added meanwhile and left waiting
             rid = self.engine.submit(request)
             self.subscribers[rid] = subscriber
             self.latencies.started(rid, time.monotonic())
         self.wake.set()
         return rid, subscriber
 
-    def cancel(self, rid: int) -> None:
-        self.engine.cancel(rid)
+    def cancel(self, rid: int, reason: str = "cancelled") -> None:
+        self.engine.cancel(rid, reason)
         self.wake.set()
 
     def token_rate(self) -> float:
@@ -417,7 +589,7 @@ class EngineLoop:
             self.wake.clear()
             try:
                 if self.engine.has_work():
-                    events = self.engine.step()
+                    events = self.engine.step(raise_errors=False)
                     self._sample()
                     now = time.monotonic()
                     with self.lock:
@@ -429,14 +601,17 @@ class EngineLoop:
                                 subscriber.push(event)
                     continue
                 self._sample()
-            except Exception as err:  # the engine's state is unknown: fail every open request, serve no more
+            except Exception as err:  # past the engine's own handling: every open request fails
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 with self.lock:
-                    self.error = err
-                    for subscriber in self.subscribers.values():
-                        subscriber.push(err)
-                    self.subscribers.clear()
-                return
+                    failed, self.subscribers = self.subscribers, {}
+                for rid, subscriber in failed.items():
+                    subscriber.push(err)
+                    self.engine.cancel(rid)
+                if self.stopping:
+                    return
+                self.wake.wait(IDLE_WAIT)  # a step that fails again does not spin
+                continue
             if self.stopping:
                 return
             self.wake.wait(IDLE_WAIT)
@@ -490,11 +665,12 @@ class Service:
                            code="invalid_value") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def submit(self, body: _Generation, prompts: list[list[int]], max_tokens: int | None,
+    def submit(self, body: _Generation, prompts: list[list[int]], max_tokens: int | None, max_tokens_field: str,
                listed: int | None) -> list[tuple[int, _Subscriber]]:
         """One engine request per prompt and choice (``n`` choices per prompt, prompt by prompt), all or none: a
         refusal cancels those already queued. Choice j of a prompt draws with the seed ``choice_seed(seed, j)``;
-        ``listed``: the likeliest tokens whose log-probabilities come with each new token's (None: none)."""
+        ``max_tokens_field``: the field the client gave ``max_tokens`` in (a refusal names it); ``listed``: the
+        likeliest tokens whose log-probabilities come with each new token's (None: none)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
         vocab = self.engine.runner.vocab_size
@@ -524,9 +700,11 @@ class Service:
             if isinstance(err, QueueFull):
                 raise APIError(429, f"the queue is full ({err}); retry later", "rate_limit_error",
                                code="queue_full", headers={"Retry-After": "1"}) from None
-            # RequestError (a limit, a token id) or Sampling's refusal
+            # RequestError (a limit, a token id) or Sampling's refusal, named as the client named the field
             code = "context_length_exceeded" if isinstance(err, ContextTooLong) else "invalid_value"
-            raise APIError(400, str(err), param=err.field, code=code) from None
+            name = err.field.replace("max_tokens", max_tokens_field)
+            raise APIError(400, str(ConfigError(name, err.allowed, err.value, err.where)), param=name,
+                           code=code) from None
 
     async def pieces(self, rid: int, subscriber: _Subscriber, stops: list[str]) -> AsyncIterator[Piece]:
         """The answer's text as it is generated, ending with a piece that has the finish reason and the count of
@@ -539,7 +717,11 @@ class Service:
             while True:
                 event = await subscriber.queue.get()
                 if isinstance(event, BaseException):
-                    raise APIError(500, f"the engine failed: {event!r}", "server_error")
+                    raise APIError(500, printable(f"the engine failed: {event!r}"), "server_error", code="engine_error")
+                if event.finish_reason == "error":  # it has ended: nothing to cancel
+                    done = True
+                    raise APIError(500, printable(f"the engine failed on this request (finish reason \"error\"): "
+                                                  f"{event.error}"), "server_error", code="engine_error")
                 # A stop token ends the answer without text or log-probabilities (the model's end-of-sequence has
                 # no text either).
                 tokens = event.tokens
@@ -564,7 +746,7 @@ class Service:
                 if hit or event.finished:
                     done = True
                     if hit and not event.finished:
-                        self.loop.cancel(rid)
+                        self.loop.cancel(rid, "stop")
                     yield Piece(text, out, "stop" if hit else event.finish_reason, event.completion_tokens,
                                 event.cached_tokens)
                     return
@@ -580,7 +762,7 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     that choices differ and a request's seed gives the same choices every time)."""
     if seed is None or choice == 0:
         return seed
-    return (seed + choice * 0x9E3779B97F4A7C15) % (1 << 62)
+    return (seed + choice * 0x9E3779B97F4A7C15) % SEED_LIMIT
 
 
 async def _gathered(coroutines: list, http: Request) -> list:
@@ -608,10 +790,11 @@ def _sse(data) -> str:
 
 
 async def _answer(service: Service, body: _Generation, prompts: list[list[int]], max_tokens: int | None,
-                  http: Request, kind: Literal["text_completion", "chat.completion"]):
-    """The streamed or whole answer of a completion or chat request: ``n`` choices for each of ``prompts``."""
+                  max_tokens_field: str, http: Request, kind: Literal["text_completion", "chat.completion"]):
+    """The streamed or whole answer of a completion or chat request: ``n`` choices for each of ``prompts``
+    (``max_tokens``: given in the field ``max_tokens_field``)."""
     listed = body.listed_logprobs()
-    choices = service.submit(body, prompts, max_tokens, listed)
+    choices = service.submit(body, prompts, max_tokens, max_tokens_field, listed)
     chat = kind == "chat.completion"
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": service.model_name}
@@ -663,6 +846,9 @@ async def _answer(service: Service, body: _Generation, prompts: list[list[int]],
                     queue.put_nowait((index, piece))
             except APIError as err:
                 queue.put_nowait((index, err))
+            except Exception as err:
+                log.error("a streamed choice failed:\n%s", traceback.format_exc())
+                queue.put_nowait((index, internal_error(err)))
 
         tasks = [asyncio.ensure_future(pump(i, rid, subscriber)) for i, (rid, subscriber) in enumerate(choices)]
         try:
@@ -685,6 +871,9 @@ async def _answer(service: Service, body: _Generation, prompts: list[list[int]],
                 yield _sse({**head, "object": obj, "choices": [], "usage": usage([lasts[i] for i in sorted(lasts)])})
         except APIError as err:
             yield _sse(err.body())
+        except Exception as err:  # the answer has begun: the error goes in the stream
+            log.error("a stream failed:\n%s", traceback.format_exc())
+            yield _sse(internal_error(err).body())
         finally:  # a client that left, or a failed choice: the others are cancelled
             for task in tasks:
                 task.cancel()
@@ -797,6 +986,12 @@ def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None 
     async def api_error(request: Request, err: APIError):
         return err.response()
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception):
+        """An error no handler expected: a 500 in OpenAI's error body (Starlette then raises it again, for the
+        server's log), and the server serves on."""
+        return internal_error(err).response()
+
     if api_key is not None:
         expected = f"Bearer {api_key}".encode()
 
@@ -820,21 +1015,26 @@ def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None 
         return APIError(err.status_code, what, code="not_found" if err.status_code == 404 else None,
                         headers=err.headers).response()
 
+    generation = APIRouter(route_class=JSONBodyRoute)
+
     # Prompts are tokenized in a worker thread (the fast tokenizers release the GIL), so that a long one does not
     # hold up the event loop, which streams every running request's tokens.
-    @app.post("/v1/completions")
+    @generation.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         service.check_model(body.model)
         body.check_supported()
         return await _answer(service, body, await asyncio.to_thread(service.completion_prompts, body),
-                             body.max_tokens or 16, http, "text_completion")
+                             body.max_tokens or 16, "max_tokens", http, "text_completion")
 
-    @app.post("/v1/chat/completions")
+    @generation.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: Request):
         service.check_model(body.model)
         body.check_supported()
+        given = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         return await _answer(service, body, [await asyncio.to_thread(service.chat_prompt, body)],
-                             body.max_completion_tokens or body.max_tokens, http, "chat.completion")
+                             body.max_completion_tokens or body.max_tokens, given, http, "chat.completion")
+
+    app.include_router(generation)
 
     def model_card() -> dict:
         return {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "sparsekv",
@@ -851,8 +1051,6 @@ def create_app(engine, tokenizer, model_name: str, *, chat_template: str | None 
 
     @app.get("/health")
     async def health():
-        if service.loop.error is not None:
-            return APIError(503, f"the engine failed: {service.loop.error!r}", "server_error").response()
         if service.draining:
             return APIError(503, "the server is shutting down", "server_error", code="shutting_down").response()
         return {"status": "ok"}
@@ -894,8 +1092,8 @@ def prometheus_text(loop: EngineLoop) -> str:
             yield CounterMetricFamily("sparsekv_generated_tokens", "Tokens generated since start",
                                       value=m["generated_tokens"])
             finished = CounterMetricFamily("sparsekv_finished_requests", "Requests finished since start, by finish "
-                                           "reason (stop, length, cancelled)", labels=["reason"])
-            for reason in ("stop", "length", "cancelled"):
+                                           f"reason ({', '.join(FINISH_REASONS)})", labels=["reason"])
+            for reason in FINISH_REASONS:
                 finished.add_metric([reason], m["finished_requests"].get(reason, 0))
             yield finished
             yield GaugeMetricFamily("sparsekv_prefix_cache_bytes", "Device bytes of finished prompts' KV kept for "

@@ -172,12 +172,13 @@ def test_memory_check_lets_the_documented_h200_runs_through(monkeypatch):
 
     monkeypatch.setattr(common, "available_bytes", lambda device: 139 * 2**30)
     gpu, shape = torch.device("cuda"), common.SHAPES["llama3-8b"]
-    weights = e2e.shape_weights("shape:llama3-8b", torch.bfloat16)
+    weights = common.shape_weights("shape:llama3-8b", torch.bfloat16)
     assert weights == (shape.parameters * 4, shape.parameters * 2)
     for contexts, batches in (([32768, 131072, 524288], [1]), ([32768, 131072], [4])):
         args = argparse.Namespace(contexts=contexts, batches=batches, new_tokens=64)
         kv = e2e.kv_bytes(args, shape.layers, shape.kv_heads, shape.head_dim, 2)
-        assert e2e.memory_problems(gpu, weights, kv) is None
+        assert common.memory_problems(gpu, weights, {"KV cache": kv}) is None
     args = argparse.Namespace(contexts=[524288], batches=[4], new_tokens=64)
     kv = e2e.kv_bytes(args, shape.layers, shape.kv_heads, shape.head_dim, 2)
-    assert "KV cache 256.0 GiB) but the GPU has 139.0 GiB available" in e2e.memory_problems(gpu, weights, kv)
+    assert "KV cache 256.0 GiB) but the GPU has 139.0 GiB available" in common.memory_problems(
+        gpu, weights, {"KV cache": kv})

@@ -239,3 +239,41 @@ def test_short_requests_under_a_long_max_context(tmp_path, capsys):
     assert main(["--model", "tiny:llama", "--device", "cpu", "--prompt-len", "16", "48", "--output-len", "6", "6",
                  "--max-context", "50", "--out", str(tmp_path)]) == 2
     assert "--max-context must be at least the longest prompt and output (54)" in capsys.readouterr().err
+
+
+def test_serve_bench_checks_its_memory_before_it_builds_anything(tmp_path, capsys, monkeypatch):
+    """The finding: the defaults (Llama-3-8B, 64 rows of up to 128K tokens) on a CPU were killed by the OOM killer
+    at 24 GB. They are refused at once, before anything is allocated, saying what they need (weights, KV pool,
+    prefill) against what the host has and which options shrink it. The pool is counted as the runner sizes it:
+    alone too much (a tiny model of 4096 rows of 64K), and for a loaded model once it is loaded; a small run runs."""
+    import time
+
+    from sparsekv.bench import serve
+
+    monkeypatch.setattr(serve, "shape_model", lambda *a, **k: pytest.fail("the model was built"))
+    started = time.perf_counter()
+    assert main(["--device", "cpu", "--out", str(tmp_path / "defaults")]) == 2
+    assert time.perf_counter() - started < 20
+    err = capsys.readouterr().err
+    assert "sparsekv.bench.serve: error: --model shape:llama3-8b with --max-batch 64 and requests of up to " \
+           "131072 + 256 tokens needs about" in err and "Traceback" not in err
+    assert "weights 29.9 GiB, KV pool 2182.3 GiB, one prompt's prefill 1.0 GiB" in err and "GiB available" in err
+    assert "--max-batch, --prompt-len, --output-len or --max-context, or --kv-memory-gib" in err
+    many = ["--device", "cpu", "--max-batch", "4096", "--prompt-len", "65536", "65536", "--output-len", "1", "1",
+            "--via", "engine", "--out", str(tmp_path / "many")]
+    assert main(["--model", "shape:tiny", *many]) == 2
+    # 4096 rows of 4097 pages of 16 tokens, 2 KiB of keys and values a token and the page's bounds
+    assert "needs about 545.3 GiB (weights 0.0 GiB, KV pool 545.3 GiB, one prompt's prefill 0.1 GiB" in \
+        capsys.readouterr().err
+    assert main(["--model", "tiny:llama", *many]) == 2  # 1 KiB of keys and values a token
+    assert "needs about 274.2 GiB (KV pool 274.2 GiB" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    # --kv-memory-gib bounds the shared pages: 1 GiB of them beside the rows' own tables.
+    runs, config = serve.method_runs(["dense"], [32]), serve.shape_config("tiny", 65552)
+    pool = serve.pool_parts(runs[0].config.build(2), 2, 64, 2, torch.float32, 65537, 65537)
+    assert serve.run_memory(runs, config, torch.float32, serve.build_parser().parse_args(
+        [*many, "--kv-memory-gib", "1"]), 65537, torch.device("cpu"))["KV pool"] == \
+        4096 * pool["row"] + 2**30 // pool["page"] * pool["page"]
+    assert main(["--model", "tiny:llama", "--device", "cpu", "--methods", "dense", "--requests", "2", "--prompt-len",
+                 "16", "24", "--output-len", "2", "2", "--max-batch", "2", "--via", "engine", "--out",
+                 str(tmp_path / "small")]) == 0
+    assert json.loads((tmp_path / "small" / "serve.json").read_text())["rows"][0]["requests_done"] == 2

@@ -11,7 +11,8 @@ breakdown estimate / top-k / attention (graph replay of each op alone; "estimate
 ``quest_select`` the step uses), the whole step including the token append
 (graph), achieved TB/s and the ratio to the bandwidth floor (bytes that must be read / 4.2 TB/s). Inputs rotate over
 enough copies of the cache ("layers") that one sweep reads several times the L2 cache. Writes
-``attention.json``, ``attention.md`` and ``attention.png`` under ``--out`` (default benchmarks/results/).
+``attention.json``, ``attention.md`` and ``attention.png`` under ``--out`` (default benchmarks/results/; results there
+from another device or other options are kept unless ``--overwrite``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels import reference
-from .common import (SHAPES, Timer, available_bytes, copy_bandwidth, device_name, int_arg, kernel_table,
-                     markdown_table, write_results)
+from .common import (SHAPES, Timer, available_bytes, claim_results, copy_bandwidth, device_name, int_arg,
+                     kernel_table, markdown_table, memory_problem, output_args, pyplot, refuse, run_setting,
+                     write_results)
 
 CEILING = 4.2e12  # bytes/s: the H200's nominal bandwidth, for the floor; the measured copy bandwidth is reported too
 L2_BYTES = 60 * 2**20
@@ -122,15 +124,21 @@ def dense_bytes(batch, kv_heads, head_dim, context, itemsize) -> int:
     return batch * kv_heads * context * head_dim * 2 * itemsize
 
 
+def copy_bytes(batch, kv_heads, head_dim, context, page_size, spare, itemsize=2) -> int:
+    """Bytes of one ``make_copy`` cache: keys and values of every slot (the pages, ``spare`` free ones and the
+    scratch slot), their bounds and the page table."""
+    slots = context // page_size + spare + 1
+    return (dense_bytes(batch, kv_heads, head_dim, slots * page_size, itemsize)
+            + batch * kv_heads * slots * (2 * head_dim * itemsize + 8))
+
+
 def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> list[dict]:
     heads, kv_heads, head_dim = SHAPES[shape].attention
     p, dtype, itemsize = args.page_size, torch.bfloat16, 2
     rows = heads if args.per_query_head else kv_heads
     spare = -(-(args.reps + 8) // p) + 1
-    slots_total = context // p + spare + 1
-    copy_bytes = (dense_bytes(batch, kv_heads, head_dim, slots_total * p, itemsize)
-                  + batch * kv_heads * slots_total * (2 * head_dim * itemsize + 8))
-    need_once = copy_bytes + (batch * heads * (context // p) * head_dim * 4 * 3 if args.naive else 0)
+    one_copy = copy_bytes(batch, kv_heads, head_dim, context, p, spare, itemsize)
+    need_once = one_copy + (batch * heads * (context // p) * head_dim * 4 * 3 if args.naive else 0)
     free = available_bytes(device)
     if need_once > 0.85 * free:
         notes.append(f"skipped {shape} batch {batch} context {context}: needs {need_once / 2**30:.1f} GiB, "
@@ -139,7 +147,7 @@ def bench_config(shape, batch, context, budgets, args, timer, device, notes) -> 
         return []
     touched = quest_bytes(batch, kv_heads, rows, head_dim, context, p, min(budgets), itemsize)
     copies = max(1, min(args.max_copies, math.ceil(4 * L2_BYTES / touched),
-                        int((0.85 * free - (need_once - copy_bytes)) // copy_bytes)))
+                        int((0.85 * free - (need_once - one_copy)) // one_copy)))
     caches = [make_copy(batch, kv_heads, head_dim, context, p, spare, dtype, device) for _ in range(copies)]
     qs = [torch.randn(batch, heads, head_dim, dtype=dtype, device=device) for _ in range(copies)]
     scale = head_dim ** -0.5
@@ -291,14 +299,16 @@ def markdown(meta: dict, rows: list[dict], targets: list[dict], notes: list[str]
     return lines
 
 
-def plot(path: Path, rows: list[dict]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict]):
+    """Microseconds per layer against context, per shape and batch: a figure for ``write_results`` (None without
+    matplotlib)."""
+    plt = pyplot()
+    if plt is None:
+        return None
     shapes = sorted({r["shape"] for r in rows})
     batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(len(batches), len(shapes), figsize=(6 * len(shapes), 4.5 * len(batches)), squeeze=False)
+    fig, axes = plt.subplots(len(batches), len(shapes), figsize=(6 * len(shapes), 4.5 * len(batches)), squeeze=False,
+                             dpi=110)
     for i, b in enumerate(batches):
         for j, s in enumerate(shapes):
             ax = axes[i][j]
@@ -323,18 +333,40 @@ def plot(path: Path, rows: list[dict]) -> None:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
+
+
+def rotation(shape: str, batch: int, context: int, page_size: int, max_copies: int) -> int:
+    """How many cache copies ``rotated_copies`` makes: enough (at most max_copies) that a sweep of Quest steps at
+    budget 2048 reads 4x the L2."""
+    _, kv_heads, head_dim = SHAPES[shape].attention
+    touched = quest_bytes(batch, kv_heads, kv_heads, head_dim, context, page_size, 2048, 2)
+    return max(1, min(max_copies, math.ceil(4 * L2_BYTES / touched)))
 
 
 def rotated_copies(shape: str, batch: int, context: int, page_size: int, max_copies: int, device):
-    """bf16 cache copies (``make_copy``, one spare slot) and a query (B, H, D) for each: enough copies (at most
-    max_copies) that a sweep of Quest steps at budget 2048 reads 4x the L2. Returns (caches, qs)."""
+    """bf16 cache copies (``make_copy``, one spare slot; ``rotation`` of them) and a query (B, H, D) for each.
+    Returns (caches, qs)."""
     heads, kv_heads, head_dim = SHAPES[shape].attention
-    touched = quest_bytes(batch, kv_heads, kv_heads, head_dim, context, page_size, 2048, 2)
-    copies = max(1, min(max_copies, math.ceil(4 * L2_BYTES / touched)))
     caches = [make_copy(batch, kv_heads, head_dim, context, page_size, 1, torch.bfloat16, device)
-              for _ in range(copies)]
+              for _ in range(rotation(shape, batch, context, page_size, max_copies))]
     return caches, [torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device) for _ in caches]
+
+
+def rotation_problem(cases, page_size: int, max_copies: int, device) -> str | None:
+    """``memory_problem`` of the largest of ``cases`` ((shape, batch, context), one at a time) as
+    ``rotated_copies``."""
+    def need(shape, batch, context):
+        _, kv_heads, head_dim = SHAPES[shape].attention
+        return rotation(shape, batch, context, page_size, max_copies) * copy_bytes(batch, kv_heads, head_dim,
+                                                                                   context, page_size, 1)
+
+    shape, batch, context = max(cases, key=lambda case: need(*case))
+    problem = memory_problem({"cache copies": need(shape, batch, context)}, device)
+    return problem and f"{shape} at batch {batch} and context {context} {problem}"
+
+
+TUNE_CASES = [("llama3-8b", 1, 131072), ("llama3-8b", 1, 524288), ("llama2-7b", 1, 32768), ("llama3-8b", 16, 32768)]
 
 
 def tune(args, timer, device) -> list[dict]:
@@ -353,9 +385,8 @@ def tune(args, timer, device) -> list[dict]:
                                              (4096, 512, 8, 5, 0)]]
     attn_variants = [dict(attn_block_n=n, attn_warps=w, attn_stages=st, programs_per_sm=pp)
                      for n, w, st, pp in [(64, 4, 2, 4), (128, 4, 2, 4), (64, 4, 2, 8), (32, 4, 2, 8), (64, 4, 2, 2)]]
-    cases = [("llama3-8b", 1, 131072), ("llama3-8b", 1, 524288), ("llama2-7b", 1, 32768), ("llama3-8b", 16, 32768)]
     out = []
-    for shape, batch, context in cases:
+    for shape, batch, context in TUNE_CASES:
         heads, kv_heads, head_dim = SHAPES[shape].attention
         p = args.page_size
         caches, qs = rotated_copies(shape, batch, context, p, args.max_copies, device)
@@ -442,7 +473,7 @@ def best_tuning(rows: list[dict]) -> dict:
     return best
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m sparsekv.bench.attention", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b", "llama2-7b"], choices=sorted(SHAPES))
     ap.add_argument("--contexts", nargs="+", type=int_arg(), default=[8192, 32768, 131072, 524288])
@@ -460,10 +491,15 @@ def main(argv=None) -> None:
                     "Quest step (budget 2048) at each on the grid instead (writes TAG_variants.json)")
     ap.add_argument("--profile", action="store_true", help="also list the kernels of the Quest graph replay "
                     "(torch.profiler): per-kernel times, busy time and span per step")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--tag", default="attention", help="output file stem")
+    output_args(ap, "attention", "output file stem")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = build_parser()
     args = ap.parse_args(argv)
+    setting = run_setting("attention", args)
     if args.quick:
         args.shapes, args.batches, args.budgets, args.contexts = ["llama3-8b"], [1], [2048], [32768, 131072]
     for ctx in args.contexts:
@@ -473,6 +509,14 @@ def main(argv=None) -> None:
         if b % args.page_size or b < args.page_size:
             ap.error(f"--budgets: {b} is not a positive multiple of --page-size {args.page_size}")
     device = torch.device(args.device)
+    tag = f"{args.tag}_tune" if args.tune else f"{args.tag}_variants" if args.variants else args.tag
+    claim_results(args.out / f"{tag}.json", device_name(device), setting, args.overwrite)
+    cases = TUNE_CASES if args.tune else [(s, b, c) for s in args.shapes for b in args.batches for c in args.contexts]
+    problem = (args.tune or args.variants) and rotation_problem(cases, args.page_size, args.max_copies, device)
+    if problem:
+        shrink = ("--tune's cases need a device with more memory" if args.tune else
+                  "use smaller --contexts or --batches, fewer --max-copies, or a device with more memory")
+        raise SystemExit(refuse("sparsekv.bench.attention", f"{problem}; {shrink}"))
     torch.manual_seed(0)
     timer = Timer(device, args.reps)
     try:
@@ -482,7 +526,7 @@ def main(argv=None) -> None:
         triton_version = "not installed"
     meta = {"device": device_name(device), "gpu": device.type == "cuda", "torch": torch.__version__,
             "triton": triton_version,
-            "page_size": args.page_size, "per_query_head": args.per_query_head,
+            "page_size": args.page_size, "per_query_head": args.per_query_head, "setting": setting,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(["python -m sparsekv.bench.attention", *(sys.argv[1:] if argv is None else argv)])}
     meta["copy_tbps"] = copy_bandwidth(device, timer) / 1e12
@@ -491,7 +535,7 @@ def main(argv=None) -> None:
         rows = tune(args, timer, device)
         best = best_tuning(rows)
         print(f"best: {best}")
-        write_results(args.out, f"{args.tag}_tune", meta, rows, best=best)
+        write_results(args.out, tag, meta, rows, overwrite=args.overwrite, best=best)
         return
     if args.tuning:
         from ..kernels.triton import TUNING
@@ -503,7 +547,7 @@ def main(argv=None) -> None:
         meta["tuning"] = dict(TUNING)
     if args.variants:
         rows = variants(args, timer, device, args.variants)
-        write_results(args.out, f"{args.tag}_variants", meta, rows)
+        write_results(args.out, tag, meta, rows, overwrite=args.overwrite)
         return
     rows, notes, targets = [], [], []
     for batch in args.batches:  # batch 1 of every shape first: the targets' rows
@@ -511,10 +555,11 @@ def main(argv=None) -> None:
             for context in args.contexts:
                 rows += bench_config(shape, batch, context, sorted(args.budgets), args, timer, device, notes)
                 targets = check_targets(rows)  # written after every configuration, so a cut-short run keeps its rows
-                write_results(args.out, args.tag, meta, rows, markdown(meta, rows, targets, notes), targets=targets,
-                              notes=notes)
+                write_results(args.out, tag, meta, rows, markdown(meta, rows, targets, notes), targets=targets,
+                              notes=notes, overwrite=args.overwrite)
     if rows:
-        plot(args.out / f"{args.tag}.png", rows)
+        write_results(args.out, tag, meta, rows, markdown(meta, rows, targets, notes), targets=targets, notes=notes,
+                      overwrite=args.overwrite, figure=plot(rows))
     for t in targets:
         print(f"{'met ' if t['met'] else 'MISS'} {t['target']}: {t['measured']}")
 

@@ -14,7 +14,8 @@ Quest grows with every token, RaaS's stops at its budget (measured at the end of
 before).
 
 Both write ``<tag>.json``, ``<tag>.md`` (and long-decode ``<tag>.png``) under ``--out`` after every row, so that a
-run stopped part way keeps what it measured; ``--model`` as in ``bench.e2e``.
+run stopped part way keeps what it measured (results there from another device or other options are kept unless
+``--overwrite``); ``--model`` as in ``bench.e2e``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import argparse
 import gc
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
@@ -32,8 +32,9 @@ from ..engine import Engine
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
 from ..models import check_context, resolve_device
-from .common import device_name, int_arg, markdown_table, write_results
-from .e2e import bench_model, kv_itemsize, memory_problems, random_fill, shape_weights
+from .common import (claim_results, device_name, int_arg, markdown_table, memory_problems, output_args, pyplot,
+                     refuse, run_setting, shape_weights, write_results)
+from .e2e import bench_model, kv_itemsize, random_fill
 
 
 def _free(device) -> None:
@@ -110,7 +111,7 @@ def write(args, rows, device, final: bool) -> None:
         quest = next((r["median_ms"] for r in rows if r["spec"].startswith("quest")), None)
         for r in rows:
             r["vs_quest"] = r["median_ms"] / quest if quest else None
-    meta = {"model": args.model, "device_name": device_name(device),
+    meta = {"model": args.model, "device_name": device_name(device), "setting": args.setting,
             "command": "python -m sparsekv.bench.capacity " + " ".join(args.argv)}
     lines = [f"# {args.mode} ({args.model}, {meta['device_name']})", "", f"Command: `{meta['command']}`", ""]
     if args.mode == "ladder":
@@ -118,21 +119,19 @@ def write(args, rows, device, final: bool) -> None:
     else:
         lines += [f"Prompt {args.prompt} tokens, {args.decode} decoded; step time = median over windows of "
                   f"{args.window} steps.", "", *markdown_table(DECODE_COLUMNS, rows)]
-    write_results(args.out, args.tag, meta, rows, lines)
-    if args.mode == "long-decode":
-        _plot(args, rows)
+    write_results(args.out, args.tag, meta, rows, lines, overwrite=args.overwrite,
+                  figure=_plot(args, rows) if args.mode == "long-decode" else None)
     if final:
         print("\n".join(lines))
 
 
-def _plot(args, rows) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4))
+def _plot(args, rows):
+    """KV held and step time against the tokens decoded: a figure for ``write_results`` (None without
+    matplotlib)."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
     for r in rows:
         marks = [i * args.window for i in range(len(r["held_gib"]))]
         mem.plot(marks, r["held_gib"], label=r["spec"])
@@ -142,10 +141,10 @@ def _plot(args, rows) -> None:
     mem.legend()
     speed.legend()
     fig.tight_layout()
-    fig.savefig(args.out / f"{args.tag}.png", dpi=120)
+    return fig
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sparsekv.bench.capacity", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["ladder", "long-decode"])
@@ -163,26 +162,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"], help=KV_DTYPE_HELP)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--tag", default=None)
+    output_args(parser, None, "file stem of the results (default: the mode)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    args.setting = run_setting("capacity", args)
     args.argv, args.tag = argv, args.tag or args.mode
     try:
         runs = method_runs(args.methods, [args.budget], args.kv_dtype)
     except EvalError as err:
-        print(f"sparsekv.bench.capacity: error: {err}", file=sys.stderr)
-        return 2
+        return refuse("sparsekv.bench.capacity", str(err))
     try:
         device = resolve_device(args.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         problem = memory_problems(device, shape_weights(args.model, dtype))
     except ValueError as err:
         parser.error(str(err))
+    claim_results(args.out / f"{args.tag}.json", device_name(device), args.setting, args.overwrite)
     if problem:
-        print(f"sparsekv.bench.capacity: error: --model {args.model} {problem}; use a smaller --model (e.g. "
-              f"shape:tiny or tiny:llama)", file=sys.stderr)
-        return 2
+        return refuse("sparsekv.bench.capacity", f"--model {args.model} {problem}; use a smaller --model (e.g. "
+                     f"shape:tiny or tiny:llama)")
     ladder_mode = args.mode == "ladder"
     longest = max(args.contexts) + args.new_tokens + 1 if ladder_mode else args.prompt + args.decode + 1
     try:

@@ -1,15 +1,21 @@
-"""What the benchmarks share: published model shapes, one timer, and the JSON + markdown writer of their results."""
+"""What the benchmarks share: published model shapes, one timer, the memory check of a run before it allocates, and
+the writer of their results (JSON, markdown, figure), which never replaces another device's or setting's results
+unless asked (``--overwrite``)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import io
 import json
 import os
 import platform
+import shlex
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -45,8 +51,12 @@ class ModelShape:
     def parameters(self) -> int:
         """Parameters of ``shape_model``'s model: embedding and output head (not tied), each layer's projections
         and norms, the final norm."""
+        return self.parameters_of(self.layers)
+
+    def parameters_of(self, layers: int) -> int:
+        """``parameters`` of the model's first ``layers`` layers only (``shape_model(..., layers=...)``)."""
         layer = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
-        return 2 * self.vocab * self.hidden + self.layers * (layer + 3 * self.hidden * self.mlp + 2 * self.hidden) \
+        return 2 * self.vocab * self.hidden + layers * (layer + 3 * self.hidden * self.mlp + 2 * self.hidden) \
             + self.hidden
 
 
@@ -62,15 +72,21 @@ def model_shape(name: str) -> ModelShape:
     return SHAPES[name]
 
 
-def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int, layers: int | None = None):
-    """A random-weight ``LlamaForCausalLM`` of ``SHAPES[name]`` (its first ``layers`` layers only, if given), built
-    directly on ``device``, in eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def shape_config(name: str, max_positions: int, layers: int | None = None):
+    """The ``LlamaConfig`` of ``SHAPES[name]`` (its first ``layers`` layers only, if given)."""
+    from transformers import LlamaConfig
 
     s = model_shape(name)
-    config = LlamaConfig(hidden_size=s.hidden, num_hidden_layers=s.layers if layers is None else layers,
-                         num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, intermediate_size=s.mlp,
-                         vocab_size=s.vocab, max_position_embeddings=max_positions, rope_theta=s.rope_theta)
+    return LlamaConfig(hidden_size=s.hidden, num_hidden_layers=s.layers if layers is None else layers,
+                       num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, intermediate_size=s.mlp,
+                       vocab_size=s.vocab, max_position_embeddings=max_positions, rope_theta=s.rope_theta)
+
+
+def shape_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int, layers: int | None = None):
+    """A random-weight ``LlamaForCausalLM`` of ``shape_config``, built directly on ``device``, in eval mode."""
+    from transformers import LlamaForCausalLM
+
+    config = shape_config(name, max_positions, layers)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
     return model.eval()
@@ -175,6 +191,45 @@ def memory_problem(parts: dict[str, int], device: torch.device) -> str | None:
     return f"needs about {need / 2**30:.1f} GiB ({detail}) but {where} has {free / 2**30:.1f} GiB available"
 
 
+def shape_weights(spec: str, dtype: torch.dtype, layers: int | None = None) -> tuple[int, int] | None:
+    """Bytes ``shape_model`` allocates for the weights of a ``shape:<name>`` model (its first ``layers`` layers, if
+    given): at most while building it (in float32, then cast parameter by parameter), and once built; None for any
+    other model (loaded, checked once there)."""
+    if not spec.startswith("shape:"):
+        return None
+    shape = model_shape(spec.removeprefix("shape:"))
+    n = shape.parameters_of(shape.layers if layers is None else min(layers, shape.layers))
+    return max(4, dtype.itemsize) * n, dtype.itemsize * n
+
+
+def memory_problems(device: torch.device, weights: tuple[int, int] | None, parts: dict[str, int] | None = None,
+                    gpus: int = 1) -> str | None:
+    """``memory_problem`` of building a ``shape:`` model (``shape_weights``), then of its weights with ``parts``
+    (bytes by what for: the KV cache, ...), 1/``gpus`` of each per GPU under tensor parallelism."""
+    building, built = weights or (0, 0)
+    return (memory_problem({"weights": built // gpus, **{what: n // gpus for what, n in (parts or {}).items()}},
+                           device)
+            or memory_problem({"float32 weights while building": building}, device))
+
+
+def refuse(prog: str, message: str) -> int:
+    """Prints ``prog: error: message`` to stderr, as argparse words a usage error, and returns 2: the exit status of
+    a run refused (its options, its memory, where its results would go)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def quantiles(values: list[float]) -> dict:
+    """The p50, p90 and p99 of ``values`` (the value at that rank; None for each when there are none)."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    values = sorted(values)
+
+    def at(q: float) -> float:
+        return values[min(int(q * len(values)), len(values) - 1)]
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
@@ -196,12 +251,119 @@ def markdown_table(columns: list[Column], rows: list[dict]) -> list[str]:
 
 
 def run_args(parser, tag: str) -> None:
-    """The options every benchmark run has: --device, --dtype, --seed, and where its results go (--out, --tag)."""
+    """The options every model benchmark run has: --device, --dtype, --seed, and where its results go
+    (``output_args``)."""
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--tag", default=tag)
+    output_args(parser, tag)
+
+
+def output_args(parser, tag: str | None, tag_help: str = "file stem of the results") -> None:
+    """Where a benchmark's results go: --out (a folder) and --tag (``out/tag.json``, ``.md``, ``.png``), and
+    ``overwrite_arg``."""
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder of the results")
+    parser.add_argument("--tag", default=tag, help=tag_help)
+    overwrite_arg(parser)
+
+
+def overwrite_arg(parser) -> None:
+    """--overwrite: whether a run may replace results of another device or setting (``claim_results``)."""
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace results already there that another device or other settings wrote (without "
+                             "it such a run is refused before it starts)")
+
+
+# Options that say where results go and whether they may replace others', not what a run measures; the device is
+# compared by its name instead (``--device auto`` and ``cuda`` are one device).
+NOT_SETTINGS = frozenset({"out", "tag", "overwrite", "device"})
+
+
+def run_setting(bench: str, args: argparse.Namespace, **more) -> dict:
+    """What a run of ``sparsekv.bench.<bench>`` measures, to tell whose results a file holds: the bench and its
+    options as parsed (before a bench fills any in) but ``NOT_SETTINGS``, with ``more`` (what the options leave out,
+    such as the processes of a torchrun), in the types JSON gives back."""
+    options = {k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}
+    return json.loads(json.dumps({"bench": bench, **options, **more}, default=str))
+
+
+def command_setting(command: str | None) -> dict | None:
+    """``run_setting`` of a recorded command line (``python -m sparsekv.bench.NAME ...``, or under torchrun), read
+    by that bench's parser (``build_parser``): the setting of results written before runs recorded theirs. None if
+    it names no bench or its options do not parse."""
+    try:
+        words = shlex.split(command or "")
+    except ValueError:
+        return None
+    at = words.index("-m") + 1 if "-m" in words else len(words)
+    module = words[at] if at < len(words) else ""
+    name = module.removeprefix("sparsekv.bench.")
+    if not module.startswith("sparsekv.bench.") or not name.isidentifier() or name == "common":
+        return None
+    try:
+        parser = importlib.import_module(module).build_parser()
+        with redirect_stderr(io.StringIO()), redirect_stdout(io.StringIO()):
+            args = parser.parse_args(words[at + 1:])
+    except (ImportError, AttributeError, SystemExit):
+        return None
+    return run_setting(name, args)
+
+
+def recorded_device(meta: dict) -> str | None:
+    """The device a results file's meta names (``device_name``; ``device`` in the kernel benchmarks' meta)."""
+    return meta.get("device_name", meta.get("device"))
+
+
+def _differences(theirs: dict, ours: dict, most: int = 8) -> str:
+    """The settings that differ, as "name there, here" (at most ``most`` of them)."""
+    def show(d: dict, key: str) -> str:
+        return json.dumps(d[key]) if key in d else "unset"
+
+    keys = [k for k in sorted(theirs.keys() | ours.keys()) if theirs.get(k, ...) != ours.get(k, ...)]
+    parts = [f"{k.replace('_', '-')} {show(theirs, k)} there, {show(ours, k)} here" for k in keys[:most]]
+    return "; ".join(parts + ([f"{len(keys) - most} more"] if len(keys) > most else []))
+
+
+def results_conflict(path: Path, device: str | None, setting: dict) -> str | None:
+    """None if a run on ``device`` with ``setting`` (``run_setting``) may write the results JSON ``path`` and the
+    ``.md`` and ``.png`` beside it: none of them is there, or the JSON records the same device and setting (the
+    run's own earlier write, or the same measurement again); else what is there against this run, in words."""
+    present = [p for p in (path, path.with_suffix(".md"), path.with_suffix(".png")) if p.exists()]
+    if not present:
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = None
+    meta = data.get("meta", data) if isinstance(data, dict) else None
+    if not isinstance(meta, dict):
+        names = ", ".join(str(p) for p in present)
+        return (f"{names} hold{'s' if len(present) == 1 else ''} results of an unknown device and setting (no "
+                f"results JSON with a meta at {path}); write this run's elsewhere with --out DIR (or another --tag), "
+                f"or replace them with --overwrite")
+    theirs = meta.get("setting") or command_setting(meta.get("command"))
+    if recorded_device(meta) == device and theirs == setting:
+        return None
+    why = []
+    if recorded_device(meta) != device:
+        why.append(f"device {recorded_device(meta) or 'unknown'} there, {device or 'none'} here")
+    if theirs is None:
+        why.append("its setting is unknown (no command recorded that this bench reads)" if not meta.get("command")
+                   else f"its setting is unknown (the command it records does not parse: {meta['command']})")
+    elif theirs != setting:
+        why.append(f"other settings: {_differences(theirs, setting)}")
+    return (f"{path} holds results of another run ({'; '.join(why)}); write this run's elsewhere with --out DIR (or "
+            f"another --tag), or replace them with --overwrite")
+
+
+def claim_results(path: Path, device: str | None, setting: dict, overwrite: bool) -> None:
+    """Exits with status 2, saying why and the two ways out, unless ``overwrite`` or the results JSON ``path`` and
+    those beside it may be written by a run on ``device`` with ``setting`` (``results_conflict``). A benchmark
+    calls it before it measures anything, so that a run whose results could not be written stops before it starts
+    (not an hour later), and ``write_files`` again at every write."""
+    problem = None if overwrite else results_conflict(path, device, setting)
+    if problem:
+        raise SystemExit(refuse(f"sparsekv.bench.{setting['bench']}", problem))
 
 
 def weights_arg(parser) -> None:
@@ -227,13 +389,27 @@ def out_of_memory_lines(runs: list[str]) -> list[str]:
     return ["", "Out of device memory: " + "; ".join(runs) + "."] if runs else []
 
 
-def write_results(out: Path, tag: str, meta: dict, rows: list[dict], markdown: list[str] | None = None,
-                  **extra) -> None:
-    """Writes ``out/tag.json`` ({"meta", "rows", **extra}) and, given its lines, ``out/tag.md``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows, **extra}, indent=1))
+def write_files(path: Path, data: dict, markdown: list[str] | None = None, figure=None, *,
+                overwrite: bool = False) -> None:
+    """Writes ``data`` as JSON at ``path``, the lines of ``markdown`` beside it (``.md``) and ``figure`` (a matplotlib
+    figure, closed after) as ``.png``, once ``claim_results`` allows the device and setting that ``data``'s meta
+    records (``data["meta"]``, else ``data`` itself: ``recorded_device``, ``"setting"``)."""
+    meta = data.get("meta", data)
+    claim_results(path, recorded_device(meta), meta["setting"], overwrite)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
     if markdown is not None:
-        (out / f"{tag}.md").write_text("\n".join(markdown) + "\n")
+        path.with_suffix(".md").write_text("\n".join(markdown) + "\n")
+    if figure is not None:
+        figure.savefig(path.with_suffix(".png"))
+        pyplot().close(figure)
+
+
+def write_results(out: Path, tag: str, meta: dict, rows: list[dict], markdown: list[str] | None = None, *,
+                  figure=None, overwrite: bool = False, **extra) -> None:
+    """``write_files`` of ``{"meta", "rows", **extra}`` at ``out/tag.json`` (``tag.md``, ``tag.png`` beside it);
+    ``meta`` holds the run's device and ``"setting"`` (``run_setting``)."""
+    write_files(out / f"{tag}.json", {"meta": meta, "rows": rows, **extra}, markdown, figure, overwrite=overwrite)
 
 
 def kernel_table(prof, steps: int, show: int = 40) -> dict:

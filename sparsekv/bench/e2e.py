@@ -14,7 +14,8 @@ metadata the step reads) / the copy bandwidth measured in the same run) and the 
 dense through the engine and over transformers' eager loop (``DynamicCache``) and, with ``--compiled``, its
 ``StaticCache`` + ``torch.compile(mode="reduce-overhead")`` loop. Where batch x context exceeds ``--max-prefill``
 the cache is filled with random keys and values instead of a real prefill (column ``fill``); the transformers loops
-run at batch 1 from a random cache. Writes ``<tag>.json``, ``<tag>.md`` and ``<tag>.png`` under ``--out``.
+run at batch 1 from a random cache. Writes ``<tag>.json``, ``<tag>.md`` and ``<tag>.png`` under ``--out`` (results
+there from another device or other options are kept unless ``--overwrite``).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         torchrun --nproc-per-node 2 -m sparsekv.bench.e2e --contexts 131072 524288 --methods dense quest
@@ -32,7 +33,6 @@ import gc
 import math
 import statistics
 import sys
-from pathlib import Path
 from typing import Callable, Generator
 
 import torch
@@ -52,9 +52,11 @@ from ..methods.raas import RaaSConfig
 from ..models import check_context, load_model, resolve_device, resolve_dtype
 from ..quant import QuantLinear, quantize_model
 from ..spec import budget_arg
-from .common import (SHAPES, Timer, copy_bandwidth, device_name, int_arg, kernel_table, load_sharded,
-                     markdown_table, memory_problem, model_shape, out_of_memory_lines, pyplot, run_args, shape_model,
-                     shared_folder, weights_arg, write_results)
+from .peer import PEERS, PeerError
+from .peer import peer_rows as run_peer
+from .common import (SHAPES, Timer, claim_results, copy_bandwidth, device_name, int_arg, kernel_table, load_sharded,
+                     markdown_table, memory_problems, out_of_memory_lines, pyplot, refuse, run_args, run_setting,
+                     shape_model, shape_weights, shared_folder, weights_arg, write_results)
 
 FILL_CHUNK = 16384  # tokens of random keys and values written per pass
 
@@ -70,23 +72,6 @@ def bench_model(spec: str, device: torch.device, dtype: torch.dtype, max_positio
     with shared_folder(lambda folder: shape_model(spec[len("shape:"):], device, dtype,
                                                   max_positions).save_pretrained(folder)) as folder:
         return load_sharded(folder, dtype)
-
-
-def shape_weights(spec: str, dtype: torch.dtype) -> tuple[int, int] | None:
-    """Bytes ``bench_model`` allocates for the weights of a ``shape:`` model: at most while building it (in float32,
-    then cast parameter by parameter), and once built; None for any other model (loaded, checked once there)."""
-    if not spec.startswith("shape:"):
-        return None
-    n = model_shape(spec.removeprefix("shape:")).parameters
-    return max(4, dtype.itemsize) * n, dtype.itemsize * n
-
-
-def memory_problems(device: torch.device, weights: tuple[int, int] | None, kv: int = 0, gpus: int = 1) -> str | None:
-    """``memory_problem`` of building a ``shape:`` model (``shape_weights``), then of its weights (1/``gpus`` each
-    under tensor parallelism) with ``kv`` bytes of KV cache."""
-    building, built = weights or (0, 0)
-    return (memory_problem({"weights": built // gpus, "KV cache": kv // gpus}, device)
-            or memory_problem({"float32 weights while building": building}, device))
 
 
 class Noise:
@@ -299,7 +284,7 @@ def add_ratios(rows: list[dict]) -> None:
 
     for r in rows:
         for key, spec in (("vs_dense", "dense"), ("vs_transformers", "transformers-eager"),
-                          ("vs_compiled", "transformers-compiled")):
+                          ("vs_compiled", "transformers-compiled"), ("vs_peer", "vllm")):
             base = ref(spec, r)
             r[key] = base / r["decode_ms"] if base else None
 
@@ -322,9 +307,14 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("decode ms/step", "decode_ms", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
                *([("floor ms", "floor_ms", "{:.2f}"), ("x floor", "x_floor", "{:.2f}")] if gpu else []),
                ("vs dense", "vs_dense", "{:.2f}x"), ("vs transformers eager", "vs_transformers", "{:.2f}x"),
-               ("vs compiled", "vs_compiled", "{:.2f}x"), ("metadata MiB/step", "metadata_mib", "{:.1f}"),
-               ("peak GiB", "peak_device_gib", "{:.1f}"),
+               ("vs compiled", "vs_compiled", "{:.2f}x"),
+               *([(f"vs {meta['peer']['peer']}", "vs_peer", "{:.2f}x")] if meta.get("peer") else []),
+               ("metadata MiB/step", "metadata_mib", "{:.1f}"), ("peak GiB", "peak_device_gib", "{:.1f}"),
                ("KV device GiB", "kv_device_gib", "{:.2f}"), ("KV host GiB", "kv_host_gib", "{:.2f}")]
+    if meta.get("peer"):
+        how += (f" {meta['peer']['peer']} {meta['peer']['version']} (dense, in a process of its own before ours; "
+                f"`python -m sparsekv.bench.peer`): real prefill, prefill tok/s = context / time to first token, "
+                f"decode ms per token from its engine's first and last token times.")
     weights = "" if meta.get("weights", "float") == "float" else f", {meta['weights']} weights"
     weights += "" if meta.get("kv_dtype", "auto") == "auto" else f", {meta['kv_dtype']} KV"
     lines = [f"# End-to-end decode ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
@@ -333,12 +323,13 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     return lines + out_of_memory_lines(meta["out_of_memory"])
 
 
-def plot(path: Path, rows: list[dict]) -> None:
+def plot(rows: list[dict]):
+    """Decode step time against context, per batch: a figure for ``write_results`` (None without matplotlib)."""
     plt = pyplot()
     if plt is None:
-        return
+        return None
     batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False, dpi=120)
     for ax, batch in zip(axes[0], batches):
         for spec in dict.fromkeys(r["spec"] for r in rows):
             pts = sorted((r["context"], r["decode_ms"]) for r in rows if r["spec"] == spec and r["batch"] == batch)
@@ -348,7 +339,7 @@ def plot(path: Path, rows: list[dict]) -> None:
                title=f"batch {batch}")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def kv_bytes(args, layers: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -359,13 +350,12 @@ def kv_bytes(args, layers: int, kv_heads: int, head_dim: int, itemsize: int) -> 
 
 
 def _too_big(args, problem: str) -> int:
-    print(f"sparsekv.bench.e2e: error: --model {args.model} at --contexts {max(args.contexts)} and --batches "
-          f"{max(args.batches)} {problem}; use smaller --contexts or --batches, or a smaller --model (e.g. "
-          f"shape:tiny or tiny:llama)", file=sys.stderr)
-    return 2
+    return refuse("sparsekv.bench.e2e", f"--model {args.model} at --contexts {max(args.contexts)} and --batches "
+                 f"{max(args.batches)} {problem}; use smaller --contexts or --batches, or a smaller --model (e.g. "
+                 f"shape:tiny or tiny:llama)")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sparsekv.bench.e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="shape:llama3-8b",
@@ -391,9 +381,48 @@ def main(argv: list[str] | None = None) -> int:
                         help="list the kernels of this many captured decode steps of each row (torch.profiler, CUDA)")
     weights_arg(parser)
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"], help=KV_DTYPE_HELP)
+    parser.add_argument("--peer", choices=PEERS, default=None,
+                        help="also time the peer's dense decode at batch 1, in a process of its own before ours "
+                             "(python -m sparsekv.bench.peer; a shape: model on CUDA, bf16 weights and KV)")
+    parser.add_argument("--peer-contexts", type=int_arg(), nargs="+", default=None,
+                        help="the contexts the peer runs at (default: --contexts)")
     run_args(parser, "e2e")
+    return parser
+
+
+def peer_problem(args, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``--peer`` cannot run beside these options (None: it can): the peer builds the same published shape on
+    the GPU, one process, bf16 weights and KV, at batch 1."""
+    if not args.model.startswith("shape:"):
+        return f"--peer needs a shape:<name> --model (the peer builds its random weights), got {args.model!r}"
+    if device.type != "cuda" or parallel.launched():
+        return "--peer runs on one CUDA device, without torchrun"
+    if dtype != torch.bfloat16 or args.weights != "float" or args.kv_dtype != "auto":
+        return "--peer compares bf16 weights and KV: drop --dtype, --weights and --kv-dtype"
+    if 1 not in args.batches:
+        return "--peer times batch 1: give --batches 1"
+    return None
+
+
+def peer_rows(args) -> tuple[dict, list[dict]]:
+    """The peer's version and its rows, shaped as ``engine_row``'s (spec: the peer's name; its decode time from its
+    engine's token timestamps, not CUDA events; prefill tokens/s: context / time to first token)."""
+    contexts = args.peer_contexts or args.contexts
+    result = run_peer(args.peer, "decode", ["--model", args.model, "--contexts", *map(str, contexts),
+                                            "--new-tokens", str(args.new_tokens), "--seed", str(args.seed)])
+    rows = [{"spec": args.peer, "method": "dense", "budget": None, "context": r["context"], "batch": 1,
+             "fill": "prefill", "prefill_tokens_per_s": r["prefill_tok_s"], "ttft_s": r["ttft_s"],
+             "decode_ms": r["decode_ms"], "tokens_per_s": r["tokens_per_s"], "floor_ms": None, "x_floor": None,
+             "captured": True, "attended_per_head": None, "kv_device_gib": None, "kv_host_gib": None,
+             "peak_device_gib": None} for r in result["rows"]]
+    return {"peer": result["peer"], "version": result["version"]}, rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    setting = run_setting("e2e", args)
     try:
         runs = method_runs(args.methods, [args.budget], args.kv_dtype)
     except (ConfigError, EvalError) as err:
@@ -412,12 +441,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     longest = max(args.contexts) + args.new_tokens
     gpus = dist.get_world_size() if parallel.launched() else 1
+    where = device_name(device) + (f" x {gpus} (tensor parallel)" if gpus > 1 else "")
+    claim_results(args.out / f"{args.tag}.json", where, setting, args.overwrite)
+    problem = args.peer and peer_problem(args, device, dtype)
+    if problem:
+        parser.error(problem)
     if weights:  # a shape: model is checked before it is built; a loaded model once it is there
         shape = SHAPES[args.model.removeprefix("shape:")]
-        problem = memory_problems(device, weights, kv_bytes(args, shape.layers, shape.kv_heads, shape.head_dim,
-                                                            storage_dtype(args.kv_dtype, dtype).itemsize), gpus)
+        problem = memory_problems(device, weights, {"KV cache": kv_bytes(
+            args, shape.layers, shape.kv_heads, shape.head_dim, storage_dtype(args.kv_dtype, dtype).itemsize)}, gpus)
         if problem:
             return _too_big(args, problem)
+    peer, peer_results = None, []
+    if args.peer:  # first, in a process of its own: its engine takes most of the GPU until it exits
+        try:
+            peer, peer_results = peer_rows(args)
+        except PeerError as err:
+            return refuse("sparsekv.bench.e2e", str(err))
     try:
         model = bench_model(args.model, device, dtype, longest)
     except (FileNotFoundError, ImportError) as err:  # ImportError: a missing optional extra (gguf)
@@ -434,18 +474,18 @@ def main(argv: list[str] | None = None) -> int:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv = kv_bytes(args, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                       storage_dtype(args.kv_dtype, dtype).itemsize)
-        problem = memory_problems(device, None, kv, gpus)
+        problem = memory_problems(device, None, {"KV cache": kv}, gpus)
         if problem:
             return _too_big(args, problem)
     # The floor is a GPU's: bytes a step reads over its bandwidth. The CPU's steps are timed, not floored.
     bandwidth = copy_bandwidth(device, Timer(device, reps=30)) if device.type == "cuda" else None
-    rows, out_of_memory = [], []
+    rows, out_of_memory = list(peer_results), []
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "weights": args.weights,
             "kv_dtype": args.kv_dtype,
             "new_tokens": args.new_tokens,
-            "device_name": device_name(device) + (f" x {gpus} (tensor parallel)" if gpus > 1 else ""),
-            "torch": torch.__version__, "bandwidth_tbs": None if bandwidth is None else bandwidth / 1e12,
-            "out_of_memory": out_of_memory,
+            "device_name": where, "torch": torch.__version__,
+            "bandwidth_tbs": None if bandwidth is None else bandwidth / 1e12,
+            "out_of_memory": out_of_memory, "setting": setting, "peer": peer,
             "command": (f"torchrun --nproc-per-node {gpus}" if gpus > 1 else "python") + " -m sparsekv.bench.e2e "
                        + " ".join(argv)}
 
@@ -453,11 +493,12 @@ def main(argv: list[str] | None = None) -> int:
         if parallel.is_first():
             print(line, flush=True)
 
-    def save() -> None:
-        """Writes the rows so far (after every row, so that a run cut short keeps them)."""
+    def save(final: bool = False) -> None:
+        """Writes the rows so far (after every row, so that a run cut short keeps them; ``final``: with the plot)."""
         if parallel.is_first():
             add_ratios(rows)
-            write_results(args.out, args.tag, meta, rows, markdown(meta, rows))
+            write_results(args.out, args.tag, meta, rows, markdown(meta, rows), figure=plot(rows) if final else None,
+                          overwrite=args.overwrite)
 
     def done(row: dict) -> None:
         rows.append(row)
@@ -489,8 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     if not parallel.is_first():
         parallel.finish()
         return 0
-    save()
-    plot(args.out / f"{args.tag}.png", rows)
+    save(final=True)
     print((args.out / f"{args.tag}.md").read_text())
     parallel.finish()
     return 0

@@ -10,7 +10,8 @@ read (keys, values and bounds at their cache's bytes per element, page table, se
 the ratio to their floor at the copy bandwidth measured in the same run. Sparse attention rotates over enough
 random selections, page scores over enough copies of the bounds, that a sweep reads at least 4x the L2. Before
 timing, each variant's outputs on a small cache are checked against float64 on the same cache values
-(``rel_err``). Writes ``TAG.json`` and ``TAG.md`` under ``--out``.
+(``rel_err``). Writes ``TAG.json`` and ``TAG.md`` under ``--out`` (results there from another device or other options
+are kept unless ``--overwrite``).
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from .. import kernels
 from ..kernels import reference as ref
 from .attention import L2_BYTES
-from .common import SHAPES, Timer, copy_bandwidth, device_name, int_arg, markdown_table, write_results
+from .common import (SHAPES, Timer, claim_results, copy_bandwidth, device_name, int_arg, markdown_table,
+                     memory_problem, output_args, refuse, run_setting, write_results)
 
 DTYPES = {"bf16": torch.bfloat16, "fp8": ref.FP8}
 # Each variant: a name, the ops it is timed on and its TUNING overrides (applied to fp8 caches only; bf16 runs
@@ -85,7 +86,14 @@ def check(shape, dtype, tokens: int, budget: int, page_size: int, device) -> dic
     return errs
 
 
-def main(argv=None) -> None:
+def cache_bytes(kv_heads: int, head_dim: int, contexts: list[int], page_size: int) -> int:
+    """About the most memory the caches take at once: the largest context's bf16 keys and values, with its fp8 cache
+    drawn while they are still held (its bf16 draws, then the fp8 values): 2.5 times the bf16 cache."""
+    bf16 = 2 * kv_heads * (max(contexts) // page_size + 1) * page_size * head_dim * 2
+    return bf16 * 5 // 2
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m sparsekv.bench.kv_dtype", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--contexts", nargs="+", type=int_arg(), default=[131072, 524288, 1048576])
@@ -96,13 +104,23 @@ def main(argv=None) -> None:
     ap.add_argument("--check-tokens", type=int_arg(), default=16384, help="context of the float64 checks (dense "
                     "rows of at least TUNING's attn_long_tokens take the launch of long rows)")
     ap.add_argument("--reps", type=int_arg(), default=30, help="timed repetitions per measurement (median)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--tag", default="kv_dtype")
+    output_args(ap, "kv_dtype")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    setting = run_setting("kv_dtype", args)
     from ..kernels.triton import TUNING
 
     device = torch.device(args.device)
+    claim_results(args.out / f"{args.tag}.json", device_name(device), setting, args.overwrite)
+    _, kv_heads, head_dim = SHAPES[args.shape].attention
+    problem = memory_problem({"KV caches": cache_bytes(kv_heads, head_dim, args.contexts, args.page_size)}, device)
+    if problem:
+        raise SystemExit(refuse("sparsekv.bench.kv_dtype", f"--contexts up to {max(args.contexts)} of --shape "
+                               f"{args.shape} {problem}; use smaller --contexts or a smaller --shape (e.g. tiny)"))
     torch.manual_seed(0)
     timer = Timer(device, args.reps)
     variants = args.variants or VARIANTS
@@ -110,7 +128,7 @@ def main(argv=None) -> None:
     heads, kv_heads, head_dim = shape
     p = args.page_size
     meta = {"device": device_name(device), "shape": args.shape, "budget": args.budget, "page_size": p,
-            "check_tokens": args.check_tokens,
+            "check_tokens": args.check_tokens, "setting": setting,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tuning": dict(TUNING),
             "command": " ".join(["python -m sparsekv.bench.kv_dtype", *(sys.argv[1:] if argv is None else argv)])}
     copy_bps = copy_bandwidth(device, timer)
@@ -184,8 +202,8 @@ def main(argv=None) -> None:
                     print(f"{context} {kv} {op} {var['name']}: {us:.1f} us, {rows[-1]['gbps']:.0f} GB/s, "
                           f"{rows[-1]['x_floor']:.2f}x floor", flush=True)
             tune({})
-        write_results(args.out, args.tag, meta, rows, markdown(meta, rows))
-    write_results(args.out, args.tag, meta, rows, markdown(meta, rows))
+        write_results(args.out, args.tag, meta, rows, markdown(meta, rows), overwrite=args.overwrite)
+    write_results(args.out, args.tag, meta, rows, markdown(meta, rows), overwrite=args.overwrite)
     print("\n".join(summary(rows)))
 
 

@@ -11,7 +11,8 @@ captured in a CUDA graph; times are per product (median of the graph's replays /
 its weight's: codes, scales and minima for int4 (0.625 bytes a weight), 2 bytes a weight for bf16. The fraction is
 of the copy bandwidth measured in the same run (bytes read plus written). The read ceiling is the time of a
 kernel that only reads the int4 weight's bytes (in rotation, in a graph, like the products): what one launch of
-that size can reach, since a small read does not reach the copy bandwidth. Writes ``<tag>.json`` and ``<tag>.md``.
+that size can reach, since a small read does not reach the copy bandwidth. Writes ``<tag>.json`` and ``<tag>.md``
+under ``--out`` (results there from another device or other options are kept unless ``--overwrite``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import triton
@@ -29,7 +30,8 @@ import triton.language as tl
 from .. import kernels
 from ..quant import quantize_int4
 from ..timing import Timer
-from .common import copy_bandwidth, device_name, markdown_table, write_results
+from .common import (claim_results, copy_bandwidth, device_name, markdown_table, memory_problem, output_args, refuse,
+                     run_setting, write_results)
 
 # Llama-3-8B's products: (out, in).
 SHAPES = {"q/k/v": (6144, 4096), "o": (4096, 4096), "gate/up": (28672, 4096), "down": (4096, 14336),
@@ -68,6 +70,14 @@ def read_ceiling(timer: Timer, nbytes: int, copies: int, device: torch.device) -
                 _read_kernel[(programs,)](b, out, b.numel(), BLOCK=block, num_warps=4)
         best = min(best, timer.graph(run) * 1e3 / copies)
     return best
+
+
+def product_bytes(n: int, k: int) -> int:
+    """About the most memory one (n, k) product takes at once: the bf16 weight and its int4 one, the int4 copies
+    in rotation twice (``weights``: in tiles and in rows of groups) and the read ceiling's buffers of their size,
+    and the bf16 copies."""
+    w, q = 2 * n * k, n * k * 5 // 8  # int4: 0.625 bytes a weight
+    return w + q + 3 * max(2, math.ceil(ROTATION_BYTES / q)) * q + max(2, math.ceil(ROTATION_BYTES / w)) * w
 
 
 def weights(n: int, k: int, device: torch.device) -> tuple[list, list, list]:
@@ -135,16 +145,27 @@ def tune(device: torch.device, timer: Timer, log) -> dict:
             "top": [{"params": dict(zip(SWEEP, v)), "us": t} for _, v, t in results[:10]]}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sparsekv.bench.linear", description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--tune", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--tag", default="linear_int4")
+    output_args(parser, "linear_int4")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    setting = run_setting("linear", args)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     device = torch.device("cuda")
+    claim_results(args.out / f"{args.tag}.json", device_name(device), setting, args.overwrite)
+    name, (n, k) = max(SHAPES.items(), key=lambda item: product_bytes(*item[1]))
+    problem = memory_problem({f"copies of the {name} product's weights": product_bytes(n, k)}, device)
+    if problem:
+        return refuse("sparsekv.bench.linear", f"{problem} (a GPU with more free memory is needed)")
     timer = Timer(device, reps=20)
     log = print
     tuning = tune(device, timer, log) if args.tune else None
@@ -176,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     meta = {"device": device_name(device), "copy_bandwidth_GBs": bandwidth / 1e9,
             "tuning": {k: v for k, v in TUNING.items() if k.startswith(("qmm", "tinygemm", "cuda"))},
-            "torch": torch.__version__}
+            "torch": torch.__version__, "setting": setting,
+            "command": " ".join(["python -m sparsekv.bench.linear", *argv])}
     columns = [("product", "product", "{}"), ("out x in", lambda r: f"{r['n']} x {r['k']}", "{}"),
                ("rows", "rows", "{}"), ("int4 us", "int4_us", "{:.1f}"), ("int4 floor us", "int4_floor_us", "{:.1f}"),
                ("of copy bandwidth", "int4_bandwidth", "{:.0%}"), ("read ceiling us", "read_us", "{:.1f}"),
@@ -189,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
              f"up to {TUNING['cuda_int4_rows']} rows); Triton kernel and tinygemm: on codes in rows of groups. "
              f"Launch parameters: {meta['tuning']}", "",
              *markdown_table(columns, rows)]
-    write_results(args.out, args.tag, meta, rows, lines, tuning=tuning)
+    write_results(args.out, args.tag, meta, rows, lines, overwrite=args.overwrite, tuning=tuning)
     print("\n".join(lines))
     return 0
 

@@ -7,7 +7,8 @@ CUDA graph over enough cache copies to exceed the L2 several times, and timed as
 per copy; the floor is the bytes the piece must read at the measured copy bandwidth. ``--variants`` times the
 scores again under each set of ``TUNING`` overrides; ``--baseline`` times a ``coded_scores`` from another file (an
 earlier kernel). The float64 reference checks the scores at the shape first (relative error, and the overlap of the
-top pages).
+top pages). Writes ``TAG.json`` and ``TAG.md`` under ``--out`` (results there from another device or other options
+are kept unless ``--overwrite``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -23,8 +25,9 @@ import torch
 from .. import kernels
 from ..kernels import reference
 from ..timing import Timer
-from .attention import L2_BYTES, make_copy
-from .common import SHAPES, copy_bandwidth, device_name, int_arg, markdown_table, write_results
+from .attention import L2_BYTES, copy_bytes, make_copy
+from .common import (SHAPES, claim_results, copy_bandwidth, device_name, int_arg, markdown_table, memory_problem,
+                     output_args, refuse, run_setting, write_results)
 
 
 def coded_copies(shape: str, context: int, page_size: int, bits: tuple[int, ...], device, copies: int):
@@ -39,6 +42,14 @@ def coded_copies(shape: str, context: int, page_size: int, bits: tuple[int, ...]
         out.append(dict(k=k, kmin=kmin, kmax=kmax, slot_page=slot_page, cur_slot=cur_slot, seq_len=seq_len,
                         codes=codes, q=q, scores=torch.zeros(1, kv_heads, kmin.shape[2], device=device)))
     return out
+
+
+def copies_bytes(shape: str, context: int, page_size: int, bits: tuple[int, ...], copies: int) -> int:
+    """About the most memory ``coded_copies`` takes: each copy's cache (``make_copy``) and its codes of each width,
+    and the float32 temporaries of coding one copy's keys."""
+    _, kv_heads, head_dim = SHAPES[shape].attention
+    keys = kv_heads * (context // page_size + 2) * page_size * head_dim  # a copy's key elements, free slots too
+    return copies * (copy_bytes(1, kv_heads, head_dim, context, page_size, 1) + keys * sum(bits) // 8) + 10 * keys
 
 
 def check(copy: dict, bits: int, num_pages: int) -> dict:
@@ -107,7 +118,7 @@ def time_piece(timer: Timer, fn, copies: list[dict]) -> float:
     return timer.graph(lambda: [fn(c) for c in copies]) * 1e3 / len(copies)
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m sparsekv.bench.lowbit", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--context", type=int_arg(), default=131072)
@@ -120,19 +131,30 @@ def main(argv=None) -> None:
     ap.add_argument("--variant-bits", type=int, nargs="+", default=[2], choices=[1, 2, 4],
                     help="the code widths timed under each of --variants")
     ap.add_argument("--baseline", type=Path, help="a Python file whose coded_scores (the op's signature) to time too")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--tag", default="lowbit_pieces")
+    output_args(ap, "lowbit_pieces")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (no timings)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    setting = run_setting("lowbit", args)
     device = torch.device(args.device)
     from ..kernels.triton import TUNING
 
-    timer = Timer(device, reps=args.reps)
-    bw = copy_bandwidth(device, timer)
+    claim_results(args.out / f"{args.tag}.json", device_name(device), setting, args.overwrite)
     bits = tuple(args.bits)
     per_copy = 4 * SHAPES[args.shape].kv_heads * (args.context // args.page_size) * SHAPES[args.shape].head_dim
-    copies = coded_copies(args.shape, args.context, args.page_size, bits, device, max(2, min(48, math.ceil(
-        4 * L2_BYTES / per_copy))))
+    n_copies = max(2, min(48, math.ceil(4 * L2_BYTES / per_copy)))
+    problem = memory_problem({f"{n_copies} cache copies with their codes": copies_bytes(
+        args.shape, args.context, args.page_size, bits, n_copies)}, device)
+    if problem:
+        raise SystemExit(refuse("sparsekv.bench.lowbit", f"--context {args.context} of --shape {args.shape} "
+                                f"{problem}; use a smaller --context or --shape (e.g. tiny)"))
+    timer = Timer(device, reps=args.reps)
+    bw = copy_bandwidth(device, timer)
+    copies = coded_copies(args.shape, args.context, args.page_size, bits, device, n_copies)
     num_pages = args.budget // args.page_size
     checks = [check(copies[0], w, num_pages) for w in bits]
     for row in checks:
@@ -172,14 +194,15 @@ def main(argv=None) -> None:
         TUNING.update(base)
     meta = {"device": device_name(device), "shape": args.shape, "context": args.context, "page_size":
             args.page_size, "budget": args.budget, "copies": len(copies), "copy_bw_TBps": bw / 1e12,
-            "checks": checks}
+            "checks": checks, "setting": setting,
+            "command": " ".join(["python -m sparsekv.bench.lowbit", *argv])}
     cols = [("piece", "piece", "{}"), ("TUNING overrides", "tuning", "{}"), ("us per layer", "us", "{:.1f}"),
             ("floor us", "floor_us", "{:.1f}"), ("x floor", "x_floor", "{:.2f}"), ("MiB read", "MiB", "{:.1f}"),
             ("rel. error", "rel_err", "{:.1e}"), ("top overlap", "top_overlap", "{:.3f}")]
     lines = [f"# lowbit's selection pieces ({args.shape}, batch 1, {args.context} tokens, {device_name(device)})",
              "", f"Copy bandwidth {bw / 1e12:.2f} TB/s; {len(copies)} cache copies rotated; budget {args.budget}.", "",
              *markdown_table(cols, rows), "", "Checks against float64: " + json.dumps(checks)]
-    write_results(args.out, args.tag, meta, rows, lines)
+    write_results(args.out, args.tag, meta, rows, lines, overwrite=args.overwrite)
     print("\n".join(lines))
 
 

@@ -41,8 +41,10 @@ admitted and nothing is prefilling (or once every request is in): its ``max_runn
 
 ``shape:<name>`` (the default, Llama-3-8B) is a random-weight model of that shape on the device, served with a
 stand-in tokenizer (one word per token id). ``--weights int4`` quantizes its layers' linear weights to group-wise
-int4 (``sparsekv.quant``) before the runs, which leaves their memory to the pool. Writes ``<tag>.json``,
-``<tag>.md`` and ``<tag>.png`` under ``--out``.
+int4 (``sparsekv.quant``) before the runs, which leaves their memory to the pool. Before it builds anything, a run
+whose weights, largest pool and prefill the device's free memory (on a CPU, the host's available memory) cannot
+hold is refused (``run_memory``). Writes ``<tag>.json``, ``<tag>.md`` and ``<tag>.png`` under ``--out`` (results
+there from another device or other options are kept unless ``--overwrite``).
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -74,8 +75,9 @@ from ..quant import quantize_model
 from ..serve import Request, ServingEngine
 from ..serve.runner import POOL_FIELD, cache_bytes, pool_row_bytes, prefill_bytes, shared_page_bytes, shares_pages
 from ..spec import budget_arg
-from .common import (ModelShape, device_name, int_arg, markdown_table, model_shape, out_of_memory_lines, pyplot,
-                     run_args, shape_model, weights_arg, write_results)
+from .common import (ModelShape, claim_results, device_name, int_arg, markdown_table, memory_problems, model_shape,
+                     out_of_memory_lines, pyplot, quantiles, refuse, run_args, run_setting, shape_config, shape_model,
+                     shape_weights, weights_arg, write_results)
 from .e2e import fill_passes, random_fill
 
 GIB = 2**30
@@ -316,16 +318,6 @@ def run_http(engine: ServingEngine, tokenizer, work: list[Work], concurrency: in
     return trace
 
 
-def quantiles(values: list[float]) -> dict:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    values = sorted(values)
-
-    def at(q: float) -> float:
-        return values[min(int(q * len(values)), len(values) - 1)]
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
-
-
 def summarize(trace: Trace) -> dict:
     done = [r for r in trace.records if r.done]
     tokens = sum(r.tokens for r in trace.records)
@@ -396,6 +388,60 @@ def largest_batch(make, most: int) -> int:
     return low
 
 
+def pool_parts(method, kv_heads: int, head_dim: int, layers: int, dtype: torch.dtype, max_context: int,
+               max_new_tokens: int) -> dict[str, int]:
+    """A pool row of ``method`` (a built method, one of its ``pool_configs``) for requests of up to ``max_context``
+    tokens, at most ``max_new_tokens`` new, in bytes by the runner's own accounting: ``row``, its own device part
+    (``runner.pool_row_bytes`` of ``Method.pool_pages``: in shared pages its page table and per-slot state only);
+    ``pages``, the shared pages a row holds at most (0 where the rows hold their own), ``page`` bytes each
+    (``runner.shared_page_bytes``); ``prefill``, one prompt's beside the pool (``runner.prefill_bytes``); and
+    ``host_row``, its host store (``Method.pool_host_tokens``)."""
+    token_bytes, page_bytes = cache_bytes(method.config, kv_heads, head_dim, dtype)
+    slots = method.pool_pages(max_context, max_new_tokens)
+    page = shared_page_bytes(method, token_bytes, page_bytes, layers)
+    return {"row": pool_row_bytes(method, slots, token_bytes, page_bytes, kv_heads, head_dim),
+            "pages": slots[0] if page else 0, "page": page,
+            "prefill": prefill_bytes(method, max_context, token_bytes, kv_heads, head_dim, dtype),
+            "host_row": method.pool_host_tokens(max_context) * token_bytes}
+
+
+def run_memory(runs, config, dtype: torch.dtype, args, max_context: int, device: torch.device) -> dict[str, int]:
+    """The memory beside the weights that the largest of ``runs``' pools takes on ``device`` (a model of
+    ``config``), by part, as the runner sizes it (``pool_parts`` of the config it takes where it cannot see the
+    device's free memory, the one that keeps the least there): max batch rows (``--fit`` on a GPU: one row, then
+    the search), in shared pages with every row's pages on a CPU, ``--kv-memory-gib`` of them where given, on a GPU
+    without it as many as the free memory leaves beside ``DEVICE_MARGIN``; one prompt's prefill; the rows' sampling
+    state and the prefix cache (``Runner``'s ``others``); on a CPU the host store of offloaded layers too."""
+    layers, vocab = config.num_hidden_layers, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    gpu = device.type == "cuda"
+    batch = 1 if gpu and (args.fit or args.capacity) else args.max_batch
+    worst: dict[str, int] = {}
+    for run in runs:
+        method = run.config.build(layers).pool_configs()[-1].build(layers)
+        pool = pool_parts(method, config.num_key_value_heads, head_dim, layers, dtype, max_context,
+                          args.max_new_tokens or max_context)
+        pages = batch * pool["pages"]
+        if pool["page"] and args.kv_memory_gib is not None:
+            pages = min(pages, int(args.kv_memory_gib * GIB) // pool["page"])
+        fitted = gpu and pool["page"] and args.kv_memory_gib is None  # the runner takes what the device leaves
+        parts = {"KV pool": batch * pool["row"] + (0 if fitted else pages * pool["page"]),
+                 "one prompt's prefill": pool["prefill"],
+                 "sampling state and prefix cache": batch * 9 * vocab + int(args.prefix_cache_gib * GIB),
+                 "steps' margin": DEVICE_MARGIN if fitted else 0,
+                 "host KV store": 0 if gpu else (batch + 1) * pool["host_row"]}
+        if sum(parts.values()) > sum(worst.values()):
+            worst = parts
+    return worst
+
+
+def _too_big(args, problem: str) -> int:
+    return refuse("sparsekv.bench.serve", f"--model {args.model} with --max-batch {args.max_batch} and requests of "
+                  f"up to {args.prompt_len[1]} + {args.output_len[1]} tokens {problem}; use a smaller --model (e.g. "
+                  f"shape:tiny or tiny:llama), --max-batch, --prompt-len, --output-len or --max-context, or "
+                  f"--kv-memory-gib")
+
+
 def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_new_tokens: int, device_bytes: int,
          host_bytes: int) -> dict:
     """The planner's rows (no device used) of a pool of ``config``'s method for requests of ``max_context`` tokens,
@@ -411,19 +457,15 @@ def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_ne
     other per-row state (OmniKV's fetch buffer: its budget times the offloaded layers' token bytes) and the
     activations are not counted."""
     _, kv_heads, head_dim = shape.attention
-    token_bytes, page_bytes = cache_bytes(config, kv_heads, head_dim, dtype)
     weights = shape.parameters * dtype.itemsize
     best = None
     choices = config.build(shape.layers).pool_configs()
     for choice in choices:
         method = choice.build(shape.layers)
-        prefill = prefill_bytes(method, max_context, token_bytes, kv_heads, head_dim, dtype)
+        pool = pool_parts(method, kv_heads, head_dim, shape.layers, dtype, max_context, max_new_tokens)
         # A row, and in shared pages the pages of one request of max_context.
-        row = pool_row_bytes(method, method.pool_pages(max_context, max_new_tokens), token_bytes, page_bytes,
-                             kv_heads, head_dim) + \
-            -(-max_context // config.page_size) * shared_page_bytes(method, token_bytes, page_bytes, shape.layers)
+        row, prefill, host_row = pool["row"] + pool["pages"] * pool["page"], pool["prefill"], pool["host_row"]
         margin = DEVICE_MARGIN if shares_pages(method) or choice is not choices[-1] else 0
-        host_row = method.pool_host_tokens(max_context) * token_bytes
         by_device = max((device_bytes - weights - prefill - margin) // row, 0)
         by_host = max(host_bytes // host_row - 1, 0) if host_row else None
         rows = by_device if by_host is None else min(by_device, by_host)
@@ -499,11 +541,13 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     return lines + markdown_table(columns, rows) + out_of_memory_lines(meta["out_of_memory"])
 
 
-def plot(path: Path, rows: list[dict]) -> None:
+def plot(rows: list[dict]):
+    """Running and queued requests over time, and throughput per run: a figure for ``write_results`` (None without
+    matplotlib)."""
     plt = pyplot()
     if plt is None:
-        return
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), dpi=120)
     for r in rows:
         t = [s[0] for s in r["series"]]
         line, = left.plot(t, [s[1] for s in r["series"]], label=f"{r['spec']} {r['via']} running")
@@ -515,11 +559,10 @@ def plot(path: Path, rows: list[dict]) -> None:
     right.set_xticks(range(len(rows)), labels, fontsize=7)
     right.set(ylabel="output tokens/s", title="throughput")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sparsekv.bench.serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="shape:llama3-8b",
@@ -583,8 +626,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-gib", type=float, default=None, help="--plan: host memory free for offloaded KV")
     weights_arg(parser)
     run_args(parser, "serve")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    setting = run_setting("serve", args)
     try:
         runs = method_runs(args.methods, [args.budget])
         if not args.rate > 0:
@@ -628,14 +677,27 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" or args.plan else "float32"))
     max_context = args.max_context or args.prompt_len[1] + args.output_len[1]
     command = "python -m sparsekv.bench.serve " + " ".join(argv)
+    claim_results(args.out / f"{args.tag}.json", None if args.plan else device_name(device), setting,
+                  args.overwrite)
     if args.plan:
-        return capacity_plan(args, runs, model_shape(args.model[len("shape:"):]), dtype, max_context, command)
-    if args.model.startswith("shape:"):
-        model = shape_model(args.model[len("shape:"):], device, dtype, max_context + STATIC_STEPS)
-        tokenizer = stand_in_tokenizer(model.config.vocab_size)
+        return capacity_plan(args, runs, model_shape(args.model[len("shape:"):]), dtype, max_context, command,
+                             setting)
+    shape = args.model[len("shape:"):] if args.model.startswith("shape:") else None
+    if shape:  # checked before it is built; a loaded model once it is there
+        config = shape_config(shape, max_context + STATIC_STEPS)
     else:
         loaded = load_model(args.model, device, dtype)
-        model, tokenizer = loaded.model, loaded.tokenizer
+        model, tokenizer, config = loaded.model, loaded.tokenizer, loaded.model.config
+    try:
+        problem = memory_problems(device, shape_weights(args.model, dtype),
+                                  run_memory(runs, config, dtype, args, max_context, device))
+    except ConfigError as err:  # a method's options that the model's layers do not allow
+        return refuse("sparsekv.bench.serve", str(err))
+    if problem:
+        return _too_big(args, problem)
+    if shape:
+        model = shape_model(shape, device, dtype, max_context + STATIC_STEPS)
+        tokenizer = stand_in_tokenizer(model.config.vocab_size)
     quantize_model(model, args.weights)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the 16-bit weights the quantized layers replaced
@@ -655,10 +717,13 @@ def main(argv: list[str] | None = None) -> int:
             "fill": args.fill, "duration": args.duration,
             "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk, "fill_chunk": args.fill_chunk,
             "capacity": args.capacity, "fit": args.fit or args.capacity, "out_of_memory": [],
-            "shared_prefix": args.shared_prefix, "prefix_cache_gib": args.prefix_cache_gib, "command": command}
+            "shared_prefix": args.shared_prefix, "prefix_cache_gib": args.prefix_cache_gib, "setting": setting,
+            "command": command}
     rows: list[dict] = []
 
-    def save() -> None:
+    def save(final: bool = False) -> None:
+        """Writes the runs so far (after every run, so that a cut-short bench keeps them; ``final``: with the
+        plot)."""
         for key, ratio in (("output_tokens_per_s", "vs_dense"), ("decode_tokens_per_s", "decode_vs_dense")):
             dense = {r["via"]: r[key] for r in rows if r["method"] == "dense"}
             for r in rows:
@@ -667,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         write_results(args.out, args.tag, meta, [{k: v for k, v in r.items() if k != "series"} for r in rows],
                       markdown(meta, rows), series={f"{r['spec']} {r['via']}": r["series"] for r in rows},
                       series_columns=["seconds", "running", "queued", "prefilling", "kv_bytes", "host_kv_bytes",
-                                      "rss_bytes"])
+                                      "rss_bytes"], figure=plot(rows) if final else None, overwrite=args.overwrite)
 
     def make(config, batch: int) -> ServingEngine:
         return ServingEngine(model, config, tokenizer=tokenizer, max_batch=batch, max_context=max_context,
@@ -740,13 +805,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:>32}: {row['output_tokens_per_s']:.1f} output tok/s, {row['requests_done']} done, TTFT "
                   f"p50 {row['ttft_p50_ms'] or 0:.0f} ms, TPOT p50 {row['tpot_p50_ms'] or 0:.2f} ms, max running "
                   f"{row['max_running']}", flush=True)
-    save()
-    plot(args.out / f"{args.tag}.png", rows)
+    save(final=True)
     print((args.out / f"{args.tag}.md").read_text())
     return 0
 
 
-def capacity_plan(args, runs, shape: ModelShape, dtype: torch.dtype, max_context: int, command: str) -> int:
+def capacity_plan(args, runs, shape: ModelShape, dtype: torch.dtype, max_context: int, command: str,
+                  setting: dict) -> int:
     """--plan: ``plan`` for each method, written and printed like a run's results."""
     new = args.max_new_tokens or max_context
     rows = [{"spec": run.label, **plan(run.config, shape, dtype, max_context, new,
@@ -758,9 +823,9 @@ def capacity_plan(args, runs, shape: ModelShape, dtype: torch.dtype, max_context
             r["host_gib_for_2x_dense"] = (2 * dense + 1) * r["host_row_gib"]
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "max_context": max_context,
             "max_new_tokens": new, "device_gib": args.device_gib, "host_gib": args.host_gib, "plan": True,
-            "command": command}
+            "setting": setting, "command": command}
     lines = plan_markdown(meta, rows)
-    write_results(args.out, args.tag, meta, rows, lines)
+    write_results(args.out, args.tag, meta, rows, lines, overwrite=args.overwrite)
     print("\n".join(lines))
     return 0
 

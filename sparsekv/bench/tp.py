@@ -16,7 +16,8 @@ context must give the dense tokens of the same layout. In bf16 (and fp16) the sh
 from one process (the row-parallel projections' partial sums are rounded before their all-reduce), and a
 random-weight model's logits tie at bf16's resolution often, so the control itself may generate other tokens: there
 the forced NLLs must agree within twice the control's own difference (at least ``NLL_FLOOR``), and tokens that part
-are listed with the near tie where they part. Exits 1 on a mismatch; ``--out`` gets the runs as JSON.
+are listed with the near tie where they part. Exits 1 on a mismatch; ``--out`` gets the runs as JSON (and a
+markdown report beside it; a file there from another device or other options is kept unless ``--overwrite``).
 
 ``tiny:<arch>`` and ``shape:<name>`` models get random weights (seeded) and are saved to a temporary folder that
 every process loads from.
@@ -25,7 +26,6 @@ every process loads from.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from contextlib import nullcontext
@@ -41,7 +41,8 @@ from ..methods import (DenseConfig, H2OConfig, MethodConfig, OmniKVConfig, Quest
                        StreamingLLMConfig, TOVAConfig)
 from ..models import resolve_dtype
 from ..tiny import tiny_model
-from .common import SHAPES, device_name, int_arg, load_sharded, shape_model, shared_folder
+from .common import (SHAPES, claim_results, device_name, int_arg, load_sharded, memory_problems, overwrite_arg,
+                     refuse, run_setting, shape_model, shape_weights, shared_folder, write_files)
 
 CONTROL = "transformers"
 
@@ -236,7 +237,7 @@ def markdown(result: dict) -> list[str]:
     return lines + [f"- {n}" for n in result["notes"]]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m sparsekv.bench.tp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny:llama", help="tiny:<arch>, shape:<name> or a model directory")
@@ -250,16 +251,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the tokens as JSON here (process 0)")
+    overwrite_arg(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if "LOCAL_RANK" not in os.environ:
         parser.error("start it with torchrun --nproc-per-node N (N >= 2)")
-    check_spec(args.model)
+    try:
+        check_spec(args.model)
+        dtype = resolve_dtype(args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32"))
+        weights = shape_weights(args.model, dtype, args.layers)
+    except ValueError as err:
+        parser.error(str(err))
 
     # transformers shards the model over the machine's accelerator whenever there is one. It would start the process
     # group itself; it is started first here to share the model folder.
     device = parallel.start()
     cuda, rank = device.type == "cuda", dist.get_rank()
-    dtype = resolve_dtype(args.dtype or ("bfloat16" if cuda else "float32"))
+    setting = run_setting("tp", args, processes=dist.get_world_size())
+    try:  # every process decides alike (the same file, the same memory), before the model is built
+        if args.out is not None:
+            claim_results(args.out, device_name(device), setting, args.overwrite)
+        # The first process builds the whole model (in float32), then holds it alone for the one-process runs.
+        problem = memory_problems(device, weights)
+        if problem:
+            raise SystemExit(refuse("sparsekv.bench.tp", f"--model {args.model} {problem}; use fewer --layers or a "
+                                                          f"smaller --model (e.g. tiny:llama)"))
+    except SystemExit:
+        parallel.finish(wait=False)
+        raise
     batch = args.batch or (1 if cuda else 2)
     new_tokens = args.new_tokens or (16 if cuda else 6)
     page_size = args.page_size or (4 if args.context < 1024 else 16)
@@ -305,9 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         result = {"command": "torchrun --nproc-per-node N -m sparsekv.bench.tp " + " ".join(sys.argv[1:] if argv is None
                                                                                          else argv),
                   "processes": len(ranks), "device": device_name(device), "dtype": str(dtype).removeprefix("torch."),
-                  "one_process": reference, "tensor_parallel": ranks[0], "errors": errors, "notes": notes}
-        args.out.write_text(json.dumps(result, indent=1))
-        args.out.with_suffix(".md").write_text("\n".join(markdown(result)) + "\n")
+                  "setting": setting, "one_process": reference, "tensor_parallel": ranks[0], "errors": errors,
+                  "notes": notes}
+        write_files(args.out, result, markdown(result), overwrite=args.overwrite)
     dist.destroy_process_group()
     return 1 if errors else 0
 

@@ -1,0 +1,217 @@
+"""vLLM, the peer the benchmarks compare with: the same published model shape with random weights
+(``load_format="dummy"``), prompts given as token ids, on the same GPU, in a process of its own so that its engine
+and the memory it takes (``--gpu-memory-utilization`` of the device) are gone before our runs start.
+
+    python -m sparsekv.bench.peer decode --contexts 32768 131072 --new-tokens 64
+    python -m sparsekv.bench.peer load --requests 24 --prompt-min 16384 --prompt-max 32768 --output 1024
+
+``decode``: one request at a time, a prompt of ``context`` random tokens and ``new_tokens`` greedy tokens with EOS
+ignored; the time to the first token, and the decode time per token from the engine's timestamps of the first
+and last token (host clock: what a client of vLLM sees, its scheduling included). ``load``: ``requests`` requests
+given at once, prompt lengths uniform in [``prompt_min``, ``prompt_max``] from ``seed``, ``output`` tokens each:
+output tokens/s over the whole run, and time to first token and per output token (p50, p90).
+
+The rows go to stdout as one JSON line (``PEER_ROWS {...}``) and, with ``--json FILE``, to that file. Other
+benchmarks run this module through ``peer_rows`` (their ``--peer vllm``). vLLM is the optional extra
+``sparsekv[vllm]`` (a CUDA machine's, never installed by CI); without it this module says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .common import int_arg, model_shape, quantiles, shape_config
+
+PEERS = ("vllm",)
+VLLM_VERSIONS = ">=0.26,<0.27"  # the release built for torch 2.11, the GPU image's; pyproject's extra says the same
+# vLLM reads these at import: no network, no usage reports, no tokenizer threads.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+
+
+class PeerError(RuntimeError):
+    """The peer could not run (not installed, or its process failed): the message says why."""
+
+
+def missing_vllm() -> str | None:
+    """None if vLLM imports, else what is missing and how to get it."""
+    try:
+        import vllm
+    except ImportError as err:
+        return (f"vLLM is not installed ({err}): the peer needs pip install 'sparsekv[vllm]' (vllm{VLLM_VERSIONS}) "
+                f"on a CUDA machine")
+    return None if hasattr(vllm, "LLM") else f"vllm {getattr(vllm, '__version__', '?')} has no LLM class"
+
+
+def write_shape(name: str, max_positions: int, folder: Path) -> None:
+    """The ``config.json`` of ``SHAPES[name]`` (``common.shape_config``, bf16) in ``folder``, for vLLM to fill with
+    random weights."""
+    config = shape_config(name, max_positions)
+    config.torch_dtype = "bfloat16"
+    config.save_pretrained(folder)
+
+
+def request_times(output) -> tuple[float, float | None]:
+    """(time to first token in s, decode ms per token after the first) of a finished ``vllm.RequestOutput``, from
+    the timestamps its engine keeps per request; the decode time is None for a single token."""
+    m = output.metrics
+    if m is None or not getattr(m, "first_token_ts", 0) or not getattr(m, "last_token_ts", 0):
+        raise PeerError("vLLM's RequestOutput carries no first/last token timestamps (metrics): this vLLM release "
+                        f"is not the one supported (vllm{VLLM_VERSIONS})")
+    tokens = len(output.outputs[0].token_ids)
+    decode = (m.last_token_ts - m.first_token_ts) * 1e3 / (tokens - 1) if tokens > 1 else None
+    return m.first_token_latency, decode
+
+
+def engine(args, max_len: int):
+    """A ``vllm.LLM`` over a random-weight model of ``args.model``'s shape, no tokenizer, no prefix cache."""
+    from vllm import LLM
+
+    folder = Path(tempfile.mkdtemp(prefix="sparsekv-peer-"))
+    write_shape(args.model.removeprefix("shape:"), max_len, folder)
+    options = dict(model=str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                   max_model_len=max_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                   enable_prefix_caching=False, seed=args.seed,
+                   disable_log_stats=False)  # LLM turns the per-request stats off, and with them the timestamps
+    if args.max_num_seqs:
+        options["max_num_seqs"] = args.max_num_seqs
+    t0 = time.perf_counter()
+    llm = LLM(**options)
+    print(f"peer: vLLM engine up in {time.perf_counter() - t0:.0f} s", flush=True)
+    return llm
+
+
+def generate(llm, lengths: list[int], new_tokens: int, seed: int) -> tuple[list, float]:
+    """The outputs of prompts of ``lengths`` random token ids (from ``seed``; below the shape's vocabulary), greedy,
+    ``new_tokens`` each with EOS ignored, given at once; and the wall seconds of the call."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    g = torch.Generator().manual_seed(seed)
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, vocab, (n,), generator=g).tolist()) for n in lengths]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return outputs, time.perf_counter() - t0
+
+
+def decode_rows(args) -> list[dict]:
+    llm = engine(args, max(args.contexts) + args.new_tokens)
+    generate(llm, [512], 8, args.seed)  # the first request pays the engine's lazy set-up
+    rows = []
+    for context in args.contexts:
+        (out,), _ = generate(llm, [context], args.new_tokens, args.seed + context)
+        ttft, decode_ms = request_times(out)
+        rows.append({"peer": "vllm", "method": "dense", "context": context, "batch": 1, "ttft_s": ttft,
+                     "prefill_tok_s": context / ttft, "decode_ms": decode_ms, "tokens_per_s": 1e3 / decode_ms})
+        print(f"peer: vLLM dense ctx {context}: TTFT {ttft:.3f} s, {decode_ms:.2f} ms/token", flush=True)
+    return rows
+
+
+def load_rows(args) -> list[dict]:
+    import torch
+
+    g = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.requests,), generator=g).tolist()
+    llm = engine(args, args.prompt_max + args.output)
+    generate(llm, [512], 8, args.seed)
+    outputs, wall = generate(llm, lengths, args.output, args.seed + 1)
+    times = [request_times(o) for o in outputs]
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    ttft = quantiles([t for t, _ in times])
+    tpot = quantiles([d for _, d in times if d is not None])
+    row = {"peer": "vllm", "method": "dense", "requests": args.requests, "prompt_tokens": sum(lengths),
+           "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
+           "ttft_p50_s": ttft["p50"], "ttft_p90_s": ttft["p90"], "tpot_p50_ms": tpot["p50"], "tpot_p90_ms": tpot["p90"],
+           "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs}
+    print(f"peer: vLLM dense, {args.requests} requests: {row['output_tok_s']:.1f} output tok/s, TTFT p50 "
+          f"{row['ttft_p50_s']:.2f} s, TPOT p50 {row['tpot_p50_ms']:.2f} ms", flush=True)
+    return [row]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sparsekv.bench.peer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="kind", required=True)
+    decode = sub.add_parser("decode", help="batch-1 decode at each context")
+    decode.add_argument("--contexts", type=int_arg(), nargs="+", default=[32768, 131072])
+    decode.add_argument("--new-tokens", type=int_arg(2), default=64)
+    load = sub.add_parser("load", help="requests given at once")
+    load.add_argument("--requests", type=int_arg(), default=24)
+    load.add_argument("--prompt-min", type=int_arg(), default=16384)
+    load.add_argument("--prompt-max", type=int_arg(), default=32768)
+    load.add_argument("--output", type=int_arg(), default=1024)
+    for s in (decode, load):
+        s.add_argument("--model", default="shape:llama3-8b", help="shape:<name>: a published shape, random weights")
+        s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        s.add_argument("--max-num-seqs", type=int_arg(), default=None, help="vLLM's cap on running requests")
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.model.startswith("shape:"):
+        p.error(f"--model must be shape:<name> (the peer builds random weights of a published shape), "
+                f"got {args.model!r}")
+    try:
+        model_shape(args.model.removeprefix("shape:"))
+    except ValueError as err:
+        p.error(f"--model: {err}")
+    if args.kind == "load" and args.prompt_min > args.prompt_max:
+        p.error(f"--prompt-min ({args.prompt_min}) must be at most --prompt-max ({args.prompt_max})")
+    problem = missing_vllm()
+    if problem:
+        print(f"sparsekv.bench.peer: error: {problem}", file=sys.stderr)
+        return 2
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+    rows = decode_rows(args) if args.kind == "decode" else load_rows(args)
+    import vllm
+
+    result = {"peer": "vllm", "version": vllm.__version__, "rows": rows}
+    if args.json:
+        args.json.write_text(json.dumps(result))
+    print("PEER_ROWS " + json.dumps(result), flush=True)
+    return 0
+
+
+def peer_rows(peer: str, kind: str, options: list[str], timeout_s: float = 900) -> dict:
+    """Runs ``python -m sparsekv.bench.peer KIND OPTIONS`` in a child process (its output shown as it comes) and
+    returns what it wrote: {"peer", "version", "rows"}. A child that fails, or passes ``timeout_s``, is a
+    ``PeerError`` with the end of its output."""
+    if peer not in PEERS:
+        raise PeerError(f"peer must be one of {', '.join(PEERS)}, got {peer!r}")
+    with tempfile.TemporaryDirectory(prefix="sparsekv-peer-") as folder:
+        result = Path(folder) / "rows.json"
+        command = [sys.executable, "-m", "sparsekv.bench.peer", kind, *options, "--json", str(result)]
+        tail: list[str] = []
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, **OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}) as child:
+            deadline = time.monotonic() + timeout_s
+            for line in child.stdout:
+                if not line.startswith("PEER_ROWS "):
+                    print(line, end="", flush=True)
+                tail = (tail + [line])[-20:]
+                if time.monotonic() > deadline:
+                    child.kill()
+                    raise PeerError(f"the {peer} peer ran past {timeout_s:.0f} s:\n" + "".join(tail))
+            code = child.wait()
+        if code != 0 or not result.exists():
+            raise PeerError(f"the {peer} peer exited {code}:\n" + "".join(tail))
+        return json.loads(result.read_text())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""The vLLM peer of the benchmarks, on the CPU: without vLLM it says what is missing; with a stand-in ``vllm``
+package (the few names the peer uses) the child process's rows come back through ``peer_rows``."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from sparsekv.bench import peer
+
+FAKE_VLLM = '''
+import types
+
+__version__ = "0.26.0"
+
+
+class SamplingParams:
+    def __init__(self, max_tokens, temperature, ignore_eos, detokenize):
+        assert temperature == 0.0 and ignore_eos and not detokenize
+        self.max_tokens = max_tokens
+
+
+class LLM:
+    def __init__(self, model, load_format, skip_tokenizer_init, dtype, max_model_len, gpu_memory_utilization,
+                 enable_prefix_caching, seed, disable_log_stats, max_num_seqs=256):
+        import json, pathlib
+        config = json.loads((pathlib.Path(model) / "config.json").read_text())
+        assert load_format == "dummy" and skip_tokenizer_init and not disable_log_stats
+        assert config["max_position_embeddings"] == max_model_len
+        self.llm_engine = types.SimpleNamespace(
+            model_config=types.SimpleNamespace(get_vocab_size=lambda: config["vocab_size"]),
+            vllm_config=types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=max_num_seqs)))
+
+    def generate(self, prompts, params, use_tqdm):
+        outs = []
+        for p in prompts:
+            n = len(p["prompt_token_ids"])
+            # a prompt's first token after n / 10000 s, then 2 ms a token
+            metrics = types.SimpleNamespace(first_token_latency=n / 1e4, first_token_ts=100.0,
+                                            last_token_ts=100.0 + 0.002 * (params.max_tokens - 1))
+            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0] * params.max_tokens)],
+                                              metrics=metrics))
+        return outs
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (tmp_path / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                                "    return {'prompt_token_ids': prompt_token_ids}\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{':'.join(sys.path)}")
+    return tmp_path
+
+
+def test_without_vllm_the_peer_says_what_is_missing(capsys):
+    if peer.missing_vllm() is None:
+        pytest.skip("vLLM is installed here")
+    assert peer.main(["decode", "--contexts", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "vLLM is not installed" in err and "sparsekv[vllm]" in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["decode", "--model", "tiny:llama"], "--model must be shape:<name>"),
+    (["decode", "--model", "shape:nope"], "shape must be one of"),
+    (["load", "--prompt-min", "9", "--prompt-max", "3"], "--prompt-min (9) must be at most --prompt-max (3)"),
+    (["decode", "--contexts", "0"], "must be an integer >= 1"),
+])
+def test_bad_options_are_named(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        peer.main(argv)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_decode_rows_come_back_from_the_child(fake_vllm, capsys):
+    result = peer.peer_rows("vllm", "decode", ["--model", "shape:tiny", "--contexts", "1000", "4000",
+                                               "--new-tokens", "11"], timeout_s=120)
+    assert result["peer"] == "vllm" and result["version"] == "0.26.0"
+    first, second = result["rows"]
+    assert (first["context"], second["context"]) == (1000, 4000)
+    assert first["ttft_s"] == pytest.approx(0.1) and first["prefill_tok_s"] == pytest.approx(1e4)
+    assert second["decode_ms"] == pytest.approx(2.0) and second["tokens_per_s"] == pytest.approx(500.0)
+    assert "peer: vLLM dense ctx 4000" in capsys.readouterr().out
+
+
+def test_load_rows_come_back_from_the_child(fake_vllm):
+    result = peer.peer_rows("vllm", "load", ["--model", "shape:tiny", "--requests", "5", "--prompt-min", "100",
+                                             "--prompt-max", "200", "--output", "9", "--max-num-seqs", "4"],
+                            timeout_s=120)
+    (row,) = result["rows"]
+    assert row["requests"] == 5 and row["output_tokens"] == 45 and 500 <= row["prompt_tokens"] <= 1000
+    assert row["tpot_p50_ms"] == pytest.approx(2.0) and row["max_num_seqs"] == 4
+    assert 0.01 <= row["ttft_p50_s"] <= 0.02
+
+
+def test_a_failing_child_is_a_peer_error_with_its_output(fake_vllm):
+    (fake_vllm / "vllm" / "__init__.py").write_text(FAKE_VLLM + textwrap.dedent('''
+        class LLM(LLM):
+            def __init__(self, **kw):
+                raise RuntimeError("no GPU for the peer")
+        '''))
+    with pytest.raises(peer.PeerError, match="no GPU for the peer"):
+        peer.peer_rows("vllm", "decode", ["--model", "shape:tiny", "--contexts", "64"], timeout_s=120)
+
+
+def test_only_known_peers():
+    with pytest.raises(peer.PeerError, match="peer must be one of vllm"):
+        peer.peer_rows("sglang", "decode", [])
+
+
+def test_missing_timestamps_are_an_error_not_a_number():
+    import types
+
+    out = types.SimpleNamespace(metrics=None, outputs=[types.SimpleNamespace(token_ids=[1, 2])])
+    with pytest.raises(peer.PeerError, match="no first/last token timestamps"):
+        peer.request_times(out)
+    assert json.dumps(peer.OFFLINE_ENV)
+
+
+def test_e2e_puts_the_peers_rows_in_its_table(tmp_path, monkeypatch):
+    """``bench.e2e --peer vllm``: the peer runs first, its rows join the table with the ratio of each of ours."""
+    from sparsekv.bench import e2e
+
+    calls = []
+
+    def fake_peer(peer_name, kind, options):
+        calls.append((peer_name, kind, options))
+        return {"peer": "vllm", "version": "0.26.0", "rows": [
+            {"context": 128, "ttft_s": 0.01, "prefill_tok_s": 12800.0, "decode_ms": 1e6, "tokens_per_s": 1e-3}]}
+
+    monkeypatch.setattr(e2e, "run_peer", fake_peer)
+    monkeypatch.setattr(e2e, "peer_problem", lambda args, device, dtype: None)  # the CPU stands in for the GPU
+    assert e2e.main(["--model", "shape:tiny", "--device", "cpu", "--contexts", "128", "--methods", "dense",
+                     "--new-tokens", "4", "--peer", "vllm", "--out", str(tmp_path)]) == 0
+    assert calls == [("vllm", "decode", ["--model", "shape:tiny", "--contexts", "128", "--new-tokens", "4",
+                                         "--seed", "0"])]
+    result = json.loads((tmp_path / "e2e.json").read_text())
+    peer_row, dense = result["rows"]
+    assert peer_row["spec"] == "vllm" and dense["spec"] == "dense" and result["meta"]["peer"]["version"] == "0.26.0"
+    assert dense["vs_peer"] == pytest.approx(1e6 / dense["decode_ms"])
+    table = (tmp_path / "e2e.md").read_text()
+    assert "vs vllm" in table and "vllm 0.26.0 (dense, in a process of its own" in table
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--model", "tiny:llama"], "--peer needs a shape:<name> --model"),
+    (["--model", "shape:tiny"], "--peer runs on one CUDA device"),
+])
+def test_e2e_refuses_a_peer_it_cannot_compare(extra, says, tmp_path, capsys):
+    from sparsekv.bench import e2e
+
+    with pytest.raises(SystemExit) as exit_:
+        e2e.main(["--device", "cpu", "--contexts", "128", "--peer", "vllm", "--out", str(tmp_path), *extra])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err

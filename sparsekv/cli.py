@@ -1,4 +1,5 @@
-"""Command line: ``sparsekv generate``, ``sparsekv demo``, ``sparsekv eval``, ``sparsekv serve``."""
+"""Command line: ``sparsekv generate``, ``sparsekv demo``, ``sparsekv prompt``, ``sparsekv eval``,
+``sparsekv serve``."""
 
 from __future__ import annotations
 
@@ -207,10 +208,11 @@ def cmd_generate(args) -> int:
     device, dtype, config = _setup(args, args.method)
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
-        if not path.is_file():
+        stdin = args.prompt_file == "-"
+        if not stdin and not path.is_file():
             raise FileNotFoundError(f"--prompt-file: no file at {str(path)!r}")
         try:
-            prompt = path.read_bytes().decode("utf-8")
+            prompt = (sys.stdin.buffer.read() if stdin else path.read_bytes()).decode("utf-8")
             if "\x00" in prompt:  # binary data that happens to decode
                 raise UnicodeError
         except UnicodeError:
@@ -303,11 +305,45 @@ def cmd_demo(args) -> int:
               "mostly the work around attention (projections, MLP, Python overhead), so attending fewer tokens saves "
               "little, and choosing them (Quest's page scores, OmniKV's selection, RaaS's page bookkeeping) costs "
               "about as much; sparsity pays on a GPU at long contexts, where a decode step's time is reading the KV "
-              "cache (README, Benchmarks).")
+              "cache (README, Results).")
     print("Other fields are each method's defaults (see README, Methods); for one method, --method NAME:FIELD=VALUE "
           "or --method NAME --opt FIELD=VALUE sets them. KV held: keys and values of the tokens the cache holds; "
           "allocated: with the room for growth, page metadata and the method's state.")
     return 0
+
+
+def cmd_prompt(args) -> int:
+    """A sample of an eval task as a prompt on stdout (for ``generate --prompt-file -``), its expected answer on
+    stderr."""
+    from .eval import TaskOptions, get_task
+
+    task = get_task(args.task, TaskOptions())
+    if task.lengths is None:
+        raise ValueError(f"task {args.task} reads its prompts from a dataset; give a generated task "
+                         f"(passkey, niah, multikey, vartrack, 2stage, arith, ruler_*)")
+    sample = task.samples(_tokenizer(args.model), args.length, args.depth if task.depths else None, args.seed, 1)[0]
+    sys.stdout.write(sample.context + sample.question)
+    sys.stdout.flush()
+    tokens = sample.meta.get("prompt_tokens")
+    print(f"[{task.name}] {'a prompt' if tokens is None else f'{tokens} tokens'}; the expected answer: "
+          f"{sample.answer}", file=sys.stderr)
+    return 0
+
+
+def _tokenizer(spec: str | None):
+    """``spec``'s tokenizer: a model folder's is read alone; a GGUF file's or a hub model's comes with the model."""
+    from .models import TINY_PREFIX, find_gguf
+
+    spec = spec or default_model()
+    if spec.startswith(TINY_PREFIX):
+        from .tiny import byte_tokenizer
+
+        return byte_tokenizer()
+    if Path(spec).is_dir() and find_gguf(spec) is None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(spec)
+    return load_model(spec, "cpu").tokenizer
 
 
 def cmd_serve(args) -> int:
@@ -396,8 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", help="local model directory, GGUF file or folder holding one, tiny:<arch>, or a hub "
                      "id (the local cache, then the hub where it is reachable); default: the project's trained model")
     src = gen.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt")
-    src.add_argument("--prompt-file")
+    src.add_argument("--prompt", help="the prompt's text")
+    src.add_argument("--prompt-file", help="a UTF-8 text file holding the prompt; - reads it from stdin")
     _method_args(gen, "quest")
     gen.add_argument("--chat", action="store_true", help="give the prompt as the user's turn of the tokenizer's chat "
                      "template (instruct models; default: the prompt as it is)")
@@ -410,6 +446,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens of the pass-key prompt (default: %(default)s)")
     demo.add_argument("--model", help="model folder, GGUF file or tiny:<arch> (default: the project's trained model)")
     demo.set_defaults(func=cmd_demo, max_new_tokens=48)
+
+    prm = sub.add_parser("prompt", help="print a generated eval task's prompt (e.g. a pass key in filler) for "
+                                        "generate --prompt-file -; its answer goes to stderr")
+    prm.add_argument("task", help="a generated task of sparsekv eval: passkey, niah, multikey, vartrack, 2stage, "
+                                  "arith, ruler_*")
+    prm.add_argument("--length", type=int, default=4000,
+                     help="prompt tokens (arith: steps) by the model's tokenizer (default: %(default)s)")
+    prm.add_argument("--depth", type=float, default=0.5, help="where the needle goes, 0 to 1 (default: %(default)s)")
+    prm.add_argument("--seed", type=int, default=0, help="draws the sample (default: %(default)s)")
+    prm.add_argument("--model", help="whose tokenizer measures the length (default: the project's trained model)")
+    prm.set_defaults(func=cmd_prompt)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching) with a sparsity method")
     srv.add_argument("--model", help="as for generate (default: the project's trained model)")
@@ -449,6 +496,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Rough seconds of one `sparsekv eval` run of the project's model on 2 CPU cores: a fixed part and a part per 1000
+# prompt tokens (passkey's 210-run grid at 4K and 8K took about 35 minutes).
+EVAL_RUN_SECONDS = (1.5, 1.5)
+
+
+def eval_plan(args) -> str | None:
+    """What ``sparsekv eval`` is about to run, said before it loads anything: the grid's runs and, for the project's
+    model on the CPU, a rough time. None where the grid cannot be sized here (the run then reports the problem)."""
+    from .eval.base import TaskOptions
+    from .eval.runner import method_runs
+    from .eval.tasks import get_task
+
+    try:
+        task = get_task(args.task, TaskOptions(haystack_dir=args.haystack_dir, data=args.data,
+                                               datasets=tuple(args.datasets), longbench_dir=args.longbench_dir,
+                                               max_new_tokens=args.max_new_tokens,
+                                               prefill_tokens=args.prefill_tokens))
+        methods = len(method_runs(args.methods, args.budgets))
+        cpu = resolve_device(args.device).type == "cpu"
+    except (EvalError, ValueError):
+        return None
+    samples = args.limit if args.limit is not None else task.default_samples
+    if samples is None or (args.lengths and task.lengths is None) or (args.depths and task.depths is None):
+        return None  # a dataset's rows (counted once read), or an axis the task refuses
+    lengths = list(args.lengths or task.lengths or [None])
+    depths = len(args.depths or task.depths or [None])
+    runs = methods * len(lengths) * depths * samples
+    axes = [_count(methods, "method configuration"), _count(len(lengths), "length") if lengths[0] else None,
+            _count(depths, "depth") if task.depths else None, _count(samples, "sample")]
+    line = f"sparsekv eval: {runs} runs ({' x '.join(filter(None, axes))}; runs already in --out are skipped)"
+    if args.model is None and cpu and _short_answers(task.name):
+        fixed, per_k = EVAL_RUN_SECONDS
+        seconds = sum(methods * depths * samples * (fixed + per_k * n / 1000) for n in lengths)
+        line += f", roughly {_duration(seconds)} for the project's model on 2 CPU cores"
+    return line
+
+
+def _short_answers(task: str) -> bool:
+    """Whether a run of ``task`` is a prompt of its length in tokens and a short answer, which the estimate
+    assumes (arith's lengths are step counts and it decodes long; perplexity decodes its windows)."""
+    return task in ("passkey", "niah", "multikey", "vartrack", "2stage") or task.startswith("ruler_")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} minutes"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "no_progress", False):
@@ -456,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.disable_progress_bar()  # its weight-loading bar
     try:
+        if getattr(args, "model", "") is None:
+            default_model()  # without the repository around the package: say so before anything loads
+        if args.command == "eval" and (plan := eval_plan(args)) is not None:
+            print(plan, file=sys.stderr, flush=True)
         return args.func(args)
     except (ValueError, FileNotFoundError, EvalError, ImportError) as err:  # ImportError: a missing optional extra
         print(f"sparsekv {args.command}: error: {err}", file=sys.stderr)

@@ -29,11 +29,14 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "sparsekv-l
 
 
 def default_model() -> str:
-    """The shipped model's folder; a clear error where the package runs without the repository around it."""
+    """The shipped model's folder; a clear error where the package runs without the repository around it (a
+    wheel or ``pip install .`` copies the package, not the repository's ``models/``)."""
     if not Path(DEFAULT_MODEL, "model.safetensors").is_file():
-        raise FileNotFoundError(f"the default model ships in the repository's models/ folder and is not at "
-                                f"{DEFAULT_MODEL}: install from a clone (pip install -e .) or pass --model DIR "
-                                f"(or --model tiny:llama for a random-weight model)")
+        raise FileNotFoundError(f"no --model given, and the default model is not installed: the project's model is "
+                                f"the repository's models/sparsekv-llama-16m, which only an editable install "
+                                f"finds (looked for it at {DEFAULT_MODEL}). Install with `pip install -e .` from a "
+                                f"clone of the repository, or pass --model (a model folder, a GGUF file, a hub id, "
+                                f"or tiny:llama for a random-weight model)")
     return DEFAULT_MODEL
 
 

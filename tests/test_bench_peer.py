@@ -33,13 +33,14 @@ class LLM:
             vllm_config=types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=max_num_seqs)))
 
     def generate(self, prompts, params, use_tqdm):
+        assert len(prompts) == len(params)
         outs = []
-        for p in prompts:
+        for p, sp in zip(prompts, params):
             n = len(p["prompt_token_ids"])
             # a prompt's first token after n / 10000 s, then 2 ms a token
             metrics = types.SimpleNamespace(first_token_latency=n / 1e4, first_token_ts=100.0,
-                                            last_token_ts=100.0 + 0.002 * (params.max_tokens - 1))
-            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0] * params.max_tokens)],
+                                            last_token_ts=100.0 + 0.002 * (sp.max_tokens - 1))
+            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0] * sp.max_tokens)],
                                               metrics=metrics))
         return outs
 '''
@@ -66,7 +67,7 @@ def test_without_vllm_the_peer_says_what_is_missing(capsys):
 @pytest.mark.parametrize("argv, says", [
     (["decode", "--model", "tiny:llama"], "--model must be shape:<name>"),
     (["decode", "--model", "shape:nope"], "shape must be one of"),
-    (["load", "--prompt-min", "9", "--prompt-max", "3"], "--prompt-min (9) must be at most --prompt-max (3)"),
+    (["load", "--workload", "/nonexistent.json"], "--workload /nonexistent.json: not a workload file"),
     (["decode", "--contexts", "0"], "must be an integer >= 1"),
 ])
 def test_bad_options_are_named(argv, says, capsys):
@@ -87,13 +88,25 @@ def test_decode_rows_come_back_from_the_child(fake_vllm, capsys):
 
 
 def test_load_rows_come_back_from_the_child(fake_vllm):
-    result = peer.peer_rows("vllm", "load", ["--model", "shape:tiny", "--requests", "5", "--prompt-min", "100",
-                                             "--prompt-max", "200", "--output", "9", "--max-num-seqs", "4"],
+    work = fake_vllm / "load.json"
+    work.write_text(json.dumps({"prompts": [[1] * 100, [2] * 200, [3] * 150], "output_lens": [9, 3, 9]}))
+    result = peer.peer_rows("vllm", "load", ["--model", "shape:tiny", "--workload", str(work), "--max-num-seqs", "4"],
                             timeout_s=120)
     (row,) = result["rows"]
-    assert row["requests"] == 5 and row["output_tokens"] == 45 and 500 <= row["prompt_tokens"] <= 1000
-    assert row["tpot_p50_ms"] == pytest.approx(2.0) and row["max_num_seqs"] == 4
-    assert 0.01 <= row["ttft_p50_s"] <= 0.02
+    assert row["requests_done"] == 3 and row["output_tokens"] == 21 and row["max_batch"] == 4
+    assert row["tpot_p50_ms"] == pytest.approx(2.0) and row["ttft_p50_ms"] == pytest.approx(15.0)
+    assert row["output_tokens_per_s"] == pytest.approx(21 / row["duration_s"])
+
+
+@pytest.mark.parametrize("work", [{"prompts": [[1, 2]], "output_lens": [0]}, {"prompts": [[]], "output_lens": [4]},
+                                  {"prompts": [[1, -2]], "output_lens": [4]}, {"prompts": [[1]]},
+                                  {"prompts": [[1], [2]], "output_lens": [4]}])
+def test_a_bad_workload_file_is_named(work, tmp_path, capsys):
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(work))
+    with pytest.raises(SystemExit):
+        peer.main(["load", "--workload", str(path)])
+    assert f"--workload {path}" in capsys.readouterr().err
 
 
 def test_a_failing_child_is_a_peer_error_with_its_output(fake_vllm):
@@ -145,13 +158,51 @@ def test_e2e_puts_the_peers_rows_in_its_table(tmp_path, monkeypatch):
     assert "vs vllm" in table and "vllm 0.26.0 (dense, in a process of its own" in table
 
 
-@pytest.mark.parametrize("extra, says", [
-    (["--model", "tiny:llama"], "--peer needs a shape:<name> --model"),
-    (["--model", "shape:tiny"], "--peer runs on one CUDA device"),
+def test_serve_puts_the_peers_row_in_its_table(tmp_path, monkeypatch):
+    """``bench.serve --peer vllm``: the peer runs the same requests first (its workload file holds our prompts and
+    output lengths), its row joins the table, and each of ours gets the ratio to it."""
+    from sparsekv.bench import serve
+
+    seen = {}
+
+    def fake_peer(peer_name, kind, options):
+        work = json.loads(open(options[options.index("--workload") + 1]).read())
+        seen.update(kind=kind, options=options, work=work)
+        assert peer_name == "vllm" and options[:2] == ["--model", "shape:tiny"]
+        return {"peer": "vllm", "version": "0.26.0", "rows": [
+            {"peer": "vllm", "requests_done": 3, "output_tokens": 12, "duration_s": 1e4, "output_tokens_per_s": 12e-4,
+             "requests_per_s": 3e-4, "ttft_p50_ms": 5.0, "ttft_p90_ms": 6.0, "ttft_p99_ms": 6.0, "tpot_p50_ms": 2.0,
+             "tpot_p90_ms": 2.0, "tpot_p99_ms": 2.0, "max_batch": 2}]}
+
+    monkeypatch.setattr(peer, "peer_rows", fake_peer)
+    monkeypatch.setattr(serve, "peer_problem", lambda args, device: None)  # the CPU stands in for the GPU
+    assert serve.main(["--model", "shape:tiny", "--device", "cpu", "--methods", "dense", "--requests", "3",
+                       "--prompt-len", "16", "32", "--output-len", "4", "4", "--max-batch", "2", "--via", "engine",
+                       "--no-warmup", "--peer", "vllm", "--out", str(tmp_path)]) == 0
+    assert seen["kind"] == "load" and seen["options"][-4:] == ["--max-num-seqs", "2", "--seed", "0"]
+    assert seen["work"]["output_lens"] == [4, 4, 4] and all(16 <= len(p) <= 32 for p in seen["work"]["prompts"])
+    result = json.loads((tmp_path / "serve.json").read_text())
+    peer_row, dense = result["rows"]
+    assert peer_row["via"] == "vllm" and dense["spec"] == "dense" and result["meta"]["peer"]["version"] == "0.26.0"
+    assert dense["vs_peer"] == pytest.approx(dense["output_tokens_per_s"] / 12e-4)
+    table = (tmp_path / "serve.md").read_text()
+    assert "vs vllm tok/s" in table and "vllm 0.26.0 (dense, prefix caching off" in table
+
+
+E2E = ["--contexts", "128"]
+SERVE = ["--requests", "2", "--prompt-len", "16", "32", "--output-len", "4", "4"]
+
+
+@pytest.mark.parametrize("bench, options, says", [
+    ("e2e", [*E2E, "--model", "tiny:llama"], "--peer needs a shape:<name> --model"),
+    ("e2e", [*E2E, "--model", "shape:tiny"], "--peer runs on one CUDA device"),
+    ("serve", [*SERVE, "--model", "tiny:llama"], "--peer needs a shape:<name> --model"),
+    ("serve", [*SERVE, "--model", "shape:tiny"], "--peer runs on a CUDA device"),
 ])
-def test_e2e_refuses_a_peer_it_cannot_compare(extra, says, tmp_path, capsys):
-    from sparsekv.bench import e2e
+def test_a_peer_that_cannot_compare_is_refused(bench, options, says, tmp_path, capsys):
+    import importlib
 
     with pytest.raises(SystemExit) as exit_:
-        e2e.main(["--device", "cpu", "--contexts", "128", "--peer", "vllm", "--out", str(tmp_path), *extra])
+        importlib.import_module(f"sparsekv.bench.{bench}").main(
+            ["--device", "cpu", "--peer", "vllm", "--out", str(tmp_path), *options])
     assert exit_.value.code == 2 and says in capsys.readouterr().err

@@ -3,13 +3,14 @@
 and the memory it takes (``--gpu-memory-utilization`` of the device) are gone before our runs start.
 
     python -m sparsekv.bench.peer decode --contexts 32768 131072 --new-tokens 64
-    python -m sparsekv.bench.peer load --requests 24 --prompt-min 16384 --prompt-max 32768 --output 1024
+    python -m sparsekv.bench.peer load --workload load.json --max-num-seqs 16
 
 ``decode``: one request at a time, a prompt of ``context`` random tokens and ``new_tokens`` greedy tokens with EOS
 ignored; the time to the first token, and the decode time per token from the engine's timestamps of the first
-and last token (host clock: what a client of vLLM sees, its scheduling included). ``load``: ``requests`` requests
-given at once, prompt lengths uniform in [``prompt_min``, ``prompt_max``] from ``seed``, ``output`` tokens each:
-output tokens/s over the whole run, and time to first token and per output token (p50, p90).
+and last token (host clock: what a client of vLLM sees, its scheduling included). ``load``: the requests of a
+workload file (``{"prompts": [[token ids], ...], "output_lens": [n, ...]}``, as ``bench.serve --peer`` writes its
+own) given at once, each greedy for its output length with EOS ignored: output tokens/s over the whole run, and
+time to first token (from the request's arrival) and per output token (p50, p90, p99), in ``bench.serve``'s names.
 
 The rows go to stdout as one JSON line (``PEER_ROWS {...}``) and, with ``--json FILE``, to that file. Other
 benchmarks run this module through ``peer_rows`` (their ``--peer vllm``). vLLM is the optional extra
@@ -88,28 +89,32 @@ def engine(args, max_len: int):
     return llm
 
 
-def generate(llm, lengths: list[int], new_tokens: int, seed: int) -> tuple[list, float]:
-    """The outputs of prompts of ``lengths`` random token ids (from ``seed``; below the shape's vocabulary), greedy,
-    ``new_tokens`` each with EOS ignored, given at once; and the wall seconds of the call."""
-    import torch
+def generate(llm, prompts: list[list[int]], new_tokens: list[int]) -> tuple[list, float]:
+    """The outputs of ``prompts`` (token ids), given at once, each greedy for its ``new_tokens`` with EOS ignored;
+    and the wall seconds of the call."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    vocab = llm.llm_engine.model_config.get_vocab_size()
-    g = torch.Generator().manual_seed(seed)
-    prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, vocab, (n,), generator=g).tolist()) for n in lengths]
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in new_tokens]
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return outputs, time.perf_counter() - t0
+
+
+def random_prompt(llm, length: int, seed: int) -> list[int]:
+    """``length`` random token ids from ``seed``, below the model's vocabulary."""
+    import torch
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def decode_rows(args) -> list[dict]:
     llm = engine(args, max(args.contexts) + args.new_tokens)
-    generate(llm, [512], 8, args.seed)  # the first request pays the engine's lazy set-up
+    generate(llm, [[0] * 512], [8])  # the first request pays the engine's lazy set-up
     rows = []
     for context in args.contexts:
-        (out,), _ = generate(llm, [context], args.new_tokens, args.seed + context)
+        (out,), _ = generate(llm, [random_prompt(llm, context, args.seed + context)], [args.new_tokens])
         ttft, decode_ms = request_times(out)
         rows.append({"peer": "vllm", "method": "dense", "context": context, "batch": 1, "ttft_s": ttft,
                      "prefill_tok_s": context / ttft, "decode_ms": decode_ms, "tokens_per_s": 1e3 / decode_ms})
@@ -118,24 +123,37 @@ def decode_rows(args) -> list[dict]:
 
 
 def load_rows(args) -> list[dict]:
-    import torch
-
-    g = torch.Generator().manual_seed(args.seed)
-    lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.requests,), generator=g).tolist()
-    llm = engine(args, args.prompt_max + args.output)
-    generate(llm, [512], 8, args.seed)
-    outputs, wall = generate(llm, lengths, args.output, args.seed + 1)
+    work = json.loads(args.workload.read_text())
+    prompts, lengths = work["prompts"], work["output_lens"]
+    llm = engine(args, max(len(p) + n for p, n in zip(prompts, lengths)))
+    generate(llm, [[0] * 512], [8])
+    outputs, wall = generate(llm, prompts, lengths)
     times = [request_times(o) for o in outputs]
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttft = quantiles([t for t, _ in times])
     tpot = quantiles([d for _, d in times if d is not None])
-    row = {"peer": "vllm", "method": "dense", "requests": args.requests, "prompt_tokens": sum(lengths),
-           "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
-           "ttft_p50_s": ttft["p50"], "ttft_p90_s": ttft["p90"], "tpot_p50_ms": tpot["p50"], "tpot_p90_ms": tpot["p90"],
-           "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs}
-    print(f"peer: vLLM dense, {args.requests} requests: {row['output_tok_s']:.1f} output tok/s, TTFT p50 "
-          f"{row['ttft_p50_s']:.2f} s, TPOT p50 {row['tpot_p50_ms']:.2f} ms", flush=True)
+    row = {"peer": "vllm", "requests_done": len(outputs), "output_tokens": tokens, "duration_s": wall,
+           "output_tokens_per_s": tokens / wall, "requests_per_s": len(outputs) / wall,
+           **{f"ttft_{k}_ms": None if v is None else 1e3 * v for k, v in ttft.items()},
+           **{f"tpot_{k}_ms": v for k, v in tpot.items()},
+           "max_batch": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs}
+    print(f"peer: vLLM dense, {len(prompts)} requests: {row['output_tokens_per_s']:.1f} output tok/s, TTFT p50 "
+          f"{row['ttft_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.2f} ms", flush=True)
     return [row]
+
+
+def workload_problem(path: Path) -> str | None:
+    """What is wrong with a workload file (None: nothing): prompts of token ids >= 0, one output length >= 1 each."""
+    try:
+        work = json.loads(path.read_text())
+        prompts, lengths = work["prompts"], work["output_lens"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"not a workload file ({type(err).__name__}: {err})"
+    ok = (isinstance(prompts, list) and isinstance(lengths, list) and prompts and len(prompts) == len(lengths)
+          and all(isinstance(p, list) and p and all(type(t) is int and t >= 0 for t in p) for p in prompts)
+          and all(type(n) is int and n >= 1 for n in lengths))
+    return None if ok else ('needs "prompts": a non-empty list of non-empty lists of token ids >= 0, and '
+                            '"output_lens": one int >= 1 per prompt')
 
 
 def parser() -> argparse.ArgumentParser:
@@ -145,11 +163,9 @@ def parser() -> argparse.ArgumentParser:
     decode = sub.add_parser("decode", help="batch-1 decode at each context")
     decode.add_argument("--contexts", type=int_arg(), nargs="+", default=[32768, 131072])
     decode.add_argument("--new-tokens", type=int_arg(2), default=64)
-    load = sub.add_parser("load", help="requests given at once")
-    load.add_argument("--requests", type=int_arg(), default=24)
-    load.add_argument("--prompt-min", type=int_arg(), default=16384)
-    load.add_argument("--prompt-max", type=int_arg(), default=32768)
-    load.add_argument("--output", type=int_arg(), default=1024)
+    load = sub.add_parser("load", help="a workload's requests given at once")
+    load.add_argument("--workload", type=Path, required=True,
+                      help='JSON: {"prompts": [[token ids], ...], "output_lens": [n, ...]}')
     for s in (decode, load):
         s.add_argument("--model", default="shape:llama3-8b", help="shape:<name>: a published shape, random weights")
         s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -169,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         model_shape(args.model.removeprefix("shape:"))
     except ValueError as err:
         p.error(f"--model: {err}")
-    if args.kind == "load" and args.prompt_min > args.prompt_max:
-        p.error(f"--prompt-min ({args.prompt_min}) must be at most --prompt-max ({args.prompt_max})")
+    if args.kind == "load":
+        problem = workload_problem(args.workload)
+        if problem:
+            p.error(f"--workload {args.workload}: {problem}")
     problem = missing_vllm()
     if problem:
         print(f"sparsekv.bench.peer: error: {problem}", file=sys.stderr)
@@ -211,6 +229,16 @@ def peer_rows(peer: str, kind: str, options: list[str], timeout_s: float = 900) 
         if code != 0 or not result.exists():
             raise PeerError(f"the {peer} peer exited {code}:\n" + "".join(tail))
         return json.loads(result.read_text())
+
+
+def load_rows_of(peer: str, model: str, prompts: list[list[int]], output_lens: list[int], max_num_seqs: int,
+                 seed: int) -> dict:
+    """``peer_rows`` of ``load`` over these requests (their workload file written for the child, then removed)."""
+    with tempfile.TemporaryDirectory(prefix="sparsekv-peer-") as folder:
+        path = Path(folder) / "workload.json"
+        path.write_text(json.dumps({"prompts": prompts, "output_lens": output_lens}))
+        return peer_rows(peer, "load", ["--model", model, "--workload", str(path), "--max-num-seqs",
+                                        str(max_num_seqs), "--seed", str(seed)])
 
 
 if __name__ == "__main__":

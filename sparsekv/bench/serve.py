@@ -9,6 +9,8 @@ one run, directly through the engine and through the HTTP server with a real cli
         --prompt-len 131072 131072 --output-len 256 256 --max-batch 64
     python -m sparsekv.bench.serve --methods dense quest --requests 64 --prompt-len 32768 131072 --output-len 256 256 \
         --fill random --prefill-share 0.2 --fit --static --via engine
+    python -m sparsekv.bench.serve --methods dense quest --requests 24 --prompt-len 16384 32768 \\
+        --output-len 1024 1024 --max-batch 16 --via engine --peer vllm   # vLLM's dense on the same requests
     python -m sparsekv.bench.serve --model tiny:llama --device cpu --requests 6 --prompt-len 16 64 \\
         --output-len 4 16 --max-batch 4       # smoke test
 
@@ -79,6 +81,8 @@ from .common import (ModelShape, claim_results, device_name, int_arg, markdown_t
                      out_of_memory_lines, pyplot, quantiles, refuse, run_args, run_setting, shape_config, shape_model,
                      shape_weights, weights_arg, write_results)
 from .e2e import fill_passes, random_fill
+from .peer import PEERS, PeerError
+from .peer import load_rows_of as run_peer_load
 
 GIB = 2**30
 # Seconds between samples of the engine's metrics during an HTTP run (engine runs sample every step).
@@ -507,6 +511,7 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("max batch", "max_batch", "{}"), ("max running", "max_running", "{}"),
                ("median running", "median_running", "{:.0f}"),
                ("vs dense tok/s", "vs_dense", "{:.2f}x"), ("vs dense decode", "decode_vs_dense", "{:.2f}x"),
+               *([(f"vs {meta['peer']['peer']} tok/s", "vs_peer", "{:.2f}x")] if meta.get("peer") else []),
                ("peak device GiB", "peak_device_gib", "{:.1f}"),
                ("KV capacity GiB", "kv_capacity_gib", "{:.2f}"), ("peak KV GiB", "peak_kv_gib", "{:.2f}"),
                ("host KV GiB", "peak_host_kv_gib", "{:.2f}"),
@@ -537,8 +542,17 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
              f"{'; --capacity: runs stop once memory keeps requests waiting' if meta['capacity'] else ''}; "
              f"prefill {prefill}{fill}{window}. "
              f"via engine: the engine stepped in the bench's thread; via http: the server in this process, the "
-             f"openai client streaming. Command: `{meta['command']}`", ""]
+             f"openai client streaming.{peer_note(meta)} Command: `{meta['command']}`", ""]
     return lines + markdown_table(columns, rows) + out_of_memory_lines(meta["out_of_memory"])
+
+
+def peer_note(meta: dict) -> str:
+    """The sentence on the peer's row, or nothing without one."""
+    peer = meta.get("peer")
+    return (f" {peer['peer']} {peer['version']} (dense, prefix caching off, in a process of its own before ours; "
+            f"`python -m sparsekv.bench.peer load`): the same requests at once, at most the max batch running, "
+            f"TTFT from each request's arrival and TPOT from its first and last token times in its engine."
+            if peer else "")
 
 
 def plot(rows: list[dict]):
@@ -549,6 +563,8 @@ def plot(rows: list[dict]):
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), dpi=120)
     for r in rows:
+        if "series" not in r:  # the peer's: its running and queued requests are not sampled
+            continue
         t = [s[0] for s in r["series"]]
         line, = left.plot(t, [s[1] for s in r["series"]], label=f"{r['spec']} {r['via']} running")
         left.plot(t, [s[2] for s in r["series"]], linestyle="--", color=line.get_color(), alpha=0.6)
@@ -624,9 +640,39 @@ def build_parser() -> argparse.ArgumentParser:
                              "--host-gib, by the runner's accounting (a shape: model, no device used)")
     parser.add_argument("--device-gib", type=float, default=None, help="--plan: the device's memory")
     parser.add_argument("--host-gib", type=float, default=None, help="--plan: host memory free for offloaded KV")
+    parser.add_argument("--peer", choices=PEERS, default=None,
+                        help="also run the same requests through the peer's dense serving, at most --max-batch at "
+                             "a time, in a process of its own before ours (python -m sparsekv.bench.peer; a shape: "
+                             "model on CUDA, bf16, all at once, real prefill)")
     weights_arg(parser)
     run_args(parser, "serve")
     return parser
+
+
+def peer_problem(args, device: torch.device) -> str | None:
+    """Why ``--peer`` cannot run this load (None: it can): the peer builds the same published shape on one GPU in
+    bf16, and takes every request at once with a real prefill, from the engine alone."""
+    if not args.model.startswith("shape:"):
+        return f"--peer needs a shape:<name> --model (the peer builds its random weights), got {args.model!r}"
+    if device.type != "cuda":
+        return "--peer runs on a CUDA device"
+    if args.dtype not in (None, "bfloat16") or args.weights != "float":
+        return "--peer compares bf16 weights: drop --dtype and --weights"
+    if math.isfinite(args.rate) or args.concurrency or args.duration is not None:
+        return "--peer gives every request at once: drop --rate, --concurrency and --duration"
+    if args.fill != "prefill" or args.prefix_cache_gib:
+        return "--peer prefills every prompt: --fill prefill, no --prefix-cache-gib"
+    return None
+
+
+def peer_row(args, work: list[Work]) -> tuple[dict, dict]:
+    """The peer's version and its row of ``work`` (the same requests as ours, at most ``--max-batch`` running), in
+    ``summarize``'s names; its times come from its engine's per-request timestamps."""
+    result = run_peer_load(args.peer, args.model, [w.prompt for w in work], [w.max_tokens for w in work],
+                           args.max_batch, args.seed)
+    (row,) = result["rows"]
+    return ({"peer": result["peer"], "version": result["version"]},
+            {**row, "spec": args.peer, "method": args.peer, "budget": None, "via": args.peer, "fill": "prefill"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -679,6 +725,9 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m sparsekv.bench.serve " + " ".join(argv)
     claim_results(args.out / f"{args.tag}.json", None if args.plan else device_name(device), setting,
                   args.overwrite)
+    problem = args.peer and not args.plan and peer_problem(args, device)
+    if problem:
+        parser.error(problem)
     if args.plan:
         return capacity_plan(args, runs, model_shape(args.model[len("shape:"):]), dtype, max_context, command,
                              setting)
@@ -695,6 +744,15 @@ def main(argv: list[str] | None = None) -> int:
         return refuse("sparsekv.bench.serve", str(err))
     if problem:
         return _too_big(args, problem)
+    peer, rows = None, []
+    if args.peer:  # first, in a process of its own: its engine takes most of the GPU until it exits
+        try:
+            peer, row = peer_row(args, workload(args, config.vocab_size))
+        except PeerError as err:
+            return refuse("sparsekv.bench.serve", str(err))
+        rows.append(row)
+        print(f"{args.peer:>32}: {row['output_tokens_per_s']:.1f} output tok/s, {row['requests_done']} done, TTFT "
+              f"p50 {row['ttft_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.2f} ms", flush=True)
     if shape:
         model = shape_model(shape, device, dtype, max_context + STATIC_STEPS)
         tokenizer = stand_in_tokenizer(model.config.vocab_size)
@@ -718,8 +776,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk, "fill_chunk": args.fill_chunk,
             "capacity": args.capacity, "fit": args.fit or args.capacity, "out_of_memory": [],
             "shared_prefix": args.shared_prefix, "prefix_cache_gib": args.prefix_cache_gib, "setting": setting,
-            "command": command}
-    rows: list[dict] = []
+            "peer": peer, "command": command}
 
     def save(final: bool = False) -> None:
         """Writes the runs so far (after every run, so that a cut-short bench keeps them; ``final``: with the
@@ -729,8 +786,12 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows:
                 base = dense.get(r["via"])
                 r[ratio] = r[key] / base if base and r[key] else None
+        base = next((r["output_tokens_per_s"] for r in rows if r["via"] == args.peer), None)
+        for r in rows:
+            r["vs_peer"] = r["output_tokens_per_s"] / base if base and r["output_tokens_per_s"] else None
         write_results(args.out, args.tag, meta, [{k: v for k, v in r.items() if k != "series"} for r in rows],
-                      markdown(meta, rows), series={f"{r['spec']} {r['via']}": r["series"] for r in rows},
+                      markdown(meta, rows), series={f"{r['spec']} {r['via']}": r["series"] for r in rows
+                                                    if "series" in r},
                       series_columns=["seconds", "running", "queued", "prefilling", "kv_bytes", "host_kv_bytes",
                                       "rss_bytes"], figure=plot(rows) if final else None, overwrite=args.overwrite)
 

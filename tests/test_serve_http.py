@@ -261,6 +261,22 @@ def test_a_number_out_of_range_is_refused_naming_the_range(server, field, value,
     assert error["message"].startswith(field)
 
 
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": {"x": "y" * 100_000}}, "prompt"), ({"prompt": [[1] * 100_000, "x"]}, "prompt"),
+    ({"prompt": "hi", "stop": ["a" * 1000] * 50}, "stop"),
+    ({"prompt": "hi", "max_tokens": "9" * 100_000}, "max_tokens"),
+    ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(5000)}}, "logit_bias"),
+    ({"prompt": "hi", "suffix": "s" * 100_000}, "suffix"),
+])
+def test_a_long_bad_value_is_echoed_cut(server, client, fields, param):
+    """A client's megabyte of bad input comes back as a few hundred characters, its length said."""
+    r = httpx.post(server + "/v1/completions", json={"model": NAME, **fields})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and len(error["message"]) < 500, r.text[:300]
+    assert "characters)" in error["message"] or "items starting" in error["message"]
+    check_still_serves(client)
+
+
 def test_penalties_logit_bias_top_k_and_stop_token_ids(client):
     def text(**fields):
         out = client.completions.create(model=NAME, prompt="abc", max_tokens=16, temperature=0,

@@ -55,7 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import (INT64_MAX, MAX_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY,
                       MIN_TEMPERATURE, SEED_LIMIT, IncrementalText, Sampling)
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from . import Event, Logprobs, QueueFull
 from .scheduler import ContextTooLong
 from . import Request as EngineRequest
@@ -366,8 +366,8 @@ class _Generation(BaseModel):
         known = [*type(self).model_fields, *UNSUPPORTED]
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
-                shown = " or ".join(json.dumps(a) for a in UNSUPPORTED[name])
-                raise APIError(400, f"{name}: this server supports only {shown}, got {value!r}", param=name,
+                supported = " or ".join(json.dumps(a) for a in UNSUPPORTED[name])
+                raise APIError(400, f"{name}: this server supports only {supported}, got {shown(value)}", param=name,
                                code="unsupported_value")
             near = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
             if name not in UNSUPPORTED and near:
@@ -428,8 +428,8 @@ def _validation_error(err: RequestValidationError, content_type: str) -> APIErro
         return APIError(400, f"the request body must be a JSON object: {first.get('msg')}")
     if loc[0] == "prompt" and len(loc) > 1:  # pydantic names the first form of the union that failed
         return APIError(400, f"prompt: must be a string, a list of token ids (ints >= 0), or a non-empty list of "
-                             f"either (got {first.get('input')!r})", param="prompt", code="invalid_value")
-    return APIError(400, f"{'.'.join(loc)}: {first.get('msg')} (got {first.get('input')!r})", param=loc[0],
+                             f"either (got {shown(first.get('input'))})", param="prompt", code="invalid_value")
+    return APIError(400, f"{'.'.join(loc)}: {first.get('msg')} (got {shown(first.get('input'))})", param=loc[0],
                     code="invalid_value")
 
 
@@ -634,7 +634,7 @@ class Service:
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_name!r}",
+            raise APIError(404, f"model {shown(name)} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:

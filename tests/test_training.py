@@ -4,6 +4,7 @@ import json
 import random
 import re
 import tarfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -357,3 +358,19 @@ def test_accuracy_tables_in_parallel_parts_match_one_process(tmp_path):
     assert (tmp_path / "par" / "passkey" / at.RESULTS).read_text() == before
     with pytest.raises(SystemExit):
         at.parse_args(["--model", "x", "--jobs", "0"])
+
+
+def test_accuracy_tables_refuse_another_models_results_without_a_traceback(tmp_path, capsys):
+    """Its default --out holds the published grids: another model is refused there, named, with exit status 2."""
+    from training import accuracy_tables as at
+
+    grid = tmp_path / "passkey"
+    grid.mkdir()
+    published = Path(__file__).parents[1] / "benchmarks" / "results" / "accuracy" / "passkey" / "results.jsonl"
+    (grid / "results.jsonl").write_text(published.read_text().splitlines()[0] + "\n")
+    before = (grid / "results.jsonl").read_text()
+    assert at.main(["--model", "tiny:llama", "--out", str(tmp_path), "--grids", "passkey", "--lengths", "512",
+                    "--budgets", "32", "--samples", "1", "--depths", "0.5", "--methods", "dense"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("training.accuracy_tables: error: ") and "not tiny:llama" in err
+    assert (grid / "results.jsonl").read_text() == before and not (tmp_path / "README.md").exists()

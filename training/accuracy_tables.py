@@ -28,6 +28,7 @@ from pathlib import Path
 
 from sparsekv.models import load_model
 from sparsekv.eval.report import group_by, mean_of
+from sparsekv.eval.base import EvalError
 from sparsekv.eval.runner import RESULTS, EvalSpec, read_results, run_eval
 from sparsekv.methods import METHODS
 
@@ -313,10 +314,14 @@ def main(argv=None) -> int:
     specs = grid_specs(args)
     if args.jobs > 1:
         run_parallel(specs, args.jobs)
-    loaded = load_model(args.model, args.device, args.dtype)
-    for name, spec in specs.items():
-        print(f"== {name}: {eval_command(spec)}", flush=True)
-        run_eval(spec, loaded=loaded)  # after --jobs: every run is done, this writes the grid's report
+    try:
+        loaded = load_model(args.model, args.device, args.dtype)
+        for name, spec in specs.items():
+            print(f"== {name}: {eval_command(spec)}", flush=True)
+            run_eval(spec, loaded=loaded)  # after --jobs: every run is done, this writes the grid's report
+    except (EvalError, ValueError, FileNotFoundError) as err:  # the user's request: said without a traceback
+        print(f"training.accuracy_tables: error: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {write_readme(args, specs, argv)}")
     return 0
 

@@ -424,7 +424,7 @@ class Engine:
             return torch.full((batch, 0), -1, dtype=torch.long, device=self.device)
         if not isinstance(forced, (list, tuple)) or len(forced) != batch:
             raise ConfigError("forced", f"None or a list of one list of token ids per prompt ({batch} prompt(s)), "
-                                        f"e.g. [[5, 6]] for one prompt", shorten(forced))
+                                        f"e.g. [[5, 6]] for one prompt", forced)
         rows = [token_id_list(f, f"forced[{i}]", self.model.config.vocab_size) for i, f in enumerate(forced)]
         width = max(len(r) for r in rows)
         return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
@@ -687,20 +687,13 @@ def token_id_list(value, field: str, vocab: int | None = None, *, least: int = 0
     ids = "ints >= 0" if vocab is None else f"ints from 0 to {vocab - 1}, the vocabulary"
     kind = "list, tuple or set" if set in kinds else "list or tuple"
     form = f"a non-empty list of token ids ({ids})" if least else f"a {kind} of token ids ({ids})"
-    raise error(field, f"{also} or {form}" if also else form, shorten(value))
+    raise error(field, f"{also} or {form}" if also else form, value)
 
 
 def check_seed(seed, error: type[ConfigError] = ConfigError) -> None:
     """Refuses a ``seed`` other than None or an int from 0 below ``SEED_LIMIT``."""
     if seed is not None and not (_is_count(seed, 0) and seed < SEED_LIMIT):
         raise error("seed", "None or an int in [0, 2**62)", seed)
-
-
-def shorten(value):
-    """A value for an error message, long lists cut."""
-    if isinstance(value, (list, tuple)) and len(value) > 8:
-        return f"{type(value).__name__} of {len(value)} items starting {list(value[:8])!r}"
-    return value
 
 
 def _own(columns: list[int], first: int, start: int, new_tokens: int, stops: list[int], ended: list[bool],

@@ -7,8 +7,10 @@ SHOWN_CHARS = 200  # of a value echoed in an error message: a client's megabyte 
 
 
 def shown(value) -> str:
-    """``repr(value)`` for an error message, cut to about ``SHOWN_CHARS`` characters with the full length said."""
-    text = repr(value)
+    """``value`` for an error message: a list or tuple of more than 8 items as its count and first 8, anything else
+    as its ``repr`` cut to about ``SHOWN_CHARS`` characters with the full length said."""
+    long = isinstance(value, (list, tuple)) and len(value) > 8
+    text = f"{type(value).__name__} of {len(value)} items starting {list(value[:8])!r}" if long else repr(value)
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS - 40]}... ({len(text)} characters)"
 
 

@@ -397,7 +397,7 @@ def write_files(path: Path, data: dict, markdown: list[str] | None = None, figur
     meta = data.get("meta", data)
     claim_results(path, recorded_device(meta), meta["setting"], overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
+    path.write_text(json.dumps(data))  # compact, as the committed results are: the markdown is the one to read
     if markdown is not None:
         path.with_suffix(".md").write_text("\n".join(markdown) + "\n")
     if figure is not None:

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine import SAMPLING_FORM, Sampling, _is_count, check_seed, prefill_passes, shorten, token_id_list
+from ..engine import SAMPLING_FORM, Sampling, _is_count, check_seed, prefill_passes, token_id_list
 from ..errors import ConfigError
 from ..methods.base import is_real, require
 from .runner import TOP_LOGPROBS, Logprobs, Prefill, Runner
@@ -207,7 +207,7 @@ class ServingEngine:
         runner = self.runner
         vocab = runner.vocab_size
         if max(request.prompt) >= vocab:
-            raise RequestError("prompt", f"token ids below the vocabulary size ({vocab})", shorten(request.prompt))
+            raise RequestError("prompt", f"token ids below the vocabulary size ({vocab})", request.prompt)
         if request.stop_tokens and max(request.stop_tokens) >= vocab:
             raise RequestError("stop_tokens", f"token ids below the vocabulary size ({vocab})", request.stop_tokens)
         request.sampling.check_vocab(vocab)

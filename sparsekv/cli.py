@@ -496,57 +496,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Rough seconds of one `sparsekv eval` run of the project's model on 2 CPU cores: a fixed part and a part per 1000
-# prompt tokens (passkey's 210-run grid at 4K and 8K took about 35 minutes).
-EVAL_RUN_SECONDS = (1.5, 1.5)
-
-
-def eval_plan(args) -> str | None:
-    """What ``sparsekv eval`` is about to run, said before it loads anything: the grid's runs and, for the project's
-    model on the CPU, a rough time. None where the grid cannot be sized here (the run then reports the problem)."""
-    from .eval.base import TaskOptions
-    from .eval.runner import method_runs
-    from .eval.tasks import get_task
-
-    try:
-        task = get_task(args.task, TaskOptions(haystack_dir=args.haystack_dir, data=args.data,
-                                               datasets=tuple(args.datasets), longbench_dir=args.longbench_dir,
-                                               max_new_tokens=args.max_new_tokens,
-                                               prefill_tokens=args.prefill_tokens))
-        methods = len(method_runs(args.methods, args.budgets))
-        cpu = resolve_device(args.device).type == "cpu"
-    except (EvalError, ValueError):
-        return None
-    samples = args.limit if args.limit is not None else task.default_samples
-    if samples is None or (args.lengths and task.lengths is None) or (args.depths and task.depths is None):
-        return None  # a dataset's rows (counted once read), or an axis the task refuses
-    lengths = list(args.lengths or task.lengths or [None])
-    depths = len(args.depths or task.depths or [None])
-    runs = methods * len(lengths) * depths * samples
-    axes = [_count(methods, "method configuration"), _count(len(lengths), "length") if lengths[0] else None,
-            _count(depths, "depth") if task.depths else None, _count(samples, "sample")]
-    line = f"sparsekv eval: {runs} runs ({' x '.join(filter(None, axes))}; runs already in --out are skipped)"
-    if args.model is None and cpu and _short_answers(task.name):
-        fixed, per_k = EVAL_RUN_SECONDS
-        seconds = sum(methods * depths * samples * (fixed + per_k * n / 1000) for n in lengths)
-        line += f", roughly {_duration(seconds)} for the project's model on 2 CPU cores"
-    return line
-
-
-def _short_answers(task: str) -> bool:
-    """Whether a run of ``task`` is a prompt of its length in tokens and a short answer, which the estimate
-    assumes (arith's lengths are step counts and it decodes long; perplexity decodes its windows)."""
-    return task in ("passkey", "niah", "multikey", "vartrack", "2stage") or task.startswith("ruler_")
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'s' * (n != 1)}"
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} minutes"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "no_progress", False):
@@ -556,8 +505,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "model", "") is None:
             default_model()  # without the repository around the package: say so before anything loads
-        if args.command == "eval" and (plan := eval_plan(args)) is not None:
-            print(plan, file=sys.stderr, flush=True)
         return args.func(args)
     except (ValueError, FileNotFoundError, EvalError, ImportError) as err:  # ImportError: a missing optional extra
         print(f"sparsekv {args.command}: error: {err}", file=sys.stderr)

@@ -342,7 +342,8 @@ def test_without_the_repository_the_default_model_error_says_how_to_install(monk
 def test_eval_says_its_runs_and_time_before_it_starts():
     """The README's costs come from the same plan: the 210-run grid is about half an hour for the project's model
     on the CPU; another model gets the count only; a dataset task's rows are not counted ahead."""
-    from sparsekv.cli import build_parser, eval_plan
+    from sparsekv.cli import build_parser
+    from sparsekv.eval.cli import eval_plan
 
     def plan(line: str) -> str | None:
         return eval_plan(build_parser().parse_args(["eval", *line.split(), "--device", "cpu"]))

@@ -31,7 +31,7 @@ import torch
 from .errors import ConfigError
 from .integrations import apply
 from .integrations.decode import DecodeModel, Parts
-from .integrations.transformers import _check_model, _sliding_window, cache_argument
+from .integrations.transformers import _check_model, _sliding_window
 from .methods.base import MethodConfig, is_real, require
 from .models import synchronize
 from .quant import check_weights, fit_kernels, quantize_model
@@ -523,7 +523,8 @@ class Engine:
     def _prefill(self, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Runs the prompt through the model (``prefill_passes`` to the end); returns the last column's logits
         (B, V)."""
-        return run_passes(prefill_passes(self.model, cache, ids, mask, self.prefill_chunk))
+        return run_passes(prefill_passes(self.model, cache, ids, mask, self.prefill_chunk,
+                                         layers=DecodeModel(self.model, self.parts)))
 
     def _decode(self, cache, logits: torch.Tensor, forced: torch.Tensor, starts: list[int], new_tokens: int,
                 sampling: Sampling, seeds: torch.Tensor | None, stops: list[int], stream, time_steps: bool,
@@ -609,8 +610,8 @@ class Engine:
         return out[:, :ran + 1], nll, ran, run.captured, seconds, step_seconds if timer is not None else None
 
 
-def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor | None, chunk: int,
-                   start: int = 0) -> Generator[int, None, torch.Tensor]:
+def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor | None, chunk: int, start: int = 0,
+                   layers: DecodeModel | None = None) -> Generator[int, None, torch.Tensor]:
     """Runs the prompt ids (B, S) with padding ``mask`` (B, S; None: no padding, and no host read of the passes'
     lengths) through the model layer by layer, each layer chunk by chunk, yielding after each pass the tokens it ran
     (a caller interleaves other work between passes); returns the last column's logits (B, V). Layer-major order
@@ -618,22 +619,21 @@ def prefill_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor | None, c
     (OmniKV's offload) never holds the whole prompt's KV on the device. Activations are one chunk's, plus the
     (B, S, hidden) hidden states between layers. The chunks are aligned to the end, so the last one is full (methods
     read the prompt's last queries from it). ``start``: the cache holds the prompt's first ``start`` tokens of every
-    row already (``PagedKVCache.seed``), and ids (with no padding then) are the rest."""
+    row already (``PagedKVCache.seed``), and ids (with no padding then) are the rest. ``layers``: the model's layers
+    with fused products, whose parts are compiled where the engine compiles (``DecodeModel.prompt_pass``; None:
+    uncompiled ones)."""
     decoder = model.get_decoder()
+    layers = DecodeModel(model, Parts.make(False)) if layers is None else layers
     if mask is None:
         position = torch.arange(start, start + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
     else:  # transformers' positions for left padding
         position = (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 1) + start
     hidden = decoder.embed_tokens(ids)
     rotary = {}
-    cache_arg = cache_argument(decoder.layers[0])
     for index, begin, end in prompt_passes(cache, ids.shape[1], mask, chunk, len(decoder.layers)):
         if index == 0:
             rotary[begin] = decoder.rotary_emb(hidden[:, :1], position[:, begin:end])
-        out = decoder.layers[index](hidden[:, begin:end], attention_mask=None, position_ids=position[:, begin:end],
-                                    use_cache=True, position_embeddings=rotary[begin], sparsekv_cache=cache,
-                                    **{cache_arg: cache})
-        hidden[:, begin:end] = out[0] if isinstance(out, tuple) else out
+        hidden[:, begin:end] = layers.prompt_pass(index, hidden[:, begin:end], rotary[begin], cache)
         yield (end - begin) * ids.shape[0]
     return model.lm_head(decoder.norm(hidden[:, -1:]))[:, -1]
 

@@ -87,7 +87,7 @@ def test_moved_weights_are_fused_again():
 
 def test_compiled_decode_step_compiles_once_for_every_layer(monkeypatch):
     """Engine(compile=True) through torch.compile's eager backend (no C compiler needed): the same tokens, and one
-    compilation per part of the step, whatever the number of layers."""
+    compilation per part of the step and of a prompt pass, whatever the number of layers and the prompt's length."""
     model = tiny_model("qwen3", seed=5, layers=6)
     model.generation_config.eos_token_id = None
     config = QuestConfig(token_budget=48, page_size=8, dense_layers=1)
@@ -101,6 +101,6 @@ def test_compiled_decode_step_compiles_once_for_every_layer(monkeypatch):
     got = engine.generate([row], NEW, stop_tokens=())
     assert got.tokens == [expected]
     frames = counts["stats"]["unique_graphs"]
-    assert frames == 3, dict(counts["stats"])  # first, between, last
-    engine.generate([row], NEW, stop_tokens=())
+    assert frames == 5, dict(counts["stats"])  # first, between, last; the prompt pass's inputs and output
+    engine.generate([row[:37]], NEW, stop_tokens=())
     assert counts["stats"]["unique_graphs"] == frames

@@ -15,6 +15,7 @@ from sparsekv import (DenseConfig, H2OConfig, LowBitConfig, OmniKVConfig, Oracle
 from sparsekv import engine as engine_module
 from sparsekv import kernels
 from sparsekv.engine import Engine, Sampling
+from sparsekv.integrations import transformers as transformers_integration
 from sparsekv.tiny import tiny_model
 
 NEW = 24
@@ -94,7 +95,11 @@ def test_budget_covering_the_context_is_dense(model, name):
     assert out.stats["fraction"] == 1.0
 
 
-def test_chunked_prefill_gives_the_one_pass_logits(model):
+@pytest.mark.parametrize("plan_step", [8, 2048])
+def test_chunked_prefill_gives_the_one_pass_logits(model, plan_step, monkeypatch):
+    # plan step 8: the passes' earlier keys are cut at multiples of 8, their rest attended with the pass's own keys
+    # in squares padded with zeros (the prompt of 150 tokens in chunks of 32 starts its passes at 22, 54, ...).
+    monkeypatch.setattr(transformers_integration, "PLAN_STEP", plan_step)
     ids = torch.randint(3, 259, (2, 150), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :37] = 0
@@ -104,6 +109,27 @@ def test_chunked_prefill_gives_the_one_pass_logits(model):
     with sparsekv.apply(model, engine.config) as session, torch.no_grad():
         logits = engine._prefill(session.new_cache(None), ids, mask)
     torch.testing.assert_close(logits, dense, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,queries,keys", [(4, 2, 7, 13), (3, 1, 1, 5), (6, 6, 9, 9)])
+def test_attention_lse_matches_float64_softmax(causal, heads, kv_heads, queries, keys):
+    keys = queries if causal else keys
+    gen = torch.Generator().manual_seed(heads * keys)
+    q = torch.randn(1, heads, queries, 16, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(1, kv_heads, keys, 16, dtype=torch.float64, generator=gen) for _ in range(2))
+    logits = q @ k.repeat_interleave(heads // kv_heads, 1).transpose(-1, -2) * 0.3
+    if causal:
+        logits = logits.masked_fill(torch.ones(queries, keys, dtype=torch.bool).triu(1), float("-inf"))
+    out, lse = transformers_integration.attention_lse(q, k, v, causal, 0.3)
+    torch.testing.assert_close(out, logits.softmax(-1) @ v.repeat_interleave(heads // kv_heads, 1))
+    torch.testing.assert_close(lse, logits.logsumexp(-1).float())
+
+
+def test_causal_attention_lse_refuses_more_keys_than_queries():
+    q, k = torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="as many keys as queries"):
+        transformers_integration.attention_lse(q, k, k, True, 1.0)
 
 
 def test_sampling_is_seeded_and_respects_top_k(model):

@@ -5,8 +5,9 @@ method, against dense through the same engine and against transformers' own deco
     python -m sparsekv.bench.e2e --model tiny:llama --contexts 512 --device cpu --new-tokens 8   # smoke test
 
 ``shape:<name>`` (the default, Llama-3-8B) builds a random-weight model of that published shape on the device: speed
-does not depend on the weights. Per row: prefill tokens/s (after an untimed prefill of one chunk, which compiles
-the kernels the prefill launches), decode ms per step (CUDA events around each replay,
+does not depend on the weights. Per row: prefill tokens/s and the time to first token (after an untimed prefill of
+the same prompts, which compiles the kernels the prefill launches and builds cuDNN's attention plans for its shapes:
+a server builds each once), decode ms per step (CUDA events around each replay,
 median over the steps after the eager warm-up and the capture; for lowbit with ``reuse`` r, the median of the mean
 of each run of r steps, one of which chooses pages), tokens/s (batch / step time), peak device memory,
 KV bytes on the device and in host memory, the bandwidth floor of the method's step ((weights + KV and page
@@ -104,14 +105,14 @@ class Noise:
 noise = Noise()
 
 
-def random_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor | None, chunk: int,
-                  start: int = 0) -> Generator[int, None, torch.Tensor]:
+def random_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor | None, chunk: int, start: int = 0,
+                  layers=None) -> Generator[int, None, torch.Tensor]:
     """``engine.prefill_passes`` with random keys and values (``noise``) instead of the model: the same appends and
     method hooks as a real chunked prefill (random queries stand for the prompt's), without its compute, pass by
     pass (layer major), yielding the tokens of each pass; returns zero logits (B, V). Layer by layer, so a method
     that moves a layer's prompt to host memory at the layer's last chunk (OmniKV's offload) holds one offloaded
     layer on the device at a time. ``start``: as in ``prefill_passes`` (the cache's keys continue; the random ones
-    have no positions)."""
+    have no positions); ``layers``: not used (nothing runs through the model)."""
     heads, kv_heads = parallel.local_heads(model)
     head_dim = model.get_decoder().layers[0].self_attn.head_dim
     dtype = next(model.parameters()).dtype
@@ -133,7 +134,8 @@ def fill_passes(chunk: int | None) -> Callable:
     same keys and values come in fewer, longer passes, with fewer launches on the host."""
     if chunk is None:
         return random_passes
-    return lambda model, cache, ids, mask, _, start=0: random_passes(model, cache, ids, mask, chunk, start)
+    return lambda model, cache, ids, mask, _, start=0, layers=None: random_passes(model, cache, ids, mask, chunk,
+                                                                                 start)
 
 
 def random_fill(model):
@@ -196,8 +198,8 @@ def engine_row(model, config, label: str, context: int, batch: int, args, device
     engine = Engine(model, config, max_batch=batch, max_context=context + args.new_tokens,
                     prefill_chunk=args.prefill_chunk, compile=args.compile)
     profiler = StepProfiler(args.profile) if args.profile and device.type == "cuda" else None
-    if real:
-        engine.generate([r[:args.prefill_chunk] for r in rows], 1, stop_tokens=())
+    if real:  # the prompts' own shapes: the kernels compiled, cuDNN's attention plans built
+        engine.generate(rows, 1, stop_tokens=())
     out = engine.generate(rows, args.new_tokens, stop_tokens=(), time_steps=True,
                           prefill=None if real else random_fill(model), stream=profiler)
     ms = 1e3 * step_time(out.step_seconds[2:] or out.step_seconds, getattr(config, "reuse", 1))
@@ -208,6 +210,7 @@ def engine_row(model, config, label: str, context: int, batch: int, args, device
     return {"spec": label, "method": config.name, "budget": getattr(config, "token_budget", None),
             "context": context, "batch": batch, "gpus": gpus, "fill": "prefill" if real else "random",
             "prefill_tokens_per_s": batch * context / out.prefill_seconds if real else None,
+            "ttft_s": out.prefill_seconds if real else None,
             "decode_ms": ms, "tokens_per_s": 1e3 * batch / ms, "floor_ms": floor_ms,
             "x_floor": None if floor_ms is None else ms / floor_ms,
             "metadata_mib": metadata_bytes(model, config, context, batch) / 2**20,
@@ -277,9 +280,10 @@ def transformers_row(model, context: int, batch: int, args, device, compiled: bo
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Speedups over dense through the engine and over transformers' loops, at the same context and batch."""
-    def ref(spec, r):
-        return next((x["decode_ms"] for x in rows if x["spec"] == spec and x["context"] == r["context"]
+    """Speedups over dense through the engine and over transformers' loops, at the same context and batch, and at
+    batch 1 the time to first token over the peer's."""
+    def ref(spec, r, key="decode_ms"):
+        return next((x[key] for x in rows if x["spec"] == spec and x["context"] == r["context"]
                      and x["batch"] == r["batch"]), None)
 
     for r in rows:
@@ -287,6 +291,8 @@ def add_ratios(rows: list[dict]) -> None:
                           ("vs_compiled", "transformers-compiled"), ("vs_peer", "vllm")):
             base = ref(spec, r)
             r[key] = base / r["decode_ms"] if base else None
+        peer = ref("vllm", r, "ttft_s")
+        r["ttft_vs_peer"] = r["ttft_s"] / peer if peer and r.get("ttft_s") and r["batch"] == 1 else None
 
 
 def fmt(x, spec="{:.2f}") -> str:
@@ -304,6 +310,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
            f"(host clock) after the warm-up.")
     columns = [("method", "spec", "{}"), ("budget", "budget", "{}"), ("context", "context", "{}"),
                ("batch", "batch", "{}"), ("fill", "fill", "{}"), ("prefill tok/s", "prefill_tokens_per_s", "{:.0f}"),
+               ("TTFT s", "ttft_s", "{:.2f}"),
+               *([(f"TTFT / {meta['peer']['peer']}", "ttft_vs_peer", "{:.2f}x")] if meta.get("peer") else []),
                ("decode ms/step", "decode_ms", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
                *([("floor ms", "floor_ms", "{:.2f}"), ("x floor", "x_floor", "{:.2f}")] if gpu else []),
                ("vs dense", "vs_dense", "{:.2f}x"), ("vs transformers eager", "vs_transformers", "{:.2f}x"),

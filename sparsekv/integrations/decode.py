@@ -127,7 +127,7 @@ def _adjacent(params: Sequence[torch.Tensor], dim: int) -> torch.Tensor | None:
 @torch.compiler.disable  # the cache's bookkeeping and the method run eagerly, between the compiled parts
 def _attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cache: SparseKVCache) -> torch.Tensor:
-    """Stores k, v (B, Hkv, 1, D) in the cache and returns the method's attention of q (B, H, 1, D): (B, 1, H, D)."""
+    """Stores k, v (B, Hkv, S, D) in the cache and returns the method's attention of q (B, H, S, D): (B, S, H, D)."""
     cache.update(k, v, attn.layer_idx)
     return sparsekv_attention(attn, q, k, v, None, scaling=attn.scaling, sparsekv_cache=cache)[0]
 
@@ -137,18 +137,26 @@ class Parts:
     """The code of a decode step between two attentions, each part a function of tensors and modules: ``first``
     (embedding, rotary embedding, layer 0's attention inputs), ``between`` (a layer's output and the next layer's
     attention inputs, so that the residual add and the next norm fuse) and ``last`` (the last layer's output, the
-    final norm and the head). ``compiled``: each part compiled by torch.compile once, whatever the layer."""
+    final norm and the head); and those of a prompt pass through one layer, ``prompt_inputs``
+    (``attention_inputs``) and ``prompt_output`` (``layer_output``). ``compiled``: each part compiled by
+    torch.compile once, whatever the layer."""
 
     first: Callable
     between: Callable
     last: Callable
+    prompt_inputs: Callable
+    prompt_output: Callable
 
     @classmethod
     def make(cls, compiled: bool) -> "Parts":
         parts = (first_part, between_part, last_part)
+        if not compiled:
+            return cls(*parts, attention_inputs, layer_output)
         # Combo kernels: Inductor launches independent kernels as one, here the rotation of q and that of k
-        # (H200, Llama-3-8B: -30 to -40 us per step).
-        return cls(*(torch.compile(f, options={"combo_kernels": True}) if compiled else f for f in parts))
+        # (H200, Llama-3-8B: -30 to -40 us per step). A prompt pass's parts take any number of tokens: a graph for
+        # every length would compile anew for each prompt's first chunk.
+        return cls(*(torch.compile(f, options={"combo_kernels": True}) for f in parts),
+                   *(torch.compile(f, dynamic=True) for f in (attention_inputs, layer_output)))
 
 
 class DecodeModel:
@@ -174,6 +182,14 @@ class DecodeModel:
                                                  hidden, out, rotary)
         out = _attend(layers[-1].self_attn, q, k, v, cache)
         return self.parts.last(self.model, self.head, layers[-1], products[-1], hidden, out)
+
+    def prompt_pass(self, index: int, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                    cache: SparseKVCache) -> torch.Tensor:
+        """Layer ``index`` over a prompt pass's hidden states (B, S, hidden) at the positions whose (cos, sin)
+        are ``rotary`` (the cache set for the pass: ``engine.prompt_passes``). Returns its output (B, S, hidden)."""
+        layer, products = self.layers[index], self.products[index]
+        q, k, v = self.parts.prompt_inputs(layer, products, self.rotate, hidden, rotary)
+        return self.parts.prompt_output(layer, products, hidden, _attend(layer.self_attn, q, k, v, cache))
 
 
 def first_part(decoder: nn.Module, layer: nn.Module, products: Products, rotate, token: torch.Tensor,
@@ -202,7 +218,7 @@ def last_part(model: nn.Module, head: Fused | None, layer: nn.Module, products: 
 
 def attention_inputs(layer: nn.Module, products: Products, rotate, hidden: torch.Tensor,
                      rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The layer's query, key and value for hidden (B, 1, hidden): (B, H, 1, D), (B, Hkv, 1, D), (B, Hkv, 1, D),
+    """The layer's query, key and value for hidden (B, S, hidden): (B, H, S, D), (B, Hkv, S, D), (B, Hkv, S, D),
     rotated by ``rotate`` (the model's ``apply_rotary_pos_emb``) with rotary, the (cos, sin) of the positions."""
     attn = layer.self_attn
     x = layer.input_layernorm(hidden)
@@ -219,7 +235,7 @@ def attention_inputs(layer: nn.Module, products: Products, rotate, hidden: torch
 
 
 def layer_output(layer: nn.Module, products: Products, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The layer's output (B, 1, hidden) from its input hidden (B, 1, hidden) and its attention's out (B, 1, H, D):
+    """The layer's output (B, S, hidden) from its input hidden (B, S, hidden) and its attention's out (B, S, H, D):
     output projection, residual, norm, MLP, residual."""
     attn, mlp = layer.self_attn, layer.mlp
     out = out.reshape(*hidden.shape[:-1], -1)

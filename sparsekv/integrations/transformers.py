@@ -13,6 +13,7 @@ mask at all, which is what we want, since the cache tracks each sequence's lengt
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from contextlib import contextmanager
@@ -280,21 +281,62 @@ class SparseKVCache(Cache):
         return self.method.offloaded_bytes()
 
 
+# Keys and queries of a prompt pass are cut and padded to multiples of this many tokens before they reach the
+# attention kernel, so that prompts of any length meet a few shapes: cuDNN builds an execution plan for each new
+# shape (65 ms on the H200), which every chunk of every new prompt length would otherwise pay.
+PLAN_STEP = 2048
+
+
+@functools.cache
+def _cudnn_attention(device: torch.device) -> bool:
+    """Whether prompt attention on ``device`` runs cuDNN's kernel: on Hopper GPUs, where it measured 1.8x torch's
+    FlashAttention-2 (``docs/kernels.md``); elsewhere FlashAttention-2."""
+    return (torch.backends.cudnn.is_available() and torch.backends.cudnn.version() >= 90000
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one sequence with its log-sum-exp, through PyTorch's flash attention (no weights
-    materialised). q: (1, H, S, D); k, v: (1, H, T, D); ``causal`` aligns the last query with the last key (S == T
-    here). Returns out (1, H, S, D) in float32 and lse (1, H, S) float32."""
-    if q.is_cuda:
-        if q.dtype in (torch.float16, torch.bfloat16):
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+    """Attention of one sequence with its log-sum-exp, through a vendor kernel (no weights materialised): cuDNN's
+    on Hopper GPUs, FlashAttention-2 on other GPUs (memory-efficient attention for float32), PyTorch's flash
+    attention on the CPU. q: (1, H, S, D); k, v: (1, Hkv, T, D), H a multiple of Hkv (each group of query heads
+    reads its KV head, nothing copied); ``causal``: query i sees keys 0..i (S == T). Returns out (1, H, S, D) in
+    q's dtype and lse (1, H, S) float32."""
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal attention_lse takes as many keys as queries, got {k.shape[2]} and {q.shape[2]}")
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if _cudnn_attention(q.device):
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                           scale=scale)[:2]
         else:
-            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
-                                                                              scale=scale)[:2]
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                          scale=scale)[:2]
+    elif q.is_cuda:  # memory-efficient attention reads one KV head per query head
+        g = q.shape[1] // k.shape[1]
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), None, True, 0.0, causal, scale=scale)[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out.float(), lse[..., :q.shape[2]].float()
+    return out, lse.reshape(*lse.shape[:2], -1)[..., :q.shape[2]].float()
+
+
+def _padded(x: torch.Tensor, start: int, width: int) -> torch.Tensor:
+    """x (1, H, S, D) at columns ``start .. start + S - 1`` of zeros (1, H, width, D) in x's dtype."""
+    out = x.new_zeros(*x.shape[:2], width, x.shape[3])
+    out[:, :, start:start + x.shape[2]] = x
+    return out
+
+
+def _plan_width(n: int) -> int:
+    return -(-n // PLAN_STEP) * PLAN_STEP
+
+
+def _merge_parts(out: torch.Tensor, lse: torch.Tensor, before: torch.Tensor, lse_before: torch.Tensor) -> torch.Tensor:
+    """``merge_attention`` of a pass's two parts (1, H, n, D) with their lse (1, H, n), in out's dtype."""
+    return kernels.reference.merge_attention([(out, lse), (before, lse_before)], out.dtype)
+
+
+_merge = kernels.fused(_merge_parts, dynamic=True)  # one kernel on CUDA
 
 
 def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale: float) -> torch.Tensor:
@@ -304,33 +346,30 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
     slot j holds page j, so a row's first n tokens are its first n (``PagedLayer.row_tokens``: views, or gathered
     through the page table in shared pages). Each row runs on its own (its real queries are the last
     ``new_len - prev_len`` columns, or the first ones of a right-padded prompt) in two parts merged by their
-    log-sum-exp: the keys before the pass, unmasked, and the pass's own keys, causally. Peak memory is one chunk's
-    (in shared pages, one row's keys and values of one layer besides), whatever the context. Padding queries give
-    zeros. Returns (B, H, S, D)."""
-    b, h, s, d = q.shape
-    hkv = layer.k.shape[1]
-    g = h // hkv
+    log-sum-exp: the keys before ``split`` (the pass's first position cut to a multiple of ``PLAN_STEP``), which
+    every query sees, and the rest causally, as the square of queries and keys from ``split`` on whose queries
+    before the pass are zeros, not read. Both are padded with zeros to multiples of ``PLAN_STEP`` (queries past the
+    pass, keys past its end: no real query sees them), so their shapes repeat across prompts (``PLAN_STEP``). Peak
+    memory is one chunk's (in shared pages, one row's keys and values of one layer besides), whatever the context.
+    Padding queries give zeros. Returns (B, H, S, D)."""
     out = torch.zeros_like(q)
     for row, (prev, new) in enumerate(zip(plan.prev_len, plan.new_len)):
         n = new - prev
         if n == 0:
             continue
-        cols = plan.valid[row].nonzero().squeeze(1) if n != s else slice(None)
+        cols = plan.valid[row].nonzero().squeeze(1) if n != q.shape[2] else slice(None)
         qr = q[row:row + 1, :, cols]  # (1, H, n, D)
         keys, values = layer.row_tokens(row, new)
-        own_k = keys[:, :, prev:new].repeat_interleave(g, dim=1)
-        own_v = values[:, :, prev:new].repeat_interleave(g, dim=1)
-        o, lse = attention_lse(qr, own_k.to(q.dtype), own_v.to(q.dtype), True, scale)
-        if prev:
-            # Earlier keys: every query sees all of them; the group's queries share a KV head, so they run as one
-            # longer query sequence against it.
-            qg = qr.reshape(1, hkv, g * n, d)
-            o2, lse2 = attention_lse(qg, keys[:, :, :prev].to(q.dtype), values[:, :, :prev].to(q.dtype), False,
-                                     scale)
-            o2, lse2 = o2.reshape(1, h, n, d), lse2.reshape(1, h, n)
-            total = torch.logaddexp(lse, lse2)
-            o = o * torch.exp(lse - total).unsqueeze(-1) + o2 * torch.exp(lse2 - total).unsqueeze(-1)
-        out[row:row + 1, :, cols] = o.to(q.dtype)
+        split = prev // PLAN_STEP * PLAN_STEP
+        lead, width = prev - split, _plan_width(new - split)
+        own, lse = attention_lse(_padded(qr, lead, width), _padded(keys[:, :, split:new].to(q.dtype), 0, width),
+                                 _padded(values[:, :, split:new].to(q.dtype), 0, width), True, scale)
+        own, lse = own[:, :, lead:lead + n], lse[:, :, lead:lead + n]
+        if split:
+            before, lse_before = attention_lse(_padded(qr, 0, _plan_width(n)), keys[:, :, :split].to(q.dtype),
+                                               values[:, :, :split].to(q.dtype), False, scale)
+            own = _merge(own, lse, before[:, :, :n], lse_before[:, :, :n])
+        out[row:row + 1, :, cols] = own
     return out
 
 

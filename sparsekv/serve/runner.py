@@ -400,7 +400,8 @@ class Runner:
                     cache.pages.seed(source, job.reused)
                     cache.columns = job.reused
             ids = device_tensor(prompt[job.reused:], self.device).view(1, -1)
-            return (yield from self.passes(self.model, cache, ids, None, self.engine.prefill_chunk, start=job.reused))
+            return (yield from self.passes(self.model, cache, ids, None, self.engine.prefill_chunk, start=job.reused,
+                                           layers=self.decoder))
 
         job.passes = passes()
         return job

@@ -206,3 +206,13 @@ def test_a_peer_that_cannot_compare_is_refused(bench, options, says, tmp_path, c
         importlib.import_module(f"sparsekv.bench.{bench}").main(
             ["--device", "cpu", "--peer", "vllm", "--out", str(tmp_path), *options])
     assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_settle_device_waits_until_the_peer_gives_the_memory_back(monkeypatch, capsys):
+    free = iter([1 << 30, 5 << 30, 9 << 30])
+    monkeypatch.setattr(peer, "device_free_bytes", lambda: next(free))
+    monkeypatch.setattr(peer.time, "sleep", lambda s: None)
+    peer.settle_device(10 << 30)
+    assert next(free, None) is None  # read until within SETTLE_SLACK_BYTES of the 10 GiB it had
+    assert "came back" in capsys.readouterr().out
+    peer.settle_device(None)  # no device: nothing read

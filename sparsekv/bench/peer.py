@@ -207,13 +207,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def peer_rows(peer: str, kind: str, options: list[str], timeout_s: float = 900) -> dict:
     """Runs ``python -m sparsekv.bench.peer KIND OPTIONS`` in a child process (its output shown as it comes) and
-    returns what it wrote: {"peer", "version", "rows"}. A child that fails, or passes ``timeout_s``, is a
-    ``PeerError`` with the end of its output."""
+    returns what it wrote: {"peer", "version", "rows"}, once the device has its memory back (``settle_device``). A
+    child that fails, or passes ``timeout_s``, is a ``PeerError`` with the end of its output."""
     if peer not in PEERS:
         raise PeerError(f"peer must be one of {', '.join(PEERS)}, got {peer!r}")
     with tempfile.TemporaryDirectory(prefix="sparsekv-peer-") as folder:
         result = Path(folder) / "rows.json"
         command = [sys.executable, "-m", "sparsekv.bench.peer", kind, *options, "--json", str(result)]
+        free = device_free_bytes()
         tail: list[str] = []
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, **OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}) as child:
@@ -228,7 +229,35 @@ def peer_rows(peer: str, kind: str, options: list[str], timeout_s: float = 900) 
             code = child.wait()
         if code != 0 or not result.exists():
             raise PeerError(f"the {peer} peer exited {code}:\n" + "".join(tail))
+        settle_device(free)
         return json.loads(result.read_text())
+
+
+# Device memory a finished peer may still hold when its process has exited: its engine's worker processes tear
+# down after the parent (vLLM's EngineCore took seconds on the H200), and ours, timed meanwhile, shared the GPU
+# with them (a 32K prefill measured 1.88 s there, 1.32 s alone).
+SETTLE_SLACK_BYTES = 2 << 30
+
+
+def device_free_bytes() -> int | None:
+    """The CUDA device's free memory (None without one)."""
+    import torch
+
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+
+
+def settle_device(free: int | None, timeout_s: float = 300) -> None:
+    """Waits until the device has ``free`` bytes free again, less ``SETTLE_SLACK_BYTES`` (what it had before the
+    peer ran; None: no device), at most ``timeout_s``, and says how long it waited."""
+    if free is None:
+        return
+    began = time.monotonic()
+    while device_free_bytes() < free - SETTLE_SLACK_BYTES:
+        if time.monotonic() - began > timeout_s:
+            print(f"peer: the device's memory did not come back within {timeout_s:.0f} s; timing on", flush=True)
+            return
+        time.sleep(0.5)
+    print(f"peer: the device's memory came back {time.monotonic() - began:.1f} s after the peer exited", flush=True)
 
 
 def load_rows_of(peer: str, model: str, prompts: list[list[int]], output_lens: list[int], max_num_seqs: int,

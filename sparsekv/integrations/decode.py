@@ -13,6 +13,9 @@ against 26.6 us per layer, gate/up 57.2 against 61.2). So the weights of each gr
 tensor whose row blocks are the projections' weights, and the modules' parameters become views of it: the model
 computes what it did before (``model.generate`` included) and holds no second copy.
 
+A prompt pass runs through the same functions (``DecodeModel.prompt_pass``: a chunk of tokens per row through one
+layer, its attention the prompt's dense one), compiled with dynamic shapes where the engine compiles.
+
 Weights that are not plain tensors (the DTensor shards of transformers' tensor parallelism) are left as they are
 and multiplied through their modules, one product each, so that the modules' own communication runs.
 """

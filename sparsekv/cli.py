@@ -21,6 +21,7 @@ from .eval import cli as eval_cli
 from .eval.base import EvalError
 from .methods import METHODS, MethodConfig
 from .models import chat_prompt, check_context, default_model, load_model, resolve_device, resolve_dtype
+from .serve.scheduler import ADMISSIONS
 from .spec import budget_arg, build_config, parse_spec, takes_budget
 
 
@@ -367,7 +368,7 @@ def cmd_serve(args) -> int:
                            max_context=args.max_context, max_new_tokens=args.max_new_tokens,
                            prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
                            max_queue=args.max_queue, compile=args.compile, kv_memory_bytes=kv_memory,
-                           prefix_cache_bytes=int(args.prefix_cache_gib * 2**30))
+                           prefix_cache_bytes=int(args.prefix_cache_gib * 2**30), admission=args.admission)
     name = args.name or served_name(args.model)
 
     def ready(port: int) -> None:
@@ -478,6 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "arrives meanwhile waits about (1 + share) / share times its prefill); default: a chunk "
                           "per step")
     srv.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission (beyond: 429)")
+    srv.add_argument("--admission", choices=ADMISSIONS, default="reserve",
+                     help="reserve: a request is admitted when the KV of its prompt and max_tokens fits; grow (dense, "
+                          "quest): when its prompt's does, its pages taken as it grows, the newest request preempted "
+                          "and later recomputed where they run out")
     srv.add_argument("--kv-memory-gib", type=float, default=None,
                      help="device memory for the KV cache of all requests (default: the engine's own)")
     srv.add_argument("--prefix-cache-gib", type=float, default=0.0,

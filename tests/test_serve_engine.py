@@ -2,6 +2,8 @@
 ``Engine.generate``, for every method, with requests arriving at different steps, with different prompt lengths,
 finishing early (stop token, max_tokens) or cancelled; rows are freed and reused; admission and refusals."""
 
+from collections import Counter
+
 import pytest
 import torch
 from graph_replay import emulated_graph
@@ -946,15 +948,15 @@ def test_a_failing_join_or_admission_ends_only_its_request(model, monkeypatch):
     runner = engine.runner
     set_sampling, start = runner._set_sampling, runner.start
 
-    def broken_join(row, job, first, sampling, seed):
+    def broken_join(row, job, first, sampling, seed, earlier):
         if job.prompt_len == 30:
             raise OverflowError("int too big to convert")
-        return set_sampling(row, job, first, sampling, seed)
+        return set_sampling(row, job, first, sampling, seed, earlier)
 
-    def broken_start(prompt):
+    def broken_start(prompt, replay):
         if len(prompt) == 35:
             raise MemoryError("no room")
-        return start(prompt)
+        return start(prompt, replay)
 
     monkeypatch.setattr(runner, "_set_sampling", broken_join)
     monkeypatch.setattr(runner, "start", broken_start)
@@ -987,3 +989,109 @@ def test_a_request_ended_by_its_caller_with_stop_counts_as_stopped(model):
         engine.cancel(rid, "length")
     with pytest.raises(ConfigError, match="request_id must be an id that submit returned"):
         engine.cancel("0")
+
+
+GROW_PLAN = [(0, 60, 70), (0, 30, 4), (0, 50, 40), (1, 20, 30), (6, 33, 12)]  # (arrival step, prompt, max_tokens)
+
+
+def grown(model, config, samplings, kv_tokens: int, cancel_preempted: int | None = None):
+    """Runs GROW_PLAN's requests (with ``samplings``, seeded by index) under admission "grow" in the pages of
+    ``kv_tokens`` tokens, cancelling request ``cancel_preempted`` while it waits preempted. Returns each request's
+    tokens, its final event, the (request index, tokens drawn) of each preemption and the engine."""
+    page = ServingEngine(model, config, max_batch=1, max_context=CONTEXT).runner.page_store_bytes
+    engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           kv_memory_bytes=kv_tokens // config.page_size * page, admission="grow")
+    ids, tokens, final, preempted = {}, {}, {}, []
+    preempt = engine._preempt
+
+    def recorded(live):
+        preempted.append((ids[live.id], len(live.tokens)))
+        assert live.held > 0
+        preempt(live)
+
+    engine._preempt = recorded
+    pending, steps = list(range(len(GROW_PLAN))), 0
+    while pending or engine.has_work():
+        while pending and GROW_PLAN[pending[0]][0] <= steps:
+            i = pending.pop(0)
+            _, n, new = GROW_PLAN[i]
+            ids[engine.submit(Request(prompt=prompt(n), max_tokens=new, sampling=samplings[i], seed=i))] = i
+            tokens[i] = []
+        for event in engine.step():
+            i = ids[event.request_id]
+            tokens[i] += event.tokens
+            assert event.completion_tokens == len(tokens[i])
+            final[i] = event
+        waiting = [live for live in engine._queue if live.tokens and ids[live.id] == cancel_preempted]
+        if waiting:
+            engine.cancel(waiting[0].id)
+        steps += 1
+    return tokens, final, preempted, engine
+
+
+@pytest.mark.parametrize("name", ["dense", "quest"])
+def test_requests_preempted_under_grow_give_their_alone_tokens(model, name):
+    """Admission "grow" in 20 pages of 8 tokens: rows take pages as they reach them; where the store cannot give the
+    running rows their next pages, the newest admitted request gives its own back, and later its prompt is
+    prefilled again and the tokens it drew replayed through the method. Every request gets its tokens alone, one
+    of them preempted twice; one cancelled while preempted ends "cancelled" with the tokens it had; every page
+    comes back."""
+    config = CONFIGS[name]
+    samplings = [Sampling()] * len(GROW_PLAN)
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new in GROW_PLAN]
+    tokens, final, preempted, engine = grown(model, config, samplings, 160)
+    assert [tokens[i] for i in range(len(GROW_PLAN))] == expected
+    assert max(Counter(i for i, _ in preempted).values()) >= 2
+    assert engine.metrics()["preempted"] == len(preempted)
+    cancelled = next(i for i, _ in preempted if i not in (0, 1))
+    tokens, final, preempted, engine = grown(model, config, samplings, 160, cancel_preempted=cancelled)
+    drawn = max(n for i, n in preempted if i == cancelled)
+    assert final[cancelled].finish_reason == "cancelled" and tokens[cancelled] == expected[cancelled][:drawn]
+    assert [tokens[i] for i in range(len(GROW_PLAN)) if i != cancelled] == \
+        [want for i, want in enumerate(expected) if i != cancelled]
+    shared = engine.runner.shared
+    assert engine.metrics()["kv_bytes_in_use"] == 0 and sorted(shared.free) == list(range(shared.pages))
+
+
+@pytest.mark.parametrize("name", ["dense", "quest", "quest-per-query-head", "quest-kv-fp8"])
+def test_preempted_sampled_and_penalized_requests_draw_on_where_they_were(model, name):
+    """Seeded sampling, penalties and biases under "grow" preemption: a request prefilled again goes on with its
+    draws' index and its counts of the tokens it drew, so it gives its tokens alone."""
+    config = CONFIGS[name]
+    penalized = Sampling(presence_penalty=1.5, frequency_penalty=0.75, logit_bias={17: 2.0}, repetition_penalty=1.3)
+    hot = Sampling(temperature=1.2, top_p=0.9, frequency_penalty=2.0)
+    samplings = [hot, Sampling(), penalized, hot, penalized]
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = [alone.generate([prompt(n)], new, sampling=s, seed=i, stop_tokens=()).tokens[0]
+                for i, ((_, n, new), s) in enumerate(zip(GROW_PLAN, samplings))]
+    tokens, _, preempted, _ = grown(model, config, samplings, 160)
+    assert preempted and [tokens[i] for i in range(len(GROW_PLAN))] == expected
+
+
+def test_admission_grow_counts_the_pages_a_request_holds(model):
+    """Under "grow" a running request is counted for the pages its row holds, which it takes as it reaches them;
+    "reserve" counts its prompt's and max_tokens' from its admission."""
+    config = CONFIGS["quest"]
+
+    def pages(tokens):
+        return -(-tokens // config.page_size)
+
+    for admission in ("grow", "reserve"):
+        engine = ServingEngine(model, config, max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
+                               admission=admission)
+        engine.submit(Request(prompt=prompt(48), max_tokens=40))
+        drawn = 0
+        while engine.has_work():
+            drawn += sum(len(e.tokens) for e in engine.step())
+            if engine._running:
+                live = next(iter(engine._running.values()))
+                held = len(engine.runner.shared.held[0])
+                assert live.held == held * engine.runner.page_store_bytes
+                # The row holds the KV of the prompt and of every token drawn but the last, its next input.
+                if admission == "grow":
+                    assert pages(48 + drawn - 1) <= held <= pages(48 + drawn)
+                else:
+                    assert held == pages(48 + 40)
+    with pytest.raises(ConfigError, match="admission"):
+        ServingEngine(model, config, admission="lazy")

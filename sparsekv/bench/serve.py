@@ -75,6 +75,7 @@ from ..methods.base import DEVICE_MARGIN
 from ..models import load_model, resolve_device, resolve_dtype
 from ..quant import quantize_model
 from ..serve import Request, ServingEngine
+from ..serve.scheduler import ADMISSIONS
 from ..serve.runner import POOL_FIELD, cache_bytes, pool_row_bytes, prefill_bytes, shared_page_bytes, shares_pages
 from ..spec import budget_arg
 from .common import (ModelShape, claim_results, device_name, int_arg, markdown_table, memory_problems, model_shape,
@@ -609,6 +610,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-share", type=float, default=None,
                         help="decode priority: prefill takes at most about this share of the decode steps' time while "
                              "requests decode (default: a chunk per step)")
+    parser.add_argument("--admission", choices=ADMISSIONS, default="reserve",
+                        help="how admission counts a request's KV (sparsekv.serve.ServingEngine): reserve (its prompt "
+                             "and max_tokens) or grow (dense, quest: pages as it grows, preempting the newest)")
     parser.add_argument("--fill", choices=["prefill", "random"], default="prefill",
                         help="random: prompts' KV filled with random keys and values instead of the model's prefill")
     parser.add_argument("--fill-chunk", type=int_arg(1), default=None,
@@ -800,7 +804,8 @@ def main(argv: list[str] | None = None) -> int:
                              prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
                              max_queue=args.requests, compile=args.compile, kv_memory_bytes=kv_memory,
                              prefill=fill_passes(args.fill_chunk) if args.fill == "random" else prefill_passes,
-                             max_new_tokens=args.max_new_tokens, prefix_cache_bytes=int(args.prefix_cache_gib * GIB))
+                             max_new_tokens=args.max_new_tokens, prefix_cache_bytes=int(args.prefix_cache_gib * GIB),
+                             admission=args.admission)
 
     def probe(config, batch: int) -> None:
         """An engine of ``batch`` rows runs one request of a prefill chunk and two tokens."""

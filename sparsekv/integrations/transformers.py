@@ -281,9 +281,9 @@ class SparseKVCache(Cache):
         return self.method.offloaded_bytes()
 
 
-# Keys and queries of a prompt pass are cut and padded to multiples of this many tokens before they reach the
-# attention kernel, so that prompts of any length meet a few shapes: cuDNN builds an execution plan for each new
-# shape (65 ms on the H200), which every chunk of every new prompt length would otherwise pay.
+# Where cuDNN's kernel runs, a prompt pass's keys and queries are cut and padded to multiples of this many tokens
+# before they reach it, so that prompts of any length meet a few shapes: cuDNN builds an execution plan for each
+# new shape (65 ms on the H200), which every chunk of every new prompt length would otherwise pay.
 PLAN_STEP = 2048
 
 
@@ -320,6 +320,12 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return out, lse.reshape(*lse.shape[:2], -1)[..., :q.shape[2]].float()
 
 
+def _plan_step(q: torch.Tensor) -> int:
+    """``PLAN_STEP`` for queries q that cuDNN's kernel attends (``attention_lse``), 1 (nothing padded) for others."""
+    half = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    return PLAN_STEP if half and _cudnn_attention(q.device) else 1
+
+
 def _padded(x: torch.Tensor, start: int, width: int) -> torch.Tensor:
     """x (1, H, S, D) at columns ``start .. start + S - 1`` of zeros (1, H, width, D) in x's dtype."""
     out = x.new_zeros(*x.shape[:2], width, x.shape[3])
@@ -327,8 +333,8 @@ def _padded(x: torch.Tensor, start: int, width: int) -> torch.Tensor:
     return out
 
 
-def _plan_width(n: int) -> int:
-    return -(-n // PLAN_STEP) * PLAN_STEP
+def _plan_width(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 def _merge_parts(out: torch.Tensor, lse: torch.Tensor, before: torch.Tensor, lse_before: torch.Tensor) -> torch.Tensor:
@@ -346,13 +352,15 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
     slot j holds page j, so a row's first n tokens are its first n (``PagedLayer.row_tokens``: views, or gathered
     through the page table in shared pages). Each row runs on its own (its real queries are the last
     ``new_len - prev_len`` columns, or the first ones of a right-padded prompt) in two parts merged by their
-    log-sum-exp: the keys before ``split`` (the pass's first position cut to a multiple of ``PLAN_STEP``), which
-    every query sees, and the rest causally, as the square of queries and keys from ``split`` on whose queries
-    before the pass are zeros, not read. Both are padded with zeros to multiples of ``PLAN_STEP`` (queries past the
-    pass, keys past its end: no real query sees them), so their shapes repeat across prompts (``PLAN_STEP``). Peak
+    log-sum-exp: the keys before ``split`` (the pass's first position, cut to a multiple of ``PLAN_STEP`` where
+    cuDNN attends: ``_plan_step``), which every query sees, and the rest causally, as the square of queries and
+    keys from ``split`` on whose queries before the pass are zeros, not read. Both are padded with zeros to
+    multiples of that step (queries past the pass, keys past its end: no real query sees them), so that their
+    shapes repeat across prompts. Peak
     memory is one chunk's (in shared pages, one row's keys and values of one layer besides), whatever the context.
     Padding queries give zeros. Returns (B, H, S, D)."""
     out = torch.zeros_like(q)
+    step = _plan_step(q)
     for row, (prev, new) in enumerate(zip(plan.prev_len, plan.new_len)):
         n = new - prev
         if n == 0:
@@ -360,13 +368,13 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
         cols = plan.valid[row].nonzero().squeeze(1) if n != q.shape[2] else slice(None)
         qr = q[row:row + 1, :, cols]  # (1, H, n, D)
         keys, values = layer.row_tokens(row, new)
-        split = prev // PLAN_STEP * PLAN_STEP
-        lead, width = prev - split, _plan_width(new - split)
+        split = prev // step * step
+        lead, width = prev - split, _plan_width(new - split, step)
         own, lse = attention_lse(_padded(qr, lead, width), _padded(keys[:, :, split:new].to(q.dtype), 0, width),
                                  _padded(values[:, :, split:new].to(q.dtype), 0, width), True, scale)
         own, lse = own[:, :, lead:lead + n], lse[:, :, lead:lead + n]
         if split:
-            before, lse_before = attention_lse(_padded(qr, 0, _plan_width(n)), keys[:, :, :split].to(q.dtype),
+            before, lse_before = attention_lse(_padded(qr, 0, _plan_width(n, step)), keys[:, :, :split].to(q.dtype),
                                                values[:, :, :split].to(q.dtype), False, scale)
             own = _merge(own, lse, before[:, :, :n], lse_before[:, :, :n])
         out[row:row + 1, :, cols] = own

@@ -217,11 +217,14 @@ class Runner:
     device memory for finished prompts' caches kept for prompts that begin like them (``PrefixCache``; 0: none),
     for methods whose prompt pages can start another prompt (``Method.prefix_reuse``). ``kv_memory_bytes``: the KV
     memory requests may hold at once (``ServingEngine``), which sizes the shared pages where the rows keep theirs
-    there (None: the device's free memory less the rows, one prompt's prefill and ``DEVICE_MARGIN``)."""
+    there (None: the device's free memory less the rows, one prompt's prefill and ``DEVICE_MARGIN``). ``grow``: in
+    shared pages a row takes the pages of its new tokens as it reaches them (``growth``, ``grow``), not all of its
+    max_tokens' when it joins."""
 
     def __init__(self, model, config, *, max_batch: int, max_context: int | None, prefill_chunk: int,
                  cuda_graph: bool | None, compile: bool, passes: Callable = prefill_passes,
-                 max_new_tokens: int | None = None, prefix_cache_bytes: int = 0, kv_memory_bytes: int | None = None):
+                 max_new_tokens: int | None = None, prefix_cache_bytes: int = 0, kv_memory_bytes: int | None = None,
+                 grow: bool = False):
         self.engine = Engine(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
         self.max_batch, self.max_context = max_batch, self.engine.max_context
@@ -305,6 +308,7 @@ class Runner:
         page = config.page_size
         kv_dtype = storage_dtype(config.kv_dtype, dtype)
         self.shared = SharedPages(max_batch, slots[0], store_pages, self.device) if store_pages else None
+        self.grows = grow and self.shared is not None
         pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, n, kv_dtype, self.device, self.shared)
                         for n in slots]
         # The KV memory requests may hold at once: the shared pages, or what is asked (default: the rows' size).
@@ -353,6 +357,19 @@ class Runner:
     def free_rows(self) -> int:
         return self.max_batch - len(self.keys)
 
+    def growth(self) -> list:
+        """Under ``grow``, the keys of the running rows whose next token starts a page they do not hold yet."""
+        if not self.grows:
+            return []
+        lengths, held = self.pool.pages.lengths, self.shared.held
+        return [key for row, key in enumerate(self.keys) if self._pages(lengths[row] + 1) > len(held[row])]
+
+    def grow(self, keys: list) -> None:
+        """Gives each row of ``keys`` (``growth``) the store page of its next token."""
+        for key in keys:
+            row = self.keys.index(key)
+            self.shared.assign(row, len(self.shared.held[row]) + 1)
+
     def kv_bytes(self, prompt_len: int, total: int) -> int:
         """KV bytes (device and host) a request of ``prompt_len`` prompt tokens and ``total`` tokens in all holds at
         most: its keys and values, the key bounds of its pages and the method's per-slot state beyond 8 bytes
@@ -375,8 +392,11 @@ class Runner:
         """Bytes of KV in host memory: the pool's host store."""
         return self.method.offloaded_bytes()
 
-    def start(self, prompt: list[int]) -> Prefill:
-        """A prefill of ``prompt`` into a cache of one row, with a method of its own; with a prefix cache, from the
+    def start(self, prompt: list[int], replay: list[int] = ()) -> Prefill:
+        """A prefill of ``prompt`` into a cache of one row, with a method of its own; ``replay``: tokens run after
+        it, one decode step each, through the method as the pool's steps run them (a preempted request's tokens but
+        its last: a prompt pass would attend them densely, so a sparse method would not find again the keys and
+        values it had). With a prefix cache, from the
         kept prompt that shares the most whole pages with its start (leaving at least the last pass's queries that
         the method reads, ``min_prompt_chunk``), looked up and copied at the first pass: prefills run one after
         another, so the prompts that end before it have been kept by then (requests on one document, arriving
@@ -385,14 +405,15 @@ class Runner:
         method = self.request_config.build(self.num_layers)
         method.tp_group = self.tp_group
         cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
-        # Only the prompt: the request decodes in its row of the pool.
-        cache.pages.planned_tokens = method.planned_tokens([len(prompt)], len(prompt))
+        # Only the prompt (and the replay): the request decodes in its row of the pool.
+        context = len(prompt) + len(replay)
+        cache.pages.planned_tokens = method.planned_tokens([len(prompt)], context)
         job = Prefill(cache, None, prompt)
 
         def passes() -> Generator[int, None, torch.Tensor]:
             if self.shared is not None:
                 job.table = self.shared.beside(1)
-                job.table.assign(0, self._pages(len(prompt)))
+                job.table.assign(0, self._pages(context))
                 cache.pages.layers = [layer.beside(job.table) for layer in self.pool.pages.layers]
             if self.prefixes is not None:
                 job.reused, source = self.prefixes.find(prompt, len(prompt) - method.min_prompt_chunk())
@@ -400,8 +421,15 @@ class Runner:
                     cache.pages.seed(source, job.reused)
                     cache.columns = job.reused
             ids = device_tensor(prompt[job.reused:], self.device).view(1, -1)
-            return (yield from self.passes(self.model, cache, ids, None, self.engine.prefill_chunk, start=job.reused,
-                                           layers=self.decoder))
+            logits = yield from self.passes(self.model, cache, ids, None, self.engine.prefill_chunk,
+                                            start=job.reused, layers=self.decoder)
+            if replay:
+                cache.pages.reserve(len(replay))
+            for token in replay:
+                logits = self.decoder(device_tensor([token], self.device).view(1, 1), cache.pages.seq_len.view(1, 1),
+                                      cache)
+                yield 1
+            return logits
 
         job.passes = passes()
         return job
@@ -440,11 +468,14 @@ class Runner:
         return int(token[0]), _logprobs(*(t.tolist()[0] for t in found), logprobs)
 
     def join(self, key, job: Prefill, first: int, sampling: Sampling, seed: int, max_tokens: int,
-             logprobs: int | None = None) -> None:
+             logprobs: int | None = None, earlier: list[int] = ()) -> None:
         """Makes the prefilled request ``key`` (of at most ``max_tokens`` new tokens) a running row whose next input
-        is ``first``; ``logprobs``: as in ``first_token``, for each of its tokens. Requests of the same prompt join
-        from one prefill, which the caller then ``discard``s: the prefill is copied into each row, except in shared
-        pages, where the first request's row takes its pages and the others copy them from that row."""
+        is ``first``; ``logprobs``: as in ``first_token``, for each of its tokens; ``earlier``: the tokens it drew
+        before ``first`` (a request preempted and prefilled again with them: its draws and penalties go on where
+        they were). Requests of the same prompt join from one prefill, which the caller then ``discard``s: the
+        prefill is copied into each row, except in shared pages, where the first request's row takes its pages and
+        the others copy them from that row. In shared pages the row takes the pages of its max_tokens, or
+        (``grow``) of its next token only."""
         if not self.free_rows:
             raise RuntimeError("join: every row runs a request")
         row = len(self.keys)
@@ -455,14 +486,15 @@ class Runner:
             self.shared.move(row, 0, job.table)
         try:
             if self.shared is not None:  # the pages of its new tokens
-                self.shared.assign(row, self._pages(job.prompt_len + max_tokens))
+                held = source.lengths[source_row] + 1 if self.grows else job.prompt_len + max_tokens
+                self.shared.assign(row, self._pages(held))
             with torch.no_grad():
                 for layer, from_layer in zip(pages.layers, source.layers):
                     layer.copy_row(row, from_layer, source_row, self._pages(source.lengths[source_row]), moved=takes)
                 pages.lengths[row] = source.lengths[source_row]
                 pages.seq_len[row] = source.seq_len[source_row]
                 self.method.copy_row(row, method, source_row, job.prompt_len)
-            self._set_sampling(row, job, first, sampling, seed)
+            self._set_sampling(row, job, first, sampling, seed, earlier)
         except BaseException:  # the row runs nothing: its pages go back (its prefill's pages too, where it took them)
             if self.shared is not None:
                 self.shared.release(row)
@@ -477,13 +509,15 @@ class Runner:
         self.prompt_lens.append(job.prompt_len)
         self.max_tokens.append(max_tokens)
 
-    def _set_sampling(self, row: int, job: Prefill, first: int, sampling: Sampling, seed: int) -> None:
-        """Sets ``row``'s next token, sampling, seed, token index and penalties' state."""
+    def _set_sampling(self, row: int, job: Prefill, first: int, sampling: Sampling, seed: int,
+                      earlier: list[int]) -> None:
+        """Sets ``row``'s next token, sampling, seed, token index and penalties' state (``earlier``: as in
+        ``join``)."""
         # Each value is filled in by a kernel, not copied from the host: such a copy would wait for the step in
         # flight.
         for t, value in ((self.token[row], first), (self.temperature[row], sampling.temperature),
                          (self.top_k[row], sampling.top_k), (self.top_p[row], sampling.top_p), (self.seed[row], seed),
-                         (self.index[row], 1), (self.min_p[row], sampling.min_p)):
+                         (self.index[row], 1 + len(earlier)), (self.min_p[row], sampling.min_p)):
             t.fill_(value)
         # Written for every request: a row that does not adjust may run in a step that does.
         for t, value in zip((self.repetition, self.presence, self.frequency, self.bias),
@@ -491,6 +525,9 @@ class Runner:
             t[row] = value[0]
         self.counts[row].zero_()
         self.counts[row, first].fill_(1)
+        if earlier:  # a copy from the host, once for a request that comes back
+            drawn = device_tensor(list(earlier), self.device)
+            self.counts[row].index_add_(0, drawn, torch.ones_like(drawn, dtype=torch.float32))
         # Only a row whose sampling adjusts reads its prompt's tokens (a repetition penalty of 1 changes nothing).
         if sampling.adjusts:
             self.prompt_tokens[row] = self._prompt_set(job)[0]

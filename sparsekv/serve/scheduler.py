@@ -8,6 +8,10 @@ A request, as data::
            -> first token (each request its own) -> a running row
            -> one token per step -> stop token, max_tokens or cancel: its row is freed at the step boundary
            (a failure inside a step: "error", see ``ServingEngine.step``)
+           (admission "grow": a row takes its pages as it grows; where the store cannot give the running rows their
+            next pages, the newest admitted request is preempted: its pages go back and it waits at the front of
+            the queue, then its prompt is prefilled again, the tokens it has drawn replayed through the method's
+            decode step, and it goes on)
 
 ``submit`` and ``cancel`` may come from any thread; ``step`` runs in one thread (the server's loop), which alone
 touches the runner and the model.
@@ -30,6 +34,8 @@ from .runner import TOP_LOGPROBS, Logprobs, Prefill, Runner
 
 log = logging.getLogger("sparsekv.serve")
 
+# How admission counts a request's KV (``ServingEngine``).
+ADMISSIONS = ("reserve", "grow")
 # The finish reasons a caller may end a request with (``ServingEngine.cancel``): "stop" where the caller found its
 # end itself (a server's stop string).
 CANCEL_REASONS = ("cancelled", "stop")
@@ -135,7 +141,8 @@ class PrefillPacer:
 class _Live:
     """A request inside the engine: its id, what it asked, its seed, its prefill while it runs, the tokens it has
     generated (with their log-probabilities where it asked for them), how many of them its events have
-    delivered, and the prompt tokens the prefix cache gave."""
+    delivered, the prompt tokens the prefix cache gave, the KV bytes admission counts it for (``held``) and when it
+    was admitted (``admitted``: a count, the newest highest)."""
 
     id: int
     request: Request
@@ -145,6 +152,14 @@ class _Live:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] = field(default_factory=list)
     shown: int = 0
+    held: int = 0
+    admitted: int = 0
+
+    @property
+    def context(self) -> int:
+        """The tokens its prefill holds at its end: the prompt's, and for a request preempted after drawing tokens,
+        those tokens' but the last, which is its next input (``Runner.start``'s replay)."""
+        return len(self.request.prompt) + max(len(self.tokens) - 1, 0)
 
 
 class ServingEngine:
@@ -162,20 +177,26 @@ class ServingEngine:
     tokenizer: gives the default stop tokens. prefill: a prompt's prefill, ``engine.prefill_passes``'s signature
     (benchmarks give ``bench.e2e.random_passes``: random keys and values). prefix_cache_bytes: device memory for
     finished prompts' caches, which start the prompts that begin with the same tokens (``runner.PrefixCache``; 0:
-    none)."""
+    none). admission: "reserve" counts each request's KV of its prompt and max_tokens from its admission; "grow"
+    (methods in shared pages: dense, quest) counts its prompt's and then each page it takes as it grows, and
+    preempts the newest admitted request where the store cannot give the running rows their next pages (later its
+    prompt is prefilled again and its tokens so far replayed, and it goes on with the same tokens); other methods'
+    rows are bounded and counted whole either way."""
 
     def __init__(self, model, config, *, tokenizer=None, max_batch: int = 8, max_context: int | None = None,
                  prefill_chunk: int = 4096, prefill_share: float | None = None, max_queue: int = 256,
                  cuda_graph: bool | None = None, compile: bool = False, kv_memory_bytes: int | None = None,
-                 prefill: Callable = prefill_passes, max_new_tokens: int | None = None, prefix_cache_bytes: int = 0):
+                 prefill: Callable = prefill_passes, max_new_tokens: int | None = None, prefix_cache_bytes: int = 0,
+                 admission: str = "reserve"):
         if not _is_count(max_queue, 1):
             raise ConfigError("max_queue", "an int >= 1", max_queue)
+        require(admission in ADMISSIONS, "admission", " or ".join(map(repr, ADMISSIONS)), admission)
         require(callable(prefill), "prefill", "a callable of engine.prefill_passes's signature", prefill)
         self.pacer = None if prefill_share is None else PrefillPacer(prefill_share)
         self.runner = Runner(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile, passes=prefill,
                              max_new_tokens=max_new_tokens, prefix_cache_bytes=prefix_cache_bytes,
-                             kv_memory_bytes=kv_memory_bytes)
+                             kv_memory_bytes=kv_memory_bytes, grow=admission == "grow")
         self.tokenizer, self.max_queue, self.kv_memory_bytes = tokenizer, max_queue, self.runner.kv_memory_bytes
         self._lock = threading.Lock()
         self._next_id = 0
@@ -187,6 +208,8 @@ class ServingEngine:
         self._generated = 0
         self._finished: dict[str, int] = {}  # requests finished since the start, by finish reason
         self._prefill_work = 0  # token-layers of prefill run
+        self._admissions = 0  # requests admitted since the start (``_Live.admitted``)
+        self._preempted = 0  # preemptions since the start
         self._carried: list[Event] = []  # events of a step that raised, returned by the next
         self._ended: Exception | None = None  # a failure whose requests ended already, raised to ``step``
 
@@ -251,7 +274,8 @@ class ServingEngine:
 
     def metrics(self) -> dict:
         """Rows, queue and memory now (``free_rows``: rows neither running nor taken by a prefill), and totals since
-        the start (``finished_requests``: by finish reason, "stop", "length", "cancelled" or "error";
+        the start (``finished_requests``: by finish reason, "stop", "length", "cancelled" or "error"; ``preempted``:
+        preemptions under admission "grow";
         ``prefix_hits``: prompts started from a kept prompt's cache, ``prefix_tokens_reused``: the prompt tokens it
         gave them)."""
         with self._lock:
@@ -260,7 +284,7 @@ class ServingEngine:
                 "free_rows": self.runner.max_batch - running - prefilling, "kv_bytes_in_use": self._in_use,
                 "kv_bytes_capacity": self.kv_memory_bytes, "host_kv_bytes": self.runner.host_bytes(),
                 "generated_tokens": self._generated, "finished_requests": dict(self._finished),
-                "prefill_work": self._prefill_work, **self._prefix_metrics()}
+                "prefill_work": self._prefill_work, "preempted": self._preempted, **self._prefix_metrics()}
 
     def _prefix_metrics(self) -> dict:
         cache = self.runner.prefixes
@@ -319,6 +343,7 @@ class ServingEngine:
     def _step(self, events: list[Event]) -> None:
         self._cancelled(events)
         self._admit(events)
+        self._grow()
         pacer = self.pacer
         launched = None
         if pacer is None:
@@ -352,7 +377,7 @@ class ServingEngine:
             for live in queued:
                 self._queue.remove(live)
         for live in queued:
-            self._finish(live, cancel[live.id], events, admitted=False)
+            self._finish(live, cancel[live.id], events)
         for live in [*self._prefilling, *self._running.values()]:
             if live.id in cancel:
                 self._finish(live, cancel[live.id], events)
@@ -368,18 +393,23 @@ class ServingEngine:
                 if not self._queue:
                     return
                 live = self._queue[0]
-                prompt = len(live.request.prompt)
-                need = self.runner.kv_bytes(prompt, prompt + live.request.max_tokens)
+                need = self._need(live)
+                # Under "grow", a page of headroom for each running row, so that an admission does not preempt at
+                # the next step.
+                headroom = len(self._running) * self.runner.page_store_bytes * self.runner.grows
                 rows_taken = len(self._prefilling) + len(self._running)
-                if rows_taken >= self.runner.max_batch or self._in_use + need > self.kv_memory_bytes:
+                if rows_taken >= self.runner.max_batch or self._in_use + need + headroom > self.kv_memory_bytes:
                     return
                 self._queue.popleft()
                 self._in_use += need
-                live.prefill = next((other.prefill for other in self._prefilling
-                                     if other.request.prompt == live.request.prompt), None)
+                live.held = need
+                live.admitted = self._admissions = self._admissions + 1
+                if not live.tokens:  # a preempted request replays tokens of its own
+                    live.prefill = next((other.prefill for other in self._prefilling
+                                         if not other.tokens and other.request.prompt == live.request.prompt), None)
                 try:
                     if live.prefill is None:
-                        live.prefill = self.runner.start(live.request.prompt)
+                        live.prefill = self.runner.start(live.request.prompt, live.tokens[:-1])
                     self._prefilling.append(live)
                 except Exception as error:
                     failed = error
@@ -388,6 +418,46 @@ class ServingEngine:
                 self._ended = failed
                 failed.add_note(f"while starting the prefill of request {live.id}, which ends with \"error\"")
                 raise failed
+
+    def _need(self, live: _Live) -> int:
+        """The KV bytes admission counts ``live`` for: its context's and its max_tokens' (a request preempted after
+        drawing tokens: the same total), or under "grow" its context's and its next token's."""
+        context = live.context
+        total = len(live.request.prompt) + live.request.max_tokens
+        return self.runner.kv_bytes(context, context + 1 if self.runner.grows else total)
+
+    def _grow(self) -> None:
+        """Under "grow", gives the running rows the pages of their next tokens, preempting the newest admitted
+        requests (running or prefilling) while the store cannot."""
+        page = self.runner.page_store_bytes
+        while True:
+            keys = self.runner.growth()
+            if not keys or self._in_use + len(keys) * page <= self.kv_memory_bytes:
+                break
+            self._preempt(max([*self._prefilling, *self._running.values()], key=lambda live: live.admitted))
+        self.runner.grow(keys)
+        for key in keys:
+            self._running[key].held += page
+        self._in_use += len(keys) * page
+
+    def _preempt(self, live: _Live) -> None:
+        """Gives back what ``live`` holds (its row or its share of a prefill) and puts it at the front of the queue,
+        to be prefilled again with the tokens it has drawn (``_Live.context``)."""
+        self._in_use -= live.held
+        live.held = 0
+        if live.id in self._running:
+            self.runner.release(live.id)
+            with self._lock:
+                del self._running[live.id]
+        else:
+            job, live.prefill = live.prefill, None
+            with self._lock:
+                self._prefilling.remove(live)
+            if not any(other.prefill is job for other in self._prefilling):
+                self.runner.discard(job)
+        with self._lock:
+            self._queue.appendleft(live)
+        self._preempted += 1
 
     def _prefill(self, events: list[Event], budget: int) -> int:
         """Runs about ``budget`` token-layers of prompt work (at least one pass), oldest request first; when a
@@ -409,12 +479,18 @@ class ServingEngine:
                 for live in list(pending):
                     live.prefill, live.cached = None, job.reused
                     request = live.request
-                    first, logprobs = self.runner.first_token(job, request.sampling, live.seed, request.logprobs)
-                    if not self._emit(live, first, logprobs, events):
-                        self.runner.join(live.id, job, first, request.sampling, live.seed, request.max_tokens,
-                                         request.logprobs)
+                    if live.tokens:  # preempted: it goes on from its last token, drawn already
+                        self.runner.join(live.id, job, live.tokens[-1], request.sampling, live.seed,
+                                         request.max_tokens, request.logprobs, earlier=live.tokens[:-1])
                         with self._lock:
                             self._running[live.id] = live
+                    else:
+                        first, logprobs = self.runner.first_token(job, request.sampling, live.seed, request.logprobs)
+                        if not self._emit(live, first, logprobs, events):
+                            self.runner.join(live.id, job, first, request.sampling, live.seed, request.max_tokens,
+                                             request.logprobs)
+                            with self._lock:
+                                self._running[live.id] = live
                     pending.remove(live)
             except Exception as error:
                 # The requests of this prefill not yet running end with "error", what they held freed, and the
@@ -456,13 +532,11 @@ class ServingEngine:
                      prompt_tokens=len(live.request.prompt), completion_tokens=len(live.tokens), logprobs=logprobs,
                      cached_tokens=live.cached, error=None if error is None else f"{type(error).__name__}: {error}")
 
-    def _finish(self, live: _Live, reason: str, events: list[Event], admitted: bool = True,
-                error: Exception | None = None) -> None:
-        """Frees what the request holds (its prefill or its row) and emits its last event (``error``: the failure
-        that ended it, for reason "error")."""
-        if admitted:
-            prompt = len(live.request.prompt)
-            self._in_use -= self.runner.kv_bytes(prompt, prompt + live.request.max_tokens)
+    def _finish(self, live: _Live, reason: str, events: list[Event], error: Exception | None = None) -> None:
+        """Frees what the request holds (its prefill or its row, none while it waits) and emits its last event
+        (``error``: the failure that ended it, for reason "error")."""
+        self._in_use -= live.held
+        live.held = 0
         if live.id in self._running:
             # An answer that ended is kept with its prompt where the prefix cache takes it (the row holds the KV
             # of every token but the last).

@@ -1096,6 +1096,8 @@ def prometheus_text(loop: EngineLoop) -> str:
             for reason in FINISH_REASONS:
                 finished.add_metric([reason], m["finished_requests"].get(reason, 0))
             yield finished
+            yield CounterMetricFamily("sparsekv_preemptions", "Requests preempted since start (admission grow: "
+                                      "their pages given back, recomputed later)", value=m["preempted"])
             yield GaugeMetricFamily("sparsekv_prefix_cache_bytes", "Device bytes of finished prompts' KV kept for "
                                     "prompts that begin like them", value=m["prefix_cache_bytes"])
             yield CounterMetricFamily("sparsekv_prefix_cache_hits", "Prompts started from a kept prompt's KV",

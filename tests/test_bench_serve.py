@@ -168,7 +168,7 @@ def test_largest_batch_passes_other_config_errors_on():
         largest_batch(make, 8)
 
 
-def test_warm_up_runs_every_batch_size_twice():
+def test_warm_up_runs_the_longest_prompt_and_every_batch_size_twice():
     from sparsekv.bench.serve import warm_up
     from sparsekv.serve import ServingEngine
     from sparsekv.spec import build_config
@@ -176,8 +176,10 @@ def test_warm_up_runs_every_batch_size_twice():
 
     engine = ServingEngine(tiny_model("llama", layers=1, max_positions=128), build_config("dense"), max_batch=4,
                            max_context=64, prefill_chunk=16)
-    warm_up(engine, 4, 259)
+    warm_up(engine, 4, 259, 50)
     assert not engine.has_work()
+    assert engine.metrics()["prefill_work"] >= 50 + 4 * 16  # the 50-token prompt through the layer, then the others'
+    assert engine.metrics()["finished_requests"] == {"length": 5}
     runs = {}
     for (n, *_), (_, step) in engine.runner.steps.items():
         runs[n] = runs.get(n, 0) + step.runs

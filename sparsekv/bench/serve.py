@@ -32,8 +32,9 @@ a real prefill (the tables say ``fill random``). ``--fill-chunk N`` writes the f
 a step still runs about ``--prefill-chunk`` tokens through every layer, in fewer passes: fewer launches where a
 pass's host time would exceed a short decode step (a real prefill is bound by its compute instead); with a pass's
 append one kernel (``kernels.append_pages``), passes of 8192 and 32768 give the same saturating run on the H200.
-Before each run short requests step every batch size up to the max batch (``--no-warmup``: not), so that the CUDA
-graph of each size is captured before the measurement.
+Before each run a prompt as long as the workload's longest runs, and short requests step every batch size up to the
+max batch (``--no-warmup``: not), so that the prompt pass is compiled and the CUDA graph of each size captured
+before the measurement.
 
 The engine holds a pool of ``--max-batch`` rows, each sized for the longest request (its method's share of it),
 and admits a request when a row is free and its KV fits ``--kv-memory-gib`` (default: the pool). ``--fit`` lowers
@@ -230,12 +231,16 @@ def run_engine(engine: ServingEngine, work: list[Work], concurrency: int | None,
     return trace
 
 
-def warm_up(engine: ServingEngine, max_batch: int, vocab: int) -> None:
-    """Runs every batch size from 1 to ``max_batch`` twice or more, up and down (a size's decode step is captured on
-    its second run), with short greedy requests, so that the measured run does not pay for the captures. Their
-    prompts come from a generator of their own: they share no prefix with the workload's (``workload``, seeded by
-    --seed), which a prefix cache would otherwise give it."""
+def warm_up(engine: ServingEngine, max_batch: int, vocab: int, longest: int) -> None:
+    """Runs one prompt of ``longest`` tokens (the workload's longest: the prompt pass's kernels compiled, cuDNN's
+    attention plans built for its shapes), then every batch size from 1 to ``max_batch`` twice or more, up and down
+    (a size's decode step is captured on its second run), with short greedy requests, so that the measured run does
+    not pay for the compilations and captures. Their prompts come from a generator of their own: they share no
+    prefix with the workload's (``workload``, seeded by --seed), which a prefix cache would otherwise give it."""
     rng = random.Random("warm-up")
+    engine.submit(Request(prompt=[rng.randrange(vocab) for _ in range(longest)], max_tokens=1))
+    while engine.has_work():
+        engine.step()
     submitted = steps = 0
     while submitted < max_batch or engine.has_work():
         if submitted < max_batch and steps % 2 == 0:
@@ -830,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.reset_peak_memory_stats(device)
                 engine = make(run.config, batch)
                 if args.warmup:
-                    warm_up(engine, batch, model.config.vocab_size)
+                    warm_up(engine, batch, model.config.vocab_size, max(len(w.prompt) for w in work))
                 reused = engine.metrics()["prefix_tokens_reused"]  # the warm-up's
                 trace = (run_engine(engine, work, args.concurrency, args.capacity, args.duration)
                          if via == "engine" else run_http(engine, tokenizer, work, args.concurrency, args.capacity))

@@ -277,10 +277,15 @@ class PagedLayer:
 
     def row_pages(self, row: int, used: int, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         """The pages of slots [0, used) of ``row`` by attribute (``names``, default ``paged``): (Hkv, used, ...)
-        each, views unless in shared pages."""
+        each, views, or in shared pages views where the slots' store pages are one run (``SharedPages.runs``: a
+        prompt's, taken from a free list in order), else gathered."""
         names = self.paged if names is None else names
         if self.shared is None:
             return {n: getattr(self, n)[row, :, :used] for n in names}
+        runs = self.shared.runs(row, used)
+        if len(runs) == 1 and runs[0][2] == used:
+            first = runs[0][1]
+            return {n: getattr(self, n)[0, :, first:first + used] for n in names}
         idx = self.shared.table[row, :used]
         return {n: raw(t)[0].index_select(1, idx).view(t.dtype) for n in names for t in (getattr(self, n),)}
 

@@ -46,6 +46,20 @@ def test_a_shared_prefix_and_the_prefix_cache(tmp_path, capsys):
     assert "--prefix-cache-gib must be 0 with snapkv" in capsys.readouterr().err
 
 
+def test_admission_grow_preempts_and_every_request_ends(tmp_path):
+    """--admission grow in a store smaller than the requests' whole KV: requests are preempted, every one ends with
+    all its tokens, and the table counts the preemptions."""
+    assert main(["--model", "shape:tiny", "--device", "cpu", "--methods", "dense", "quest", "--budget", "32",
+                 "--requests", "4", "--prompt-len", "40", "60", "--output-len", "40", "40", "--max-batch", "4",
+                 "--kv-memory-gib", "0.0006", "--admission", "grow", "--via", "engine", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert result["meta"]["admission"] == "grow"
+    for r in result["rows"]:
+        assert r["requests_done"] == 4 and r["output_tokens"] == 160 and r["preempted"] > 0
+    text = (tmp_path / "serve.md").read_text()
+    assert "admission grow" in text and "| preempted |" in text
+
+
 def test_random_fill_and_decode_priority(tmp_path):
     """Prompts' KV as random keys and values (no model prefill), labelled as such; decode-phase tokens/s reported."""
     assert main(["--model", "shape:tiny", "--device", "cpu", "--methods", "dense", "quest", "--budget", "32",

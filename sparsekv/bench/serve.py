@@ -524,6 +524,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("peak RSS GiB", "peak_rss_gib", "{:.1f}")]
     if meta.get("prefix_cache_gib"):
         columns.append(("prefix tokens reused", "prefix_reused", "{}"))
+    if meta.get("admission") == "grow":
+        columns.append(("preempted", "preempted", "{}"))
     kv = meta["kv_memory_bytes"]
     kv = ("the pool's (dense and Quest: shared pages, as many as the device leaves; other methods: max batch rows "
           "of max context)" if kv is None else f"{kv / GIB:.3g} GiB")
@@ -540,11 +542,13 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     shared = (f"; every prompt begins with the same {meta['shared_prefix']} tokens" if meta.get("shared_prefix")
               else "")
     cached = f"; a prefix cache of {meta['prefix_cache_gib']:g} GiB" if meta.get("prefix_cache_gib") else ""
+    grow = (", admission grow (dense and Quest take pages as they grow, the newest request preempted and recomputed "
+            "where they run out)" if meta.get("admission") == "grow" else "")
     lines = [f"# Serving under load ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
              f"{meta['requests']} requests, {load}; prompts of {meta['prompt_len'][0]}-{meta['prompt_len'][1]} "
              f"tokens{shared}, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens{cached}; max context "
              f"{meta['max_context']}; max batch "
-             f"{meta['max_batch']}{' (or the most the device holds)' if meta['fit'] else ''}, KV memory {kv}"
+             f"{meta['max_batch']}{' (or the most the device holds)' if meta['fit'] else ''}, KV memory {kv}{grow}"
              f"{'; --capacity: runs stop once memory keeps requests waiting' if meta['capacity'] else ''}; "
              f"prefill {prefill}{fill}{window}. "
              f"via engine: the engine stepped in the bench's thread; via http: the server in this process, the "
@@ -780,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
             "device_name": device_name(device), "torch": torch.__version__, "requests": args.requests,
             "rate": args.rate, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
             "output_len": args.output_len, "max_batch": args.max_batch, "max_context": max_context,
-            "kv_memory_bytes": kv_memory,
+            "kv_memory_bytes": kv_memory, "admission": args.admission,
             "fill": args.fill, "duration": args.duration,
             "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk, "fill_chunk": args.fill_chunk,
             "capacity": args.capacity, "fit": args.fit or args.capacity, "out_of_memory": [],
@@ -836,18 +840,20 @@ def main(argv: list[str] | None = None) -> int:
                 engine = make(run.config, batch)
                 if args.warmup:
                     warm_up(engine, batch, model.config.vocab_size, max(len(w.prompt) for w in work))
-                reused = engine.metrics()["prefix_tokens_reused"]  # the warm-up's
+                before = engine.metrics()  # the warm-up's counts
                 trace = (run_engine(engine, work, args.concurrency, args.capacity, args.duration)
                          if via == "engine" else run_http(engine, tokenizer, work, args.concurrency, args.capacity))
                 # The pool's own choice where the config left it open (OmniKV's device layers).
                 device_layers = getattr(engine.runner.config, "device_layers", None)
                 capacity = engine.kv_memory_bytes / GIB
-                reused = engine.metrics()["prefix_tokens_reused"] - reused
+                after = engine.metrics()
+                reused = after["prefix_tokens_reused"] - before["prefix_tokens_reused"]
+                preempted = after["preempted"] - before["preempted"]
                 del engine
                 peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
                 row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,
                        "fill": args.fill, "max_batch": batch, "device_layers": device_layers, **summarize(trace),
-                       "prefix_reused": reused, "kv_capacity_gib": capacity,
+                       "prefix_reused": reused, "preempted": preempted, "kv_capacity_gib": capacity,
                        "peak_device_gib": peak,
                        "series": trace.samples}
             except torch.OutOfMemoryError:

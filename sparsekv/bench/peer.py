@@ -233,9 +233,9 @@ def peer_rows(peer: str, kind: str, options: list[str], timeout_s: float = 900) 
         return json.loads(result.read_text())
 
 
-# Device memory a finished peer may still hold when its process has exited: its engine's worker processes tear
-# down after the parent (vLLM's EngineCore took seconds on the H200), and ours, timed meanwhile, shared the GPU
-# with them (a 32K prefill measured 1.88 s there, 1.32 s alone).
+# What a finished peer may leave held on the device and still be taken as gone: ours is timed only once the peer's
+# engine (vLLM's EngineCore runs in a process of its own) has given its memory back, so that no run shares the GPU
+# with it. On the H200 the memory was back as the peer exited.
 SETTLE_SLACK_BYTES = 2 << 30
 
 

@@ -368,7 +368,8 @@ def cmd_serve(args) -> int:
                            max_context=args.max_context, max_new_tokens=args.max_new_tokens,
                            prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
                            max_queue=args.max_queue, compile=args.compile, kv_memory_bytes=kv_memory,
-                           prefix_cache_bytes=int(args.prefix_cache_gib * 2**30), admission=args.admission)
+                           prefix_cache_bytes=int(args.prefix_cache_gib * 2**30), admission=args.admission,
+                           gpu_memory_utilization=args.gpu_memory_utilization)
     name = args.name or served_name(args.model)
 
     def ready(port: int) -> None:
@@ -484,7 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "quest): when its prompt's does, its pages taken as it grows, the newest request preempted "
                           "and later recomputed where they run out")
     srv.add_argument("--kv-memory-gib", type=float, default=None,
-                     help="device memory for the KV cache of all requests (default: the engine's own)")
+                     help="device memory for the KV cache of all requests (default: what --gpu-memory-utilization "
+                          "leaves, at most the rows' own)")
+    srv.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                     help="share of the GPU's total memory the server may take: weights, KV and the steps' memory, "
+                          "measured by a profile step at start (as vLLM's option)")
     srv.add_argument("--prefix-cache-gib", type=float, default=0.0,
                      help="device memory for finished prompts' KV (and ended answers'), kept so that a prompt that "
                           "begins with the same tokens (a conversation's next turn, another question on one "

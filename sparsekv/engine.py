@@ -302,13 +302,25 @@ class TextStream:
         self.callback([row.push(tokens) for row, tokens in zip(self.rows, new)])
 
 
-def capture_graph(step: Step) -> Step:
-    """Captures ``step`` into a CUDA graph, replays it once (capture itself runs nothing) and returns the replay."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    return graph.replay
+class GraphCapture:
+    """Captures decode steps into CUDA graphs that share one memory pool: a call runs ``step`` once under capture,
+    replays it once (capture itself runs nothing) and returns the replay. A graph keeps the device memory of its
+    step's intermediates for as long as it lives; a server captures a step per batch size and sampling mode, and with
+    a pool each, their intermediates would add up (one pool: the largest step's). Sharing is safe because steps run
+    one at a time on one stream and keep nothing allocated under capture: what a step leaves for later (tokens,
+    counters, method state) lives in tensors made before its capture."""
+
+    def __init__(self):
+        self.pool = None
+
+    def __call__(self, step: Step) -> Step:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            step()
+        if self.pool is None:
+            self.pool = graph.pool()
+        graph.replay()
+        return graph.replay
 
 
 class CapturedStep:
@@ -391,7 +403,7 @@ class Engine:
                 cuda_graph)
         # How a decode step is captured: a function that runs the step once and returns its replay (tests put a
         # CPU emulation of a CUDA graph here).
-        self.capture: Callable[[Step], Step] | None = capture_graph if use_graph else None
+        self.capture: Callable[[Step], Step] | None = GraphCapture() if use_graph else None
         self.check_every = check_every
         self.parts = Parts.make(compile)
 

@@ -8,6 +8,11 @@ produced (an op's output that aliases its input, a view or an in-place op, needs
 state in Python, reads a tensor on the host, or replaces a tensor instead of updating it in place goes wrong on
 replay exactly as it would on the GPU. Host reads (``.item()``, ``.tolist()``, ``bool(t)``) and ops whose output
 shape depends on data raise at once, as capture would.
+
+The steps' graphs share one memory pool (``engine.GraphCapture``), so what a step allocates is another graph's
+scratch once it ends: the emulation fills every tensor the step allocated with garbage after each run (NaN,
+the dtype's largest int, negated bools). A step, or a host read after it, that reads what an earlier step left
+in such a tensor instead of in one made before capture goes wrong here as it could on the GPU.
 """
 
 from __future__ import annotations
@@ -39,11 +44,25 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _scramble(recorder: _Recorder) -> None:
+    """Fills the tensors the recorded step allocated with garbage."""
+    with torch.no_grad():
+        for *_, recorded in recorder.ops:
+            for t in recorded:
+                if t.dtype == torch.bool:
+                    t.logical_not_()
+                elif t.is_floating_point() or t.is_complex():
+                    t.fill_(float("nan"))
+                else:
+                    t.fill_(torch.iinfo(t.dtype).max)
+
+
 def emulated_graph(step):
-    """Records ``step`` (running it once) and returns its replay, with the semantics of ``engine.capture_graph``."""
+    """Records ``step`` (running it once) and returns its replay, with the semantics of ``engine.GraphCapture``."""
     recorder = _Recorder()
     with recorder:
         step()
+    _scramble(recorder)
 
     def replay() -> None:
         with torch.no_grad():
@@ -54,5 +73,6 @@ def emulated_graph(step):
                     fresh = [o for o, r in zip(outs, func._schema.returns) if r.alias_info is None]
                     for dst, src in zip(recorded, fresh):
                         dst.copy_(src)
+        _scramble(recorder)
 
     return replay

@@ -330,8 +330,8 @@ def test_cuda_graph_replays_the_eager_tokens(name, kv_dtype):
     engine = Engine(model, config, max_batch=2, max_context=512, prefill_chunk=64, cuda_graph=False)
     penalized = PENALIZED["presence and bias"]
     eager = [engine.generate(rows, 40, stop_tokens=(), sampling=s) for s in (None, penalized)]
-    assert Engine(model, config).capture is engine_module.capture_graph  # the default on CUDA
-    engine.capture = engine_module.capture_graph
+    assert isinstance(Engine(model, config).capture, engine_module.GraphCapture)  # the default on CUDA
+    engine.capture = engine_module.GraphCapture()
     captured = [engine.generate(rows, 40, stop_tokens=(), sampling=s) for s in (None, penalized)]
     for want, got in zip(eager, captured):
         assert got.captured and got.tokens == want.tokens
@@ -355,7 +355,7 @@ def test_lowbit_on_the_cuda_kernel_replays_the_eager_tokens(heads, kv_heads):
             args["q"], args["kmin"], args["codes"], args["bits"])) if name == "lowbit_select" else None):
         eager = engine.generate(rows, 40, stop_tokens=())
     assert calls and all(calls)
-    engine.capture = engine_module.capture_graph
+    engine.capture = engine_module.GraphCapture()
     captured = engine.generate(rows, 40, stop_tokens=())
     assert captured.captured and captured.tokens == eager.tokens
     assert captured.stats == pytest.approx(eager.stats)

@@ -217,7 +217,7 @@ def test_offloaded_rows_sized_by_new_tokens_give_the_alone_tokens(model):
 
 def test_the_pool_keeps_on_the_device_the_offloaded_layers_its_free_memory_holds(model, monkeypatch):
     """OmniKV with offload and device_layers=None: the pool keeps a sparse layer on the device when its rows fit the
-    free memory with the steps' margin to spare, and offloads it when they do not; with the device's memory unknown
+    device budget (``runner.device_budget``), and offloads it when they do not; with the device's memory unknown
     (here, the CPU) it offloads. The tokens are the alone-tokens either way."""
     from sparsekv.serve import runner
 
@@ -226,15 +226,17 @@ def test_the_pool_keeps_on_the_device_the_offloaded_layers_its_free_memory_holds
     expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new, _ in PLAN]
     requests = [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new, _ in PLAN]
     offloaded = {}
-    for free in (None, runner.DEVICE_MARGIN + 10_000_000, runner.DEVICE_MARGIN):
-        monkeypatch.setattr(runner, "available_device_bytes", lambda device, free=free: free)
-        engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+    for free in (None, 10_000_000, 500_000):
+        monkeypatch.setattr(runner, "device_budget", lambda device, utilization, profile, free=free: free)
+        # The offloaded layer's rows hold 16 decode tokens on the device, against CONTEXT on the device layer's.
+        engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
+                               max_new_tokens=16)
         offloaded[free] = engine.runner.method.offloaded
         assert engine.runner.config.device_layers == 1 - len(offloaded[free])
         assert (engine.runner.host_bytes() > 0) == bool(offloaded[free])
         tokens, _ = run(engine, requests)
         assert [tokens[i] for i in range(len(PLAN))] == expected
-    assert offloaded == {None: {1}, runner.DEVICE_MARGIN + 10_000_000: set(), runner.DEVICE_MARGIN: {1}}
+    assert offloaded == {None: {1}, 10_000_000: set(), 500_000: {1}}
 
 
 def test_a_pool_whose_host_store_does_not_fit_is_refused_before_allocating(model, monkeypatch):
@@ -257,6 +259,13 @@ def test_bad_max_new_tokens_is_refused(model, value):
     with pytest.raises(ConfigError, match="max_new_tokens must be None"):
         ServingEngine(model, CONFIGS["dense"], max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
                       max_new_tokens=value)
+
+
+@pytest.mark.parametrize("value", [0, 1.5, -0.1, True, float("nan"), "0.9"])
+def test_bad_gpu_memory_utilization_is_refused(model, value):
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be a number in \(0, 1\]"):
+        ServingEngine(model, CONFIGS["dense"], max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
+                      gpu_memory_utilization=value)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -730,26 +739,29 @@ def test_queue_full_and_requests_that_never_fit(model):
 def test_a_pool_that_does_not_fit_the_device_is_refused_before_allocating(model, monkeypatch):
     from sparsekv.serve import runner
 
-    monkeypatch.setattr(runner, "available_device_bytes", lambda device: 100_000)
-    with pytest.raises(ValueError, match=r"max_batch and max_context must be small enough that the pool of rows"):
-        ServingEngine(model, CONFIGS["raas"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
-    monkeypatch.setattr(runner, "available_device_bytes", lambda device: 10_000_000)
+    monkeypatch.setattr(runner, "device_budget", lambda device, utilization, profile: 100_000)
+    with pytest.raises(ValueError, match=r"max_batch and max_context must be small enough that the pool of rows.* "
+                                         r"fit in the 0.00 GiB that gpu_memory_utilization \(0.5\) leaves"):
+        ServingEngine(model, CONFIGS["raas"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK,
+                      gpu_memory_utilization=0.5)
+    monkeypatch.setattr(runner, "device_budget", lambda device, utilization, profile: 10_000_000)
     ServingEngine(model, CONFIGS["raas"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
 
 
 def test_shared_pages_take_the_memory_the_rows_leave(model, monkeypatch):
-    """Dense and Quest keep their rows' keys and values in shared pages: as many as the device's free memory
-    leaves beside the rows, one prompt's prefill and the steps' margin, at most every row's; none left is refused."""
+    """Dense and Quest keep their rows' keys and values in shared pages: as many as the device budget
+    (``runner.device_budget``) leaves beside the rows and one prompt's prefill, at most every row's; none left is
+    refused."""
     from sparsekv.serve import runner
 
     def pool(free: int):
-        monkeypatch.setattr(runner, "available_device_bytes", lambda device: free)
+        monkeypatch.setattr(runner, "device_budget", lambda device, utilization, profile: free)
         return ServingEngine(model, CONFIGS["quest"], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
 
     rows = 4 * -(-CONTEXT // CONFIGS["quest"].page_size)
-    page = pool(runner.DEVICE_MARGIN + 10**9).runner.page_store_bytes
-    assert pool(runner.DEVICE_MARGIN + 10**9).runner.shared.pages == rows
-    least = runner.DEVICE_MARGIN  # the rows, the prefill and the margin: found page by page
+    page = pool(10**9).runner.page_store_bytes
+    assert pool(10**9).runner.shared.pages == rows
+    least = 0  # the rows and the prefill: found page by page
     while True:
         try:
             engine = pool(least)
@@ -838,6 +850,33 @@ def test_cuda_graphs_serve_the_eager_tokens(name, weights, rows):
         tokens.append(run(engine, requests, logprobs=logprobs[-1])[0])
         assert any(step.replay is not None for _, step in engine.runner.steps.values()) == (cuda_graph is None)
     assert tokens[0] == tokens[1] and logprobs[0] == logprobs[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["dense", "quest", "raas"])
+def test_the_process_stays_within_gpu_memory_utilization(name):
+    """On the GPU: a pool sized by gpu_memory_utilization to leave about 256 MiB of KV fits it, and the process's
+    peak device memory over a run (PyTorch's peak reserved memory plus what the process holds outside it), with the
+    profile step, every batch size's captured step and the prefills, stays within that share of the device, with
+    64 MiB to spare for what the allocator rounds."""
+    from sparsekv.bench.serve import device_memory
+
+    model = tiny_model("llama", seed=1, layers=3, dtype=torch.bfloat16).cuda()
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    free, total = torch.cuda.mem_get_info(device)
+    utilization = (total - free + (256 << 20)) / total
+    engine = ServingEngine(model, CONFIGS[name], max_batch=32, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           gpu_memory_utilization=utilization)
+    hot = Sampling(temperature=0.8, top_p=0.9, presence_penalty=0.5)
+    requests = [(i // 4, Request(prompt=prompt(20 + 3 * i), max_tokens=8 + i % 5, sampling=hot if i % 2 else
+                                 Sampling(), seed=i, logprobs=2 if i % 7 == 0 else None)) for i in range(48)]
+    run(engine, requests)
+    memory = device_memory(device, utilization)
+    assert engine.runner.profile_bytes > 0
+    assert memory["peak_device_gib"] * 2**30 <= utilization * total + (64 << 20), memory
 
 
 def test_requests_submitted_from_other_threads_while_stepping(model):
@@ -1033,15 +1072,46 @@ def grown(model, config, samplings, kv_tokens: int, cancel_preempted: int | None
 def test_requests_preempted_under_grow_give_their_alone_tokens(model, name):
     """Admission "grow" in 20 pages of 8 tokens: rows take pages as they reach them; where the store cannot give the
     running rows their next pages, the newest admitted request gives its own back, and later its prompt is
-    prefilled again and the tokens it drew replayed through the method. Every request gets its tokens alone, one
-    of them preempted twice; one cancelled while preempted ends "cancelled" with the tokens it had; every page
-    comes back."""
+    prefilled again and the tokens it drew replayed through the method (dense: prefilled with the prompt, no
+    decode step of its own). Every request gets its tokens alone, one of them preempted twice; one cancelled while
+    preempted ends "cancelled" with the tokens it had; every page comes back."""
+    from sparsekv.serve.runner import Runner
+
     config = CONFIGS[name]
     samplings = [Sampling()] * len(GROW_PLAN)
     alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
     expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new in GROW_PLAN]
-    tokens, final, preempted, engine = grown(model, config, samplings, 160)
+    replayed = []
+    start = Runner.start
+
+    def counted(runner, prompt, replay=()):
+        job = start(runner, prompt, replay)
+        decoder, inner = runner.decoder, job.passes
+        replayed.append(0)
+
+        class Counting:  # the decoder, its decode steps over the prefill's cache counted
+            def __call__(self, token, position, cache):
+                replayed[-1] += cache is job.cache
+                return decoder(token, position, cache)
+
+            def __getattr__(self, name):
+                return getattr(decoder, name)
+
+        def passes():
+            runner.decoder = Counting()
+            try:
+                return (yield from inner)
+            finally:
+                runner.decoder = decoder
+
+        job.passes = passes()
+        return job
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Runner, "start", counted)
+        tokens, final, preempted, engine = grown(model, config, samplings, 160)
     assert [tokens[i] for i in range(len(GROW_PLAN))] == expected
+    assert (sum(replayed) == 0) == (name == "dense")
     assert max(Counter(i for i, _ in preempted).values()) >= 2
     assert engine.metrics()["preempted"] == len(preempted)
     cancelled = next(i for i, _ in preempted if i not in (0, 1))

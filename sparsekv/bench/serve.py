@@ -21,8 +21,9 @@ from the given ranges, the same workload for every method. Per run: output token
 time to first token (submit to the first token) and time per output token ((last - first token) / (tokens - 1)) at
 p50/p90/p99, the decode step (median engine step without prefill work, engine runs) and the decode-phase output
 tokens/s (the tokens of those steps over their time: what the decode side sustains, prefill aside), the running and
-queued requests over time (the engine's metrics), the most requests running at once, peak device memory
-(``torch.cuda.max_memory_allocated``), peak host RSS and host KV (offload). ``--static`` also times the static
+queued requests over time (the engine's metrics), the most requests running at once, the steps' measured
+profile (``Runner.profile``), peak device memory (``device_memory``: PyTorch's peak reserved plus what the process
+holds outside it) against ``--gpu-memory-utilization`` of the device, peak host RSS and host KV (offload). ``--static`` also times the static
 engine's step (``sparsekv.engine.Engine``) at the run's median running batch, on prompts of the workload's lengths.
 ``--prefill-share S`` runs the engine with decode priority (``sparsekv.serve.PrefillPacer``). ``--fill random``
 fills each prompt's KV with random keys and values (``bench.e2e.random_passes``) instead of running the model's
@@ -420,7 +421,8 @@ def run_memory(runs, config, dtype: torch.dtype, args, max_context: int, device:
     ``config``), by part, as the runner sizes it (``pool_parts`` of the config it takes where it cannot see the
     device's free memory, the one that keeps the least there): max batch rows (``--fit`` on a GPU: one row, then
     the search), in shared pages with every row's pages on a CPU, ``--kv-memory-gib`` of them where given, on a GPU
-    without it as many as the free memory leaves beside ``DEVICE_MARGIN``; one prompt's prefill; the rows' sampling
+    without it as many as the free memory leaves beside ``DEVICE_MARGIN`` (an estimate of the steps' profile, which
+    the runner measures); one prompt's prefill; the rows' sampling
     state and the prefix cache (``Runner``'s ``others``); on a CPU the host store of offloaded layers too."""
     layers, vocab = config.num_hidden_layers, config.vocab_size
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -445,6 +447,20 @@ def run_memory(runs, config, dtype: torch.dtype, args, max_context: int, device:
     return worst
 
 
+def device_memory(device: torch.device, utilization: float) -> dict:
+    """This process's peak device memory in GiB (PyTorch's peak reserved memory plus what the process holds outside
+    PyTorch's allocator now: the CUDA context, libraries' workspaces; the device's memory in use less PyTorch's
+    reserved, other processes being counted there too) and the budget ``utilization`` gives it, and the peak's share
+    of that budget; Nones off CUDA."""
+    if device.type != "cuda":
+        return {"peak_device_gib": None, "device_budget_gib": None, "peak_vs_budget": None}
+    free, total = torch.cuda.mem_get_info(device)
+    outside = total - free - torch.cuda.memory_reserved(device)
+    peak = (torch.cuda.max_memory_reserved(device) + outside) / GIB
+    budget = utilization * total / GIB
+    return {"peak_device_gib": peak, "device_budget_gib": budget, "peak_vs_budget": peak / budget}
+
+
 def _too_big(args, problem: str) -> int:
     return refuse("sparsekv.bench.serve", f"--model {args.model} with --max-batch {args.max_batch} and requests of "
                   f"up to {args.prompt_len[1]} + {args.output_len[1]} tokens {problem}; use a smaller --model (e.g. "
@@ -457,13 +473,14 @@ def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_ne
     """The planner's rows (no device used) of a pool of ``config``'s method for requests of ``max_context`` tokens,
     at most ``max_new_tokens`` new, by the runner's own accounting: a device row is ``runner.pool_row_bytes`` of
     ``Method.pool_pages`` (in shared pages, a request's pages of ``max_context`` tokens and its row's page table,
-    with the steps' ``DEVICE_MARGIN`` left free, as the runner sizes its shared pages); the rows and one prompt's
+    with ``DEVICE_MARGIN`` left free for the steps, an estimate of the profile the runner measures); the rows and one
+    prompt's
     prefill (``runner.prefill_bytes``) must fit ``device_bytes`` less the weights (the runner's check before it
     allocates); a host row
     is ``Method.pool_host_tokens``, and the pool's host store plus one prompt's own store while it is prefilled must
     fit ``host_bytes``. Of the configs the method leaves open
     (``Method.pool_configs``: OmniKV's device layers) the one with the most rows, the first of equals; the runner
-    takes it for that many rows (the first whose rows fit the device with ``DEVICE_MARGIN`` to spare). The method's
+    takes it for that many rows (the first whose rows fit its device budget, ``runner.device_budget``). The method's
     other per-row state (OmniKV's fetch buffer: its budget times the offloaded layers' token bytes) and the
     activations are not counted."""
     _, kv_heads, head_dim = shape.attention
@@ -518,7 +535,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("median running", "median_running", "{:.0f}"),
                ("vs dense tok/s", "vs_dense", "{:.2f}x"), ("vs dense decode", "decode_vs_dense", "{:.2f}x"),
                *([(f"vs {meta['peer']['peer']} tok/s", "vs_peer", "{:.2f}x")] if meta.get("peer") else []),
-               ("peak device GiB", "peak_device_gib", "{:.1f}"),
+               ("profile GiB", "profile_gib", "{:.2f}"), ("peak device GiB", "peak_device_gib", "{:.1f}"),
+               ("device budget GiB", "device_budget_gib", "{:.1f}"), ("peak / budget", "peak_vs_budget", "{:.2f}"),
                ("KV capacity GiB", "kv_capacity_gib", "{:.2f}"), ("peak KV GiB", "peak_kv_gib", "{:.2f}"),
                ("host KV GiB", "peak_host_kv_gib", "{:.2f}"),
                ("peak RSS GiB", "peak_rss_gib", "{:.1f}")]
@@ -527,8 +545,10 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     if meta.get("admission") == "grow":
         columns.append(("preempted", "preempted", "{}"))
     kv = meta["kv_memory_bytes"]
-    kv = ("the pool's (dense and Quest: shared pages, as many as the device leaves; other methods: max batch rows "
-          "of max context)" if kv is None else f"{kv / GIB:.3g} GiB")
+    utilization = meta.get("gpu_memory_utilization")
+    leaves = "the device leaves" if utilization is None else f"--gpu-memory-utilization {utilization} leaves"
+    kv = (f"the pool's (dense and Quest: shared pages, as many as {leaves}, at most max batch rows of max context; "
+          f"other methods: max batch rows of max context)" if kv is None else f"{kv / GIB:.3g} GiB")
     load = (f"{meta['concurrency']} clients at a time" if meta["concurrency"] else
             "all at once" if not math.isfinite(meta["rate"]) else f"Poisson arrivals at {meta['rate']} requests/s")
     share = meta["prefill_share"]
@@ -629,6 +649,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "still runs about --prefill-chunk tokens through every layer, in fewer passes")
     parser.add_argument("--kv-memory-gib", type=float, default=None,
                         help="KV memory admission may fill (default: the engine's pool)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of the GPU's total memory each engine may take, weights, pool and the steps' "
+                             "profile included (sparsekv.serve.ServingEngine)")
     parser.add_argument("--fit", action="store_true",
                         help="lower each method's max batch to the largest pool the device holds (CUDA)")
     parser.add_argument("--capacity", action="store_true",
@@ -785,6 +808,7 @@ def main(argv: list[str] | None = None) -> int:
             "rate": args.rate, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
             "output_len": args.output_len, "max_batch": args.max_batch, "max_context": max_context,
             "kv_memory_bytes": kv_memory, "admission": args.admission,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
             "fill": args.fill, "duration": args.duration,
             "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk, "fill_chunk": args.fill_chunk,
             "capacity": args.capacity, "fit": args.fit or args.capacity, "out_of_memory": [],
@@ -814,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
                              max_queue=args.requests, compile=args.compile, kv_memory_bytes=kv_memory,
                              prefill=fill_passes(args.fill_chunk) if args.fill == "random" else prefill_passes,
                              max_new_tokens=args.max_new_tokens, prefix_cache_bytes=int(args.prefix_cache_gib * GIB),
-                             admission=args.admission)
+                             admission=args.admission, gpu_memory_utilization=args.gpu_memory_utilization)
 
     def probe(config, batch: int) -> None:
         """An engine of ``batch`` rows runs one request of a prefill chunk and two tokens."""
@@ -849,13 +873,13 @@ def main(argv: list[str] | None = None) -> int:
                 after = engine.metrics()
                 reused = after["prefix_tokens_reused"] - before["prefix_tokens_reused"]
                 preempted = after["preempted"] - before["preempted"]
+                memory = device_memory(device, args.gpu_memory_utilization)
+                profile = engine.runner.profile_bytes / GIB if device.type == "cuda" else None
                 del engine
-                peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
                 row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,
                        "fill": args.fill, "max_batch": batch, "device_layers": device_layers, **summarize(trace),
                        "prefix_reused": reused, "preempted": preempted, "kv_capacity_gib": capacity,
-                       "peak_device_gib": peak,
-                       "series": trace.samples}
+                       "profile_gib": profile, **memory, "series": trace.samples}
             except torch.OutOfMemoryError:
                 meta["out_of_memory"].append(label)
                 print(f"{label:>32}: out of device memory", flush=True)

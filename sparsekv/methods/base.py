@@ -16,8 +16,8 @@ import torch
 from ..cache import AppendPlan, PagedLayer, check_kv_dtype, check_page_size
 from ..errors import ConfigError
 
-# Bytes of device memory left free where a method or a pool places KV by the device's free memory: the decode steps'
-# activations and buffers.
+# Bytes of device memory left free for the steps' activations and buffers where KV is placed by an estimate, not a
+# measured profile: the engine's OmniKV placing its layers, the serving benchmarks' planner and pre-checks.
 DEVICE_MARGIN = 4 << 30
 
 
@@ -111,10 +111,14 @@ class Method:
     ``shared_pages``: the method reads and writes keys and values only through ``PagedLayer.attend`` and the
     cache's append, and holds every page of a row to its end, so that a serving pool keeps its rows' keys and
     values in shared pages, each row holding its own request's (``cache.SharedPages``).
+    ``decodes_as_prompt``: its decode step attends what a prompt pass over the same tokens attends (every earlier
+    token), so that the keys and values of a preempted request's drawn tokens come back from one prompt pass over
+    its prompt and them (``serve.Runner.start``) rather than a decode step per token.
     """
 
     max_pages: int | None = None
     shared_pages: bool = False
+    decodes_as_prompt: bool = False
     prefix_reuse: bool = False
     answer_reuse: bool = False
     accepts_chunks: bool = True

@@ -17,7 +17,7 @@ class DenseConfig(MethodConfig):
 
 
 class Dense(Method):
-    prefix_reuse = answer_reuse = shared_pages = True
+    prefix_reuse = answer_reuse = shared_pages = decodes_as_prompt = True
 
     def select(self, layer_idx, q, layer, seq_len):
         return all_slots(layer)

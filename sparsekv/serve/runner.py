@@ -7,7 +7,7 @@ A pool, as data::
     the rows' pages (keys, values, bounds) in one store, ``cache.SharedPages``, a request taking the pages of its
     prompt when its prefill starts and those of its max_tokens when it joins, and giving them back when it ends,
     so that the store, sized by
-    kv_memory_bytes or the device's free memory, holds as many requests as their own lengths allow)
+    kv_memory_bytes or what gpu_memory_utilization leaves, holds as many requests as their own lengths allow)
     + the method's state for those rows + per-row next token, sampling, seed, token index, and the penalties'
     state (each row's count of every token drawn, its logit bias and its prompt's tokens: ``engine.penalize``)
     running rows packed low: rows [0, n) run, n = the running requests; a request that ends gives its row to the
@@ -42,15 +42,15 @@ from .. import parallel
 from ..cache import PagedKVCache, PagedLayer, SharedPages, device_tensor, storage_dtype
 from ..cache.host_store import require_host_bytes
 from ..engine import (CapturedStep, Engine, Sampling, _is_count, argmax, counter_noise, draw, penalize,
-                      prefill_passes, token_logprobs, token_set)
+                      prefill_passes, run_passes, token_logprobs, token_set)
 from ..integrations import apply
 from ..integrations.decode import DecodeModel
 from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
-from ..methods.base import DEVICE_MARGIN, Method, require
+from ..methods.base import Method, is_real, require
 
 log = logging.getLogger("sparsekv.serve")
 
-# The field a pool that the device's free memory cannot hold is refused under (benchmarks search the largest pool).
+# The field a pool that the device budget cannot hold is refused under (benchmarks search the largest pool).
 POOL_FIELD = "max_batch and max_context"
 # How many of the likeliest tokens a request may have listed with each new token (OpenAI's limit for chat).
 TOP_LOGPROBS = 20
@@ -107,9 +107,28 @@ def prefill_bytes(method, max_context: int, token_bytes: int, kv_heads: int, hea
     return method.prefill_device_tokens(max_context) * token_bytes
 
 
-def available_device_bytes(device: torch.device) -> int | None:
-    """Free memory of a CUDA device, None elsewhere (host memory is not checked)."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+def device_budget(device: torch.device, utilization: float, profile: int) -> int | None:
+    """On a CUDA device, the bytes this process may still allocate for its pool: ``utilization`` of the device's
+    total memory, less what is in use on it now (the weights, the CUDA context, other processes) and ``profile``
+    (the steps' memory beyond the pool: ``Runner.profile``); None elsewhere (host memory is not checked)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(utilization * total) - (total - free) - profile
+
+
+def peak_bytes(device: torch.device, run: Callable[[], int]) -> int:
+    """Device memory ``run`` takes at its peak beyond what was reserved before it (PyTorch's reserved memory, which
+    counts the allocator's rounding), less the bytes it returns (what it made that the pool holds instead)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_reserved(device)
+    kept = run()
+    torch.cuda.synchronize(device)
+    used = torch.cuda.max_memory_reserved(device) - before - kept
+    torch.cuda.empty_cache()
+    return max(used, 0)
 
 
 @dataclass(frozen=True)
@@ -217,14 +236,16 @@ class Runner:
     device memory for finished prompts' caches kept for prompts that begin like them (``PrefixCache``; 0: none),
     for methods whose prompt pages can start another prompt (``Method.prefix_reuse``). ``kv_memory_bytes``: the KV
     memory requests may hold at once (``ServingEngine``), which sizes the shared pages where the rows keep theirs
-    there (None: the device's free memory less the rows, one prompt's prefill and ``DEVICE_MARGIN``). ``grow``: in
-    shared pages a row takes the pages of its new tokens as it reaches them (``growth``, ``grow``), not all of its
-    max_tokens' when it joins."""
+    there (None: what ``gpu_memory_utilization`` leaves, ``device_budget``, after the rows and one prompt's
+    prefill). ``gpu_memory_utilization``: on a CUDA device, the share of its total memory the process may take, the
+    weights, the pool and the steps' memory (``profile``, measured before the pool is made) included; a pool that
+    does not fit it is refused. ``grow``: in shared pages a row takes the pages of its new tokens as it reaches them
+    (``growth``, ``grow``), not all of its max_tokens' when it joins."""
 
     def __init__(self, model, config, *, max_batch: int, max_context: int | None, prefill_chunk: int,
                  cuda_graph: bool | None, compile: bool, passes: Callable = prefill_passes,
                  max_new_tokens: int | None = None, prefix_cache_bytes: int = 0, kv_memory_bytes: int | None = None,
-                 grow: bool = False):
+                 gpu_memory_utilization: float = 0.9, grow: bool = False):
         self.engine = Engine(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
         self.max_batch, self.max_context = max_batch, self.engine.max_context
@@ -246,22 +267,27 @@ class Runner:
         # of every token drawn and its logit bias, float32, and its prompt's tokens, bool: ``penalize``), and the
         # prefix cache.
         others = max_batch * 9 * self.vocab_size + prefix_cache_bytes
-        free = available_device_bytes(self.device)
+        require(is_real(gpu_memory_utilization) and 0 < gpu_memory_utilization <= 1, "gpu_memory_utilization",
+                "a number in (0, 1]", gpu_memory_utilization)
+        self.model, self.passes = model, passes
+        self.window = _sliding_window(model.config)
+        self.decoder = DecodeModel(model, self.engine.parts)
+        self.profile_bytes = self.profile(config, prefill_chunk, max_batch) if self.device.type == "cuda" else 0
+        budget = device_budget(self.device, gpu_memory_utilization, self.profile_bytes)
 
         def pool_bytes(method) -> int:
             return max_batch * pool_row_bytes(method, method.pool_pages(max_context, self.max_new_tokens),
                                               self.token_bytes, self.page_bytes, kv_heads, attn.head_dim)
 
-        # Of the configs the method leaves open (OmniKV's device layers), the first whose rows leave room for the
-        # steps; with the device's memory unknown, the last, which keeps the least there.
+        # Of the configs the method leaves open (OmniKV's device layers), the first whose rows fit; with the device's
+        # memory unknown, the last, which keeps the least there.
         choices = [c.build(self.num_layers) for c in config.build(self.num_layers).pool_configs()]
 
         def beside_bytes(method) -> int:
             return prefill_bytes(method, max_context, self.token_bytes, kv_heads, attn.head_dim, dtype) + others
 
-        self.method = choices[-1] if free is None else next(
-            (m for m in choices if pool_bytes(m) + beside_bytes(m) + DEVICE_MARGIN * (m is not choices[-1]) <= free),
-            choices[-1])
+        self.method = choices[-1] if budget is None else next(
+            (m for m in choices if pool_bytes(m) + beside_bytes(m) <= budget), choices[-1])
         self.config = self.method.config
         beside = beside_bytes(self.method)
         need = pool_bytes(self.method)
@@ -276,32 +302,28 @@ class Runner:
                 f"None (the pool's size) or an int >= {least} (the KV of the smallest request)", kv_memory_bytes)
         store_pages = 0
         if self.page_store_bytes:
-            # The shared pages: as many as kv_memory_bytes holds, else as the device's free memory leaves beside the
-            # rows and the steps' margin (on a CPU, every row's pages), at most every row's.
+            # The shared pages: as many as kv_memory_bytes holds, else as the device budget leaves beside the rows
+            # (on a CPU, every row's pages), at most every row's.
             most = max_batch * slots[0]
             room = kv_memory_bytes if kv_memory_bytes is not None else \
-                most * self.page_store_bytes if free is None else free - need - beside - DEVICE_MARGIN
+                most * self.page_store_bytes if budget is None else budget - need - beside
             store_pages = min(most, max(room // self.page_store_bytes, 0))
             require(store_pages >= 1, POOL_FIELD,
                     f"small enough that the rows ({need / 2**30:.2f} GiB) and one prompt's prefill, the rows' "
                     f"sampling state and the prefix cache ({beside / 2**30:.2f} GiB) leave room for a page of KV "
-                    f"({self.page_store_bytes / 2**20:.1f} MiB) and {DEVICE_MARGIN / 2**30:.0f} GiB for the steps "
-                    f"on the device's free {(free or 0) / 2**30:.2f} GiB", (max_batch, max_context))
+                    f"({self.page_store_bytes / 2**20:.1f} MiB) {_in_budget(budget, gpu_memory_utilization)}",
+                    (max_batch, max_context))
             need += store_pages * self.page_store_bytes
-        require(free is None or need + beside <= free, POOL_FIELD,
+        require(budget is None or need + beside <= budget, POOL_FIELD,
                 f"small enough that the pool of rows ({need / 2**30:.2f} GiB), and one prompt's prefill, the "
-                f"rows' sampling state and the prefix cache ({beside / 2**30:.2f} GiB) fit the device's free "
-                f"{(free or 0) / 2**30:.2f} GiB",
-                (max_batch, max_context))
+                f"rows' sampling state and the prefix cache ({beside / 2**30:.2f} GiB) fit "
+                f"{_in_budget(budget, gpu_memory_utilization)}", (max_batch, max_context))
         # The pool's host store, and one prompt's own store while it is prefilled, must fit before any is taken.
         require_host_bytes((max_batch + 1) * self.method.pool_host_tokens(max_context) * self.token_bytes,
                            f"max_batch: the host store of {max_batch} rows and one prompt's own store need",
                            "use a smaller max_batch or max_context")
-        self.model, self.passes = model, passes
         # About one chunk of the prompt through every layer per call of ``prefill``.
         self.prefill_budget = prefill_chunk * self.num_layers
-        self.window = _sliding_window(model.config)
-        self.decoder = DecodeModel(model, self.engine.parts)
         self.method.tp_group = self.tp_group
         self.pool = SparseKVCache(self.method, DecodeStats(tp_group=self.tp_group), self.window)
         pages = self.pool.pages
@@ -353,6 +375,36 @@ class Runner:
         self.steps: dict[tuple[int, bool, bool, bool, int, int | None], tuple[SparseKVCache, CapturedStep]] = {}
         self.in_flight: Launched | None = None  # the step ``launch`` queued, until ``collect``
 
+    def profile(self, config, chunk: int, rows: int) -> int:
+        """Device bytes the steps take beside the pool, measured (``peak_bytes``): the activations of a prompt pass of
+        ``chunk`` random tokens through every layer of ``config``'s method (its cache of one row not counted: the
+        pool holds a prompt's keys and values), plus a decode step's logits, sampling, penalties and
+        log-probabilities over ``rows`` rows, apart because captured steps keep theirs in the graphs' memory pool
+        (``engine.GraphCapture``)."""
+        device, vocab = self.device, self.vocab_size
+
+        def prompt_pass() -> int:
+            method = config.build(self.num_layers)
+            method.tp_group = self.tp_group
+            cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
+            cache.pages.planned_tokens = method.planned_tokens([chunk], chunk)
+            ids = torch.randint(vocab, (1, chunk), device=device)
+            with apply(self.model, method.config), torch.no_grad():
+                run_passes(prefill_passes(self.model, cache, ids, None, chunk, layers=self.decoder))
+            return cache.pages.resident_bytes()
+
+        def decode_tail() -> int:
+            logits = torch.randn(rows, vocab, device=device)
+            row = torch.ones(rows, device=device)
+            zeros = torch.zeros_like(logits)
+            chosen = penalize(logits, zeros, zeros.bool(), row, row * 0.5, row * 0.5, zeros)
+            index = torch.arange(rows, device=device)
+            token = draw(chosen, row, index, row * 0.9, row * 0.1, counter_noise(index, index, vocab))
+            token_logprobs(logits, token, TOP_LOGPROBS)
+            return 0
+
+        return peak_bytes(device, prompt_pass) + peak_bytes(device, decode_tail)
+
     @property
     def free_rows(self) -> int:
         return self.max_batch - len(self.keys)
@@ -396,7 +448,8 @@ class Runner:
         """A prefill of ``prompt`` into a cache of one row, with a method of its own; ``replay``: tokens run after
         it, one decode step each, through the method as the pool's steps run them (a preempted request's tokens but
         its last: a prompt pass would attend them densely, so a sparse method would not find again the keys and
-        values it had). With a prefix cache, from the
+        values it had), or for a method whose decode step attends as a prompt pass (``Method.decodes_as_prompt``:
+        dense) in the prompt's passes. With a prefix cache, from the
         kept prompt that shares the most whole pages with its start (leaving at least the last pass's queries that
         the method reads, ``min_prompt_chunk``), looked up and copied at the first pass: prefills run one after
         another, so the prompts that end before it have been kept by then (requests on one document, arriving
@@ -407,7 +460,9 @@ class Runner:
         cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
         # Only the prompt (and the replay): the request decodes in its row of the pool.
         context = len(prompt) + len(replay)
-        cache.pages.planned_tokens = method.planned_tokens([len(prompt)], context)
+        passed = prompt + list(replay) if method.decodes_as_prompt else prompt
+        replay = replay[len(passed) - len(prompt):]
+        cache.pages.planned_tokens = method.planned_tokens([len(passed)], context)
         job = Prefill(cache, None, prompt)
 
         def passes() -> Generator[int, None, torch.Tensor]:
@@ -416,11 +471,11 @@ class Runner:
                 job.table.assign(0, self._pages(context))
                 cache.pages.layers = [layer.beside(job.table) for layer in self.pool.pages.layers]
             if self.prefixes is not None:
-                job.reused, source = self.prefixes.find(prompt, len(prompt) - method.min_prompt_chunk())
+                job.reused, source = self.prefixes.find(passed, len(passed) - method.min_prompt_chunk())
                 if source is not None:
                     cache.pages.seed(source, job.reused)
                     cache.columns = job.reused
-            ids = device_tensor(prompt[job.reused:], self.device).view(1, -1)
+            ids = device_tensor(passed[job.reused:], self.device).view(1, -1)
             logits = yield from self.passes(self.model, cache, ids, None, self.engine.prefill_chunk,
                                             start=job.reused, layers=self.decoder)
             if replay:
@@ -712,6 +767,12 @@ class Runner:
 
         self.steps[key] = cache, CapturedStep(step, cache, self.engine.capture)
         return self.steps[key]
+
+
+def _in_budget(budget: int | None, utilization: float) -> str:
+    """Where a pool must fit: the device budget (``device_budget``) of ``budget`` bytes."""
+    return (f"in the {(budget or 0) / 2**30:.2f} GiB that gpu_memory_utilization ({utilization}) leaves of the device "
+            f"after what is in use on it and the steps' profile")
 
 
 def _logprobs(logprob: float, top: list[float], ids: list[int], k: int) -> Logprobs:

@@ -173,7 +173,9 @@ class ServingEngine:
     priority (``PrefillPacer``): while requests decode, prefill takes at most about this share of the decode steps'
     time; max_queue: requests that may wait; cuda_graph, compile: as in ``Engine``; kv_memory_bytes: the KV memory
     requests may hold at once (default: what the runner's pool holds for ``max_batch`` rows; for methods whose rows
-    keep their keys and values in shared pages, the size of those pages, by default what the device leaves).
+    keep their keys and values in shared pages, the size of those pages, by default what the device leaves);
+    gpu_memory_utilization: on a CUDA device, the share of its total memory the process may take (weights, pool
+    and the steps' measured profile, ``Runner.profile``), as vLLM's option of that name.
     tokenizer: gives the default stop tokens. prefill: a prompt's prefill, ``engine.prefill_passes``'s signature
     (benchmarks give ``bench.e2e.random_passes``: random keys and values). prefix_cache_bytes: device memory for
     finished prompts' caches, which start the prompts that begin with the same tokens (``runner.PrefixCache``; 0:
@@ -187,7 +189,7 @@ class ServingEngine:
                  prefill_chunk: int = 4096, prefill_share: float | None = None, max_queue: int = 256,
                  cuda_graph: bool | None = None, compile: bool = False, kv_memory_bytes: int | None = None,
                  prefill: Callable = prefill_passes, max_new_tokens: int | None = None, prefix_cache_bytes: int = 0,
-                 admission: str = "reserve"):
+                 admission: str = "reserve", gpu_memory_utilization: float = 0.9):
         if not _is_count(max_queue, 1):
             raise ConfigError("max_queue", "an int >= 1", max_queue)
         require(admission in ADMISSIONS, "admission", " or ".join(map(repr, ADMISSIONS)), admission)
@@ -196,7 +198,8 @@ class ServingEngine:
         self.runner = Runner(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile, passes=prefill,
                              max_new_tokens=max_new_tokens, prefix_cache_bytes=prefix_cache_bytes,
-                             kv_memory_bytes=kv_memory_bytes, grow=admission == "grow")
+                             kv_memory_bytes=kv_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
+                             grow=admission == "grow")
         self.tokenizer, self.max_queue, self.kv_memory_bytes = tokenizer, max_queue, self.runner.kv_memory_bytes
         self._lock = threading.Lock()
         self._next_id = 0
@@ -477,7 +480,9 @@ class ServingEngine:
                     for live in pending:
                         self._prefilling.remove(live)
                 for live in list(pending):
-                    live.prefill, live.cached = None, job.reused
+                    live.prefill = None
+                    if not live.tokens:  # a request that comes back keeps the count of its first prefill
+                        live.cached = job.reused
                     request = live.request
                     if live.tokens:  # preempted: it goes on from its last token, drawn already
                         self.runner.join(live.id, job, live.tokens[-1], request.sampling, live.seed,

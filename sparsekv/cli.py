@@ -369,7 +369,7 @@ def cmd_serve(args) -> int:
                            prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
                            max_queue=args.max_queue, compile=args.compile, kv_memory_bytes=kv_memory,
                            prefix_cache_bytes=int(args.prefix_cache_gib * 2**30), admission=args.admission,
-                           gpu_memory_utilization=args.gpu_memory_utilization)
+                           gpu_memory_utilization=args.gpu_memory_utilization, step_tokens=args.step_tokens)
     name = args.name or served_name(args.model)
 
     def ready(port: int) -> None:
@@ -479,6 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "the decode steps' time (time per output token near (1 + share) x the step; a prompt that "
                           "arrives meanwhile waits about (1 + share) / share times its prefill); default: a chunk "
                           "per step")
+    srv.add_argument("--step-tokens", type=int, default=None,
+                     help="mixed steps (dense, quest): each step carries the running requests' decode tokens and the "
+                          "next prompt tokens, this many tokens in all (as vLLM's --max-num-batched-tokens); default: "
+                          "a prompt chunk of --prefill-chunk after each decode step")
     srv.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission (beyond: 429)")
     srv.add_argument("--admission", choices=ADMISSIONS, default="reserve",
                      help="reserve: a request is admitted when the KV of its prompt and max_tokens fits; grow (dense, "

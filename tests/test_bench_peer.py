@@ -23,14 +23,16 @@ class SamplingParams:
 
 class LLM:
     def __init__(self, model, load_format, skip_tokenizer_init, dtype, max_model_len, gpu_memory_utilization,
-                 enable_prefix_caching, seed, disable_log_stats, max_num_seqs=256):
+                 enable_prefix_caching, seed, disable_log_stats, max_num_seqs=256, kv_cache_memory_bytes=None):
         import json, pathlib
         config = json.loads((pathlib.Path(model) / "config.json").read_text())
         assert load_format == "dummy" and skip_tokenizer_init and not disable_log_stats
         assert config["max_position_embeddings"] == max_model_len
         self.llm_engine = types.SimpleNamespace(
             model_config=types.SimpleNamespace(get_vocab_size=lambda: config["vocab_size"]),
-            vllm_config=types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=max_num_seqs)))
+            vllm_config=types.SimpleNamespace(
+                scheduler_config=types.SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384),
+                cache_config=types.SimpleNamespace(kv_cache_memory_bytes=kv_cache_memory_bytes)))
 
     def generate(self, prompts, params, use_tqdm):
         assert len(prompts) == len(params)
@@ -94,6 +96,9 @@ def test_load_rows_come_back_from_the_child(fake_vllm):
                             timeout_s=120)
     (row,) = result["rows"]
     assert row["requests_done"] == 3 and row["output_tokens"] == 21 and row["max_batch"] == 4
+    assert row["step_tokens"] == 16384 and row["kv_capacity_gib"] is None
+    kept = peer.load_rows_of("vllm", "shape:tiny", [[1] * 100], [9], 4, 0, kv_cache_memory_bytes=2**30)
+    assert kept["rows"][0]["kv_capacity_gib"] == 1.0
     assert row["tpot_p50_ms"] == pytest.approx(2.0) and row["ttft_p50_ms"] == pytest.approx(15.0)
     assert row["output_tokens_per_s"] == pytest.approx(21 / row["duration_s"])
 

@@ -195,7 +195,7 @@ def test_warm_up_runs_the_longest_prompt_and_every_batch_size_twice():
     assert engine.metrics()["prefill_work"] >= 50 + 4 * 16  # the 50-token prompt through the layer, then the others'
     assert engine.metrics()["finished_requests"] == {"length": 5}
     runs = {}
-    for (n, *_), (_, step) in engine.runner.steps.items():
+    for (n, *_), (_, step, _) in engine.runner.steps.items():
         runs[n] = runs.get(n, 0) + step.runs
     assert sorted(runs) == [1, 2, 3, 4] and min(runs.values()) >= 2
 

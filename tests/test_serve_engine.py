@@ -280,7 +280,7 @@ def test_captured_steps_give_the_eager_tokens(model, name):
     replayed, _ = run(engine, requests)
     assert replayed == eager
     runs: dict[int, int] = {}  # per batch size, its most replayed step (a method may keep several: step_slots)
-    for (n, *_), (_, step) in engine.runner.steps.items():
+    for (n, *_), (_, step, _) in engine.runner.steps.items():
         if step.replay is not None:
             runs[n] = max(runs.get(n, 0), step.runs)
     assert {2, 3} <= set(runs) and all(r > 2 for r in runs.values())
@@ -411,12 +411,14 @@ def test_requests_of_one_prompt_share_its_prefill(model, name):
 PREFIX_METHODS = ["dense", "quest", "omnikv", "raas", "raas-quest", "lowbit", "oracle", "quest-per-query-head"]
 
 
-@pytest.mark.parametrize("name", PREFIX_METHODS)
-def test_prompts_that_begin_like_a_kept_one_start_from_its_pages(model, name):
+@pytest.mark.parametrize("name, step_tokens", [*((name, None) for name in PREFIX_METHODS), ("dense", 40),
+                                               ("quest", 40)])
+def test_prompts_that_begin_like_a_kept_one_start_from_its_pages(model, name, step_tokens):
     """With a prefix cache: a conversation's next turn (the last prompt, its answer and more), another question on
     the same document, the same prompt again, and a prompt shorter than a page in common, each after the prompts
     before it have run; each request gives its tokens alone, and the prefill runs only what no kept prompt gave.
-    Where the method keeps its decode pages, an ended request's answer is kept with its prompt."""
+    Where the method keeps its decode pages, an ended request's answer is kept with its prompt. Also in mixed
+    steps (``step_tokens``)."""
     config = CONFIGS[name]
     page = config.page_size
     document = prompt(70)
@@ -424,7 +426,7 @@ def test_prompts_that_begin_like_a_kept_one_start_from_its_pages(model, name):
     first = alone.generate([document], 6, stop_tokens=()).tokens[0]
     turns = [document, document + first + prompt(11), document[:50] + prompt(23), document, prompt(30)]
     engine = ServingEngine(model, config, max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK,
-                           prefix_cache_bytes=1 << 30)
+                           prefix_cache_bytes=1 << 30, step_tokens=step_tokens)
     layers = model.config.num_hidden_layers
     for i, turn in enumerate(turns):
         want = alone.generate([turn], 6, stop_tokens=()).tokens[0]
@@ -848,7 +850,7 @@ def test_cuda_graphs_serve_the_eager_tokens(name, weights, rows):
                                cuda_graph=cuda_graph)
         logprobs.append({})
         tokens.append(run(engine, requests, logprobs=logprobs[-1])[0])
-        assert any(step.replay is not None for _, step in engine.runner.steps.values()) == (cuda_graph is None)
+        assert any(step.replay is not None for _, step, _ in engine.runner.steps.values()) == (cuda_graph is None)
     assert tokens[0] == tokens[1] and logprobs[0] == logprobs[1]
 
 
@@ -871,7 +873,7 @@ def test_the_process_stays_within_gpu_memory_utilization(name):
     engine = ServingEngine(model, CONFIGS[name], max_batch=32, max_context=CONTEXT, prefill_chunk=CHUNK,
                            gpu_memory_utilization=utilization)
     hot = Sampling(temperature=0.8, top_p=0.9, presence_penalty=0.5)
-    requests = [(i // 4, Request(prompt=prompt(20 + 3 * i), max_tokens=8 + i % 5, sampling=hot if i % 2 else
+    requests = [(i // 4, Request(prompt=prompt(20 + 2 * i), max_tokens=8 + i % 5, sampling=hot if i % 2 else
                                  Sampling(), seed=i, logprobs=2 if i % 7 == 0 else None)) for i in range(48)]
     run(engine, requests)
     memory = device_memory(device, utilization)
@@ -1033,13 +1035,16 @@ def test_a_request_ended_by_its_caller_with_stop_counts_as_stopped(model):
 GROW_PLAN = [(0, 60, 70), (0, 30, 4), (0, 50, 40), (1, 20, 30), (6, 33, 12)]  # (arrival step, prompt, max_tokens)
 
 
-def grown(model, config, samplings, kv_tokens: int, cancel_preempted: int | None = None):
+def grown(model, config, samplings, kv_tokens: int, cancel_preempted: int | None = None,
+          step_tokens: int | None = None):
     """Runs GROW_PLAN's requests (with ``samplings``, seeded by index) under admission "grow" in the pages of
-    ``kv_tokens`` tokens, cancelling request ``cancel_preempted`` while it waits preempted. Returns each request's
-    tokens, its final event, the (request index, tokens drawn) of each preemption and the engine."""
+    ``kv_tokens`` tokens, cancelling request ``cancel_preempted`` while it waits preempted (``step_tokens``: mixed
+    steps). Returns each request's tokens, its final event, the (request index, tokens drawn) of each preemption and
+    the engine."""
     page = ServingEngine(model, config, max_batch=1, max_context=CONTEXT).runner.page_store_bytes
     engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
-                           kv_memory_bytes=kv_tokens // config.page_size * page, admission="grow")
+                           kv_memory_bytes=kv_tokens // config.page_size * page, admission="grow",
+                           step_tokens=step_tokens)
     ids, tokens, final, preempted = {}, {}, {}, []
     preempt = engine._preempt
 
@@ -1165,3 +1170,117 @@ def test_admission_grow_counts_the_pages_a_request_holds(model):
                     assert held == pages(48 + 40)
     with pytest.raises(ConfigError, match="admission"):
         ServingEngine(model, config, admission="lazy")
+
+
+def mixed_forwards(engine: ServingEngine) -> list[tuple[int, int]]:
+    """Records (decode rows, prompt tokens) of each of ``engine``'s mixed forwards."""
+    forwards = []
+    mixed = engine.runner.decoder.mixed
+
+    def recorded(token, position, cache, ids, *args):
+        forwards.append((token.shape[0], ids.shape[1]))
+        return mixed(token, position, cache, ids, *args)
+
+    engine.runner.decoder.mixed = recorded
+    return forwards
+
+
+@pytest.mark.parametrize("name", ["dense", "quest", "quest-per-query-head", "quest-kv-fp8"])
+def test_mixed_steps_give_the_alone_tokens(model, name):
+    """Mixed steps (``step_tokens``): the running rows' decode tokens and the next prompt tokens of the oldest
+    prefill in one forward, at most 20 tokens in all; requests greedy, sampled, penalized and asking for
+    log-probabilities, ended by stop tokens, length and cancellation, eager and captured: each gives its tokens
+    alone, and its log-probabilities those of a run without mixed steps."""
+    config = CONFIGS[name]
+    penalized = Sampling(presence_penalty=1.5, frequency_penalty=0.75, logit_bias={17: 2.0}, repetition_penalty=1.3)
+    hot = Sampling(temperature=1.2, top_p=0.9, frequency_penalty=2.0, min_p=0.05)
+    samplings = [penalized, Sampling(), hot, Sampling(temperature=0.9), penalized, Sampling(), Sampling()]
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = [alone.generate([prompt(n)], new, sampling=s, seed=i, stop_tokens=()).tokens[0]
+                for i, ((_, n, new, _), s) in enumerate(zip(PLAN, samplings))]
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=s, seed=i,
+                                  stop_tokens=(want[2],) if end == "stop" else (), logprobs=2 if i % 3 == 0 else None))
+                for i, ((arrival, n, new, end), s, want) in enumerate(zip(PLAN, samplings, expected))]
+    cancel = {i: 4 for i, plan in enumerate(PLAN) if plan[3] == "cancel"}
+    found = [{}, {}, {}]
+    run(ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK), requests, cancel,
+        logprobs=found[0])
+    for capture, logprobs in zip((None, emulated_graph), found[1:]):
+        engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK, step_tokens=20)
+        engine.runner.engine.capture = capture
+        forwards = mixed_forwards(engine)
+        tokens, final = run(engine, requests, cancel, logprobs=logprobs)
+        for i, ((_, _, new, end), want) in enumerate(zip(PLAN, expected)):
+            if end == "stop":
+                assert tokens[i] == want[:want.index(want[2]) + 1] and final[i].finish_reason == "stop"
+            elif end == "cancel":
+                assert final[i].finish_reason == "cancelled" and tokens[i] == want[:len(tokens[i])]
+            else:
+                assert tokens[i] == want and final[i].finish_reason == "length"
+        # Forwards with rows decoding, the prompt's tokens filling the rest of the 20; and prompts alone.
+        assert any(rows and rows + prompt_tokens == 20 for rows, prompt_tokens in forwards)
+        assert any(not rows for rows, _ in forwards)
+        assert sum(prompt_tokens for _, prompt_tokens in forwards) == sum(n for _, n, _, _ in PLAN)
+        shared = engine.runner.shared
+        assert engine.metrics()["kv_bytes_in_use"] == 0 and sorted(shared.free) == list(range(shared.pages))
+    assert found[1] == found[2] and set(found[1]) == set(found[0])
+    for i in found[0]:
+        assert [lp.top[0][0] for lp in found[1][i]] == [lp.top[0][0] for lp in found[0][i]]
+        assert [lp.logprob for lp in found[1][i]] == pytest.approx([lp.logprob for lp in found[0][i]], abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["dense", "quest"])
+def test_mixed_steps_under_preemption_give_the_alone_tokens(model, name):
+    """Mixed steps with admission "grow": requests preempted (one of them twice) and one cancelled while preempted
+    give their tokens alone; every page comes back."""
+    config = CONFIGS[name]
+    penalized = Sampling(presence_penalty=1.5, logit_bias={17: 2.0}, repetition_penalty=1.3)
+    samplings = [Sampling(), Sampling(temperature=1.1, top_p=0.9), penalized, Sampling(), Sampling()]
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = [alone.generate([prompt(n)], new, sampling=s, seed=i, stop_tokens=()).tokens[0]
+                for i, ((_, n, new), s) in enumerate(zip(GROW_PLAN, samplings))]
+    tokens, _, preempted, engine = grown(model, config, samplings, 160, step_tokens=16)
+    assert [tokens[i] for i in range(len(GROW_PLAN))] == expected
+    assert max(Counter(i for i, _ in preempted).values()) >= 2
+    cancelled = next(i for i, _ in preempted if i not in (0, 1))
+    tokens, final, preempted, engine = grown(model, config, samplings, 160, cancel_preempted=cancelled,
+                                             step_tokens=16)
+    drawn = max(n for i, n in preempted if i == cancelled)
+    assert final[cancelled].finish_reason == "cancelled" and tokens[cancelled] == expected[cancelled][:drawn]
+    assert [tokens[i] for i in range(len(GROW_PLAN)) if i != cancelled] == \
+        [want for i, want in enumerate(expected) if i != cancelled]
+    shared = engine.runner.shared
+    assert engine.metrics()["kv_bytes_in_use"] == 0 and sorted(shared.free) == list(range(shared.pages))
+
+
+def test_mixed_steps_at_a_covering_budget_give_dense_tokens(model):
+    quest = QuestConfig(token_budget=CONTEXT, page_size=8, dense_layers=1)
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new, _ in PLAN]
+    tokens = [run(ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK, step_tokens=24),
+                  requests)[0] for config in (CONFIGS["dense"], quest)]
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("name, fields, match", [
+    ("dense", dict(step_tokens=3), r"step_tokens must be None \(no mixed steps\) or an int > max_batch \(3\)"),
+    ("dense", dict(step_tokens=True), "step_tokens must be None"),
+    ("raas", dict(step_tokens=64), "step_tokens must be None for raas: mixed steps serve the methods in shared pages"),
+    ("dense", dict(step_tokens=64, prefill_share=0.25), "prefill_share must be None with step_tokens"),
+])
+def test_bad_step_tokens_are_refused(model, name, fields, match):
+    with pytest.raises(ConfigError, match=match):
+        ServingEngine(model, CONFIGS[name], max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK, **fields)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["dense", "quest", "quest-kv-fp8"])
+def test_mixed_steps_on_the_gpu_give_the_tokens_of_steps_apart(name):
+    """On the GPU, float32 (fp8 KV for Quest's fp8 case): mixed steps, eager with the compiled parts, give the
+    tokens of the captured decode steps with the prompts' chunks apart."""
+    model = tiny_model("llama", seed=1, layers=3, dtype=torch.float32).cuda()
+    model.generation_config.eos_token_id = None
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new, sampling=Sampling(temperature=0.9), seed=i))
+                for i, (arrival, n, new, _) in enumerate(PLAN)]
+    tokens = [run(ServingEngine(model, CONFIGS[name], max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
+                                compile=True, step_tokens=step_tokens), requests)[0] for step_tokens in (None, 20)]
+    assert tokens[0] == tokens[1]

@@ -83,6 +83,8 @@ def engine(args, max_len: int):
                    disable_log_stats=False)  # LLM turns the per-request stats off, and with them the timestamps
     if args.max_num_seqs:
         options["max_num_seqs"] = args.max_num_seqs
+    if args.kv_cache_memory_bytes:
+        options["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     t0 = time.perf_counter()
     llm = LLM(**options)
     print(f"peer: vLLM engine up in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -132,11 +134,14 @@ def load_rows(args) -> list[dict]:
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttft = quantiles([t for t, _ in times])
     tpot = quantiles([d for _, d in times if d is not None])
+    kv = llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes
     row = {"peer": "vllm", "requests_done": len(outputs), "output_tokens": tokens, "duration_s": wall,
            "output_tokens_per_s": tokens / wall, "requests_per_s": len(outputs) / wall,
            **{f"ttft_{k}_ms": None if v is None else 1e3 * v for k, v in ttft.items()},
            **{f"tpot_{k}_ms": v for k, v in tpot.items()},
-           "max_batch": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs}
+           "max_batch": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
+           "step_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
+           "kv_capacity_gib": None if kv is None else kv / 2**30}
     print(f"peer: vLLM dense, {len(prompts)} requests: {row['output_tokens_per_s']:.1f} output tok/s, TTFT p50 "
           f"{row['ttft_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.2f} ms", flush=True)
     return [row]
@@ -170,6 +175,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--model", default="shape:llama3-8b", help="shape:<name>: a published shape, random weights")
         s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         s.add_argument("--max-num-seqs", type=int_arg(), default=None, help="vLLM's cap on running requests")
+        s.add_argument("--kv-cache-memory-bytes", type=int_arg(), default=None,
+                       help="vLLM's KV cache size (default: what --gpu-memory-utilization leaves)")
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
     return p
@@ -261,13 +268,15 @@ def settle_device(free: int | None, timeout_s: float = 300) -> None:
 
 
 def load_rows_of(peer: str, model: str, prompts: list[list[int]], output_lens: list[int], max_num_seqs: int,
-                 seed: int) -> dict:
-    """``peer_rows`` of ``load`` over these requests (their workload file written for the child, then removed)."""
+                 seed: int, kv_cache_memory_bytes: int | None = None) -> dict:
+    """``peer_rows`` of ``load`` over these requests (their workload file written for the child, then removed),
+    with ``kv_cache_memory_bytes`` of KV where given."""
     with tempfile.TemporaryDirectory(prefix="sparsekv-peer-") as folder:
         path = Path(folder) / "workload.json"
         path.write_text(json.dumps({"prompts": prompts, "output_lens": output_lens}))
+        kv = [] if kv_cache_memory_bytes is None else ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
         return peer_rows(peer, "load", ["--model", model, "--workload", str(path), "--max-num-seqs",
-                                        str(max_num_seqs), "--seed", str(seed)])
+                                        str(max_num_seqs), "--seed", str(seed), *kv])
 
 
 if __name__ == "__main__":

@@ -23,8 +23,10 @@ p50/p90/p99, the decode step (median engine step without prefill work, engine ru
 tokens/s (the tokens of those steps over their time: what the decode side sustains, prefill aside), the running and
 queued requests over time (the engine's metrics), the most requests running at once, the steps' measured
 profile (``Runner.profile``), peak device memory (``device_memory``: PyTorch's peak reserved plus what the process
-holds outside it) against ``--gpu-memory-utilization`` of the device, peak host RSS and host KV (offload). ``--static`` also times the static
-engine's step (``sparsekv.engine.Engine``) at the run's median running batch, on prompts of the workload's lengths.
+holds outside it) against ``--gpu-memory-utilization`` of the device, peak host RSS and host KV (offload).
+``--step-tokens N`` runs dense and Quest in mixed steps of N tokens (``ServingEngine``'s ``step_tokens``; the
+peer's row gives vLLM's ``max_num_batched_tokens``). ``--static`` also times the static engine's step
+(``sparsekv.engine.Engine``) at the run's median running batch, on prompts of the workload's lengths.
 ``--prefill-share S`` runs the engine with decode priority (``sparsekv.serve.PrefillPacer``). ``--fill random``
 fills each prompt's KV with random keys and values (``bench.e2e.random_passes``) instead of running the model's
 prefill, so that the decode side of a workload whose real prefill takes far longer than a run (64 prompts of
@@ -531,7 +533,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("TPOT p99", "tpot_p99_ms", "{:.2f}"), ("step p50 ms", "step_p50_ms", "{:.2f}"),
                ("static step ms", "static_step_ms", "{:.2f}"), ("TPOT / static", "tpot_vs_static", "{:.2f}x"),
                ("step / static", "step_vs_static", "{:.2f}x"),
-               ("max batch", "max_batch", "{}"), ("max running", "max_running", "{}"),
+               ("max batch", "max_batch", "{}"), ("step tokens", "step_tokens", "{}"),
+               ("max running", "max_running", "{}"),
                ("median running", "median_running", "{:.0f}"),
                ("vs dense tok/s", "vs_dense", "{:.2f}x"), ("vs dense decode", "decode_vs_dense", "{:.2f}x"),
                *([(f"vs {meta['peer']['peer']} tok/s", "vs_peer", "{:.2f}x")] if meta.get("peer") else []),
@@ -554,6 +557,9 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     share = meta["prefill_share"]
     window = "" if meta["duration"] is None else f"; engine runs stopped after {meta['duration']} s"
     prefill = "a chunk per step" if share is None else f"at most {share} of the decode time (decode priority)"
+    if meta.get("step_tokens"):
+        prefill = (f"in mixed steps of {meta['step_tokens']} tokens (decode tokens and the next prompt tokens in one "
+                   f"forward; dense and Quest, the other methods {prefill})")
     fill = ("; fill random: each prompt's KV is random keys and values, no model prefill (TTFT and overall tokens/s "
             "are not those of a real prefill)" if meta["fill"] == "random" else "")
     if meta["fill"] == "random" and meta.get("fill_chunk"):
@@ -580,9 +586,10 @@ def peer_note(meta: dict) -> str:
     """The sentence on the peer's row, or nothing without one."""
     peer = meta.get("peer")
     return (f" {peer['peer']} {peer['version']} (dense, prefix caching off, in a process of its own before ours; "
-            f"`python -m sparsekv.bench.peer load`): the same requests at once, at most the max batch running, "
-            f"TTFT from each request's arrival and TPOT from its first and last token times in its engine."
-            if peer else "")
+            f"`python -m sparsekv.bench.peer load`): the same requests at once, at most the max batch running"
+            f"{', in the same KV memory (kv_cache_memory_bytes)' if meta['kv_memory_bytes'] else ''}, its step "
+            f"tokens its max_num_batched_tokens, TTFT from each request's arrival and TPOT from its first and last "
+            f"token times in its engine." if peer else "")
 
 
 def plot(rows: list[dict]):
@@ -649,6 +656,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "still runs about --prefill-chunk tokens through every layer, in fewer passes")
     parser.add_argument("--kv-memory-gib", type=float, default=None,
                         help="KV memory admission may fill (default: the engine's pool)")
+    parser.add_argument("--step-tokens", type=int_arg(2), default=None,
+                        help="mixed steps (dense, quest): decode tokens and the next prompt tokens in one forward, "
+                             "this many in all (sparsekv.serve.ServingEngine's step_tokens; default: none)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="share of the GPU's total memory each engine may take, weights, pool and the steps' "
                              "profile included (sparsekv.serve.ServingEngine)")
@@ -702,10 +712,12 @@ def peer_problem(args, device: torch.device) -> str | None:
 
 
 def peer_row(args, work: list[Work]) -> tuple[dict, dict]:
-    """The peer's version and its row of ``work`` (the same requests as ours, at most ``--max-batch`` running), in
-    ``summarize``'s names; its times come from its engine's per-request timestamps."""
+    """The peer's version and its row of ``work`` (the same requests as ours, at most ``--max-batch`` running, in
+    ``--kv-memory-gib`` of KV where given), in ``summarize``'s names; its times come from its engine's per-request
+    timestamps."""
+    kv = None if args.kv_memory_gib is None else int(args.kv_memory_gib * GIB)
     result = run_peer_load(args.peer, args.model, [w.prompt for w in work], [w.max_tokens for w in work],
-                           args.max_batch, args.seed)
+                           args.max_batch, args.seed, kv)
     (row,) = result["rows"]
     return ({"peer": result["peer"], "version": result["version"]},
             {**row, "spec": args.peer, "method": args.peer, "budget": None, "via": args.peer, "fill": "prefill"})
@@ -808,7 +820,7 @@ def main(argv: list[str] | None = None) -> int:
             "rate": args.rate, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
             "output_len": args.output_len, "max_batch": args.max_batch, "max_context": max_context,
             "kv_memory_bytes": kv_memory, "admission": args.admission,
-            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "gpu_memory_utilization": args.gpu_memory_utilization, "step_tokens": args.step_tokens,
             "fill": args.fill, "duration": args.duration,
             "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk, "fill_chunk": args.fill_chunk,
             "capacity": args.capacity, "fit": args.fit or args.capacity, "out_of_memory": [],
@@ -838,7 +850,9 @@ def main(argv: list[str] | None = None) -> int:
                              max_queue=args.requests, compile=args.compile, kv_memory_bytes=kv_memory,
                              prefill=fill_passes(args.fill_chunk) if args.fill == "random" else prefill_passes,
                              max_new_tokens=args.max_new_tokens, prefix_cache_bytes=int(args.prefix_cache_gib * GIB),
-                             admission=args.admission, gpu_memory_utilization=args.gpu_memory_utilization)
+                             admission=args.admission, gpu_memory_utilization=args.gpu_memory_utilization,
+                             step_tokens=args.step_tokens if shares_pages(config.build(model.config.num_hidden_layers))
+                             else None)  # the other methods keep the step-then-chunk schedule
 
     def probe(config, batch: int) -> None:
         """An engine of ``batch`` rows runs one request of a prefill chunk and two tokens."""
@@ -874,11 +888,13 @@ def main(argv: list[str] | None = None) -> int:
                 reused = after["prefix_tokens_reused"] - before["prefix_tokens_reused"]
                 preempted = after["preempted"] - before["preempted"]
                 memory = device_memory(device, args.gpu_memory_utilization)
+                step_tokens = engine.step_tokens
                 profile = engine.runner.profile_bytes / GIB if device.type == "cuda" else None
                 del engine
                 row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,
                        "fill": args.fill, "max_batch": batch, "device_layers": device_layers, **summarize(trace),
                        "prefix_reused": reused, "preempted": preempted, "kv_capacity_gib": capacity,
+                       "step_tokens": step_tokens,
                        "profile_gib": profile, **memory, "series": trace.samples}
             except torch.OutOfMemoryError:
                 meta["out_of_memory"].append(label)

@@ -186,6 +186,33 @@ class DecodeModel:
         out = _attend(layers[-1].self_attn, q, k, v, cache)
         return self.parts.last(self.model, self.head, layers[-1], products[-1], hidden, out)
 
+    def mixed(self, token: torch.Tensor, position: torch.Tensor, cache: SparseKVCache, ids: torch.Tensor,
+              start: int, prompt_cache: SparseKVCache, prompt_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of a mixed step: the decode tokens of B rows, token and position (B, 1), with ``cache``,
+        and the next S tokens of a prompt, ids (1, S) at positions start.., with ``prompt_cache`` (set for the
+        pass: ``prompt_end``), through every layer together. Each weight product runs once over the B + S tokens
+        (the rows' tokens as columns of one sequence), the attention apart: the decode tokens through the method,
+        the prompt's densely (its prompt pass). Returns the rows' next-token logits (B, V) and, with
+        ``prompt_logits``, the prompt's last column's (1, V) (else None). B may be 0: a prompt pass through every
+        layer at once."""
+        b, s = token.shape[0], ids.shape[1]
+        decoder = self.decoder
+        hidden = decoder.embed_tokens(torch.cat([token.view(1, b), ids], dim=1))
+        positions = torch.cat([position.view(1, b), torch.arange(start, start + s, device=ids.device).view(1, s)], 1)
+        rotary = decoder.rotary_emb(hidden, positions)
+        for layer, products in zip(self.layers, self.products):
+            q, k, v = self.parts.prompt_inputs(layer, products, self.rotate, hidden, rotary)
+            outs = []
+            if b:  # (1, H, B, D) -> (B, H, 1, D): a row's token is its own sequence
+                rows = [t[:, :, :b].transpose(0, 2).contiguous() for t in (q, k, v)]
+                outs.append(_attend(layer.self_attn, *rows, cache).transpose(0, 1))
+            outs.append(_attend(layer.self_attn, q[:, :, b:], k[:, :, b:], v[:, :, b:], prompt_cache))
+            hidden = self.parts.prompt_output(layer, products, hidden, torch.cat(outs, dim=1))
+        wanted = hidden[0, :b] if not prompt_logits else torch.cat([hidden[0, :b], hidden[0, -1:]])
+        wanted = decoder.norm(wanted)
+        logits = self.model.lm_head(wanted) if self.head is None else self.head(wanted)[0]
+        return logits[:b], logits[b:] if prompt_logits else None
+
     def prompt_pass(self, index: int, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                     cache: SparseKVCache) -> torch.Tensor:
         """Layer ``index`` over a prompt pass's hidden states (B, S, hidden) at the positions whose (cos, sin)

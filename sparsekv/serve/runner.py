@@ -150,16 +150,22 @@ class Launched:
 
 @dataclass
 class Prefill:
-    """A request's prompt on its way in: its cache of one row, the passes still to run, the prompt's token ids, how
-    many of them a kept prompt's cache gave (``PrefixCache``, looked up at the first pass: they do not run through
-    the model), the last column's logits (1, V) once the passes have all run, and in shared pages its table of one
-    row (``SharedPages.beside``) and the key of the request whose row took its pages (``Runner.join``; None: it holds
-    them)."""
+    """A request's prompt on its way in: its cache of one row, the passes still to run, the prompt's token ids, the
+    tokens its passes run (``passed``: the prompt, or a preempted dense request's prompt and drawn tokens) and those
+    run one decode step each after them (``replay``), how many of ``passed`` a kept prompt's cache gave
+    (``PrefixCache``, looked up at the first pass: they do not run through the model) and how many mixed steps ran
+    (``ran``, ``Runner.launch_mixed``), the last column's logits (1, V) once the passes have all run, and in shared
+    pages its table of one row (``SharedPages.beside``) and the key of the request whose row took its pages
+    (``Runner.join``; None: it holds them)."""
 
     cache: SparseKVCache
     passes: Generator | None
     prompt: list[int]
+    passed: list[int]
+    replay: list[int]
     reused: int = 0
+    ran: int = 0
+    begun: bool = False
     logits: torch.Tensor | None = None
     table: SharedPages | None = None
     holder: object = None
@@ -240,12 +246,13 @@ class Runner:
     prefill). ``gpu_memory_utilization``: on a CUDA device, the share of its total memory the process may take, the
     weights, the pool and the steps' memory (``profile``, measured before the pool is made) included; a pool that
     does not fit it is refused. ``grow``: in shared pages a row takes the pages of its new tokens as it reaches them
-    (``growth``, ``grow``), not all of its max_tokens' when it joins."""
+    (``growth``, ``grow``), not all of its max_tokens' when it joins. ``step_tokens``: the tokens of a mixed step
+    (``launch_mixed``), which the profile's prompt pass takes where it exceeds prefill_chunk."""
 
     def __init__(self, model, config, *, max_batch: int, max_context: int | None, prefill_chunk: int,
                  cuda_graph: bool | None, compile: bool, passes: Callable = prefill_passes,
                  max_new_tokens: int | None = None, prefix_cache_bytes: int = 0, kv_memory_bytes: int | None = None,
-                 gpu_memory_utilization: float = 0.9, grow: bool = False):
+                 gpu_memory_utilization: float = 0.9, grow: bool = False, step_tokens: int | None = None):
         self.engine = Engine(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
         self.max_batch, self.max_context = max_batch, self.engine.max_context
@@ -272,7 +279,8 @@ class Runner:
         self.model, self.passes = model, passes
         self.window = _sliding_window(model.config)
         self.decoder = DecodeModel(model, self.engine.parts)
-        self.profile_bytes = self.profile(config, prefill_chunk, max_batch) if self.device.type == "cuda" else 0
+        most_tokens = max(prefill_chunk, step_tokens or 0)  # the most prompt tokens a forward carries
+        self.profile_bytes = self.profile(config, most_tokens, max_batch) if self.device.type == "cuda" else 0
         budget = device_budget(self.device, gpu_memory_utilization, self.profile_bytes)
 
         def pool_bytes(method) -> int:
@@ -372,7 +380,8 @@ class Runner:
         self.logprobs: list[int | None] = []  # the top log-probabilities each row asked for (None: none)
         self.prompt_lens: list[int] = []
         self.max_tokens: list[int] = []
-        self.steps: dict[tuple[int, bool, bool, bool, int, int | None], tuple[SparseKVCache, CapturedStep]] = {}
+        self.steps: dict[tuple[int, bool, bool, bool, int, int | None],
+                         tuple[SparseKVCache, CapturedStep, Callable[[torch.Tensor], None]]] = {}
         self.in_flight: Launched | None = None  # the step ``launch`` queued, until ``collect``
 
     def profile(self, config, chunk: int, rows: int) -> int:
@@ -459,35 +468,46 @@ class Runner:
         method.tp_group = self.tp_group
         cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
         # Only the prompt (and the replay): the request decodes in its row of the pool.
-        context = len(prompt) + len(replay)
         passed = prompt + list(replay) if method.decodes_as_prompt else prompt
-        replay = replay[len(passed) - len(prompt):]
-        cache.pages.planned_tokens = method.planned_tokens([len(passed)], context)
-        job = Prefill(cache, None, prompt)
+        cache.pages.planned_tokens = method.planned_tokens([len(passed)], len(prompt) + len(replay))
+        job = Prefill(cache, None, prompt, passed, list(replay[len(passed) - len(prompt):]))
 
         def passes() -> Generator[int, None, torch.Tensor]:
-            if self.shared is not None:
-                job.table = self.shared.beside(1)
-                job.table.assign(0, self._pages(context))
-                cache.pages.layers = [layer.beside(job.table) for layer in self.pool.pages.layers]
-            if self.prefixes is not None:
-                job.reused, source = self.prefixes.find(passed, len(passed) - method.min_prompt_chunk())
-                if source is not None:
-                    cache.pages.seed(source, job.reused)
-                    cache.columns = job.reused
+            self._begin(job)
             ids = device_tensor(passed[job.reused:], self.device).view(1, -1)
             logits = yield from self.passes(self.model, cache, ids, None, self.engine.prefill_chunk,
                                             start=job.reused, layers=self.decoder)
-            if replay:
-                cache.pages.reserve(len(replay))
-            for token in replay:
-                logits = self.decoder(device_tensor([token], self.device).view(1, 1), cache.pages.seq_len.view(1, 1),
-                                      cache)
-                yield 1
-            return logits
+            return (yield from self._replay(job, logits))
 
         job.passes = passes()
         return job
+
+    def _begin(self, job: Prefill) -> None:
+        """A prefill's first pass: in shared pages, its store pages; with a prefix cache, the kept prompt's pages it
+        starts from."""
+        job.begun = True
+        cache = job.cache
+        if self.shared is not None:
+            job.table = self.shared.beside(1)
+            job.table.assign(0, self._pages(len(job.passed) + len(job.replay)))
+            cache.pages.layers = [layer.beside(job.table) for layer in self.pool.pages.layers]
+        if self.prefixes is not None:
+            job.reused, source = self.prefixes.find(job.passed, len(job.passed) - cache.method.min_prompt_chunk())
+            if source is not None:
+                cache.pages.seed(source, job.reused)
+                cache.columns = job.reused
+
+    def _replay(self, job: Prefill, logits: torch.Tensor) -> Generator[int, None, torch.Tensor]:
+        """Runs ``job.replay`` through its method's decode step, a pass each, after its passes (whose last
+        column's logits are ``logits``); returns the last logits (1, V)."""
+        cache = job.cache
+        if job.replay:
+            cache.pages.reserve(len(job.replay))
+        for token in job.replay:
+            logits = self.decoder(device_tensor([token], self.device).view(1, 1), cache.pages.seq_len.view(1, 1),
+                                  cache)
+            yield 1
+        return logits
 
     def prefill(self, job: Prefill, budget: int) -> int:
         """Runs passes of ``job`` until about ``budget`` tokens times layers have run (at least one pass); sets
@@ -702,19 +722,67 @@ class Runner:
         between are not in it; no row may be released before it is collected."""
         if self.in_flight is not None:
             raise RuntimeError("launch: the step launched before is not collected")
+        cache, run, _ = self._rows_step()
+        with torch.no_grad():
+            run()
+        return self._launched(cache)
+
+    def launch_mixed(self, job: Prefill, tokens: int) -> "Launched":
+        """``launch``, the step carrying the next ``tokens`` of ``job``'s prompt (at most those left) beside the
+        running rows' decode tokens, through the model together (``DecodeModel.mixed``: each weight read once for
+        both), run eagerly; after the prompt's last, its replay (``start``) and ``job.logits``. With no row running,
+        a prompt pass through every layer. A prefill is run by mixed steps only, from its first: a layer-major pass
+        (``prefill``) would leave its layers at different columns. Only in shared pages (``ServingEngine``'s
+        ``step_tokens``), where a prompt pass reads the prompt's earlier pages in the store, chunks in any order."""
+        if self.in_flight is not None:
+            raise RuntimeError("launch_mixed: the step launched before is not collected")
+        if not job.begun:
+            self._begin(job)
+        begin = job.reused + job.ran
+        end = min(begin + tokens, len(job.passed))
+        ids = device_tensor(job.passed[begin:end], self.device).view(1, -1)
+        job.cache.prompt_end, job.cache.pending_mask = end == len(job.passed), None
+        n = len(self.keys)
+        with apply(self.model, self.config), torch.no_grad():
+            if n:
+                cache, _, sample = self._rows_step()
+                logits, last = self.decoder.mixed(self.token[:n], self.pool.pages.seq_len[:n].view(n, 1), cache, ids,
+                                                  begin, job.cache, end == len(job.passed))
+                sample(logits)
+            else:
+                cache = None
+                _, last = self.decoder.mixed(self.token[:0], self.pool.pages.seq_len[:0].view(0, 1), None, ids, begin,
+                                             job.cache, end == len(job.passed))
+            job.ran += end - begin
+            if end == len(job.passed):
+                replay = self._replay(job, last)
+                while job.logits is None:
+                    try:
+                        next(replay)
+                    except StopIteration as done:
+                        job.logits = done.value
+        return self._launched(cache)
+
+    def _rows_step(self) -> tuple[SparseKVCache, CapturedStep, Callable[[torch.Tensor], None]]:
+        """The running rows' step (``_step``), its cache set to the pool's lengths."""
         n = len(self.keys)
         room = self.max_context
         if self.method.sized_by_decode_tokens:  # a step per power of two of the rows' longest decode
             room = min(room, 1 << (max(self.max_tokens) - 1).bit_length())
         scored = any(k is not None for k in self.logprobs)
-        cache, run = self._step(n, any(self.sampled), scored, any(self.adjusted), room, self.method.step_slots(n))
-        pages = self.pool.pages
+        found = self._step(n, any(self.sampled), scored, any(self.adjusted), room, self.method.step_slots(n))
+        pages, cache = self.pool.pages, found[0]
         cache.pages.lengths = pages.lengths[:n]
         for layer, view in zip(pages.layers, cache.pages.layers):
             view.dropped = layer.dropped[:n]
-        with torch.no_grad():
-            run()
-        pages.lengths[:n] = cache.pages.lengths
+        return found
+
+    def _launched(self, cache: SparseKVCache | None) -> "Launched":
+        """The step just queued over the running rows (``cache``: their view, None for no row), in flight."""
+        n = len(self.keys)
+        if cache is not None:
+            self.pool.pages.lengths[:n] = cache.pages.lengths
+        scored = any(k is not None for k in self.logprobs)
         self.in_flight = Launched(list(self.keys), list(self.logprobs) if scored else None)
         return self.in_flight
 
@@ -732,12 +800,13 @@ class Runner:
         return dict(zip(step.keys, zip(tokens, found)))
 
     def _step(self, n: int, sampled: bool, scored: bool, adjusted: bool, room: int,
-              slots: int | None) -> tuple[SparseKVCache, CapturedStep]:
+              slots: int | None) -> tuple[SparseKVCache, CapturedStep, Callable[[torch.Tensor], None]]:
         """The decode step over rows [0, n) (``sampled``: some row samples; ``scored``: some row asked for
         log-probabilities; ``adjusted``: some row's sampling adjusts the logits; ``room``: no row holds more tokens
         after its prompt; ``slots``: ``Method.step_slots``), made at its first use: a cache and method that are views
-        of the pool's first n rows, and the step (captured at its second run where the engine captures). A row whose
-        sampling does not adjust runs in an adjusting step unchanged: its penalties and bias are zero."""
+        of the pool's first n rows, the step (captured at its second run where the engine captures) and its drawing
+        of the rows' tokens from their logits (B, V), which a mixed step runs too. A row whose sampling does not
+        adjust runs in an adjusting step unchanged: its penalties and bias are zero."""
         key = (n, sampled, scored, adjusted, room, slots)
         if key in self.steps:
             return self.steps[key]
@@ -750,8 +819,7 @@ class Runner:
         counts, prompt = self.counts[:n], self.prompt_tokens[:n]
         penalties = (self.repetition[:n], self.presence[:n], self.frequency[:n], self.bias[:n])
 
-        def step() -> None:
-            logits = self.decoder(token, seq_len.view(n, 1), cache)
+        def sample(logits: torch.Tensor) -> None:
             chosen = penalize(logits, counts, prompt, *penalties) if adjusted else logits
             if sampled:
                 nxt = draw(chosen, temperature, top_k, top_p, min_p, counter_noise(seed, index, logits.shape[1]))
@@ -765,7 +833,10 @@ class Runner:
                 for out, value in zip((logprob, top_logprob, top_ids), token_logprobs(logits, nxt, TOP_LOGPROBS)):
                     out.copy_(value)
 
-        self.steps[key] = cache, CapturedStep(step, cache, self.engine.capture)
+        def step() -> None:
+            sample(self.decoder(token, seq_len.view(n, 1), cache))
+
+        self.steps[key] = cache, CapturedStep(step, cache, self.engine.capture), sample
         return self.steps[key]
 
 

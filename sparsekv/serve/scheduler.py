@@ -24,6 +24,7 @@ import random
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -183,13 +184,16 @@ class ServingEngine:
     (methods in shared pages: dense, quest) counts its prompt's and then each page it takes as it grows, and
     preempts the newest admitted request where the store cannot give the running rows their next pages (later its
     prompt is prefilled again and its tokens so far replayed, and it goes on with the same tokens); other methods'
-    rows are bounded and counted whole either way."""
+    rows are bounded and counted whole either way. step_tokens: None, or mixed steps (methods in shared pages:
+    dense, quest): each step carries the running rows' decode tokens and the next prompt tokens of the oldest
+    prefill, at most ``step_tokens`` tokens in all (as vLLM's ``max_num_batched_tokens``), through the model
+    together (``Runner.launch_mixed``); steps with no prompt tokens stay captured."""
 
     def __init__(self, model, config, *, tokenizer=None, max_batch: int = 8, max_context: int | None = None,
                  prefill_chunk: int = 4096, prefill_share: float | None = None, max_queue: int = 256,
                  cuda_graph: bool | None = None, compile: bool = False, kv_memory_bytes: int | None = None,
                  prefill: Callable = prefill_passes, max_new_tokens: int | None = None, prefix_cache_bytes: int = 0,
-                 admission: str = "reserve", gpu_memory_utilization: float = 0.9):
+                 admission: str = "reserve", gpu_memory_utilization: float = 0.9, step_tokens: int | None = None):
         if not _is_count(max_queue, 1):
             raise ConfigError("max_queue", "an int >= 1", max_queue)
         require(admission in ADMISSIONS, "admission", " or ".join(map(repr, ADMISSIONS)), admission)
@@ -199,8 +203,18 @@ class ServingEngine:
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile, passes=prefill,
                              max_new_tokens=max_new_tokens, prefix_cache_bytes=prefix_cache_bytes,
                              kv_memory_bytes=kv_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
-                             grow=admission == "grow")
+                             grow=admission == "grow", step_tokens=step_tokens)
         self.tokenizer, self.max_queue, self.kv_memory_bytes = tokenizer, max_queue, self.runner.kv_memory_bytes
+        if step_tokens is not None:
+            require(_is_count(step_tokens, max_batch + 1), "step_tokens",
+                    f"None (no mixed steps) or an int > max_batch ({max_batch}), room for a prompt token beside every "
+                    f"row's", step_tokens)
+            require(self.runner.shared is not None, "step_tokens",
+                    f"None for {self.runner.config.name}: mixed steps serve the methods in shared pages (dense, quest)",
+                    step_tokens)
+            require(prefill_share is None, "prefill_share", "None with step_tokens (mixed steps schedule the prefill)",
+                    prefill_share)
+        self.step_tokens = step_tokens
         self._lock = threading.Lock()
         self._next_id = 0
         self._queue: deque[_Live] = deque()
@@ -347,6 +361,9 @@ class ServingEngine:
         self._cancelled(events)
         self._admit(events)
         self._grow()
+        if self.step_tokens is not None:
+            self._mixed_step(events)
+            return
         pacer = self.pacer
         launched = None
         if pacer is None:
@@ -367,6 +384,21 @@ class ServingEngine:
                 pacer.decoded(time.perf_counter() - began)
         elif launched is not None:
             self._collect(launched, events)
+
+    def _mixed_step(self, events: list[Event]) -> None:
+        """One step of the running rows' decode tokens and, while a prefill waits, the next prompt tokens of the
+        oldest, ``step_tokens`` in all; a prefill that ends there gives its requests their first tokens and rows."""
+        if not self._prefilling:
+            if self._running:
+                self._collect(self.runner.launch(), events)
+            return
+        job = self._prefilling[0].prefill
+        before = job.ran
+        launched = self.runner.launch_mixed(job, self.step_tokens - len(self._running))
+        self._prefill_work += (job.ran - before) * self.runner.num_layers
+        self._collect(launched, events)
+        if job.logits is not None:
+            self._prefilled(job, [live for live in self._prefilling if live.prefill is job], events)
 
     def _collect(self, launched, events: list[Event]) -> None:
         """Emits the tokens of a step the runner launched."""
@@ -470,48 +502,57 @@ class ServingEngine:
         while self._prefilling and budget > 0:
             job = self._prefilling[0].prefill
             pending = [live for live in self._prefilling if live.prefill is job]
-            try:
+            with self._blamed(job, pending, events):
                 work = self.runner.prefill(job, budget)
-                budget -= work
-                self._prefill_work += work
-                if job.logits is None:
-                    continue
-                with self._lock:
-                    for live in pending:
-                        self._prefilling.remove(live)
-                for live in list(pending):
-                    live.prefill = None
-                    if not live.tokens:  # a request that comes back keeps the count of its first prefill
-                        live.cached = job.reused
-                    request = live.request
-                    if live.tokens:  # preempted: it goes on from its last token, drawn already
-                        self.runner.join(live.id, job, live.tokens[-1], request.sampling, live.seed,
-                                         request.max_tokens, request.logprobs, earlier=live.tokens[:-1])
+            budget -= work
+            self._prefill_work += work
+            if job.logits is not None:
+                self._prefilled(job, pending, events)
+        return start - budget
+
+    def _prefilled(self, job: Prefill, pending: list[_Live], events: list[Event]) -> None:
+        """The requests ``pending`` of a prefill whose passes have all run each draw their first token (in arrival
+        order) and join the running rows; a preempted one goes on from its last token, drawn already."""
+        with self._blamed(job, pending, events):
+            with self._lock:
+                for live in pending:
+                    self._prefilling.remove(live)
+            for live in list(pending):
+                live.prefill = None
+                request = live.request
+                if live.tokens:
+                    self.runner.join(live.id, job, live.tokens[-1], request.sampling, live.seed, request.max_tokens,
+                                     request.logprobs, earlier=live.tokens[:-1])
+                    with self._lock:
+                        self._running[live.id] = live
+                else:
+                    live.cached = job.reused  # a request that comes back keeps the count of its first prefill
+                    first, logprobs = self.runner.first_token(job, request.sampling, live.seed, request.logprobs)
+                    if not self._emit(live, first, logprobs, events):
+                        self.runner.join(live.id, job, first, request.sampling, live.seed, request.max_tokens,
+                                         request.logprobs)
                         with self._lock:
                             self._running[live.id] = live
-                    else:
-                        first, logprobs = self.runner.first_token(job, request.sampling, live.seed, request.logprobs)
-                        if not self._emit(live, first, logprobs, events):
-                            self.runner.join(live.id, job, first, request.sampling, live.seed, request.max_tokens,
-                                             request.logprobs)
-                            with self._lock:
-                                self._running[live.id] = live
-                    pending.remove(live)
-            except Exception as error:
-                # The requests of this prefill not yet running end with "error", what they held freed, and the
-                # error is raised to ``step``; the running requests and the queue are as they were.
-                with self._lock:
-                    self._prefilling = [live for live in self._prefilling if live.prefill is not job]
-                for live in pending:
-                    live.prefill = None
-                    self._finish(live, "error", events, error=error)
-                self.runner.discard(job)
-                self._ended = error
-                error.add_note(f"while prefilling request(s) {[live.id for live in pending]}, which end with "
-                               f"\"error\"")
-                raise
-            self.runner.discard(job, keep=True)
-        return start - budget
+                pending.remove(live)
+        self.runner.discard(job, keep=True)
+
+    @contextmanager
+    def _blamed(self, job: Prefill, pending: list[_Live], events: list[Event]):
+        """A failure inside it is the prefill ``job``'s: its requests not yet running (``pending``) end with
+        "error", what they held freed, and the error goes on to ``step``; the running requests and the queue are
+        as they were."""
+        try:
+            yield
+        except Exception as error:
+            with self._lock:
+                self._prefilling = [live for live in self._prefilling if live.prefill is not job]
+            for live in pending:
+                live.prefill = None
+                self._finish(live, "error", events, error=error)
+            self.runner.discard(job)
+            self._ended = error
+            error.add_note(f"while prefilling request(s) {[live.id for live in pending]}, which end with \"error\"")
+            raise
 
     def _emit(self, live: _Live, token: int, logprobs: Logprobs | None, events: list[Event]) -> bool:
         """Records the request's new token (and its log-probabilities); ends it on a stop token or at max_tokens.

@@ -1048,10 +1048,10 @@ def grown(model, config, samplings, kv_tokens: int, cancel_preempted: int | None
     ids, tokens, final, preempted = {}, {}, {}, []
     preempt = engine._preempt
 
-    def recorded(live):
+    def recorded(live, events):
         preempted.append((ids[live.id], len(live.tokens)))
         assert live.held > 0
-        preempt(live)
+        preempt(live, events)
 
     engine._preempt = recorded
     pending, steps = list(range(len(GROW_PLAN))), 0
@@ -1076,47 +1076,33 @@ def grown(model, config, samplings, kv_tokens: int, cancel_preempted: int | None
 @pytest.mark.parametrize("name", ["dense", "quest"])
 def test_requests_preempted_under_grow_give_their_alone_tokens(model, name):
     """Admission "grow" in 20 pages of 8 tokens: rows take pages as they reach them; where the store cannot give the
-    running rows their next pages, the newest admitted request gives its own back, and later its prompt is
-    prefilled again and the tokens it drew replayed through the method (dense: prefilled with the prompt, no
-    decode step of its own). Every request gets its tokens alone, one of them preempted twice; one cancelled while
-    preempted ends "cancelled" with the tokens it had; every page comes back."""
+    running rows their next pages, the newest admitted request gives its own back, and later comes back: dense's
+    prompt and drawn tokens prefilled again, Quest's row copied to host memory at the preemption and back at the
+    admission. Every request gets its tokens alone, one of them preempted twice; one cancelled while preempted ends
+    "cancelled" with the tokens it had; every page comes back."""
     from sparsekv.serve.runner import Runner
 
     config = CONFIGS[name]
     samplings = [Sampling()] * len(GROW_PLAN)
     alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
     expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new in GROW_PLAN]
-    replayed = []
-    start = Runner.start
+    came_back = []  # "prefill" or "swap", for each preempted request that drew tokens
+    start, swap_out = Runner.start, Runner.swap_out
 
-    def counted(runner, prompt, replay=()):
-        job = start(runner, prompt, replay)
-        decoder, inner = runner.decoder, job.passes
-        replayed.append(0)
+    def started(runner, prompt, drawn=()):
+        came_back.extend(["prefill"] if drawn else [])
+        return start(runner, prompt, drawn)
 
-        class Counting:  # the decoder, its decode steps over the prefill's cache counted
-            def __call__(self, token, position, cache):
-                replayed[-1] += cache is job.cache
-                return decoder(token, position, cache)
-
-            def __getattr__(self, name):
-                return getattr(decoder, name)
-
-        def passes():
-            runner.decoder = Counting()
-            try:
-                return (yield from inner)
-            finally:
-                runner.decoder = decoder
-
-        job.passes = passes()
-        return job
+    def swapped(runner, key, prompt):
+        came_back.append("swap")
+        return swap_out(runner, key, prompt)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Runner, "start", counted)
+        patch.setattr(Runner, "start", started)
+        patch.setattr(Runner, "swap_out", swapped)
         tokens, final, preempted, engine = grown(model, config, samplings, 160)
     assert [tokens[i] for i in range(len(GROW_PLAN))] == expected
-    assert (sum(replayed) == 0) == (name == "dense")
+    assert came_back and set(came_back) == {"prefill" if name == "dense" else "swap"}
     assert max(Counter(i for i, _ in preempted).values()) >= 2
     assert engine.metrics()["preempted"] == len(preempted)
     cancelled = next(i for i, _ in preempted if i not in (0, 1))
@@ -1284,3 +1270,58 @@ def test_mixed_steps_on_the_gpu_give_the_tokens_of_steps_apart(name):
     tokens = [run(ServingEngine(model, CONFIGS[name], max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
                                 compile=True, step_tokens=step_tokens), requests)[0] for step_tokens in (None, 20)]
     assert tokens[0] == tokens[1]
+
+
+def test_a_row_that_cannot_go_to_host_memory_fails_alone(model):
+    """Quest under "grow": where a preempted request's row cannot be copied to host memory, that request ends with
+    "error" and every other request gets its tokens alone; every page comes back."""
+    from sparsekv.serve.runner import Runner
+
+    config = CONFIGS["quest"]
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new in GROW_PLAN]
+    page = ServingEngine(model, config, max_batch=1, max_context=CONTEXT).runner.page_store_bytes
+    engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           kv_memory_bytes=160 // config.page_size * page, admission="grow")
+
+    def no_host_memory(runner, key, prompt):
+        raise RuntimeError("no host memory for the row")
+
+    ids, tokens, final = {}, {}, {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Runner, "swap_out", no_host_memory)
+        for i, (_, n, new) in enumerate(GROW_PLAN):
+            ids[engine.submit(Request(prompt=prompt(n), max_tokens=new))] = i
+            tokens[i] = []
+        while engine.has_work():
+            for event in engine.step(raise_errors=False):
+                tokens[ids[event.request_id]] += event.tokens
+                if event.finished:
+                    final[ids[event.request_id]] = event
+    failed = [i for i, event in final.items() if event.finish_reason == "error"]
+    assert failed and all("no host memory for the row" in final[i].error for i in failed)
+    assert all(tokens[i] == expected[i] for i in final if i not in failed)
+    assert all(final[i].finish_reason == "length" for i in final if i not in failed) and len(final) == len(GROW_PLAN)
+    shared = engine.runner.shared
+    assert engine.metrics()["kv_bytes_in_use"] == 0 and sorted(shared.free) == list(range(shared.pages))
+
+
+@pytest.mark.parametrize("name", ["dense", "quest", "raas", "lowbit", "quest-kv-fp8", "snapkv", "h2o", "omnikv"])
+def test_the_pool_allocates_what_its_accounting_says(model, name):
+    """After a run, the bytes of the pool's tensors (its layers' keys, values, bounds, page tables, per-slot state
+    made as it ran, and the shared store's table) are within 1% above the ``Runner.pool_bytes`` that sizing counted
+    (it leaves out per-row indices such as each layer's current slot, a few KiB here and nothing to speak of on a
+    real model) and 10% below it (it counts a method's per-slot state for every slot)."""
+    engine = ServingEngine(model, CONFIGS[name], max_batch=4, max_context=CONTEXT, prefill_chunk=CHUNK)
+    run(engine, [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new, _ in PLAN])
+    runner = engine.runner
+    tensors = {}
+    for layer in runner.pool.pages.layers:
+        for t in (layer.k, layer.v, getattr(layer, "_kmin", None), getattr(layer, "_kmax", None), layer.slot_page,
+                  layer.cur_slot, *layer.slot_state.values()):
+            if t is not None:
+                tensors[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    if runner.shared is not None:
+        tensors[runner.shared.table.untyped_storage().data_ptr()] = runner.shared.table.untyped_storage().nbytes()
+    allocated = sum(tensors.values())
+    assert 0.9 * runner.pool_bytes <= allocated <= 1.01 * runner.pool_bytes

@@ -21,9 +21,10 @@ from the given ranges, the same workload for every method. Per run: output token
 time to first token (submit to the first token) and time per output token ((last - first token) / (tokens - 1)) at
 p50/p90/p99, the decode step (median engine step without prefill work, engine runs) and the decode-phase output
 tokens/s (the tokens of those steps over their time: what the decode side sustains, prefill aside), the running and
-queued requests over time (the engine's metrics), the most requests running at once, the steps' measured
-profile (``Runner.profile``), peak device memory (``device_memory``: PyTorch's peak reserved plus what the process
-holds outside it) against ``--gpu-memory-utilization`` of the device, peak host RSS and host KV (offload).
+queued requests over time (the engine's metrics), the most requests running at once, the pool's device bytes
+(``Runner.pool_bytes``), the steps' measured profile (``Runner.profile``), peak device memory (``device_memory``:
+PyTorch's peak reserved plus what the process holds outside it) against ``--gpu-memory-utilization`` of the device,
+peak host RSS and host KV (offload).
 ``--step-tokens N`` runs dense and Quest in mixed steps of N tokens (``ServingEngine``'s ``step_tokens``; the
 peer's row gives vLLM's ``max_num_batched_tokens``). ``--static`` also times the static engine's step
 (``sparsekv.engine.Engine``) at the run's median running batch, on prompts of the workload's lengths.
@@ -538,7 +539,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("median running", "median_running", "{:.0f}"),
                ("vs dense tok/s", "vs_dense", "{:.2f}x"), ("vs dense decode", "decode_vs_dense", "{:.2f}x"),
                *([(f"vs {meta['peer']['peer']} tok/s", "vs_peer", "{:.2f}x")] if meta.get("peer") else []),
-               ("profile GiB", "profile_gib", "{:.2f}"), ("peak device GiB", "peak_device_gib", "{:.1f}"),
+               ("pool GiB", "pool_gib", "{:.2f}"), ("profile GiB", "profile_gib", "{:.2f}"),
+               ("peak device GiB", "peak_device_gib", "{:.1f}"),
                ("device budget GiB", "device_budget_gib", "{:.1f}"), ("peak / budget", "peak_vs_budget", "{:.2f}"),
                ("KV capacity GiB", "kv_capacity_gib", "{:.2f}"), ("peak KV GiB", "peak_kv_gib", "{:.2f}"),
                ("host KV GiB", "peak_host_kv_gib", "{:.2f}"),
@@ -890,12 +892,13 @@ def main(argv: list[str] | None = None) -> int:
                 memory = device_memory(device, args.gpu_memory_utilization)
                 step_tokens = engine.step_tokens
                 profile = engine.runner.profile_bytes / GIB if device.type == "cuda" else None
+                pool = engine.runner.pool_bytes / GIB
                 del engine
                 row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,
                        "fill": args.fill, "max_batch": batch, "device_layers": device_layers, **summarize(trace),
                        "prefix_reused": reused, "preempted": preempted, "kv_capacity_gib": capacity,
                        "step_tokens": step_tokens,
-                       "profile_gib": profile, **memory, "series": trace.samples}
+                       "pool_gib": pool, "profile_gib": profile, **memory, "series": trace.samples}
             except torch.OutOfMemoryError:
                 meta["out_of_memory"].append(label)
                 print(f"{label:>32}: out of device memory", flush=True)

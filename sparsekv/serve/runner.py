@@ -151,18 +151,17 @@ class Launched:
 @dataclass
 class Prefill:
     """A request's prompt on its way in: its cache of one row, the passes still to run, the prompt's token ids, the
-    tokens its passes run (``passed``: the prompt, or a preempted dense request's prompt and drawn tokens) and those
-    run one decode step each after them (``replay``), how many of ``passed`` a kept prompt's cache gave
-    (``PrefixCache``, looked up at the first pass: they do not run through the model) and how many mixed steps ran
-    (``ran``, ``Runner.launch_mixed``), the last column's logits (1, V) once the passes have all run, and in shared
-    pages its table of one row (``SharedPages.beside``) and the key of the request whose row took its pages
-    (``Runner.join``; None: it holds them)."""
+    tokens its passes run (``passed``: the prompt, or a preempted dense request's prompt and drawn tokens), how many
+    of them a kept prompt's cache gave (``PrefixCache``, looked up at the first pass: they do not run through the
+    model) and how many mixed steps ran (``ran``, ``Runner.launch_mixed``), the last column's logits (1, V) once the
+    passes have all run, and in shared pages its table of one row (``SharedPages.beside``) and the key of the
+    request whose row took its pages (``Runner.join``; None: it holds them). A row moved to host memory
+    (``Runner.swap_out``) is one too, its passes None: its cache holds the row's pages in host memory."""
 
     cache: SparseKVCache
     passes: Generator | None
     prompt: list[int]
     passed: list[int]
-    replay: list[int]
     reused: int = 0
     ran: int = 0
     begun: bool = False
@@ -322,6 +321,7 @@ class Runner:
                     f"({self.page_store_bytes / 2**20:.1f} MiB) {_in_budget(budget, gpu_memory_utilization)}",
                     (max_batch, max_context))
             need += store_pages * self.page_store_bytes
+        self.pool_bytes = need  # the device bytes the pool allocates, by the sums above
         require(budget is None or need + beside <= budget, POOL_FIELD,
                 f"small enough that the pool of rows ({need / 2**30:.2f} GiB), and one prompt's prefill, the "
                 f"rows' sampling state and the prefix cache ({beside / 2**30:.2f} GiB) fit "
@@ -453,33 +453,60 @@ class Runner:
         """Bytes of KV in host memory: the pool's host store."""
         return self.method.offloaded_bytes()
 
-    def start(self, prompt: list[int], replay: list[int] = ()) -> Prefill:
-        """A prefill of ``prompt`` into a cache of one row, with a method of its own; ``replay``: tokens run after
-        it, one decode step each, through the method as the pool's steps run them (a preempted request's tokens but
-        its last: a prompt pass would attend them densely, so a sparse method would not find again the keys and
-        values it had), or for a method whose decode step attends as a prompt pass (``Method.decodes_as_prompt``:
-        dense) in the prompt's passes. With a prefix cache, from the
+    def start(self, prompt: list[int], drawn: list[int] = ()) -> Prefill:
+        """A prefill of ``prompt`` into a cache of one row, with a method of its own; ``drawn``: a preempted
+        request's tokens but its last, run in the prompt's passes, which only a method whose decode step attends as
+        a prompt pass allows (``Method.decodes_as_prompt``: dense; a sparse method's steps attended other keys and
+        values than a prompt pass would, so its rows go to host memory instead: ``swap_out``). With a prefix cache,
+        from the
         kept prompt that shares the most whole pages with its start (leaving at least the last pass's queries that
         the method reads, ``min_prompt_chunk``), looked up and copied at the first pass: prefills run one after
         another, so the prompts that end before it have been kept by then (requests on one document, arriving
         together, prefill it once). In shared pages the prompt's passes write its store pages, taken at the first
         pass (admission has counted them)."""
         method = self.request_config.build(self.num_layers)
+        if drawn and not method.decodes_as_prompt:
+            raise ValueError(f"start: {method.config.name} cannot prefill a request's drawn tokens (swap_out its row)")
         method.tp_group = self.tp_group
         cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
-        # Only the prompt (and the replay): the request decodes in its row of the pool.
-        passed = prompt + list(replay) if method.decodes_as_prompt else prompt
-        cache.pages.planned_tokens = method.planned_tokens([len(passed)], len(prompt) + len(replay))
-        job = Prefill(cache, None, prompt, passed, list(replay[len(passed) - len(prompt):]))
+        # Only the prompt (and the drawn tokens): the request decodes in its row of the pool.
+        passed = prompt + list(drawn)
+        cache.pages.planned_tokens = method.planned_tokens([len(passed)], len(passed))
+        job = Prefill(cache, None, prompt, passed)
 
         def passes() -> Generator[int, None, torch.Tensor]:
             self._begin(job)
             ids = device_tensor(passed[job.reused:], self.device).view(1, -1)
-            logits = yield from self.passes(self.model, cache, ids, None, self.engine.prefill_chunk,
-                                            start=job.reused, layers=self.decoder)
-            return (yield from self._replay(job, logits))
+            return (yield from self.passes(self.model, cache, ids, None, self.engine.prefill_chunk, start=job.reused,
+                                           layers=self.decoder))
 
         job.passes = passes()
+        return job
+
+    def swap_out(self, key, prompt: list[int]) -> Prefill:
+        """A copy in host memory of the running row of ``key`` (a request of ``prompt``): its pages (keys, values,
+        bounds; the partial last page too), their per-slot state, its lengths, as a ``Prefill`` of no passes that
+        ``join`` brings back into a row, the tokens it gives unchanged. For methods in shared pages, whose rows hold
+        nothing but pages (dense, Quest); the row itself stays until it is released."""
+        if self.shared is None:
+            raise RuntimeError("swap_out: the pool's rows do not keep their pages in shared pages")
+        row, pages = self.keys.index(key), self.pool.pages
+        used = self._pages(pages.lengths[row])
+        host = torch.device("cpu")
+        method = self.request_config.build(self.num_layers)
+        cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
+        copy = cache.pages
+        with torch.no_grad():
+            for i, layer in enumerate(pages.layers):
+                kept = PagedLayer(1, layer.shape[1], layer.shape[3], self.config.page_size, used, layer.k.dtype, host)
+                kept.copy_slots(0, layer, row, used)
+                kept.cur_slot.copy_(layer.cur_slot[row])
+                kept.dropped[0] = layer.dropped[row]
+                copy.layers[i] = kept
+        copy.lengths = [pages.lengths[row]]
+        copy.seq_len = pages.seq_len[row:row + 1].to(host)
+        copy.in_prompt = False
+        job = Prefill(cache, None, prompt, prompt, begun=True)
         return job
 
     def _begin(self, job: Prefill) -> None:
@@ -489,25 +516,13 @@ class Runner:
         cache = job.cache
         if self.shared is not None:
             job.table = self.shared.beside(1)
-            job.table.assign(0, self._pages(len(job.passed) + len(job.replay)))
+            job.table.assign(0, self._pages(len(job.passed)))
             cache.pages.layers = [layer.beside(job.table) for layer in self.pool.pages.layers]
         if self.prefixes is not None:
             job.reused, source = self.prefixes.find(job.passed, len(job.passed) - cache.method.min_prompt_chunk())
             if source is not None:
                 cache.pages.seed(source, job.reused)
                 cache.columns = job.reused
-
-    def _replay(self, job: Prefill, logits: torch.Tensor) -> Generator[int, None, torch.Tensor]:
-        """Runs ``job.replay`` through its method's decode step, a pass each, after its passes (whose last
-        column's logits are ``logits``); returns the last logits (1, V)."""
-        cache = job.cache
-        if job.replay:
-            cache.pages.reserve(len(job.replay))
-        for token in job.replay:
-            logits = self.decoder(device_tensor([token], self.device).view(1, 1), cache.pages.seq_len.view(1, 1),
-                                  cache)
-            yield 1
-        return logits
 
     def prefill(self, job: Prefill, budget: int) -> int:
         """Runs passes of ``job`` until about ``budget`` tokens times layers have run (at least one pass); sets
@@ -546,17 +561,18 @@ class Runner:
              logprobs: int | None = None, earlier: list[int] = ()) -> None:
         """Makes the prefilled request ``key`` (of at most ``max_tokens`` new tokens) a running row whose next input
         is ``first``; ``logprobs``: as in ``first_token``, for each of its tokens; ``earlier``: the tokens it drew
-        before ``first`` (a request preempted and prefilled again with them: its draws and penalties go on where
-        they were). Requests of the same prompt join from one prefill, which the caller then ``discard``s: the
-        prefill is copied into each row, except in shared pages, where the first request's row takes its pages and
-        the others copy them from that row. In shared pages the row takes the pages of its max_tokens, or
+        before ``first`` (a request preempted and prefilled again with them, or brought back from host memory,
+        ``swap_out``: its draws and penalties go on where they were). Requests of the same prompt join from one
+        prefill, which the caller then ``discard``s: the prefill is copied into each row, except in shared pages,
+        where the first request's row takes its pages and the others copy them from that row (and a row in host
+        memory is copied into pages of its own). In shared pages the row takes the pages of its max_tokens, or
         (``grow``) of its next token only."""
         if not self.free_rows:
             raise RuntimeError("join: every row runs a request")
         row = len(self.keys)
         pages = self.pool.pages
         source, method, source_row = self._prefilled(job)
-        takes = self.shared is not None and job.holder is None
+        takes = self.shared is not None and job.holder is None and job.table is not None
         if takes:
             self.shared.move(row, 0, job.table)
         try:
@@ -730,7 +746,7 @@ class Runner:
     def launch_mixed(self, job: Prefill, tokens: int) -> "Launched":
         """``launch``, the step carrying the next ``tokens`` of ``job``'s prompt (at most those left) beside the
         running rows' decode tokens, through the model together (``DecodeModel.mixed``: each weight read once for
-        both), run eagerly; after the prompt's last, its replay (``start``) and ``job.logits``. With no row running,
+        both), run eagerly; after the prompt's last, ``job.logits``. With no row running,
         a prompt pass through every layer. A prefill is run by mixed steps only, from its first: a layer-major pass
         (``prefill``) would leave its layers at different columns. Only in shared pages (``ServingEngine``'s
         ``step_tokens``), where a prompt pass reads the prompt's earlier pages in the store, chunks in any order."""
@@ -754,13 +770,7 @@ class Runner:
                 _, last = self.decoder.mixed(self.token[:0], self.pool.pages.seq_len[:0].view(0, 1), None, ids, begin,
                                              job.cache, end == len(job.passed))
             job.ran += end - begin
-            if end == len(job.passed):
-                replay = self._replay(job, last)
-                while job.logits is None:
-                    try:
-                        next(replay)
-                    except StopIteration as done:
-                        job.logits = done.value
+            job.logits = last
         return self._launched(cache)
 
     def _rows_step(self) -> tuple[SparseKVCache, CapturedStep, Callable[[torch.Tensor], None]]:

@@ -10,8 +10,8 @@ A request, as data::
            (a failure inside a step: "error", see ``ServingEngine.step``)
            (admission "grow": a row takes its pages as it grows; where the store cannot give the running rows their
             next pages, the newest admitted request is preempted: its pages go back and it waits at the front of
-            the queue, then its prompt is prefilled again, the tokens it has drawn replayed through the method's
-            decode step, and it goes on)
+            the queue, then its prompt and the tokens it has drawn are prefilled again (dense), or its row, copied
+            to host memory when it was preempted, is copied back (Quest), and it goes on)
 
 ``submit`` and ``cancel`` may come from any thread; ``step`` runs in one thread (the server's loop), which alone
 touches the runner and the model.
@@ -142,8 +142,9 @@ class PrefillPacer:
 class _Live:
     """A request inside the engine: its id, what it asked, its seed, its prefill while it runs, the tokens it has
     generated (with their log-probabilities where it asked for them), how many of them its events have
-    delivered, the prompt tokens the prefix cache gave, the KV bytes admission counts it for (``held``) and when it
-    was admitted (``admitted``: a count, the newest highest)."""
+    delivered, the prompt tokens the prefix cache gave, the KV bytes admission counts it for (``held``), when it
+    was admitted (``admitted``: a count, the newest highest) and, while it waits preempted, its row in host memory
+    (``swapped``, ``Runner.swap_out``)."""
 
     id: int
     request: Request
@@ -155,11 +156,12 @@ class _Live:
     shown: int = 0
     held: int = 0
     admitted: int = 0
+    swapped: Prefill | None = None
 
     @property
     def context(self) -> int:
-        """The tokens its prefill holds at its end: the prompt's, and for a request preempted after drawing tokens,
-        those tokens' but the last, which is its next input (``Runner.start``'s replay)."""
+        """The tokens its KV holds when it joins the rows: the prompt's, and for a request preempted after drawing
+        tokens, those tokens' but the last, which is its next input."""
         return len(self.request.prompt) + max(len(self.tokens) - 1, 0)
 
 
@@ -183,8 +185,9 @@ class ServingEngine:
     none). admission: "reserve" counts each request's KV of its prompt and max_tokens from its admission; "grow"
     (methods in shared pages: dense, quest) counts its prompt's and then each page it takes as it grows, and
     preempts the newest admitted request where the store cannot give the running rows their next pages (later its
-    prompt is prefilled again and its tokens so far replayed, and it goes on with the same tokens); other methods'
-    rows are bounded and counted whole either way. step_tokens: None, or mixed steps (methods in shared pages:
+    prompt and tokens so far are prefilled again, or for methods whose decode step a prompt pass cannot redo
+    (Quest) its row comes back from host memory, and it goes on with the same tokens); other methods' rows are
+    bounded and counted whole either way. step_tokens: None, or mixed steps (methods in shared pages:
     dense, quest): each step carries the running rows' decode tokens and the next prompt tokens of the oldest
     prefill, at most ``step_tokens`` tokens in all (as vLLM's ``max_num_batched_tokens``), through the model
     together (``Runner.launch_mixed``); steps with no prompt tokens stay captured."""
@@ -360,7 +363,7 @@ class ServingEngine:
     def _step(self, events: list[Event]) -> None:
         self._cancelled(events)
         self._admit(events)
-        self._grow()
+        self._grow(events)
         if self.step_tokens is not None:
             self._mixed_step(events)
             return
@@ -439,10 +442,16 @@ class ServingEngine:
                 self._in_use += need
                 live.held = need
                 live.admitted = self._admissions = self._admissions + 1
-                if not live.tokens:  # a preempted request replays tokens of its own
+                if not live.tokens:  # a preempted request prefills tokens of its own
                     live.prefill = next((other.prefill for other in self._prefilling
                                          if not other.tokens and other.request.prompt == live.request.prompt), None)
                 try:
+                    if live.swapped is not None:  # its row comes back from host memory
+                        request, swapped, live.swapped = live.request, live.swapped, None
+                        self.runner.join(live.id, swapped, live.tokens[-1], request.sampling, live.seed,
+                                         request.max_tokens, request.logprobs, earlier=live.tokens[:-1])
+                        self._running[live.id] = live
+                        continue
                     if live.prefill is None:
                         live.prefill = self.runner.start(live.request.prompt, live.tokens[:-1])
                     self._prefilling.append(live)
@@ -451,7 +460,8 @@ class ServingEngine:
             if failed is not None:
                 self._finish(live, "error", events, error=failed)
                 self._ended = failed
-                failed.add_note(f"while starting the prefill of request {live.id}, which ends with \"error\"")
+                failed.add_note(f"while starting the prefill of request {live.id}, or bringing its row back, which "
+                                f"ends with \"error\"")
                 raise failed
 
     def _need(self, live: _Live) -> int:
@@ -461,7 +471,7 @@ class ServingEngine:
         total = len(live.request.prompt) + live.request.max_tokens
         return self.runner.kv_bytes(context, context + 1 if self.runner.grows else total)
 
-    def _grow(self) -> None:
+    def _grow(self, events: list[Event]) -> None:
         """Under "grow", gives the running rows the pages of their next tokens, preempting the newest admitted
         requests (running or prefilling) while the store cannot."""
         page = self.runner.page_store_bytes
@@ -469,15 +479,25 @@ class ServingEngine:
             keys = self.runner.growth()
             if not keys or self._in_use + len(keys) * page <= self.kv_memory_bytes:
                 break
-            self._preempt(max([*self._prefilling, *self._running.values()], key=lambda live: live.admitted))
+            self._preempt(max([*self._prefilling, *self._running.values()], key=lambda live: live.admitted), events)
         self.runner.grow(keys)
         for key in keys:
             self._running[key].held += page
         self._in_use += len(keys) * page
 
-    def _preempt(self, live: _Live) -> None:
+    def _preempt(self, live: _Live, events: list[Event]) -> None:
         """Gives back what ``live`` holds (its row or its share of a prefill) and puts it at the front of the queue,
-        to be prefilled again with the tokens it has drawn (``_Live.context``)."""
+        to be prefilled again with the tokens it has drawn (``_Live.context``), or for a running request of a method
+        whose decode step a prompt pass cannot redo (``Method.decodes_as_prompt`` False: Quest), with its row copied
+        to host memory first (``Runner.swap_out``). A failed copy ends that request with "error"."""
+        if live.id in self._running and not self.runner.method.decodes_as_prompt:
+            try:
+                live.swapped = self.runner.swap_out(live.id, live.request.prompt)
+            except Exception as error:
+                self._finish(live, "error", events, error=error)
+                self._ended = error
+                error.add_note(f"while moving request {live.id}'s row to host memory, which ends with \"error\"")
+                raise
         self._in_use -= live.held
         live.held = 0
         if live.id in self._running:

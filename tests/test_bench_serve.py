@@ -25,6 +25,9 @@ def test_serve_bench_smoke(tmp_path):
         assert r["requests_done"] == 5 and 5 * 3 <= r["output_tokens"] <= 5 * 9
         assert r["output_tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0 and r["tpot_p99_ms"] >= r["tpot_p50_ms"]
         assert 1 <= r["max_running"] <= 3 and r["static_step_ms"] > 0 and r["tpot_vs_static"] > 0
+        # the machine's state as the run started: the host's load; no GPU to read
+        assert r["host_load_1m"] >= 0 and r["gpu_temp_c"] is None and r["sm_clock_mhz"] is None
+        assert r["pool_gib"] > 0 and r["profile_gib"] is None and r["peak_device_gib"] is None
     # the same workload for every run: the same tokens
     assert len({r["output_tokens"] for r in rows}) == 1
     series = result["series"]["quest engine"]

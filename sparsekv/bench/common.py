@@ -234,6 +234,19 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
+def conditions(device: torch.device) -> dict:
+    """What the machine is doing as a timed run starts: the host's load average over the last minute and, on CUDA,
+    the GPU's temperature (C) and SM clock (MHz) through NVML (None where NVML cannot say), so that a run slower
+    than its twin can be told from a busy host or a hot, slowed GPU."""
+    found = {"host_load_1m": os.getloadavg()[0], "gpu_temp_c": None, "sm_clock_mhz": None}
+    if device.type == "cuda":
+        try:
+            found.update(gpu_temp_c=torch.cuda.temperature(device), sm_clock_mhz=torch.cuda.clock_rate(device))
+        except Exception:  # NVML missing or refused: the run is timed all the same
+            pass
+    return found
+
+
 # A markdown column: header, the row's key or a function of the row, and the format of a value (None prints "-").
 Column = tuple[str, "str | Callable[[dict], object]", str]
 

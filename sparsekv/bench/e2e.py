@@ -55,9 +55,9 @@ from ..quant import QuantLinear, quantize_model
 from ..spec import budget_arg
 from .peer import PEERS, PeerError
 from .peer import peer_rows as run_peer
-from .common import (SHAPES, Timer, claim_results, copy_bandwidth, device_name, int_arg, kernel_table, load_sharded,
-                     markdown_table, memory_problems, out_of_memory_lines, pyplot, refuse, run_args, run_setting,
-                     shape_model, shape_weights, shared_folder, weights_arg, write_results)
+from .common import (SHAPES, Timer, claim_results, conditions, copy_bandwidth, device_name, int_arg, kernel_table,
+                     load_sharded, markdown_table, memory_problems, out_of_memory_lines, pyplot, refuse, run_args,
+                     run_setting, shape_model, shape_weights, shared_folder, weights_arg, write_results)
 
 FILL_CHUNK = 16384  # tokens of random keys and values written per pass
 
@@ -200,6 +200,7 @@ def engine_row(model, config, label: str, context: int, batch: int, args, device
     profiler = StepProfiler(args.profile) if args.profile and device.type == "cuda" else None
     if real:  # the prompts' own shapes: the kernels compiled, cuDNN's attention plans built
         engine.generate(rows, 1, stop_tokens=())
+    started = conditions(device)
     out = engine.generate(rows, args.new_tokens, stop_tokens=(), time_steps=True,
                           prefill=None if real else random_fill(model), stream=profiler)
     ms = 1e3 * step_time(out.step_seconds[2:] or out.step_seconds, getattr(config, "reuse", 1))
@@ -217,7 +218,7 @@ def engine_row(model, config, label: str, context: int, batch: int, args, device
             "captured": out.captured, "attended_per_head": out.stats["attended_per_head"],
             "kv_device_gib": out.kv_device_bytes / 2**30, "kv_host_gib": out.kv_host_bytes / 2**30,
             "peak_device_gib": None if out.peak_device_bytes is None else out.peak_device_bytes / 2**30,
-            **({"profile": profiler.table} if profiler is not None else {})}
+            **started, **({"profile": profiler.table} if profiler is not None else {})}
 
 
 class StepProfiler:

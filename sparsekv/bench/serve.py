@@ -83,9 +83,9 @@ from ..serve import Request, ServingEngine
 from ..serve.scheduler import ADMISSIONS
 from ..serve.runner import POOL_FIELD, cache_bytes, pool_row_bytes, prefill_bytes, shared_page_bytes, shares_pages
 from ..spec import budget_arg
-from .common import (ModelShape, claim_results, device_name, int_arg, markdown_table, memory_problems, model_shape,
-                     out_of_memory_lines, pyplot, quantiles, refuse, run_args, run_setting, shape_config, shape_model,
-                     shape_weights, weights_arg, write_results)
+from .common import (ModelShape, claim_results, conditions, device_name, int_arg, markdown_table, memory_problems,
+                     model_shape, out_of_memory_lines, pyplot, quantiles, refuse, run_args, run_setting, shape_config,
+                     shape_model, shape_weights, weights_arg, write_results)
 from .e2e import fill_passes, random_fill
 from .peer import PEERS, PeerError
 from .peer import load_rows_of as run_peer_load
@@ -544,7 +544,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("device budget GiB", "device_budget_gib", "{:.1f}"), ("peak / budget", "peak_vs_budget", "{:.2f}"),
                ("KV capacity GiB", "kv_capacity_gib", "{:.2f}"), ("peak KV GiB", "peak_kv_gib", "{:.2f}"),
                ("host KV GiB", "peak_host_kv_gib", "{:.2f}"),
-               ("peak RSS GiB", "peak_rss_gib", "{:.1f}")]
+               ("peak RSS GiB", "peak_rss_gib", "{:.1f}"), ("host load at start", "host_load_1m", "{:.1f}"),
+               ("GPU C at start", "gpu_temp_c", "{}"), ("SM MHz at start", "sm_clock_mhz", "{}")]
     if meta.get("prefix_cache_gib"):
         columns.append(("prefix tokens reused", "prefix_reused", "{}"))
     if meta.get("admission") == "grow":
@@ -881,6 +882,8 @@ def main(argv: list[str] | None = None) -> int:
                 if args.warmup:
                     warm_up(engine, batch, model.config.vocab_size, max(len(w.prompt) for w in work))
                 before = engine.metrics()  # the warm-up's counts
+                started = conditions(device)
+                print(f"{label:>32}: starts at {started}", flush=True)
                 trace = (run_engine(engine, work, args.concurrency, args.capacity, args.duration)
                          if via == "engine" else run_http(engine, tokenizer, work, args.concurrency, args.capacity))
                 # The pool's own choice where the config left it open (OmniKV's device layers).
@@ -898,7 +901,7 @@ def main(argv: list[str] | None = None) -> int:
                        "fill": args.fill, "max_batch": batch, "device_layers": device_layers, **summarize(trace),
                        "prefix_reused": reused, "preempted": preempted, "kv_capacity_gib": capacity,
                        "step_tokens": step_tokens,
-                       "pool_gib": pool, "profile_gib": profile, **memory, "series": trace.samples}
+                       "pool_gib": pool, "profile_gib": profile, **memory, **started, "series": trace.samples}
             except torch.OutOfMemoryError:
                 meta["out_of_memory"].append(label)
                 print(f"{label:>32}: out of device memory", flush=True)

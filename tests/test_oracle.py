@@ -3,10 +3,10 @@ config checks, and its place above Quest in attention recall."""
 
 import pytest
 import torch
+from paged_util import one_layer
 
 import sparsekv
 from sparsekv import kernels
-from sparsekv.cache import PagedKVCache
 from sparsekv.errors import ConfigError
 from sparsekv.eval.recall import RecallConfig
 from sparsekv.methods import METHODS, OracleConfig, QuestConfig
@@ -17,18 +17,9 @@ B, HKV, D, P = 2, 2, 8, 4
 
 
 def _layer(prompt, h, seed=0, lengths=None):
-    """A one-layer cache holding ``prompt`` random keys per row (``lengths``: fewer for some rows, left padded)
-    plus one decode token; returns the layer, seq_len and a query (B, h, D)."""
-    torch.manual_seed(seed)
-    pages = PagedKVCache(1, P)
-    valid = None
-    if lengths is not None:
-        valid = torch.arange(prompt).view(1, -1) >= (prompt - torch.tensor(lengths)).view(-1, 1)
-    pages.begin(prompt, valid, B, torch.device("cpu"))
-    pages.append(0, torch.randn(B, HKV, prompt, D) * 2, torch.randn(B, HKV, prompt, D))
-    pages.begin(1, None, B, torch.device("cpu"))
-    layer = pages.append(0, torch.randn(B, HKV, 1, D), torch.randn(B, HKV, 1, D))
-    return layer, pages.seq_len, torch.randn(B, h, D)
+    """``paged_util.one_layer`` of this file's shapes, and a query (B, h, D)."""
+    layer, seq_len = one_layer(prompt, B, HKV, D, P, lengths, seed)
+    return layer, seq_len, torch.randn(B, h, D)
 
 
 def _brute_mass(q, layer, seq_len, scale):

@@ -66,6 +66,35 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
     return bound.masked_fill(free, float("-inf"))
 
 
+def spread_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor, spread: float,
+                  per_query_head: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
+    """Pages scored by the mean and spread of their keys: ``q . mu + spread * sqrt(sum_i q_i^2 sigma_i^2)``, mu and
+    sigma a page's channel-wise mean and standard deviation over the tokens it stores (taking its keys as Gaussian
+    with independent channels, the mean of its logits ``q . k`` and ``spread`` times their standard deviation).
+
+    q: (B, H, D); k: (B, Hkv, C, P, D), or with ``table`` (B, C) int64 a pool's shared pages (1, Hkv, N, P, D);
+    slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,) tokens stored per row (a page's positions from it on
+    are not written yet). Returns (B, Hkv, C), the max over each group's query heads, or (B, H, C) with
+    ``per_query_head``; free slots score -inf.
+    """
+    if table is not None:
+        k = k[0][:, table].transpose(0, 1)
+    b, h, d = q.shape
+    hkv, p = k.shape[1], k.shape[3]
+    acc = acc_dtype(q.dtype)
+    position = slot_page.unsqueeze(-1) * p + torch.arange(p, device=k.device)
+    stored = ((slot_page.unsqueeze(-1) >= 0) & (position < seq_len.view(b, 1, 1, 1))).to(acc).unsqueeze(-1)
+    count = stored.sum(3).clamp(min=1)
+    keys = k.to(acc)
+    mean = (keys * stored).sum(3) / count  # (B, Hkv, C, D)
+    var = ((keys - mean.unsqueeze(3)).square() * stored).sum(3) / count
+    qg = q.to(acc).view(b, hkv, h // hkv, 1, d)
+    score = (qg * mean.unsqueeze(2)).sum(-1) + spread * (qg.square() * var.unsqueeze(2)).sum(-1).sqrt()
+    score = score.flatten(1, 2) if per_query_head else score.amax(dim=2)
+    rows = score.shape[1] // hkv
+    return score.masked_fill((slot_page < 0).repeat_interleave(rows, dim=1), float("-inf"))
+
+
 def check_num_pages(num_pages: int) -> None:
     if num_pages < 1:
         raise ValueError(f"num_pages must be >= 1, got {num_pages}")

@@ -1073,6 +1073,21 @@ def grown(model, config, samplings, kv_tokens: int, cancel_preempted: int | None
     return tokens, final, preempted, engine
 
 
+def cancelled_while_preempted(model, config, samplings, expected, preempted, step_tokens: int | None = None):
+    """Runs ``grown`` again, cancelling a request (not the first two) that ``preempted`` (a first run's
+    preemptions) shows preempted: it ends "cancelled" with the tokens it had drawn, every other request gets
+    ``expected`` (its tokens alone), and every page comes back."""
+    cancelled = next(i for i, _ in preempted if i not in (0, 1))
+    tokens, final, preempted, engine = grown(model, config, samplings, 160, cancel_preempted=cancelled,
+                                             step_tokens=step_tokens)
+    drawn = max(n for i, n in preempted if i == cancelled)
+    assert final[cancelled].finish_reason == "cancelled" and tokens[cancelled] == expected[cancelled][:drawn]
+    assert [tokens[i] for i in range(len(GROW_PLAN)) if i != cancelled] == \
+        [want for i, want in enumerate(expected) if i != cancelled]
+    shared = engine.runner.shared
+    assert engine.metrics()["kv_bytes_in_use"] == 0 and sorted(shared.free) == list(range(shared.pages))
+
+
 @pytest.mark.parametrize("name", ["dense", "quest"])
 def test_requests_preempted_under_grow_give_their_alone_tokens(model, name):
     """Admission "grow" in 20 pages of 8 tokens: rows take pages as they reach them; where the store cannot give the
@@ -1105,14 +1120,7 @@ def test_requests_preempted_under_grow_give_their_alone_tokens(model, name):
     assert came_back and set(came_back) == {"prefill" if name == "dense" else "swap"}
     assert max(Counter(i for i, _ in preempted).values()) >= 2
     assert engine.metrics()["preempted"] == len(preempted)
-    cancelled = next(i for i, _ in preempted if i not in (0, 1))
-    tokens, final, preempted, engine = grown(model, config, samplings, 160, cancel_preempted=cancelled)
-    drawn = max(n for i, n in preempted if i == cancelled)
-    assert final[cancelled].finish_reason == "cancelled" and tokens[cancelled] == expected[cancelled][:drawn]
-    assert [tokens[i] for i in range(len(GROW_PLAN)) if i != cancelled] == \
-        [want for i, want in enumerate(expected) if i != cancelled]
-    shared = engine.runner.shared
-    assert engine.metrics()["kv_bytes_in_use"] == 0 and sorted(shared.free) == list(range(shared.pages))
+    cancelled_while_preempted(model, config, samplings, expected, preempted)
 
 
 @pytest.mark.parametrize("name", ["dense", "quest", "quest-per-query-head", "quest-kv-fp8"])
@@ -1228,15 +1236,7 @@ def test_mixed_steps_under_preemption_give_the_alone_tokens(model, name):
     tokens, _, preempted, engine = grown(model, config, samplings, 160, step_tokens=16)
     assert [tokens[i] for i in range(len(GROW_PLAN))] == expected
     assert max(Counter(i for i, _ in preempted).values()) >= 2
-    cancelled = next(i for i, _ in preempted if i not in (0, 1))
-    tokens, final, preempted, engine = grown(model, config, samplings, 160, cancel_preempted=cancelled,
-                                             step_tokens=16)
-    drawn = max(n for i, n in preempted if i == cancelled)
-    assert final[cancelled].finish_reason == "cancelled" and tokens[cancelled] == expected[cancelled][:drawn]
-    assert [tokens[i] for i in range(len(GROW_PLAN)) if i != cancelled] == \
-        [want for i, want in enumerate(expected) if i != cancelled]
-    shared = engine.runner.shared
-    assert engine.metrics()["kv_bytes_in_use"] == 0 and sorted(shared.free) == list(range(shared.pages))
+    cancelled_while_preempted(model, config, samplings, expected, preempted, step_tokens=16)
 
 
 def test_mixed_steps_at_a_covering_budget_give_dense_tokens(model):

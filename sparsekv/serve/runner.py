@@ -506,8 +506,7 @@ class Runner:
         copy.lengths = [pages.lengths[row]]
         copy.seq_len = pages.seq_len[row:row + 1].to(host)
         copy.in_prompt = False
-        job = Prefill(cache, None, prompt, prompt, begun=True)
-        return job
+        return Prefill(cache, None, prompt, prompt, begun=True)
 
     def _begin(self, job: Prefill) -> None:
         """A prefill's first pass: in shared pages, its store pages; with a prefix cache, the kept prompt's pages it
@@ -757,20 +756,16 @@ class Runner:
         begin = job.reused + job.ran
         end = min(begin + tokens, len(job.passed))
         ids = device_tensor(job.passed[begin:end], self.device).view(1, -1)
-        job.cache.prompt_end, job.cache.pending_mask = end == len(job.passed), None
+        ends = end == len(job.passed)
+        job.cache.prompt_end, job.cache.pending_mask = ends, None
         n = len(self.keys)
+        cache, _, sample = self._rows_step() if n else (None, None, None)
         with apply(self.model, self.config), torch.no_grad():
+            logits, job.logits = self.decoder.mixed(self.token[:n], self.pool.pages.seq_len[:n].view(n, 1), cache,
+                                                    ids, begin, job.cache, ends)
             if n:
-                cache, _, sample = self._rows_step()
-                logits, last = self.decoder.mixed(self.token[:n], self.pool.pages.seq_len[:n].view(n, 1), cache, ids,
-                                                  begin, job.cache, end == len(job.passed))
                 sample(logits)
-            else:
-                cache = None
-                _, last = self.decoder.mixed(self.token[:0], self.pool.pages.seq_len[:0].view(0, 1), None, ids, begin,
-                                             job.cache, end == len(job.passed))
-            job.ran += end - begin
-            job.logits = last
+        job.ran += end - begin
         return self._launched(cache)
 
     def _rows_step(self) -> tuple[SparseKVCache, CapturedStep, Callable[[torch.Tensor], None]]:

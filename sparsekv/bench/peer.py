@@ -11,6 +11,10 @@ and last token (host clock: what a client of vLLM sees, its scheduling included)
 workload file (``{"prompts": [[token ids], ...], "output_lens": [n, ...]}``, as ``bench.serve --peer`` writes its
 own) given at once, each greedy for its output length with EOS ignored: output tokens/s over the whole run, and
 time to first token (from the request's arrival) and per output token (p50, p90, p99), in ``bench.serve``'s names.
+``score``: a workload's requests decoded greedily, or fed the workload's ``"forced"`` tokens, with each request's
+tokens and their mean negative log-likelihood (``bench.vllm_backend agree``). ``--sparsekv SPEC`` runs vLLM with
+sparsekv's attention backend deciding the decode tokens' pages (``sparsekv.integrations.vllm``); ``--weights`` loads
+a saved checkpoint in place of random ones.
 
 The rows go to stdout as one JSON line (``PEER_ROWS {...}``) and, with ``--json FILE``, to that file. Other
 benchmarks run this module through ``peer_rows`` (their ``--peer vllm``). vLLM is the optional extra
@@ -71,24 +75,36 @@ def request_times(output) -> tuple[float, float | None]:
     return m.first_token_latency, decode
 
 
-def engine(args, max_len: int):
-    """A ``vllm.LLM`` over a random-weight model of ``args.model``'s shape, no tokenizer, no prefix cache."""
+def engine(args, max_len: int, **extra):
+    """A ``vllm.LLM`` over a random-weight model of ``args.model``'s shape (or the checkpoint in ``args.weights``),
+    no tokenizer, no prefix cache; with ``args.sparsekv`` (a method spec) sparsekv's attention backend decodes
+    (``sparsekv.integrations.vllm``). ``extra``: more of ``LLM``'s options."""
     from vllm import LLM
 
-    folder = Path(tempfile.mkdtemp(prefix="sparsekv-peer-"))
-    write_shape(args.model.removeprefix("shape:"), max_len, folder)
-    options = dict(model=str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+    if args.weights:
+        model, load_format = args.weights, "auto"
+    else:
+        model, load_format = Path(tempfile.mkdtemp(prefix="sparsekv-peer-")), "dummy"
+        write_shape(args.model.removeprefix("shape:"), max_len, model)
+    options = dict(model=str(model), load_format=load_format, skip_tokenizer_init=True, dtype="bfloat16",
                    max_model_len=max_len, gpu_memory_utilization=args.gpu_memory_utilization,
                    enable_prefix_caching=False, seed=args.seed,
-                   disable_log_stats=False)  # LLM turns the per-request stats off, and with them the timestamps
+                   disable_log_stats=False, **extra)  # LLM turns the per-request stats off, and the timestamps
     if args.max_num_seqs:
         options["max_num_seqs"] = args.max_num_seqs
     if args.kv_cache_memory_bytes:
         options["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    if args.sparsekv:
+        options.update(attention_backend="CUSTOM", additional_config={"sparsekv": args.sparsekv})
     t0 = time.perf_counter()
     llm = LLM(**options)
-    print(f"peer: vLLM engine up in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"peer: vLLM engine up in {time.perf_counter() - t0:.0f} s ({method_of(args)})", flush=True)
     return llm
+
+
+def method_of(args) -> str:
+    """The rows' ``method``: ``dense`` (vLLM's own attention), or the spec sparsekv's backend runs."""
+    return args.sparsekv or "dense"
 
 
 def generate(llm, prompts: list[list[int]], new_tokens: list[int]) -> tuple[list, float]:
@@ -118,9 +134,9 @@ def decode_rows(args) -> list[dict]:
     for context in args.contexts:
         (out,), _ = generate(llm, [random_prompt(llm, context, args.seed + context)], [args.new_tokens])
         ttft, decode_ms = request_times(out)
-        rows.append({"peer": "vllm", "method": "dense", "context": context, "batch": 1, "ttft_s": ttft,
+        rows.append({"peer": "vllm", "method": method_of(args), "context": context, "batch": 1, "ttft_s": ttft,
                      "prefill_tok_s": context / ttft, "decode_ms": decode_ms, "tokens_per_s": 1e3 / decode_ms})
-        print(f"peer: vLLM dense ctx {context}: TTFT {ttft:.3f} s, {decode_ms:.2f} ms/token", flush=True)
+        print(f"peer: vLLM {method_of(args)} ctx {context}: TTFT {ttft:.3f} s, {decode_ms:.2f} ms/token", flush=True)
     return rows
 
 
@@ -135,16 +151,41 @@ def load_rows(args) -> list[dict]:
     ttft = quantiles([t for t, _ in times])
     tpot = quantiles([d for _, d in times if d is not None])
     kv = llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes
-    row = {"peer": "vllm", "requests_done": len(outputs), "output_tokens": tokens, "duration_s": wall,
-           "output_tokens_per_s": tokens / wall, "requests_per_s": len(outputs) / wall,
+    row = {"peer": "vllm", "method": method_of(args), "requests_done": len(outputs), "output_tokens": tokens,
+           "duration_s": wall, "output_tokens_per_s": tokens / wall, "requests_per_s": len(outputs) / wall,
            **{f"ttft_{k}_ms": None if v is None else 1e3 * v for k, v in ttft.items()},
            **{f"tpot_{k}_ms": v for k, v in tpot.items()},
            "max_batch": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
            "step_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
            "kv_capacity_gib": None if kv is None else kv / 2**30}
-    print(f"peer: vLLM dense, {len(prompts)} requests: {row['output_tokens_per_s']:.1f} output tok/s, TTFT p50 "
-          f"{row['ttft_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.2f} ms", flush=True)
+    print(f"peer: vLLM {method_of(args)}, {len(prompts)} requests: {row['output_tokens_per_s']:.1f} output tok/s, "
+          f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.2f} ms", flush=True)
     return [row]
+
+
+def score_rows(args) -> list[dict]:
+    """Each request of the workload decoded greedily, or fed its ``forced`` tokens (the workload's, through
+    ``vllm_forced.ForcedTokens``) through the decode steps: its tokens and their mean negative log-likelihood per
+    token under the model (vLLM's log-probabilities before any logits processor)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from .vllm_forced import ForcedTokens
+
+    work = json.loads(args.workload.read_text())
+    prompts, lengths, forced = work["prompts"], work["output_lens"], work.get("forced")
+    llm = engine(args, max(len(p) + n for p, n in zip(prompts, lengths)), logits_processors=[ForcedTokens])
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0,
+                             extra_args=None if forced is None else {ForcedTokens.KEY: forced[i]})
+              for i, n in enumerate(lengths)]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    rows = []
+    for out in outputs:
+        done = out.outputs[0]
+        nll = -sum(step[token].logprob for step, token in zip(done.logprobs, done.token_ids)) / len(done.token_ids)
+        rows.append({"peer": "vllm", "method": method_of(args), "tokens": list(done.token_ids), "nll": nll})
+    print(f"peer: vLLM {method_of(args)}: mean NLL per token {[round(r['nll'], 4) for r in rows]}", flush=True)
+    return rows
 
 
 def workload_problem(path: Path) -> str | None:
@@ -157,8 +198,13 @@ def workload_problem(path: Path) -> str | None:
     ok = (isinstance(prompts, list) and isinstance(lengths, list) and prompts and len(prompts) == len(lengths)
           and all(isinstance(p, list) and p and all(type(t) is int and t >= 0 for t in p) for p in prompts)
           and all(type(n) is int and n >= 1 for n in lengths))
-    return None if ok else ('needs "prompts": a non-empty list of non-empty lists of token ids >= 0, and '
-                            '"output_lens": one int >= 1 per prompt')
+    forced = work.get("forced")
+    ok = ok and (forced is None or (isinstance(forced, list) and len(forced) == len(prompts) and all(
+        isinstance(f, list) and len(f) == n and all(type(t) is int and t >= 0 for t in f)
+        for f, n in zip(forced, lengths))))
+    return None if ok else ('needs "prompts": a non-empty list of non-empty lists of token ids >= 0, '
+                            '"output_lens": one int >= 1 per prompt, and optionally "forced": per prompt its '
+                            'output_lens token ids >= 0')
 
 
 def parser() -> argparse.ArgumentParser:
@@ -169,10 +215,18 @@ def parser() -> argparse.ArgumentParser:
     decode.add_argument("--contexts", type=int_arg(), nargs="+", default=[32768, 131072])
     decode.add_argument("--new-tokens", type=int_arg(2), default=64)
     load = sub.add_parser("load", help="a workload's requests given at once")
-    load.add_argument("--workload", type=Path, required=True,
-                      help='JSON: {"prompts": [[token ids], ...], "output_lens": [n, ...]}')
-    for s in (decode, load):
+    score = sub.add_parser("score", help="a workload's tokens (greedy, or its \"forced\" ones) and their NLL")
+    for s in (load, score):
+        s.add_argument("--workload", type=Path, required=True,
+                       help='JSON: {"prompts": [[token ids], ...], "output_lens": [n, ...]} (score: and optionally '
+                            '"forced": [[token ids], ...], output_lens of them)')
+    for s in (decode, load, score):
         s.add_argument("--model", default="shape:llama3-8b", help="shape:<name>: a published shape, random weights")
+        s.add_argument("--weights", type=Path, default=None,
+                       help="a saved checkpoint (a transformers folder) instead of the shape's random weights")
+        s.add_argument("--sparsekv", default=None, metavar="SPEC",
+                       help="decode through sparsekv's attention backend with this method spec (e.g. "
+                            "quest:token_budget=2048); default: vLLM's own attention")
         s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         s.add_argument("--max-num-seqs", type=int_arg(), default=None, help="vLLM's cap on running requests")
         s.add_argument("--kv-cache-memory-bytes", type=int_arg(), default=None,
@@ -192,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         model_shape(args.model.removeprefix("shape:"))
     except ValueError as err:
         p.error(f"--model: {err}")
-    if args.kind == "load":
+    if args.kind in ("load", "score"):
         problem = workload_problem(args.workload)
         if problem:
             p.error(f"--workload {args.workload}: {problem}")
@@ -202,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
-    rows = decode_rows(args) if args.kind == "decode" else load_rows(args)
+    rows = {"decode": decode_rows, "load": load_rows, "score": score_rows}[args.kind](args)
     import vllm
 
     result = {"peer": "vllm", "version": vllm.__version__, "rows": rows}

@@ -116,6 +116,15 @@ class SharedPages:
         self._runs: list[list[tuple[int, int, int]]] = [[] for _ in range(rows)]  # ``runs``, made at ``assign``
         self.free = list(range(pages - 1, -1, -1))  # popped from the end: the lowest first
 
+    @classmethod
+    def over(cls, table: torch.Tensor, pages: int) -> "SharedPages":
+        """The page table of rows whose store pages another allocator hands out (vLLM's block manager): ``table``
+        (B, C + 1) int64 as above, over a store of ``pages`` pages; nothing here assigns or frees them."""
+        shared = cls.__new__(cls)
+        shared.pages, shared.table, shared.free = pages, table, []
+        shared.held = shared._runs = [[] for _ in range(table.shape[0])]
+        return shared
+
     @property
     def free_pages(self) -> int:
         return len(self.free)
@@ -217,6 +226,22 @@ class PagedLayer:
         self.dropped = [0] * batch
         self.slot_state: dict[str, torch.Tensor] = {}
         self._slot_ids: torch.Tensor | None = None
+
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, table: torch.Tensor,
+             slot_page: torch.Tensor, cur_slot: torch.Tensor) -> "PagedLayer":
+        """A layer over a store of pages that something else keeps and fills (vLLM's blocks), allocating nothing:
+        k, v (1, Hkv, N, P, D) and kmin, kmax (1, Hkv, N, D), any strides with head_dim contiguous; table (B, C + 1)
+        int64, the store page of each row's slot; slot_page (B, Hkv, C + 1) and cur_slot (B, Hkv) as above, slot j
+        holding page j or free (no holes)."""
+        layer = cls.__new__(cls)
+        layer.page_size, layer.capacity = k.shape[3], table.shape[1] - 1
+        layer.shared = SharedPages.over(table, k.shape[2])
+        layer.k, layer.v, layer._kmin, layer._kmax = k, v, kmin, kmax
+        layer.slot_page, layer.cur_slot = slot_page, cur_slot
+        layer.has_holes, layer.max_pages, layer.dropped = False, None, [0] * table.shape[0]
+        layer.slot_state, layer._slot_ids = {}, None
+        return layer
 
     @property
     def table(self) -> torch.Tensor | None:

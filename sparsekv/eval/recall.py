@@ -216,8 +216,8 @@ OBSERVED = (*SLOT_OPS, *TOKEN_OPS)
 # Ops of ``kernels`` that attend nothing (scores, selection, bookkeeping); any other op met in a decode step is an
 # attention the probe cannot read, and is refused rather than left out of the recall.
 NOT_ATTENTION = {"page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page",
-                 "window_token_maxima", "attention_mass", "append_token", "append_pages", "raas_update", "linear",
-                 "linear_quantized"}
+                 "window_token_maxima", "attention_mass", "append_token", "append_pages", "page_bounds", "raas_update",
+                 "linear", "linear_quantized"}
 
 
 def _observing_attention(calls: list):

@@ -170,6 +170,10 @@ def _append_pages_fake(k, v, kmin, kmax, slot_page, cur_slot, k_new, v_new, star
     return None
 
 
+def _page_bounds_fake(k, kmin, kmax, slot_mapping):
+    return None
+
+
 def _raas_update_fake(scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages, page_size, capacity,
                       decode_pages, top_fraction, alpha, scale):
     return None
@@ -191,6 +195,7 @@ append_token = _register("append_token", _append_token_fake,
                          mutates=("k", "v", "kmin", "kmax", "slot_page", "cur_slot"))
 append_pages = _register("append_pages", _append_pages_fake,
                          mutates=("k", "v", "kmin", "kmax", "slot_page", "cur_slot"))
+page_bounds = _register("page_bounds", _page_bounds_fake, mutates=("kmin", "kmax"))
 raas_update = _register("raas_update", _raas_update_fake, mutates=("slot_page", "stamp"))
 linear = _register("linear", _linear_fake)
 linear_quantized = _register("linear_quantized", _linear_quantized_fake)
@@ -221,5 +226,5 @@ weigh_window = reference.weigh_window
 
 __all__ = ["page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page",
            "sparse_decode", "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "weigh_window",
-           "sparse_decode_tokens", "append_token", "append_pages", "raas_update", "linear", "linear_quantized",
-           "count_attended", "merge_attention", "observe", "fused", "reference"]
+           "sparse_decode_tokens", "append_token", "append_pages", "page_bounds", "raas_update", "linear",
+           "linear_quantized", "count_attended", "merge_attention", "observe", "fused", "reference"]

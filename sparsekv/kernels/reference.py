@@ -503,6 +503,29 @@ def append_pages(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
     cur_slot[row:row + r] = last
 
 
+def page_bounds(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The key bounds of the pages a pass wrote into a store of pages by slot numbers (as vLLM writes its blocks):
+    each page written gets the channel-wise min and max of its keys at offsets 0 to the last one written, so a
+    page that starts over (a freed block taken by another request) loses its old bounds.
+
+    k: (1, Hkv, N, P, D) the store's keys, the pass's already written; kmin, kmax: (1, Hkv, N, D), set in place;
+    slot_mapping: (T,) int64, ``page * P + offset`` of each token written, -1 for none (padding). A page's tokens
+    are consecutive entries, in order of their offsets.
+    """
+    p = k.shape[3]
+    slots = slot_mapping[slot_mapping >= 0]
+    if slots.numel() == 0:
+        return
+    last = torch.full((k.shape[2],), -1, dtype=torch.long, device=k.device)
+    last.scatter_reduce_(0, slots // p, slots % p, "amax")
+    pages = (last >= 0).nonzero().squeeze(1)
+    acc = acc_dtype(k.dtype) if k.dtype != FP8 else torch.float32
+    keys = k[0][:, pages].to(acc)  # (Hkv, n, P, D)
+    written = (torch.arange(p, device=k.device) <= last[pages].unsqueeze(1)).view(1, -1, p, 1)
+    kmin[0][:, pages] = keys.masked_fill(~written, float("inf")).amin(2).to(kmin.dtype)
+    kmax[0][:, pages] = keys.masked_fill(~written, float("-inf")).amax(2).to(kmax.dtype)
+
+
 def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
                  cur_slot: torch.Tensor, position: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  has_holes: bool, table: torch.Tensor | None = None) -> None:

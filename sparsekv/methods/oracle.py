@@ -49,10 +49,11 @@ class OracleConfig(QuestConfig):
 def true_attention(q: torch.Tensor, layer, seq_len: torch.Tensor, scale: float) -> torch.Tensor:
     """The dense softmax attention of one decode step over every slot of a layer. q: (B, H, D). Returns
     (B, H, C + 1, P) float32 (float64 for float64 inputs), zero for free slots and positions >= seq_len."""
-    b, hkv, c, p, d = layer.k.shape
+    keys = layer.k if layer.table is None else layer.k[0][:, layer.table].transpose(0, 1)  # shared pages: gathered
+    b, hkv, c, p, d = keys.shape
     h = q.shape[1]
     acc = acc_dtype(q.dtype)
-    logits = torch.einsum("bngd,bncpd->bngcp", q.to(acc).view(b, hkv, h // hkv, d), layer.k.to(acc)) * scale
+    logits = torch.einsum("bngd,bncpd->bngcp", q.to(acc).view(b, hkv, h // hkv, d), keys.to(acc)) * scale
     pos = layer.token_position()  # (B, Hkv, C + 1, P)
     valid = (pos >= 0) & (pos < seq_len.view(b, 1, 1, 1))
     logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))

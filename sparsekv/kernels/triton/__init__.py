@@ -2,8 +2,8 @@
 ``selection`` (page scores and top-k), ``coded`` (page scores from low-bit key codes), ``attention`` (split-K
 decoding and its merge), ``scoring`` (OmniKV's window token scores), ``raas`` (RaaS's stamps and eviction), ``mass``
 (the attention a prompt's tokens receive, H2O's prompt scores), ``append`` (the cache's writes: a decode token, a
-prompt pass), ``linear`` (the weights' products of one row), ``quant`` (those of group-quantized weights for a few
-rows), ``common`` (``TUNING`` and shared checks).
+prompt pass, vLLM's blocks' key bounds), ``linear`` (the weights' products of one row), ``quant`` (those of group-
+quantized weights for a few rows), ``common`` (``TUNING`` and shared checks).
 
 ``sparsekv.kernels`` imports this package (and so triton) the first time an op sees a CUDA tensor, so CPU-only use
 never imports triton. Tensors are fp16, bf16 or fp32 (fp64 runs the reference, which is exact); q must have the
@@ -11,7 +11,7 @@ cache's dtype. Every op takes fixed shapes and never reads a device value on the
 be captured in a CUDA graph.
 """
 
-from .append import append_pages, append_token
+from .append import append_pages, append_token, page_bounds
 from .attention import sparse_decode, sparse_decode_tokens
 from .coded import code_page, coded_scores, lowbit_select
 from .common import TUNING
@@ -28,8 +28,8 @@ OPS = {"page_scores": page_scores, "select_pages": select_pages, "quest_select":
        "window_token_maxima": window_token_maxima, "append_token": append_token, "append_pages": append_pages,
        "raas_update": raas_update, "linear": linear, "linear_quantized": linear_quantized,
        "coded_scores": coded_scores, "lowbit_select": lowbit_select, "code_page": code_page,
-       "attention_mass": attention_mass}
+       "attention_mass": attention_mass, "page_bounds": page_bounds}
 
 __all__ = ["OPS", "TUNING", "append_pages", "append_token", "attention_mass", "code_page", "coded_scores", "linear",
-           "linear_quantized", "lowbit_select", "page_scores", "quest_select", "raas_update", "select_pages",
-           "sparse_decode", "sparse_decode_tokens", "window_token_maxima"]
+           "linear_quantized", "lowbit_select", "page_bounds", "page_scores", "quest_select", "raas_update",
+           "select_pages", "sparse_decode", "sparse_decode_tokens", "window_token_maxima"]

@@ -3,7 +3,7 @@ row's page table into a pool's shared pages, where given), the page's key bounds
 starts (the lowest free one, by a scan of the slot table) and the current slot. ``append_pages``: a prompt pass's
 tokens into their pages with the pages' bounds, the slot table and the current slots, in one read of the new keys
 and values (torch's slice copies and reductions per run of pages read the keys twice and launch a dozen kernels
-a run)."""
+a run). ``page_bounds``: the bounds of the pages a pass wrote by slot numbers (vLLM's blocks), from their keys."""
 
 from __future__ import annotations
 
@@ -165,3 +165,40 @@ def append_pages(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
         v_new.stride(1), v_new.stride(2), 0 if table is None else table.stride(0),
         HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), P=p, PAGES=block, BOUNDS=p > 1, TABLE=table is not None,
         num_warps=TUNING["append_warps"])
+
+
+@triton.jit
+def _page_bounds_kernel(k_ptr, kmin_ptr, kmax_ptr, slot_ptr, n, sk_h, sk_c, sk_p, sm_h, sm_c,
+                        P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    nxt = tl.load(slot_ptr + t + 1, mask=t + 1 < n, other=-1)
+    off = slot % P
+    # The page's last token of the pass writes its bounds (no other program touches that page): tokens of a page are
+    # consecutive entries in order of offset.
+    if (slot >= 0) & ((off == P - 1) | (nxt != slot + 1)):
+        page = slot // P
+        p = tl.arange(0, P)
+        d = tl.arange(0, BLOCK_D)
+        ok = (p[:, None] <= off) & (d[None, :] < D)
+        keys = tl.load(k_ptr + h * sk_h + page * sk_c + p[:, None] * sk_p + d[None, :], mask=ok).to(tl.float32)
+        lo = tl.min(tl.where(ok, keys, float("inf")), 0)
+        up = tl.max(tl.where(ok, keys, float("-inf")), 0)
+        m_off = h * sm_h + page * sm_c + d
+        tl.store(kmin_ptr + m_off, lo.to(kmin_ptr.dtype.element_ty), mask=d < D)
+        tl.store(kmax_ptr + m_off, up.to(kmax_ptr.dtype.element_ty), mask=d < D)
+
+
+def page_bounds(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    if k.dtype == torch.float64:
+        return reference.page_bounds(k, kmin, kmax, slot_mapping)
+    if k.stride(-1) != 1 or kmin.stride(-1) != 1 or kmax.stride() != kmin.stride() or slot_mapping.stride(0) != 1:
+        raise ValueError("page_bounds: keys and bounds must be contiguous in head_dim, kmin and kmax of one layout, "
+                         "slot_mapping contiguous")
+    n = slot_mapping.shape[0]
+    hkv, d = k.shape[1], k.shape[4]
+    if n:
+        _page_bounds_kernel[(n, hkv)](k, kmin, kmax, slot_mapping, n, k.stride(1), k.stride(2), k.stride(3),
+                                      kmin.stride(1), kmin.stride(2), P=k.shape[3], D=d,
+                                      BLOCK_D=triton.next_power_of_2(d))

@@ -29,16 +29,19 @@ from .common import (LOG2E, TUNING, block_d, check, f16_products, fp8_launch, gr
 
 
 @triton.jit
-def _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q_pos, sk_t, sv_t, d, d_ok,
-                 BLOCK_N: tl.constexpr, P: tl.constexpr, TOKENS: tl.constexpr, IN_ORDER: tl.constexpr,
+def _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q_pos, sk_c, sk_t, sv_c, sv_t, d,
+                 d_ok, BLOCK_N: tl.constexpr, P: tl.constexpr, TOKENS: tl.constexpr, IN_ORDER: tl.constexpr,
                  TABLE: tl.constexpr):
     """Key and value tiles (BLOCK_N, BLOCK_D) of block blk of the row's tokens (nothing read past block last) and
-    which tokens are attended; with TABLE a slot's tokens are those of the store page the row's table names."""
+    which tokens are attended; with TABLE a slot's tokens are those of the store page the row's table names. Token
+    ``off`` of page ``c`` lies at ``c * sk_c + off * sk_t`` (a page may be longer than its tokens: vLLM's padded
+    blocks)."""
     j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     in_j = j < tl.minimum(n_tok, last * BLOCK_N)
     if TOKENS:  # rows of a flat token store; every listed token is attended
-        trow = tl.load(sel_base + j, mask=in_j, other=-1)
-        ok = trow >= 0
+        tpage = tl.load(sel_base + j, mask=in_j, other=-1)
+        off = 0
+        ok = tpage >= 0
     else:
         if IN_ORDER:  # entry j // P is slot j // P: no selection to read, so no load waits on another
             slot = tl.where(in_j, j // P, -1)
@@ -48,18 +51,20 @@ def _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q
         page = tl.load(sp_base + slot, mask=slot >= 0, other=-1)
         ok = (slot >= 0) & (page >= 0) & (page * P + off <= q_pos)
         if TABLE:
-            trow = tl.load(tb_base + slot, mask=slot >= 0, other=0) * P + off
+            tpage = tl.load(tb_base + slot, mask=slot >= 0, other=0)
         else:
-            trow = slot * P + off
-    kt = tl.load(k_base + trow[:, None] * sk_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
-    vt = tl.load(v_base + trow[:, None] * sv_t + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
+            tpage = slot
+    k_at = tpage * sk_c + off * sk_t
+    v_at = tpage * sv_c + off * sv_t
+    kt = tl.load(k_base + k_at[:, None] + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
+    vt = tl.load(v_base + v_at[:, None] + d[None, :], mask=ok[:, None] & d_ok, other=0.0)
     return kt, vt, ok
 
 
 @triton.jit
 def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, table_ptr, part_ptr, stat_ptr,
                             split_count_ptr, n_sel, blocks_per_split, n_splits, scale_log2,
-                            sq_b, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, ss_b, ss_h, sl_b, sl_h, st_b,
+                            sq_b, sq_h, sk_b, sk_h, sk_c, sk_t, sv_b, sv_h, sv_c, sv_t, ss_b, ss_h, sl_b, sl_h, st_b,
                             HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                             TOKENS: tl.constexpr, COUNT: tl.constexpr, PRECISION: tl.constexpr,
@@ -95,16 +100,16 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, table
     if IN_ORDER:  # entry j // P holds page j // P: the blocks past the current token attend nothing
         last = tl.minimum(last, tl.cdiv(q_pos + 1, BLOCK_N))
     if PREFETCH:  # block first's tiles; each iteration loads the next block's before its products
-        kt, vt, ok = _block_tiles(first, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q_pos, sk_t,
-                                  sv_t, d, d_ok, BLOCK_N, P, TOKENS, IN_ORDER, TABLE)
+        kt, vt, ok = _block_tiles(first, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q_pos, sk_c,
+                                  sk_t, sv_c, sv_t, d, d_ok, BLOCK_N, P, TOKENS, IN_ORDER, TABLE)
     for blk in range(first, last):
         if PREFETCH:
             k_next, v_next, ok_next = _block_tiles(blk + 1, last, n_tok, k_base, v_base, sel_base, sp_base,
-                                                   tb_base, q_pos, sk_t, sv_t, d, d_ok, BLOCK_N, P, TOKENS,
-                                                   IN_ORDER, TABLE)
+                                                   tb_base, q_pos, sk_c, sk_t, sv_c, sv_t, d, d_ok, BLOCK_N, P,
+                                                   TOKENS, IN_ORDER, TABLE)
         else:
-            kt, vt, ok = _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q_pos, sk_t,
-                                      sv_t, d, d_ok, BLOCK_N, P, TOKENS, IN_ORDER, TABLE)
+            kt, vt, ok = _block_tiles(blk, last, n_tok, k_base, v_base, sel_base, sp_base, tb_base, q_pos, sk_c,
+                                      sk_t, sv_c, sv_t, d, d_ok, BLOCK_N, P, TOKENS, IN_ORDER, TABLE)
         kt, vt = kt.to(q.dtype), vt.to(q.dtype)  # an fp8 cache is dequantized here; otherwise q's own dtype
         qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # (G_PAD, BLOCK_N)
         qk = tl.where(ok[None, :], qk, float("-inf"))
@@ -171,9 +176,8 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_
     tokens = slot_page is None
     name = "sparse_decode_tokens" if tokens else "sparse_decode"
     check(q, k, name)
-    if v.stride(-1) != 1 or (not tokens and (v.stride() != k.stride() or k.stride(2) != k.shape[3] * k.stride(3))):
-        raise ValueError(f"{name}: k and v must be contiguous in head_dim (pages: one layout, each slot's pages "
-                         "stored contiguously)")
+    if v.stride(-1) != 1 or (not tokens and v.stride() != k.stride()):
+        raise ValueError(f"{name}: k and v must be contiguous in head_dim (pages: one layout)")
     b, h, d = q.shape
     hkv = k.shape[1]
     p = 1 if tokens else k.shape[3]
@@ -228,7 +232,8 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_
     _split_attention_kernel[(rows, splits)](
         q, k, v, page_args[0], sel, page_args[1], table if store else sel, part, stats, split_counts, n_sel,
         per_split, splits, scale * LOG2E, q.stride(0), q.stride(1), 0 if store else k.stride(0), k.stride(1),
-        k.stride(2 if tokens else 3), 0 if store else v.stride(0), v.stride(1), v.stride(2 if tokens else 3),
+        k.stride(2), k.stride(2 if tokens else 3), 0 if store else v.stride(0), v.stride(1), v.stride(2),
+        v.stride(2 if tokens else 3),
         page_args[2], page_args[3], sel.stride(0), 0 if hs == 1 else sel.stride(1), table.stride(0) if store else 0,
         HS=rows_per_b, ROWS_PER_KV=rows_per_b // hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_N=block_n, P=p, TOKENS=tokens, COUNT=counting, PRECISION=precision(q.dtype),

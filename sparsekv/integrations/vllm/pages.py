@@ -1,0 +1,128 @@
+"""sparsekv's decode step over vLLM's paged KV cache, in plain torch and our ops (no vLLM import: the CPU tests run
+it without vLLM).
+
+vLLM's FlashAttention cache of one layer is a view (NB, Hkv, BS, 2D) of blocks of BS tokens, each token's key and
+value side by side (K | V) per KV head. The backend asks vLLM for pages ``bounds_bytes`` longer than that
+(``page_size_padded``): the end of each block's page holds, per KV head, the channel-wise min and max of its keys
+(Hkv, 2, D), so vLLM's KV planning counts them, prefix caching shares them with the block, and a block copy moves
+them. ``BlockStore`` views that memory as our store of shared pages: keys and values (1, Hkv, NB, BS, D) and bounds
+(1, Hkv, NB, D), so the ops and methods of ``kernels`` and ``methods`` read it unchanged. ``DecodeRows`` turns
+vLLM's block table and sequence lengths into our rows' page tables, in buffers that a captured CUDA graph keeps
+reading.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import kernels
+from ...cache.paged import PagedLayer
+from ...methods.base import Method, Tally
+
+
+def bounds_bytes(num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
+    """Bytes a block's page adds for its keys' bounds: a min and a max vector per KV head."""
+    return 2 * num_kv_heads * head_size * torch.empty((), dtype=dtype).element_size()
+
+
+class BlockStore:
+    """One layer's vLLM cache as a store of pages. kv_cache: (NB, Hkv, BS, 2D), vLLM's FlashAttention view of pages
+    of ``bounds_bytes`` more than their keys and values (any layout of the block: NHD or HND).
+
+    k, v: (1, Hkv, NB, BS, D) views; kmin, kmax: (1, Hkv, NB, D) views of the end of each page.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor):
+        nb, hkv, bs, d2 = kv_cache.shape
+        d = d2 // 2
+        page = kv_cache.stride(0)
+        data = bs * hkv * d2  # the page's keys and values come first, whatever their layout
+        if kv_cache.stride(3) != 1 or page < data + hkv * d2:
+            raise ValueError(f"BlockStore: a cache of pages with room for the bounds is needed: {data + hkv * d2} "
+                             f"elements a block, got a block stride of {page} (strides {kv_cache.stride()})")
+        self.kv_cache = kv_cache
+        self.k = kv_cache[..., :d].permute(1, 0, 2, 3).unsqueeze(0)
+        self.v = kv_cache[..., d:].permute(1, 0, 2, 3).unsqueeze(0)
+        bounds = torch.as_strided(kv_cache, (hkv, nb, 2, d), (d2, page, d, 1), kv_cache.storage_offset() + data)
+        self.kmin, self.kmax = bounds[None, :, :, 0], bounds[None, :, :, 1]
+
+    def write_bounds(self, slot_mapping: torch.Tensor) -> None:
+        """After vLLM wrote a pass's keys at ``slot_mapping`` (T,) int64 (block * BS + offset, -1 for padding),
+        the bounds of every block written."""
+        kernels.page_bounds(self.k, self.kmin, self.kmax, slot_mapping)
+
+
+class DecodeRows:
+    """The decode rows of a step as our rows of shared pages, in buffers allocated at the first ``fill`` (vLLM's
+    block table keeps its width from then on) and kept, so that a captured decode step reads them at the same
+    addresses every replay. Row b's slot j holds page j of its request, in vLLM's block ``block_table[b, j]``.
+
+    table: (R, C + 1) int64 (C: the block table's width; the last column, the scratch slot, is never read);
+    slot_page: (R, 1, C + 1) int64, j for the request's pages, -1 past them; cur_slot: (R, 1); seq_len: (R,) int64.
+    """
+
+    def __init__(self, max_rows: int, block_size: int, device: torch.device):
+        self.max_rows, self.block_size, self.device = max_rows, block_size, device
+        self.table: torch.Tensor | None = None
+
+    def fill(self, block_table: torch.Tensor, seq_lens: torch.Tensor, n: int) -> None:
+        """Rows [0, n) from vLLM's block_table (>= n, C) int32 and seq_lens (>= n,) int32, each row's tokens
+        including its decode token. A padded row (length 0) reads one token of its first block, vLLM's null block
+        there, and its output is dropped."""
+        c = block_table.shape[1]
+        if self.table is None:
+            self.table = torch.zeros(self.max_rows, c + 1, dtype=torch.long, device=self.device)
+            self.slot_page = torch.full((self.max_rows, 1, c + 1), -1, dtype=torch.long, device=self.device)
+            self.cur_slot = torch.zeros(self.max_rows, 1, dtype=torch.long, device=self.device)
+            self.seq_len = torch.ones(self.max_rows, dtype=torch.long, device=self.device)
+            self.slot_ids = torch.arange(c + 1, device=self.device)
+        if n > self.max_rows or c != self.table.shape[1] - 1:
+            raise ValueError(f"DecodeRows: at most {self.max_rows} rows of {self.table.shape[1] - 1} blocks, got "
+                             f"{n} of {c}")
+        self.table[:n, :c].copy_(block_table[:n])
+        seq = seq_lens[:n].clamp(min=1)
+        self.seq_len[:n].copy_(seq)
+        pages = (seq + self.block_size - 1) // self.block_size
+        self.slot_page[:n, 0].copy_(torch.where(self.slot_ids < pages.unsqueeze(1), self.slot_ids, -1))
+        self.cur_slot[:n, 0].copy_(pages - 1)
+
+    def layer(self, store: BlockStore, n: int) -> PagedLayer:
+        """Rows [0, n) over one layer's store."""
+        hkv = store.k.shape[1]
+        c = self.table.shape[1]
+        return PagedLayer.over(store.k, store.v, store.kmin, store.kmax, self.table[:n],
+                               self.slot_page[:n].expand(n, hkv, c), self.cur_slot[:n].expand(n, hkv))
+
+
+def leading_decodes(cam) -> tuple[int, int]:
+    """(requests, tokens) of the batch's leading decode requests: a token each, past their prompt. A request still
+    in its prompt is not one even with one token this step (FlashAttention takes it); a CUDA graph's padding
+    requests (no token) at the end of a batch of decodes count as decodes. ``cam``: vLLM's CommonAttentionMetadata
+    (``num_reqs``, ``query_start_loc_cpu`` (num_reqs + 1,), ``is_prefilling`` (the real requests',) bool or None);
+    vLLM's own ``split_decodes_and_prefills`` reads ``is_prefilling`` against the padded requests and fails."""
+    n = cam.num_reqs
+    start = cam.query_start_loc_cpu[:n + 1]
+    prompt = torch.zeros(n, dtype=torch.bool)
+    if cam.is_prefilling is not None:
+        prompt[:len(cam.is_prefilling)] = cam.is_prefilling[:n]
+    later = ((start[1:] - start[:-1]) > 1) | prompt
+    decodes = int(later.int().argmax()) if bool(later.any()) else n
+    return decodes, int(start[decodes])
+
+
+class Uncounted(Tally):
+    """A tally that counts nothing: vLLM keeps no decode statistics of ours."""
+
+    def __init__(self):
+        super().__init__(0, torch.device("cpu"))
+
+    def rows(self, hs: int) -> None:
+        return None
+
+
+def decode(method: Method, layer_idx: int, q: torch.Tensor, store: BlockStore, rows: DecodeRows,
+           scale: float) -> torch.Tensor:
+    """One layer's attention of the decode rows [0, B) (filled by ``rows.fill``) through ``method``. q: (B, H, D);
+    returns (B, H, D)."""
+    n = q.shape[0]
+    return method.decode(layer_idx, q, rows.layer(store, n), rows.seq_len[:n], scale, Uncounted())

@@ -23,9 +23,12 @@ class SamplingParams:
 
 class LLM:
     def __init__(self, model, load_format, skip_tokenizer_init, dtype, max_model_len, gpu_memory_utilization,
-                 enable_prefix_caching, seed, disable_log_stats, max_num_seqs=256, kv_cache_memory_bytes=None):
+                 enable_prefix_caching, seed, disable_log_stats, max_num_seqs=256, kv_cache_memory_bytes=None,
+                 attention_backend=None, additional_config=None):
         import json, pathlib
         config = json.loads((pathlib.Path(model) / "config.json").read_text())
+        assert (attention_backend, additional_config) == (None, None) or (
+            attention_backend == "CUSTOM" and set(additional_config) == {"sparsekv"})
         assert load_format == "dummy" and skip_tokenizer_init and not disable_log_stats
         assert config["max_position_embeddings"] == max_model_len
         self.llm_engine = types.SimpleNamespace(
@@ -89,6 +92,26 @@ def test_decode_rows_come_back_from_the_child(fake_vllm, capsys):
     assert "peer: vLLM dense ctx 4000" in capsys.readouterr().out
 
 
+def test_sparsekv_inside_the_peer(fake_vllm, capsys):
+    """--sparsekv SPEC: vLLM gets sparsekv's backend (CUSTOM) and the spec; the rows name it."""
+    result = peer.peer_rows("vllm", "decode", ["--model", "shape:tiny", "--contexts", "1000", "--sparsekv",
+                                               "quest:token_budget=64"], timeout_s=120)
+    assert [row["method"] for row in result["rows"]] == ["quest:token_budget=64"]
+    assert "peer: vLLM quest:token_budget=64 ctx 1000" in capsys.readouterr().out
+
+
+def test_vllm_backend_bench_without_vllm_and_its_covering_spec(capsys):
+    from sparsekv.bench import vllm_backend
+
+    assert vllm_backend.covering_spec("quest:token_budget=2048,dense_layers=1", 8256) == \
+        "quest:token_budget=8256,dense_layers=1"
+    assert vllm_backend.covering_spec("quest", 100) == "quest:token_budget=112"
+    if peer.missing_vllm() is None:
+        pytest.skip("vLLM is installed here")
+    assert vllm_backend.main(["decode", "--contexts", "64"]) == 2
+    assert "vLLM is not installed" in capsys.readouterr().err
+
+
 def test_load_rows_come_back_from_the_child(fake_vllm):
     work = fake_vllm / "load.json"
     work.write_text(json.dumps({"prompts": [[1] * 100, [2] * 200, [3] * 150], "output_lens": [9, 3, 9]}))
@@ -105,7 +128,9 @@ def test_load_rows_come_back_from_the_child(fake_vllm):
 
 @pytest.mark.parametrize("work", [{"prompts": [[1, 2]], "output_lens": [0]}, {"prompts": [[]], "output_lens": [4]},
                                   {"prompts": [[1, -2]], "output_lens": [4]}, {"prompts": [[1]]},
-                                  {"prompts": [[1], [2]], "output_lens": [4]}])
+                                  {"prompts": [[1], [2]], "output_lens": [4]},
+                                  {"prompts": [[1]], "output_lens": [2], "forced": [[5]]},
+                                  {"prompts": [[1]], "output_lens": [1], "forced": [[-5]]}])
 def test_a_bad_workload_file_is_named(work, tmp_path, capsys):
     path = tmp_path / "w.json"
     path.write_text(json.dumps(work))

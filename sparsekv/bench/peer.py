@@ -174,7 +174,9 @@ def score_rows(args) -> list[dict]:
 
     work = json.loads(args.workload.read_text())
     prompts, lengths, forced = work["prompts"], work["output_lens"], work.get("forced")
-    llm = engine(args, max(len(p) + n for p, n in zip(prompts, lengths)), logits_processors=[ForcedTokens])
+    # A logits processor puts vLLM on its V1 model runner; greedy runs keep the default (V2 for Llama).
+    llm = engine(args, max(len(p) + n for p, n in zip(prompts, lengths)),
+                 **({} if forced is None else {"logits_processors": [ForcedTokens]}))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0,
                              extra_args=None if forced is None else {ForcedTokens.KEY: forced[i]})
               for i, n in enumerate(lengths)]

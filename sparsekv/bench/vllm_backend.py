@@ -12,12 +12,14 @@ and per output token. Both on the published shape with random weights (vLLM's ``
 ``agree``: whether sparsekv inside vLLM scores what it should. A random-weight checkpoint of the shape's first
 ``--layers`` layers (transformers' initialisation, so that attention moves the logits) is saved and loaded by every
 run. vLLM's own attention decodes ``--new-tokens`` greedy tokens after each random prompt (the control); then these
-tokens are fed through the decode steps (``bench.vllm_forced``) of sparsekv in vLLM at a budget covering the context
-and at ``--spec``'s, and of sparsekv's own engine (dense and ``--spec``), each giving the tokens' mean negative
-log-likelihood. Passes when sparsekv in vLLM at the covering budget is within the tolerance of vLLM's own attention,
-and at ``--spec``'s budget within it of sparsekv's own engine at that budget; the tolerance is twice the difference
-between the two dense runs (vLLM's and sparsekv's engine: arithmetic that differs in bf16), at least ``NLL_FLOOR``.
-Exits 1 when it fails.
+tokens are fed through the decode steps (``bench.vllm_forced``, which puts vLLM on its V1 model runner) of sparsekv
+in vLLM at a budget covering the context and at ``--spec``'s, and of sparsekv's own engine (dense and ``--spec``),
+each giving the tokens' mean negative log-likelihood. sparsekv in vLLM at the covering budget also decodes greedily
+on vLLM's default runner (V2, full CUDA graphs for decode batches): how many of its tokens equal the control's
+before the first that differs (bf16 near-ties may part them) and their NLL. Passes when sparsekv in vLLM at the
+covering budget is within the tolerance of vLLM's own attention, and at ``--spec``'s budget within it of sparsekv's
+own engine at that budget (forced NLLs); the tolerance is twice the difference between the two dense runs (vLLM's
+and sparsekv's engine: arithmetic that differs in bf16), at least ``NLL_FLOOR``. Exits 1 when it fails.
 
 Results go to ``benchmarks/results/vllm/`` (JSON and markdown, ``--out`` to change).
 """
@@ -147,6 +149,9 @@ def agree_runs(args) -> tuple[list[dict], dict]:
         forced = [r["tokens"] for r in control]
         work.write_text(json.dumps({"prompts": prompts, "output_lens": lens, "forced": forced}))
         full = covering_spec(args.spec, total)
+        work.write_text(json.dumps({"prompts": prompts, "output_lens": lens}))
+        greedy = peer_rows("vllm", "score", [*common, "--sparsekv", full])["rows"]
+        work.write_text(json.dumps({"prompts": prompts, "output_lens": lens, "forced": forced}))
         runs = {"vllm dense": [r["nll"] for r in control],
                 f"vllm sparsekv {full}": [r["nll"] for r in peer_rows("vllm", "score", [*common, "--sparsekv",
                                                                                          full])["rows"]],
@@ -163,6 +168,9 @@ def agree_runs(args) -> tuple[list[dict], dict]:
               f"vllm sparsekv {args.spec} vs sparsekv {args.spec}": gap(f"vllm sparsekv {args.spec}",
                                                                         f"sparsekv {args.spec}")}
     rows = [{"run": name, "nll": nll} for name, nll in runs.items()]
+    same = [next((i for i, (a, b) in enumerate(zip(r["tokens"], c)) if a != b), len(c))
+            for r, c in zip(greedy, forced)]
+    rows.append({"run": f"vllm sparsekv {full}, greedy", "nll": [r["nll"] for r in greedy], "same_tokens": same})
     return rows, {"tolerance": tol, "checks": checks, "passed": all(v <= tol for v in checks.values())}
 
 
@@ -178,8 +186,10 @@ def markdown(meta: dict, rows: list[dict], verdict: dict | None) -> list[str]:
                 ("max running", "max_batch", "{}"), ("KV GiB", "kv_capacity_gib", "{:.1f}"),
                 ("vs vLLM dense", "vs_dense", "{:.2f}x")]
     else:
-        cols = [("run", "run", "{}"), ("forced NLL/token per prompt", lambda r: ", ".join(f"{x:.4f}" for x in r["nll"]),
-                                       "{}")]
+        cols = [("run", "run", "{}"),
+                ("NLL/token per prompt", lambda r: ", ".join(f"{x:.4f}" for x in r["nll"]), "{}"),
+                ("greedy tokens equal to vLLM dense's before the first that differs",
+                 lambda r: None if "same_tokens" not in r else ", ".join(map(str, r["same_tokens"])), "{}")]
     lines = head + markdown_table(cols, rows)
     if verdict:
         lines += ["", f"Tolerance {verdict['tolerance']:.4f} nats/token; "

@@ -33,9 +33,10 @@ def test_every_channel_kept_is_the_true_page_mass(h, per_query_head, lengths):
     assert torch.allclose(got[finite], want[finite], rtol=1e-12, atol=1e-12)
 
 
-def _brute(q, layer, seq_len, channels, scale):
-    """(B, Hkv, C + 1): per KV head, the channels of the largest summed |q| of its query heads, each head's
-    softmax of the rescaled partial logits over the stored tokens, summed over the heads and each page's tokens."""
+def _brute(q, layer, seq_len, channels, scale, by_keys=False):
+    """(B, Hkv, C + 1): per KV head, the channels of the largest summed |q| of its query heads (``by_keys``: of
+    the largest summed |k| of its stored keys), each head's softmax of the rescaled partial logits over the stored
+    tokens, summed over the heads and each page's tokens."""
     b, h = q.shape[:2]
     g = h // HKV
     slots = layer.k.shape[2]
@@ -44,10 +45,11 @@ def _brute(q, layer, seq_len, channels, scale):
     for bi in range(b):
         for kv in range(HKV):
             heads = q[bi, kv * g:(kv + 1) * g]
-            keep = heads.abs().sum(0).topk(channels).indices
             tokens = [(s, j) for s in range(slots) for j in range(P)
                       if layer.slot_page[bi, kv, s] >= 0 and 0 <= pos[bi, kv, s, j] < int(seq_len[bi])]
-            keys = torch.stack([layer.k[bi, kv, s, j] for s, j in tokens])[:, keep]
+            keys = torch.stack([layer.k[bi, kv, s, j] for s, j in tokens])
+            keep = (keys.abs().sum(0) if by_keys else heads.abs().sum(0)).topk(channels).indices
+            keys = keys[:, keep]
             mass = torch.zeros(slots, dtype=torch.float64)
             for head in heads:
                 share = float(head[keep].abs().sum() / head.abs().sum())
@@ -60,11 +62,12 @@ def _brute(q, layer, seq_len, channels, scale):
     return out
 
 
-def test_fewer_channels_equal_a_brute_force():
+@pytest.mark.parametrize("by_keys", [False, True])
+def test_fewer_channels_equal_a_brute_force(by_keys):
     layer, seq_len = _layer(30, [30, 21])
     q = torch.randn(B, 6, D, dtype=torch.float64)
-    got = reference.channel_scores(q, layer.k, layer.slot_page, seq_len, 3, 0.4)
-    want = _brute(q, layer, seq_len, 3, 0.4)
+    got = reference.channel_scores(q, layer.k, layer.slot_page, seq_len, 3, 0.4, by_keys=by_keys)
+    want = _brute(q, layer, seq_len, 3, 0.4, by_keys)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     assert torch.allclose(got[finite], want[finite], rtol=1e-12, atol=1e-12)
@@ -104,6 +107,7 @@ def test_default_channels_read_quests_bytes():
     (dict(channels=0), r"channels must be None \(2 \* head_dim / page_size\) or an int >= 1"),
     (dict(channels=2.0), "channels must be None"),
     (dict(channels=True), "channels must be None"),
+    (dict(by_keys=1), "by_keys must be true or false"),
     (dict(sink_pages=-1), "sink_pages must be an int >= 0"),
     (dict(sink_pages=4), r"sink_pages must be an int >= 0 leaving the current page room in token_budget \(4 pages\)"),
 ])

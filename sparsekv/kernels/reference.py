@@ -96,12 +96,15 @@ def spread_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq
 
 
 def channel_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor, channels: int,
-                   scale: float, per_query_head: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
+                   scale: float, per_query_head: bool = False, table: torch.Tensor | None = None,
+                   by_keys: bool = False) -> torch.Tensor:
     """Pages scored by the attention mass that the query's largest channels estimate (SparQ, Ribar et al., 2024):
     each row keeps the ``channels`` channels where |q| is largest (summed over a KV head's query heads, so a row
     reads the same channels of every key), takes ``q_r . k_r`` over them as each stored token's logit, at the scale
     ``scale / sqrt(|q_r|_1 / |q|_1)`` (the part of q kept), and sums the softmax of those logits over each page's
-    tokens, per query head (summed over a KV head's query heads unless ``per_query_head``).
+    tokens, per query head (summed over a KV head's query heads unless ``per_query_head``). ``by_keys``: the
+    channels where the row's stored keys are largest on average instead, whatever the query (the same channels
+    step after step, as a store of those channels of every key would hold).
 
     q: (B, H, D); k: (B, Hkv, C, P, D), or with ``table`` (B, C) int64 a pool's shared pages (1, Hkv, N, P, D);
     slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,) tokens stored per row. Returns (B, Hkv, C) or
@@ -113,14 +116,17 @@ def channel_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, se
     hkv, c, p = k.shape[1], k.shape[2], k.shape[3]
     acc = acc_dtype(q.dtype)
     qg = q.to(acc).view(b, hkv, h // hkv, d)
-    weight = qg.abs() if per_query_head else qg.abs().sum(2, keepdim=True).expand_as(qg)
+    position = slot_page.unsqueeze(-1) * p + torch.arange(p, device=k.device)
+    stored = (slot_page.unsqueeze(-1) >= 0) & (position < seq_len.view(b, 1, 1, 1))  # (B, Hkv, C, P)
+    if by_keys:
+        weight = (k.to(acc).abs() * stored.unsqueeze(-1)).sum((2, 3)).unsqueeze(2).expand_as(qg)
+    else:
+        weight = qg.abs() if per_query_head else qg.abs().sum(2, keepdim=True).expand_as(qg)
     kept = torch.zeros_like(qg).scatter_(-1, weight.topk(min(channels, d), dim=-1).indices, 1.0)
     q_r = qg * kept
     share = q_r.abs().sum(-1) / qg.abs().sum(-1).clamp(min=torch.finfo(acc).tiny)
     logits = torch.einsum("bngd,bncpd->bngcp", q_r, k.to(acc))
     logits = logits * (scale / share.clamp(min=torch.finfo(acc).tiny).sqrt()).view(b, hkv, -1, 1, 1)
-    position = slot_page.unsqueeze(-1) * p + torch.arange(p, device=k.device)
-    stored = (slot_page.unsqueeze(-1) >= 0) & (position < seq_len.view(b, 1, 1, 1))  # (B, Hkv, C, P)
     logits = logits.masked_fill(~stored.unsqueeze(2), float("-inf"))
     mass = torch.softmax(logits.flatten(3), dim=-1).nan_to_num(0.0).view(b, hkv, -1, c, p).sum(-1)
     mass = mass.flatten(1, 2) if per_query_head else mass.sum(2)

@@ -7,7 +7,9 @@ mass of those logits over their tokens (``kernels.reference.channel_scores``). A
 every key: with ``channels = 2 * head_dim / page_size`` (the default) that is Quest's metadata bytes per page (its
 min and max vectors), so the two compare at equal reads. The first ``sink_pages`` pages are always attended (the
 attention sink). Everything else is Quest's: the budget, the current page, ``dense_layers``, ``per_query_head``,
-shared pages.
+shared pages. ``by_keys`` takes the channels where the row's keys are largest, whatever the query: channels fixed
+step after step, which a store of those channels of every key (contiguous, unlike a few channels of each key in
+token-major pages) could serve.
 
 This is the reference: it computes the estimate from the keys in PyTorch at every step, for measuring accuracy
 (``sparsekv.eval``, ``sparsekv.eval.selection``); a fast path would read the chosen channels of each page's keys.
@@ -27,16 +29,19 @@ from .quest import Quest, QuestConfig
 class SparQConfig(QuestConfig):
     """Quest's fields (token_budget, page_size, dense_layers, per_query_head) with the same meaning; channels: the
     query channels each step reads of every key (None: 2 * head_dim / page_size, Quest's bytes); sink_pages: the
-    first pages, always attended (>= 0, leaving the current page room in the budget)."""
+    first pages, always attended (>= 0, leaving the current page room in the budget); by_keys: the channels where
+    the row's keys are largest instead of the query's (``kernels.reference.channel_scores``)."""
 
     channels: int | None = None
     sink_pages: int = 1
+    by_keys: bool = False
 
     def __post_init__(self):
         super().__post_init__()
         require(self.channels is None or (isinstance(self.channels, int) and not isinstance(self.channels, bool)
                                           and self.channels >= 1), "channels",
                 "None (2 * head_dim / page_size) or an int >= 1", self.channels)
+        require(isinstance(self.by_keys, bool), "by_keys", "true or false", self.by_keys)
         require(isinstance(self.sink_pages, int) and not isinstance(self.sink_pages, bool) and self.sink_pages >= 0
                 and (self.sink_pages + 1) * self.page_size <= self.token_budget, "sink_pages",
                 f"an int >= 0 leaving the current page room in token_budget ({self.token_budget // self.page_size} "
@@ -62,7 +67,7 @@ class SparQ(Quest):
         cfg = self.config
         scores = reference.channel_scores(q, layer.k, layer.slot_page, seq_len, cfg.channels_for(q.shape[-1]),
                                           q.shape[-1] ** -0.5 if scale is None else scale, cfg.per_query_head,
-                                          layer.table)
+                                          layer.table, cfg.by_keys)
         sinks = (layer.slot_page >= 0) & (layer.slot_page < cfg.sink_pages)
         return scores.masked_fill(sinks.repeat_interleave(scores.shape[1] // sinks.shape[1], dim=1), float("inf"))
 

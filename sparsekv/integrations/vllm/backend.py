@@ -65,7 +65,6 @@ class SparseKVMetadataBuilder(FlashAttentionMetadataBuilder):
         self.rows = DecodeRows(rows, kv_cache_spec.block_size, device)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False) -> SparseKVMetadata:
-        meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         cam = common_attn_metadata
         decodes, decode_tokens = leading_decodes(cam)
         prefill_tokens = int(cam.query_start_loc_cpu[cam.num_reqs]) - decode_tokens
@@ -73,11 +72,18 @@ class SparseKVMetadataBuilder(FlashAttentionMetadataBuilder):
             self.rows.fill(cam.block_table_tensor, cam.seq_lens, decodes)
         prefill = None
         if prefill_tokens:
+            meta = super().build(common_prefix_len, cam, fast_build)
             prefill = dataclasses.replace(
                 meta, num_actual_tokens=prefill_tokens,
                 query_start_loc=cam.query_start_loc[decodes:] - decode_tokens, seq_lens=cam.seq_lens[decodes:],
                 block_table=cam.block_table_tensor[decodes:], slot_mapping=cam.slot_mapping[decode_tokens:],
                 use_cascade=False, scheduler_metadata=None)
+        else:  # FlashAttention attends nothing this step: its planning (a kernel, host work) is skipped
+            meta = FlashAttentionMetadata(
+                num_actual_tokens=cam.num_actual_tokens, max_query_len=cam.max_query_len,
+                query_start_loc=cam.query_start_loc, max_seq_len=cam.max_seq_len, seq_lens=cam.seq_lens,
+                block_table=cam.block_table_tensor, slot_mapping=cam.slot_mapping, use_cascade=False,
+                common_prefix_len=0, cu_prefix_query_lens=None, prefix_kv_lens=None, suffix_kv_lens=None)
         fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(FlashAttentionMetadata)}
         return SparseKVMetadata(**fields, decodes=decodes, decode_tokens=decode_tokens,
                                 rows=self.rows if decodes else None, prefill=prefill)

@@ -186,6 +186,7 @@ def test_bounds_bytes_and_a_page_too_short():
 
 SPECS = ["quest:token_budget=8,dense_layers=0", "quest:token_budget=8,dense_layers=0,per_query_head=true",
          "spread:token_budget=8,dense_layers=0", "sparq:token_budget=8,dense_layers=0,channels=3",
+         "landmark:token_budget=8,dense_layers=0",
          "oracle:token_budget=8,dense_layers=0",
          "quest:token_budget=8,dense_layers=1"]
 
@@ -233,7 +234,7 @@ def test_method_config():
     cfg = plugin.method_config({"sparsekv": "quest:token_budget=2048"}, 16, 32)
     assert (cfg.token_budget, cfg.page_size, cfg.dense_layers) == (2048, 16, 2)
     cases = [({}, "additional_config"), ({"sparsekv": 3}, "additional_config"),
-             ({"sparsekv": "raas"}, "method must be one of quest, spread, sparq, oracle"),
+             ({"sparsekv": "raas"}, "method must be one of quest, spread, sparq, landmark, oracle"),
              ({"sparsekv": "quest:token_budget=2048"}, "page_size must be vLLM's block size \\(32\\)"),
              ({"sparsekv": "oracle:granularity=token"}, "granularity"),
              ({"sparsekv": "quest:dense_layers=40"}, "dense_layers"),

@@ -134,6 +134,38 @@ def channel_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, se
     return mass.masked_fill((slot_page < 0).repeat_interleave(rows, dim=1), float("-inf"))
 
 
+def landmark_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor,
+                    landmarks: int, scale: float, per_query_head: bool = False,
+                    table: torch.Tensor | None = None) -> torch.Tensor:
+    """Pages scored by the attention mass their landmarks estimate: each page's tokens in ``landmarks`` runs of
+    P / landmarks, each run's stored keys taken as their mean (its landmark, as ShadowKV's per chunk), so a run of n
+    stored tokens gets n * exp(scale * q . mean) of the softmax over every run of the row; a page's score is its
+    runs' share, per query head (summed over a KV head's query heads unless ``per_query_head``).
+
+    q: (B, H, D); k: (B, Hkv, C, P, D), or with ``table`` (B, C) int64 a pool's shared pages (1, Hkv, N, P, D);
+    slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,) tokens stored per row; ``landmarks`` divides P.
+    Returns (B, Hkv, C) or (B, H, C) with ``per_query_head``; free slots score -inf. With a landmark per token it is
+    the true attention mass.
+    """
+    if table is not None:
+        k = k[0][:, table].transpose(0, 1)
+    b, h, d = q.shape
+    hkv, c, p = k.shape[1], k.shape[2], k.shape[3]
+    acc = acc_dtype(q.dtype)
+    position = slot_page.unsqueeze(-1) * p + torch.arange(p, device=k.device)
+    stored = ((slot_page.unsqueeze(-1) >= 0) & (position < seq_len.view(b, 1, 1, 1))).to(acc)  # (B, Hkv, C, P)
+    runs = stored.view(b, hkv, c, landmarks, p // landmarks)
+    count = runs.sum(-1)  # (B, Hkv, C, L)
+    mean = (k.to(acc) * stored.unsqueeze(-1)).view(b, hkv, c, landmarks, p // landmarks, d).sum(4)
+    mean = mean / count.clamp(min=1).unsqueeze(-1)
+    qg = q.to(acc).view(b, hkv, h // hkv, d)
+    logits = torch.einsum("bngd,bncld->bngcl", qg, mean) * scale + count.log().unsqueeze(2)  # -inf: no token
+    mass = torch.softmax(logits.flatten(3), dim=-1).nan_to_num(0.0).view(b, hkv, -1, c, landmarks).sum(-1)
+    mass = mass.flatten(1, 2) if per_query_head else mass.sum(2)
+    rows = mass.shape[1] // hkv
+    return mass.masked_fill((slot_page < 0).repeat_interleave(rows, dim=1), float("-inf"))
+
+
 def check_num_pages(num_pages: int) -> None:
     if num_pages < 1:
         raise ValueError(f"num_pages must be >= 1, got {num_pages}")

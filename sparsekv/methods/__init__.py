@@ -3,6 +3,7 @@
 from .base import Method, MethodConfig
 from .dense import DenseConfig
 from .h2o import H2OConfig
+from .landmark import LandmarkConfig
 from .lowbit import LowBitConfig
 from .omnikv import OmniKVConfig
 from .oracle import OracleConfig
@@ -17,8 +18,8 @@ from .tova import TOVAConfig
 METHODS: dict[str, type[MethodConfig]] = {"dense": DenseConfig, "quest": QuestConfig}
 METHODS.update(streamingllm=StreamingLLMConfig, h2o=H2OConfig, tova=TOVAConfig, snapkv=SnapKVConfig)
 METHODS.update(omnikv=OmniKVConfig, raas=RaaSConfig, oracle=OracleConfig, lowbit=LowBitConfig, spread=SpreadConfig)
-METHODS.update(sparq=SparQConfig)
+METHODS.update(sparq=SparQConfig, landmark=LandmarkConfig)
 
 __all__ = ["METHODS", "Method", "MethodConfig", "DenseConfig", "QuestConfig", "StreamingLLMConfig", "H2OConfig",
            "TOVAConfig", "SnapKVConfig", "OmniKVConfig", "RaaSConfig", "OracleConfig", "LowBitConfig",
-           "SpreadConfig", "SparQConfig"]
+           "SpreadConfig", "SparQConfig", "LandmarkConfig"]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .. import kernels
 from .base import Method, MethodConfig, all_slots, attend_all, require
 
@@ -68,3 +70,49 @@ class Quest(Method):
         if layer_idx < self.config.dense_layers:
             return attend_all(q, layer, seq_len, scale)
         return super().decode(layer_idx, q, layer, seq_len, scale, tally)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RerankedConfig(QuestConfig):
+    """Quest's fields with the same meaning, for Quest's choice ranked by another page estimate; sink_pages: the
+    first pages, always attended (>= 0, leaving the current page room in the budget)."""
+
+    sink_pages: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        require(isinstance(self.sink_pages, int) and not isinstance(self.sink_pages, bool) and self.sink_pages >= 0
+                and (self.sink_pages + 1) * self.page_size <= self.token_budget, "sink_pages",
+                f"an int >= 0 leaving the current page room in token_budget ({self.token_budget // self.page_size} "
+                f"pages)", self.sink_pages)
+
+
+class Reranked(Quest):
+    """Quest's choice (the budget, the current page, ``dense_layers``, shared pages) ranked by ``estimate``, the
+    first ``sink_pages`` pages always in: the attention sink at a sequence's start has keys unlike the rest, which
+    an estimate of typical logits ranks low."""
+
+    config: RerankedConfig
+
+    def estimate(self, q, layer, seq_len, scale: float) -> torch.Tensor:
+        """(B, Hs, C + 1) the pages' scores, -inf for free slots. q: (B, H, D); seq_len: (B,)."""
+        raise NotImplementedError
+
+    def page_scores(self, layer_idx, q, layer, seq_len, scale):
+        """(B, Hs, C + 1): ``estimate`` at the model's attention ``scale`` (None: head_dim ** -0.5), +inf for the
+        sink pages."""
+        scores = self.estimate(q, layer, seq_len, q.shape[-1] ** -0.5 if scale is None else scale)
+        sinks = (layer.slot_page >= 0) & (layer.slot_page < self.config.sink_pages)
+        return scores.masked_fill(sinks.repeat_interleave(scores.shape[1] // sinks.shape[1], dim=1), float("inf"))
+
+    def select(self, layer_idx, q, layer, seq_len, scale=None):
+        if layer_idx < self.config.dense_layers:
+            return super().select(layer_idx, q, layer, seq_len)
+        return kernels.select_pages(self.page_scores(layer_idx, q, layer, seq_len, scale), layer.cur_slot,
+                                    self.config.token_budget // self.config.page_size)
+
+    def decode(self, layer_idx, q, layer, seq_len, scale, tally):
+        if layer_idx < self.config.dense_layers:
+            return super().decode(layer_idx, q, layer, seq_len, scale, tally)
+        slots = self.select(layer_idx, q, layer, seq_len, scale)
+        return layer.attend(q, slots, seq_len, scale, tally.rows(slots.shape[1]))

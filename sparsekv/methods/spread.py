@@ -20,29 +20,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .. import kernels
 from ..kernels import reference
 from .base import is_real, require
-from .quest import Quest, QuestConfig
+from .quest import Reranked, RerankedConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class SpreadConfig(QuestConfig):
-    """Quest's fields (token_budget, page_size, dense_layers, per_query_head) with the same meaning; spread: the
-    weight of a page's spread, a number from 0 to 100 (None: sqrt(2 ln page_size)); sink_pages: the first pages,
-    always attended (>= 0, leaving the current page room in the budget)."""
+class SpreadConfig(RerankedConfig):
+    """Quest's fields (token_budget, page_size, dense_layers, per_query_head) and sink_pages (``RerankedConfig``);
+    spread: the weight of a page's spread, a number from 0 to 100 (None: sqrt(2 ln page_size))."""
 
     spread: float | None = None
-    sink_pages: int = 1
 
     def __post_init__(self):
         super().__post_init__()
         require(self.spread is None or (is_real(self.spread) and 0 <= self.spread <= 100), "spread",
                 "None (sqrt(2 ln page_size)) or a number from 0 to 100", self.spread)
-        require(isinstance(self.sink_pages, int) and not isinstance(self.sink_pages, bool) and self.sink_pages >= 0
-                and (self.sink_pages + 1) * self.page_size <= self.token_budget, "sink_pages",
-                f"an int >= 0 leaving the current page room in token_budget ({self.token_budget // self.page_size} "
-                f"pages)", self.sink_pages)
 
     @property
     def spread_weight(self) -> float:
@@ -56,19 +49,11 @@ class SpreadConfig(QuestConfig):
         return Spread
 
 
-class Spread(Quest):
+class Spread(Reranked):
     config: SpreadConfig
 
-    def page_scores(self, layer_idx, q, layer, seq_len, scale):
-        """(B, Hs, C + 1): each page's mean-and-spread score, +inf for the sink pages, -inf for free slots."""
+    def estimate(self, q, layer, seq_len, scale):
+        """Each page's mean-and-spread score (``kernels.reference.spread_scores``)."""
         cfg = self.config
-        scores = reference.spread_scores(q, layer.k, layer.slot_page, seq_len, cfg.spread_weight,
-                                         cfg.per_query_head, layer.table)
-        sinks = (layer.slot_page >= 0) & (layer.slot_page < cfg.sink_pages)
-        return scores.masked_fill(sinks.repeat_interleave(scores.shape[1] // sinks.shape[1], dim=1), float("inf"))
-
-    def select(self, layer_idx, q, layer, seq_len):
-        if layer_idx < self.config.dense_layers:
-            return super().select(layer_idx, q, layer, seq_len)
-        return kernels.select_pages(self.page_scores(layer_idx, q, layer, seq_len, None), layer.cur_slot,
-                                    self.config.token_budget // self.config.page_size)
+        return reference.spread_scores(q, layer.k, layer.slot_page, seq_len, cfg.spread_weight, cfg.per_query_head,
+                                       layer.table)

@@ -24,7 +24,7 @@ from ...spec import build_config
 VLLM_VERSIONS = ">=0.26,<0.27"
 CONFIG_KEY = "sparsekv"  # the key of vLLM's --additional-config that holds the method spec
 # Methods whose decode step reads the pages through the table and keeps nothing per request beyond them.
-METHODS = ("quest", "spread", "sparq", "oracle")
+METHODS = ("quest", "spread", "sparq", "landmark", "oracle")
 BACKEND = "sparsekv.integrations.vllm.backend.SparseKVBackend"
 
 

@@ -44,6 +44,19 @@ def row_index(batch: int, rows: int, kv_heads: int, device) -> tuple[torch.Tenso
     return bi, hi
 
 
+def per_row(t: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
+    """Pages (or bounds) as each row's own: ``t`` as it is without ``table``, else a pool's store of shared pages
+    (1, Hkv, N, ...) gathered through the rows' page table (B, C) into (B, Hkv, C, ...)."""
+    return t if table is None else t[0][:, table].transpose(0, 1)
+
+
+def stored_tokens(slot_page: torch.Tensor, seq_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """(B, Hkv, C, P) bool: which token of each slot is stored (its slot holds a page and its position is below
+    the row's length). slot_page: (B, Hkv, C); seq_len: (B,)."""
+    position = slot_page.unsqueeze(-1) * page_size + torch.arange(page_size, device=slot_page.device)
+    return (slot_page.unsqueeze(-1) >= 0) & (position < seq_len.view(-1, 1, 1, 1))
+
+
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
                 per_query_head: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
     """Quest's upper bound of ``q . k`` over each page: ``sum_i max(q_i * max_i, q_i * min_i)``.
@@ -53,8 +66,7 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
     Returns (B, Hkv, C), the max over each group's query heads, or (B, H, C) with ``per_query_head``;
     free slots score -inf.
     """
-    if table is not None:
-        kmin, kmax = (t[0][:, table].transpose(0, 1) for t in (kmin, kmax))
+    kmin, kmax = per_row(kmin, table), per_row(kmax, table)
     b, h, d = q.shape
     hkv = kmin.shape[1]
     acc = acc_dtype(q.dtype)
@@ -77,13 +89,11 @@ def spread_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq
     are not written yet). Returns (B, Hkv, C), the max over each group's query heads, or (B, H, C) with
     ``per_query_head``; free slots score -inf.
     """
-    if table is not None:
-        k = k[0][:, table].transpose(0, 1)
+    k = per_row(k, table)
     b, h, d = q.shape
     hkv, p = k.shape[1], k.shape[3]
     acc = acc_dtype(q.dtype)
-    position = slot_page.unsqueeze(-1) * p + torch.arange(p, device=k.device)
-    stored = ((slot_page.unsqueeze(-1) >= 0) & (position < seq_len.view(b, 1, 1, 1))).to(acc).unsqueeze(-1)
+    stored = stored_tokens(slot_page, seq_len, p).to(acc).unsqueeze(-1)
     count = stored.sum(3).clamp(min=1)
     keys = k.to(acc)
     mean = (keys * stored).sum(3) / count  # (B, Hkv, C, D)
@@ -110,14 +120,12 @@ def channel_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, se
     slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,) tokens stored per row. Returns (B, Hkv, C) or
     (B, H, C) with ``per_query_head``; free slots score -inf. With every channel kept it is the true attention mass.
     """
-    if table is not None:
-        k = k[0][:, table].transpose(0, 1)
+    k = per_row(k, table)
     b, h, d = q.shape
     hkv, c, p = k.shape[1], k.shape[2], k.shape[3]
     acc = acc_dtype(q.dtype)
     qg = q.to(acc).view(b, hkv, h // hkv, d)
-    position = slot_page.unsqueeze(-1) * p + torch.arange(p, device=k.device)
-    stored = (slot_page.unsqueeze(-1) >= 0) & (position < seq_len.view(b, 1, 1, 1))  # (B, Hkv, C, P)
+    stored = stored_tokens(slot_page, seq_len, p)
     if by_keys:
         weight = (k.to(acc).abs() * stored.unsqueeze(-1)).sum((2, 3)).unsqueeze(2).expand_as(qg)
     else:
@@ -147,13 +155,11 @@ def landmark_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, s
     Returns (B, Hkv, C) or (B, H, C) with ``per_query_head``; free slots score -inf. With a landmark per token it is
     the true attention mass.
     """
-    if table is not None:
-        k = k[0][:, table].transpose(0, 1)
+    k = per_row(k, table)
     b, h, d = q.shape
     hkv, c, p = k.shape[1], k.shape[2], k.shape[3]
     acc = acc_dtype(q.dtype)
-    position = slot_page.unsqueeze(-1) * p + torch.arange(p, device=k.device)
-    stored = ((slot_page.unsqueeze(-1) >= 0) & (position < seq_len.view(b, 1, 1, 1))).to(acc)  # (B, Hkv, C, P)
+    stored = stored_tokens(slot_page, seq_len, p).to(acc)
     runs = stored.view(b, hkv, c, landmarks, p // landmarks)
     count = runs.sum(-1)  # (B, Hkv, C, L)
     mean = (k.to(acc) * stored.unsqueeze(-1)).view(b, hkv, c, landmarks, p // landmarks, d).sum(4)

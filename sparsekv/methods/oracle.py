@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..kernels.reference import acc_dtype
+from ..kernels.reference import acc_dtype, per_row
 from .base import Method, attend_all, require
 from .quest import QuestConfig
 
@@ -49,7 +49,7 @@ class OracleConfig(QuestConfig):
 def true_attention(q: torch.Tensor, layer, seq_len: torch.Tensor, scale: float) -> torch.Tensor:
     """The dense softmax attention of one decode step over every slot of a layer. q: (B, H, D). Returns
     (B, H, C + 1, P) float32 (float64 for float64 inputs), zero for free slots and positions >= seq_len."""
-    keys = layer.k if layer.table is None else layer.k[0][:, layer.table].transpose(0, 1)  # shared pages: gathered
+    keys = per_row(layer.k, layer.table)
     b, hkv, c, p, d = keys.shape
     h = q.shape[1]
     acc = acc_dtype(q.dtype)

@@ -111,8 +111,10 @@ def covering_spec(spec: str, tokens: int) -> str:
     return f"{name}:" + ",".join([f"token_budget={-(-tokens // 16) * 16}", *kept])
 
 
-def own_engine_nll(folder: Path, spec: str, prompts: list[list[int]], forced: list[list[int]]) -> list[float]:
-    """sparsekv's own engine over the checkpoint: the forced tokens' mean NLL per prompt through its decode steps."""
+def own_engine_nll(folder: Path, specs: list[str], prompts: list[list[int]],
+                   forced: list[list[int]]) -> dict[str, list[float]]:
+    """sparsekv's own engine over the checkpoint, loaded once: per spec, the forced tokens' mean NLL per prompt
+    through its decode steps."""
     from transformers import AutoModelForCausalLM
 
     from ..engine import Engine
@@ -120,11 +122,14 @@ def own_engine_nll(folder: Path, spec: str, prompts: list[list[int]], forced: li
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
     n = len(forced[0])
-    engine = Engine(model, build_config(spec), max_batch=len(prompts), max_context=len(prompts[0]) + n)
-    scored = engine.generate(prompts, 0, stop_tokens=(), forced=forced)
-    del engine, model
+    nll = {}
+    for spec in specs:
+        engine = Engine(model, build_config(spec), max_batch=len(prompts), max_context=len(prompts[0]) + n)
+        nll[spec] = [x / n for x in engine.generate(prompts, 0, stop_tokens=(), forced=forced).forced_nll]
+        del engine
+    del model
     torch.cuda.empty_cache()
-    return [x / n for x in scored.forced_nll]
+    return nll
 
 
 def agree_runs(args) -> tuple[list[dict], dict]:
@@ -157,8 +162,8 @@ def agree_runs(args) -> tuple[list[dict], dict]:
                                                                                          full])["rows"]],
                 f"vllm sparsekv {args.spec}": [r["nll"] for r in peer_rows("vllm", "score", [*common, "--sparsekv",
                                                                                               args.spec])["rows"]],
-                "sparsekv dense": own_engine_nll(Path(folder), "dense", prompts, forced),
-                f"sparsekv {args.spec}": own_engine_nll(Path(folder), args.spec, prompts, forced)}
+                **{f"sparsekv {spec}": nll for spec, nll in
+                   own_engine_nll(Path(folder), ["dense", args.spec], prompts, forced).items()}}
 
     def gap(a: str, b: str) -> float:
         return max(abs(x - y) for x, y in zip(runs[a], runs[b]))

@@ -1,6 +1,6 @@
 """Pages ranked by the attention mass their landmarks (mean keys of runs of their tokens) estimate (``landmark``): a
-landmark per token is the oracle's true page mass; two against a brute force in float64; the shared-pages layout;
-the sink pages; its config checks; and the engine."""
+landmark per token is the oracle's true page mass; two against a brute force in float64; its config checks (what it
+shares with spread and sparq: ``test_reranked.py``)."""
 
 import math
 
@@ -8,11 +8,9 @@ import pytest
 import torch
 from paged_util import one_layer
 
-from sparsekv.engine import Engine
 from sparsekv.errors import ConfigError
 from sparsekv.kernels import reference
 from sparsekv.methods import LandmarkConfig, OracleConfig, QuestConfig
-from sparsekv.tiny import tiny_model
 
 B, HKV, D, P = 2, 2, 8, 4
 
@@ -63,30 +61,6 @@ def test_two_landmarks_equal_a_brute_force():
                     assert got[bi, kv, s].item() == pytest.approx(mass[s].item(), rel=1e-12, abs=1e-12)
 
 
-def test_shared_pages_score_as_a_rows_own():
-    layer, seq_len = _layer(23)
-    q = torch.randn(B, 4, D, dtype=torch.float64)
-    slots = layer.k.shape[2]
-    table = torch.randperm(B * slots).view(B, slots)
-    store = torch.zeros(1, HKV, B * slots, P, D, dtype=torch.float64)
-    for bi in range(B):
-        store[0, :, table[bi]] = layer.k[bi]
-    own = reference.landmark_scores(q, layer.k, layer.slot_page, seq_len, 2, 0.3)
-    shared = reference.landmark_scores(q, store, layer.slot_page, seq_len, 2, 0.3, table=table)
-    assert torch.equal(own, shared)
-
-
-def test_the_sink_pages_and_the_current_page_are_attended():
-    layer, seq_len = _layer(40)
-    method = LandmarkConfig(token_budget=3 * P, page_size=P, dense_layers=0, sink_pages=2).build(1)
-    q = torch.randn(B, 4, D, dtype=torch.float64)
-    slots = method.select(0, q, layer, seq_len)
-    pages = layer.slot_page.gather(2, slots.clamp(min=0))
-    for page in (0, 1):
-        assert bool((pages == page).any(-1).all())
-    assert bool((slots == layer.cur_slot.unsqueeze(-1)).any(-1).all())
-
-
 def test_two_landmarks_read_quests_bytes():
     assert LandmarkConfig(page_size=16).metadata_bytes(128, 2) == QuestConfig(page_size=16).metadata_bytes(128, 2)
 
@@ -95,22 +69,7 @@ def test_two_landmarks_read_quests_bytes():
     (dict(landmarks=0), r"landmarks must be a divisor of page_size \(16\)"),
     (dict(landmarks=3), "landmarks must be a divisor"),
     (dict(landmarks=True), "landmarks must be a divisor"),
-    (dict(sink_pages=-1), "sink_pages must be an int >= 0"),
 ])
 def test_bad_fields_are_refused(fields, match):
     with pytest.raises(ConfigError, match=match):
         LandmarkConfig(token_budget=64, page_size=16, **fields)
-
-
-def test_a_covering_budget_gives_dense_tokens_and_a_small_one_runs():
-    model = tiny_model("llama", seed=2, layers=3)
-    model.generation_config.eos_token_id = None
-    prompts = [[(7 * i + 3) % 250 for i in range(90)], [(5 * i + 1) % 250 for i in range(61)]]
-    dense = Engine(model, QuestConfig(token_budget=256, page_size=8, dense_layers=3), max_batch=2,
-                   prefill_chunk=32).generate(prompts, 12, stop_tokens=())
-    whole = Engine(model, LandmarkConfig(token_budget=256, page_size=8, dense_layers=1), max_batch=2,
-                   prefill_chunk=32).generate(prompts, 12, stop_tokens=())
-    assert whole.tokens == dense.tokens
-    small = Engine(model, LandmarkConfig(token_budget=24, page_size=8, dense_layers=1), max_batch=2,
-                   prefill_chunk=32).generate(prompts, 12, stop_tokens=())
-    assert small.stats["attended_per_head"] < whole.stats["attended_per_head"]

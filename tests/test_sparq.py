@@ -1,6 +1,6 @@
 """Pages ranked by the attention mass the query's largest channels estimate (``sparq``): every channel kept is the
-oracle's true page mass; fewer channels against a brute force in float64; the shared-pages layout; the sink pages;
-its config checks; and the engine."""
+oracle's true page mass; fewer channels against a brute force in float64; its config checks (what it shares with
+spread and landmark: ``test_reranked.py``)."""
 
 import math
 
@@ -8,11 +8,9 @@ import pytest
 import torch
 from paged_util import one_layer
 
-from sparsekv.engine import Engine
 from sparsekv.errors import ConfigError
 from sparsekv.kernels import reference
 from sparsekv.methods import OracleConfig, QuestConfig, SparQConfig
-from sparsekv.tiny import tiny_model
 
 B, HKV, D, P = 2, 2, 8, 4
 
@@ -73,30 +71,6 @@ def test_fewer_channels_equal_a_brute_force(by_keys):
     assert torch.allclose(got[finite], want[finite], rtol=1e-12, atol=1e-12)
 
 
-def test_shared_pages_score_as_a_rows_own():
-    layer, seq_len = _layer(23)
-    q = torch.randn(B, 4, D, dtype=torch.float64)
-    slots = layer.k.shape[2]
-    table = torch.randperm(B * slots).view(B, slots)
-    store = torch.zeros(1, HKV, B * slots, P, D, dtype=torch.float64)
-    for bi in range(B):
-        store[0, :, table[bi]] = layer.k[bi]
-    own = reference.channel_scores(q, layer.k, layer.slot_page, seq_len, 2, 0.3)
-    shared = reference.channel_scores(q, store, layer.slot_page, seq_len, 2, 0.3, table=table)
-    assert torch.equal(own, shared)
-
-
-def test_the_sink_pages_and_the_current_page_are_attended():
-    layer, seq_len = _layer(40)
-    method = SparQConfig(token_budget=3 * P, page_size=P, dense_layers=0, sink_pages=2).build(1)
-    q = torch.randn(B, 4, D, dtype=torch.float64)
-    slots = method.select(0, q, layer, seq_len)
-    pages = layer.slot_page.gather(2, slots.clamp(min=0))
-    for page in (0, 1):
-        assert bool((pages == page).any(-1).all())
-    assert bool((slots == layer.cur_slot.unsqueeze(-1)).any(-1).all())
-
-
 def test_default_channels_read_quests_bytes():
     cfg = SparQConfig(page_size=16)
     assert cfg.channels_for(128) == 16 and cfg.channels_for(64) == 8
@@ -108,23 +82,7 @@ def test_default_channels_read_quests_bytes():
     (dict(channels=2.0), "channels must be None"),
     (dict(channels=True), "channels must be None"),
     (dict(by_keys=1), "by_keys must be true or false"),
-    (dict(sink_pages=-1), "sink_pages must be an int >= 0"),
-    (dict(sink_pages=4), r"sink_pages must be an int >= 0 leaving the current page room in token_budget \(4 pages\)"),
 ])
 def test_bad_fields_are_refused(fields, match):
     with pytest.raises(ConfigError, match=match):
         SparQConfig(token_budget=64, page_size=16, **fields)
-
-
-def test_a_covering_budget_gives_dense_tokens_and_a_small_one_runs():
-    model = tiny_model("llama", seed=2, layers=3)
-    model.generation_config.eos_token_id = None
-    prompts = [[(7 * i + 3) % 250 for i in range(90)], [(5 * i + 1) % 250 for i in range(61)]]
-    dense = Engine(model, QuestConfig(token_budget=256, page_size=8, dense_layers=3), max_batch=2,
-                   prefill_chunk=32).generate(prompts, 12, stop_tokens=())
-    whole = Engine(model, SparQConfig(token_budget=256, page_size=8, dense_layers=1), max_batch=2,
-                   prefill_chunk=32).generate(prompts, 12, stop_tokens=())
-    assert whole.tokens == dense.tokens
-    small = Engine(model, SparQConfig(token_budget=24, page_size=8, dense_layers=1), max_batch=2,
-                   prefill_chunk=32).generate(prompts, 12, stop_tokens=())
-    assert small.stats["attended_per_head"] < whole.stats["attended_per_head"]

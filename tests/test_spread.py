@@ -1,5 +1,6 @@
-"""Pages ranked by the mean and spread of their keys (``spread``): the scores against a brute force in float64, the
-shared-pages layout, the sink pages, a needle page that Quest's bound misses, its config checks, and the engine."""
+"""Pages ranked by the mean and spread of their keys (``spread``): the scores against a brute force in float64, a
+needle page that Quest's bound misses, and its config checks (what it shares with sparq and landmark:
+``test_reranked.py``)."""
 
 import math
 
@@ -8,11 +9,9 @@ import torch
 from paged_util import one_layer
 
 from sparsekv.cache import PagedKVCache
-from sparsekv.engine import Engine
 from sparsekv.errors import ConfigError
 from sparsekv.kernels import reference
-from sparsekv.methods import QuestConfig, SpreadConfig
-from sparsekv.tiny import tiny_model
+from sparsekv.methods import SpreadConfig
 
 B, HKV, D, P = 2, 2, 8, 4
 
@@ -58,20 +57,6 @@ def test_scores_equal_a_brute_force_over_each_pages_stored_keys(h, per_query_hea
     assert torch.allclose(got[finite], want[finite], rtol=1e-12, atol=1e-12)
 
 
-def test_shared_pages_score_as_a_rows_own():
-    """A pool's store of pages read through a page table (``table``) gives the scores of the rows' own pages."""
-    layer, seq_len = _layer(23)
-    q = torch.randn(B, 4, D, dtype=torch.float64)
-    slots = layer.k.shape[2]
-    table = torch.randperm(B * slots).view(B, slots)  # each row's slots in pages of one store, shuffled
-    store = torch.zeros(1, HKV, B * slots, P, D, dtype=torch.float64)
-    for bi in range(B):
-        store[0, :, table[bi]] = layer.k[bi]
-    own = reference.spread_scores(q, layer.k, layer.slot_page, seq_len, 2.0)
-    shared = reference.spread_scores(q, store, layer.slot_page, seq_len, 2.0, table=table)
-    assert torch.equal(own, shared)
-
-
 def test_a_needle_page_of_alike_keys_ranks_first_where_the_bound_ranks_it_low():
     """Pages of noisy keys around zero and one page of alike keys whose logits are three of the noise's standard
     deviations up, the page of the largest logit: the bound ranks most noisy pages above it (every channel's
@@ -95,26 +80,11 @@ def test_a_needle_page_of_alike_keys_ranks_first_where_the_bound_ranks_it_low():
     assert int((bound > bound[needle]).sum()) >= pages_n // 2  # the bound puts half the pages or more above it
 
 
-def test_the_sink_pages_are_always_attended():
-    layer, seq_len = _layer(40)
-    config = SpreadConfig(token_budget=3 * P, page_size=P, dense_layers=0, sink_pages=2)
-    method = config.build(1)
-    q = torch.randn(B, 4, D, dtype=torch.float64)
-    slots = method.select(0, q, layer, seq_len)
-    pages = layer.slot_page.gather(2, slots.clamp(min=0))
-    for page in (0, 1):
-        assert bool((pages == page).any(-1).all())
-    assert bool((slots == layer.cur_slot.unsqueeze(-1)).any(-1).all())  # and the current page
-
-
 @pytest.mark.parametrize("fields, match", [
     (dict(spread=-1.0), r"spread must be None \(sqrt\(2 ln page_size\)\) or a number from 0 to 100"),
     (dict(spread=101), "spread must be None"),
     (dict(spread=float("nan")), "spread must be None"),
     (dict(spread=True), "spread must be None"),
-    (dict(sink_pages=-1), "sink_pages must be an int >= 0"),
-    (dict(sink_pages=4), r"sink_pages must be an int >= 0 leaving the current page room in token_budget \(4 pages\)"),
-    (dict(sink_pages=1.0), "sink_pages must be an int >= 0"),
 ])
 def test_bad_fields_are_refused(fields, match):
     with pytest.raises(ConfigError, match=match):
@@ -124,19 +94,3 @@ def test_bad_fields_are_refused(fields, match):
 def test_the_default_spread_is_the_largest_of_a_pages_logits():
     assert SpreadConfig(page_size=16).spread_weight == pytest.approx(math.sqrt(2 * math.log(16)))
     assert SpreadConfig(page_size=16, spread=0.5).spread_weight == 0.5
-
-
-def test_a_covering_budget_gives_dense_tokens_and_a_small_one_runs():
-    """Through the engine (batched, chunked prefill, captured decode where it applies): a budget that covers the
-    context attends every page, so the tokens are dense's; a small budget attends fewer tokens."""
-    model = tiny_model("llama", seed=2, layers=3)
-    model.generation_config.eos_token_id = None
-    prompts = [[(7 * i + 3) % 250 for i in range(90)], [(5 * i + 1) % 250 for i in range(61)]]
-    dense = Engine(model, QuestConfig(token_budget=256, page_size=8, dense_layers=3), max_batch=2,
-                   prefill_chunk=32).generate(prompts, 12, stop_tokens=())
-    whole = Engine(model, SpreadConfig(token_budget=256, page_size=8, dense_layers=1), max_batch=2,
-                   prefill_chunk=32).generate(prompts, 12, stop_tokens=())
-    assert whole.tokens == dense.tokens
-    small = Engine(model, SpreadConfig(token_budget=24, page_size=8, dense_layers=1), max_batch=2,
-                   prefill_chunk=32).generate(prompts, 12, stop_tokens=())
-    assert small.stats["attended_per_head"] < whole.stats["attended_per_head"]

@@ -11,7 +11,7 @@ from sparsekv.kernels import reference as ref
 B, H, HKV, D, P = 2, 4, 2, 8, 4
 OPS = ("page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page", "sparse_decode",
        "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "sparse_decode_tokens",
-       "append_token", "append_pages", "raas_update")
+       "append_token", "append_pages", "raas_update", "landmark_means", "landmark_page_scores")
 
 
 def filled_layer(dtype=torch.float32, lengths=(11, 6), seed=0, device="cpu"):
@@ -66,6 +66,10 @@ def op_args(dtype=torch.float32):
         "raas_update": (scores, layer.slot_page, layer.cur_slot, torch.zeros_like(layer.slot_page),
                         torch.tensor(3), seq_len, torch.tensor([2, 1]), torch.tensor([1, 0]), P, layer.capacity, 1,
                         0.5, None, 0.3),
+        "landmark_means": (layer.k, torch.zeros(*layer.k.shape[:3], 2, D, dtype=dtype), layer.slot_page,
+                           layer.cur_slot, seq_len),
+        "landmark_page_scores": (q, ref.page_landmarks(layer.k, layer.slot_page, seq_len, 2).to(dtype),
+                                 layer.slot_page, seq_len, P, 0.3, True),
     }
 
 
@@ -93,6 +97,8 @@ def test_names_call_the_registered_ops(name):
         got, want = [args[name][i] for i in (4, 9)], [before[i] for i in (4, 9)]  # codes and chosen
     if name == "code_page":
         got, want = args[name][3], before[3]  # codes
+    if name == "landmark_means":
+        got, want = args[name][1], before[1]  # means
     for g, w in zip(*(t if isinstance(t, (tuple, list)) else (t,) for t in (got, want))):
         assert torch.equal(g, w)
 

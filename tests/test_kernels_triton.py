@@ -979,3 +979,77 @@ def test_fp8_cache_ops(batch, heads, kv_heads, head_dim, page_size, lengths, n_p
     written = k[bi, hi, cur_slot, (seq_len % page_size).view(-1, 1)][~no_token]  # (rows, Hkv, D)
     assert torch.equal(written.float(), ref.to_cache(k_new[~no_token], ref.FP8).float())
     assert (written[..., 0].float() == ref.FP8_MAX).all() and (written[..., 1].float() == -ref.FP8_MAX).all()
+
+
+# (batch, heads, kv_heads, head_dim, page_size, landmarks, lengths, per_head): partial pages, free slots, pages
+# scattered over the slots; page sizes and head dims not powers of two, odd head counts, groups of 1 and 3.
+LANDMARK_SHAPES = [
+    pytest.param(1, 4, 1, 64, 16, 2, [5], False, id="one-partial-page-gqa4"),
+    pytest.param(3, 6, 2, 64, 8, 2, [1, 13, 37], False, id="ragged-gqa3"),
+    pytest.param(2, 3, 3, 24, 12, 3, [30, 7], True, id="page-12-mha3-d24-per-head"),
+    pytest.param(2, 9, 3, 32, 6, 2, [40, 17], False, id="page-6-gqa3"),
+    pytest.param(2, 8, 4, 64, 4, 4, [21, 6], True, id="a-landmark-per-token"),
+    pytest.param(1, 2, 1, 32, 1, 1, [7], False, id="page-size-1"),
+]
+
+
+def _through_table(t: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' slots (B, Hkv, C, ...) as a store of shared pages (1, Hkv, B * C + 3, ...) and the table (B, C)."""
+    b, hkv, c = t.shape[:3]
+    table = torch.randperm(b * c + 3, generator=torch.Generator().manual_seed(seed))[:b * c].view(b, c).to(DEV)
+    store = torch.full((1, hkv, b * c + 3, *t.shape[3:]), float("nan"), device=DEV).to(t.dtype)
+    for bi in range(b):
+        store[0, :, table[bi]] = t[bi]
+    return store, table
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # heads without runs
+@pytest.mark.parametrize("through_table", [False, True], ids=["", "table"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, ref.FP8], ids=str)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,landmarks,lengths,per_head", LANDMARK_SHAPES)
+def test_landmark_page_scores(batch, heads, kv_heads, head_dim, page_size, landmarks, lengths, per_head, dtype,
+                              through_table):
+    """Page scores from stored landmarks against float64 on the same landmarks (an fp8 cache's with bf16 queries):
+    free slots -inf, and only they; whatever a free slot or a run without stored tokens holds (NaN here, fp8's
+    largest value in fp8) is left out."""
+    k, _, _, _, slot_page, _, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths, torch.float32)
+    means = ref.page_landmarks(k, slot_page, seq_len, landmarks)
+    empty = ~ref.stored_tokens(slot_page, seq_len, page_size).view(*slot_page.shape, landmarks, -1).any(-1)
+    means[empty] = ref.FP8_MAX if dtype == ref.FP8 else float("nan")
+    means = ref.to_cache(means, dtype)
+    q = torch.randn(batch, heads, head_dim, device=DEV).to(torch.bfloat16 if dtype == ref.FP8 else dtype)
+    scale = head_dim ** -0.5
+    exact = ref.landmark_page_scores(*up(q, means), slot_page, seq_len, page_size, scale, per_head)
+    store, table = _through_table(means, 1) if through_table else (means, None)
+    scores = tops.landmark_page_scores(q, store, slot_page, seq_len, page_size, scale, per_head, table)
+    assert scores.shape == exact.shape and scores.dtype == torch.float32
+    assert torch.equal(scores.isinf(), exact.isinf()), "free slots must score -inf, and only they"
+    fin = exact.isfinite()
+    torch_err = rel_err(ref.landmark_page_scores(q, means, slot_page, seq_len, page_size, scale, per_head)[fin],
+                        exact[fin])
+    assert rel_err(scores[fin], exact[fin]) <= 2 * torch_err + 1e-6
+
+
+@pytest.mark.parametrize("through_table", [False, True], ids=["", "table"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, ref.FP8], ids=str)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,landmarks,lengths,per_head", LANDMARK_SHAPES)
+def test_landmark_means_match_reference(batch, heads, kv_heads, head_dim, page_size, landmarks, lengths, per_head,
+                                        dtype, through_table):
+    """Each row's current page's landmarks, as the reference rounds them into the cache's dtype, and nothing else
+    written: partial pages with garbage past the row's length, a row without pages (cur_slot -1: slot 0), keys
+    past fp8's range (saturated)."""
+    k, _, _, _, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
+                                                          torch.float32)
+    cur_slot[0, -1] = -1
+    k = ref.to_cache(k * (300 if dtype == ref.FP8 else 1), dtype)
+    means = torch.randn(*slot_page.shape, landmarks, head_dim, device=DEV).to(dtype)
+    want = means.clone()
+    if through_table:
+        (k, table), (means, _), (want, _) = _through_table(k, 2), _through_table(means, 2), _through_table(want, 2)
+    else:
+        table = None
+    tops.landmark_means(k, means, slot_page, cur_slot, seq_len, table)
+    ref.landmark_means(k, want, slot_page, cur_slot, seq_len, table)
+    # The sums of a run may be taken in another order: a float32 landmark within a few ulps, a rounded one the same.
+    tol = {torch.float32: 1e-6, torch.bfloat16: 0.0, ref.FP8: 0.0}[dtype]
+    torch.testing.assert_close(means.float(), want.float(), rtol=tol, atol=tol, equal_nan=True)

@@ -12,6 +12,7 @@ from sparsekv import (DenseConfig, H2OConfig, LowBitConfig, OmniKVConfig, Oracle
                       SnapKVConfig, StreamingLLMConfig, TOVAConfig)
 from sparsekv.engine import Engine, Sampling
 from sparsekv.errors import ConfigError
+from sparsekv.methods import LandmarkConfig
 from sparsekv.serve import PrefillPacer, QueueFull, Request, RequestError, ServingEngine
 from sparsekv.serve.runner import row_bytes
 from sparsekv.tiny import tiny_model
@@ -33,6 +34,7 @@ CONFIGS = {
     "lowbit": LowBitConfig(token_budget=32, page_size=8, dense_layers=1),
     "lowbit-reuse4": LowBitConfig(token_budget=32, page_size=8, dense_layers=1, reuse=4),
     "oracle": OracleConfig(token_budget=32, page_size=8, dense_layers=1),
+    "landmark": LandmarkConfig(token_budget=32, page_size=8, dense_layers=1),
     "quest-kv-fp8": QuestConfig(token_budget=32, page_size=8, dense_layers=1, kv_dtype="fp8"),
 }
 CONTEXT = 160
@@ -167,11 +169,11 @@ def test_shared_pages_hold_each_running_request_and_come_back(model, name):
     assert bool((shared.table == shared.pages).all())
 
 
-@pytest.mark.parametrize("name", ["dense", "quest", "raas", "h2o", "snapkv", "lowbit"])
+@pytest.mark.parametrize("name", ["dense", "quest", "raas", "h2o", "snapkv", "lowbit", "landmark"])
 def test_the_pool_holds_what_its_size_counted(model, name):
     """The bytes a pool is checked against before it allocates (its rows of ``Method.pool_pages`` slots and the
     method's per-slot state) bound what it holds once requests ran through it, and every row can be given a request
-    of max_context tokens; lowbit's codes are taken with the pool, not at a request's join."""
+    of max_context tokens; lowbit's codes and landmark's means are taken with the pool, not at a request's join."""
     config = CONFIGS[name]
     engine = ServingEngine(model, config, max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
     runner = engine.runner
@@ -180,13 +182,14 @@ def test_the_pool_holds_what_its_size_counted(model, name):
     head_dim = model.get_decoder().layers[0].self_attn.head_dim
     counted = 2 * row_bytes(runner.method.pool_pages(CONTEXT, CONTEXT), config.page_size, runner.token_bytes,
                             runner.page_bytes, model.config.num_key_value_heads,
-                            runner.method.slot_state_bytes(head_dim))
+                            runner.method.slot_state_bytes(head_dim, runner.pool.pages.layers[0].k.element_size()))
     assert runner.capacity_bytes() <= counted
     # every row can take a request of max_context tokens: admission by memory never leaves a row idle
     assert 2 * runner.kv_bytes(CONTEXT - 9, CONTEXT) <= engine.kv_memory_bytes
-    if name == "lowbit":
+    if name in ("lowbit", "landmark"):
         assert before == runner.capacity_bytes()
-        assert counted - runner.capacity_bytes() < counted / 50  # the codes are counted: an eighth of the keys
+        # the codes (an eighth of the keys) and the means (two keys a page) are counted
+        assert counted - runner.capacity_bytes() < counted / 50
 
 
 def test_offloaded_rows_sized_by_new_tokens_give_the_alone_tokens(model):
@@ -408,7 +411,8 @@ def test_requests_of_one_prompt_share_its_prefill(model, name):
     assert engine.metrics()["free_rows"] == 6 and engine.metrics()["kv_bytes_in_use"] == 0
 
 
-PREFIX_METHODS = ["dense", "quest", "omnikv", "raas", "raas-quest", "lowbit", "oracle", "quest-per-query-head"]
+PREFIX_METHODS = ["dense", "quest", "omnikv", "raas", "raas-quest", "lowbit", "oracle", "quest-per-query-head",
+                  "landmark"]
 
 
 @pytest.mark.parametrize("name, step_tokens", [*((name, None) for name in PREFIX_METHODS), ("dense", 40),

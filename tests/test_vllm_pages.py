@@ -1,6 +1,6 @@
-"""sparsekv's part of the vLLM backend, on vLLM's cache layout, without vLLM: the blocks' key bounds kept as vLLM
-writes keys (prompt chunks, decode tokens, blocks reused with stale contents, padding) equal our own cache's pages'
-bounds, and a method's decode over vLLM's blocks equals the same method over our own cache."""
+"""sparsekv's part of the vLLM backend, on vLLM's cache layout, without vLLM: the blocks' key bounds (and lowbit's
+codes) kept as vLLM writes keys (prompt chunks, decode tokens, blocks reused with stale contents, padding) equal our
+own cache's pages', and a method's decode over vLLM's blocks equals the same method over our own cache."""
 
 from __future__ import annotations
 
@@ -13,18 +13,22 @@ from sparsekv import kernels
 from sparsekv.cache import PagedKVCache
 from sparsekv.errors import ConfigError
 from sparsekv.integrations import vllm as plugin
-from sparsekv.integrations.vllm.pages import BlockStore, DecodeRows, bounds_bytes, decode, leading_decodes
+from sparsekv.integrations.vllm.pages import (BlockStore, DecodeRows, bounds_bytes, code_bits, decode,
+                                              leading_decodes, tail_bytes)
+from sparsekv.kernels import reference
 from sparsekv.methods.base import Tally
+from sparsekv.methods.lowbit import codes_entry
 from sparsekv.spec import build_config
 
 
 def vllm_cache(blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, layout: str,
-               gen: torch.Generator, spare: int = 0, device: str = "cpu") -> torch.Tensor:
+               gen: torch.Generator, spare: int = 0, device: str = "cpu", bits: int = 0) -> torch.Tensor:
     """A layer's cache as vLLM's FlashAttention backend sees it with padded pages: (NB, Hkv, BS, 2D) over pages of
-    ``bounds_bytes`` (plus ``spare`` elements) more than the keys and values, filled with garbage (a reused block's
-    stale contents)."""
+    ``tail_bytes`` (for codes of ``bits``; plus ``spare`` elements) more than the keys and values, filled with
+    garbage (a reused block's stale contents)."""
     d2 = 2 * head_dim
-    page = block_size * kv_heads * d2 + kv_heads * d2 + spare
+    codes = kv_heads * block_size * head_dim * bits // 8 // torch.empty((), dtype=dtype).element_size()
+    page = block_size * kv_heads * d2 + kv_heads * d2 + codes + spare
     raw = torch.randn(blocks * page, generator=gen, dtype=torch.float64).mul(50).to(device, dtype)
     if layout == "NHD":
         return torch.as_strided(raw, (blocks, block_size, kv_heads, d2), (page, kv_heads * d2, d2, 1)).transpose(1, 2)
@@ -46,10 +50,10 @@ class Requests:
     """Requests growing in vLLM's blocks (from a shuffled free list, so blocks are out of order and hold garbage)
     and, beside each, our own cache of one row fed the same keys and values."""
 
-    def __init__(self, kv_cache: torch.Tensor, n: int, gen: torch.Generator, bounds=None):
+    def __init__(self, kv_cache: torch.Tensor, n: int, gen: torch.Generator, ops=kernels, bits: int = 0):
         self.cache = kv_cache
-        self.store = BlockStore(kv_cache)
-        self.bounds = bounds or kernels.page_bounds
+        self.store = BlockStore(kv_cache, bits)
+        self.ops = ops
         self.gen = gen
         self.free = torch.randperm(kv_cache.shape[0] - 1, generator=gen).add(1).tolist()  # block 0: vLLM's null block
         self.blocks: list[list[int]] = [[] for _ in range(n)]
@@ -80,7 +84,8 @@ class Requests:
 
     def step(self, counts: list[int], padding: int = 0) -> None:
         """One forward: ``counts[r]`` new tokens of request r (0: none), written as vLLM writes a batch, then the
-        bounds of the blocks written; ``padding`` trailing slots of -1 (a padded CUDA-graph batch)."""
+        bounds (and codes) of the blocks written, by ``ops``; ``padding`` trailing slots of -1 (a padded CUDA-graph
+        batch)."""
         slots, keys, values = [], [], []
         for r, c in enumerate(counts):
             if not c:
@@ -100,7 +105,11 @@ class Requests:
         slot_mapping = torch.tensor(slots + [-1] * padding, dtype=torch.long, device=dev)
         pad = torch.zeros(padding, self.hkv, self.d, dtype=self.cache.dtype)
         write(self.cache, torch.cat(keys + [pad]).to(dev), torch.cat(values + [pad]).to(dev), slot_mapping)
-        self.bounds(self.store.k, self.store.kmin, self.store.kmax, slot_mapping)
+        store = self.store
+        self.ops.page_bounds(store.k, store.kmin, store.kmax, slot_mapping)
+        if store.bits:
+            self.ops.page_codes(store.k, store.kmin, store.kmax, store.page_state[codes_entry(store.bits)],
+                                slot_mapping, store.bits)
 
     def block_table(self) -> torch.Tensor:
         width = max(map(len, self.blocks)) + 2
@@ -110,19 +119,30 @@ class Requests:
         return table
 
 
-def grown(dtype=torch.float64, layout="NHD", seed=0, bounds=None, device="cpu") -> Requests:
+def grown(dtype=torch.float64, layout="NHD", seed=0, ops=kernels, device="cpu", bits=0) -> Requests:
     """Three requests: prompts in chunks that start and end mid-block, one prompt finishing while the others
-    decode, then decode steps together, the last batch padded; ``bounds``: the op that keeps the blocks' bounds;
-    vLLM's cache on ``device`` (our own caches stay on the CPU)."""
+    decode, then decode steps together, the last batch padded; ``ops``: the module whose ``page_bounds`` and
+    ``page_codes`` keep the blocks' bounds and codes of ``bits`` (0: none); vLLM's cache on ``device`` (our own
+    caches stay on the CPU)."""
     gen = torch.Generator().manual_seed(seed)
-    reqs = Requests(vllm_cache(40, 2, 4, 8, dtype, layout, gen, device=device), 3, gen, bounds)
+    reqs = Requests(vllm_cache(40, 2, 4, 8, dtype, layout, gen, device=device, bits=bits), 3, gen, ops, bits)
     for counts in ([6, 9, 0], [5, 1, 13], [1, 7, 2], [1, 1, 3], [1, 1, 1], [1, 1, 1]):
         reqs.step(counts)
     reqs.step([1, 1, 1], padding=2)
     return reqs
 
 
+def with_codes(reqs: Requests) -> None:
+    """Our caches' layers get lowbit's codes of every page, as its prefill makes them."""
+    bits = reqs.store.bits
+    for layer in reqs.layers:
+        layer.slot_state[codes_entry(bits)] = reference.key_codes(layer.k, layer.kmin, layer.kmax, bits)
+
+
 def assert_blocks_equal_our_pages(reqs: Requests) -> None:
+    bits = reqs.store.bits
+    if bits:
+        with_codes(reqs)
     for r, blocks in enumerate(reqs.blocks):
         ours = reqs.layers[r]
         for j, block in enumerate(blocks):
@@ -131,12 +151,16 @@ def assert_blocks_equal_our_pages(reqs: Requests) -> None:
             n = min(reqs.bs, reqs.length[r] - j * reqs.bs)
             assert torch.equal(reqs.store.k[0, :, block, :n], ours.k[0, :, j, :n])
             assert torch.equal(reqs.store.v[0, :, block, :n], ours.v[0, :, j, :n])
+            if bits:
+                codes = reqs.store.page_state[codes_entry(bits)]
+                assert torch.equal(codes[0, :, block, :n], ours.slot_state[codes_entry(bits)][0, :, j, :n]), (r, j)
 
 
+@pytest.mark.parametrize("bits", [0, 1, 2, 4])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_block_bounds_equal_our_pages(dtype, layout):
-    assert_blocks_equal_our_pages(grown(dtype, layout))
+def test_block_bounds_equal_our_pages(dtype, layout, bits):
+    assert_blocks_equal_our_pages(grown(dtype, layout, bits=bits))
 
 
 def test_shared_prefix_blocks_hold_for_every_reader():
@@ -167,7 +191,7 @@ def test_bounds_change_only_the_end_of_the_written_blocks():
     page = cache.stride(0)
     flat = torch.as_strided(cache, (6 * page,), (1,))
     before = flat.clone()
-    BlockStore(cache).write_bounds(torch.tensor([8, 9, 10, -1]))  # block 2, offsets 0-2
+    BlockStore(cache).write(torch.tensor([8, 9, 10, -1]))  # block 2, offsets 0-2
     changed = (flat != before).nonzero().squeeze(1)
     data = 4 * 2 * 16
     assert changed.min() >= 2 * page + data and changed.max() < 2 * page + data + 2 * 16
@@ -176,27 +200,56 @@ def test_bounds_change_only_the_end_of_the_written_blocks():
     assert torch.equal(bounds[:, 0], keys.amin(1)) and torch.equal(bounds[:, 1], keys.amax(1))
 
 
-def test_bounds_bytes_and_a_page_too_short():
+def test_codes_change_only_their_place_in_the_written_blocks():
+    """lowbit's codes follow the bounds in the page's tail: writing a block changes its bounds and codes only."""
+    gen = torch.Generator().manual_seed(3)
+    cache = vllm_cache(6, 2, 4, 8, torch.float32, "HND", gen, spare=3, bits=4)
+    page = cache.stride(0)
+    flat = torch.as_strided(cache, (6 * page,), (1,))
+    before = flat.clone()
+    store = BlockStore(cache, 4)
+    store.write(torch.tensor([-1, 12, 13]))  # block 3, offsets 0-1
+    changed = (flat != before).nonzero().squeeze(1)
+    data = 4 * 2 * 16
+    codes = 2 * 4 * 8 * 4 // 8 // 4  # elements of float32
+    assert changed.min() >= 3 * page + data and changed.max() < 3 * page + data + 2 * 16 + codes
+    want = reference.key_codes(store.k[0, :, 3], store.kmin[0, :, 3], store.kmax[0, :, 3], 4)
+    assert torch.equal(store.page_state[codes_entry(4)][0, :, 3, :2], want[:, :2])
+
+
+def test_tail_bytes_and_a_page_too_short():
     assert bounds_bytes(8, 128, torch.bfloat16) == 4096
+    quest, lowbit = build_config("quest:page_size=16"), build_config("lowbit:page_size=16,bits=2")
+    assert (code_bits(quest), code_bits(lowbit)) == (0, 2)
+    assert tail_bytes(quest, 8, 16, 128, torch.bfloat16) == 4096
+    assert tail_bytes(lowbit, 8, 16, 128, torch.bfloat16) == 4096 + 8 * 16 * 128 * 2 // 8
     gen = torch.Generator().manual_seed(0)
     plain = torch.randn(5, 4, 2, 8, generator=gen).transpose(1, 2)  # FlashAttention's cache without the room
     with pytest.raises(ValueError, match="room for the bounds"):
         BlockStore(plain)
+    bounds_only = vllm_cache(5, 2, 4, 8, torch.float32, "NHD", gen)
+    BlockStore(bounds_only)
+    with pytest.raises(ValueError, match="room for the bounds and codes"):
+        BlockStore(bounds_only, 2)
 
 
 SPECS = ["quest:token_budget=8,dense_layers=0", "quest:token_budget=8,dense_layers=0,per_query_head=true",
          "spread:token_budget=8,dense_layers=0", "sparq:token_budget=8,dense_layers=0,channels=3",
          "landmark:token_budget=8,dense_layers=0",
          "oracle:token_budget=8,dense_layers=0",
-         "quest:token_budget=8,dense_layers=1"]
+         "quest:token_budget=8,dense_layers=1",
+         "lowbit:token_budget=8,dense_layers=0", "lowbit:token_budget=8,dense_layers=0,bits=4,per_query_head=true",
+         "lowbit:token_budget=8,dense_layers=0,bits=1"]
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_decode_over_blocks_equals_our_cache(spec):
     """Each row's output through vLLM's blocks (batched, a padded row at the end) equals the same method over the
     row's own cache (float64, references); the budget of 2 pages leaves most pages out."""
-    reqs = grown()
     config = build_config(spec + ",page_size=4")
+    reqs = grown(bits=code_bits(config))
+    if reqs.store.bits:
+        with_codes(reqs)
     method = config.method_class()(config, 2)
     n = len(reqs.blocks)
     rows = DecodeRows(n + 1, reqs.bs, torch.device("cpu"))
@@ -234,7 +287,8 @@ def test_method_config():
     cfg = plugin.method_config({"sparsekv": "quest:token_budget=2048"}, 16, 32)
     assert (cfg.token_budget, cfg.page_size, cfg.dense_layers) == (2048, 16, 2)
     cases = [({}, "additional_config"), ({"sparsekv": 3}, "additional_config"),
-             ({"sparsekv": "raas"}, "method must be one of quest, spread, sparq, landmark, oracle"),
+             ({"sparsekv": "raas"}, "method must be one of quest, lowbit, spread, sparq, landmark, oracle"),
+             ({"sparsekv": "lowbit:reuse=4"}, "reuse must be 1 inside vLLM"),
              ({"sparsekv": "quest:token_budget=2048"}, "page_size must be vLLM's block size \\(32\\)"),
              ({"sparsekv": "oracle:granularity=token"}, "granularity"),
              ({"sparsekv": "quest:dense_layers=40"}, "dense_layers"),
@@ -266,15 +320,16 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_ops_read_vllm_blocks(dtype, layout):
-    """The Triton kernels on vLLM's padded blocks: bounds equal the reference's; Quest's choice and the sparse
-    decode through the rows' table equal the reference ops on the same views."""
+    """The Triton kernels on vLLM's padded blocks: bounds and codes equal the reference's; Quest's and lowbit's
+    choices and the sparse decode through the rows' table equal the reference ops on the same views."""
     from sparsekv.kernels import reference as ref
     from sparsekv.kernels import triton as tops
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    reqs = grown(dtype, layout, seed=4, bounds=tops.page_bounds, device=dev)
-    twin = grown(dtype, layout, seed=4, bounds=ref.page_bounds)
-    for got, want in ((reqs.store.kmin, twin.store.kmin), (reqs.store.kmax, twin.store.kmax)):
+    reqs = grown(dtype, layout, seed=4, ops=tops, device=dev, bits=2)
+    twin = grown(dtype, layout, seed=4, ops=ref, bits=2)
+    for got, want in ((reqs.store.kmin, twin.store.kmin), (reqs.store.kmax, twin.store.kmax),
+                      (reqs.store.page_state[codes_entry(2)], twin.store.page_state[codes_entry(2)])):
         assert torch.equal(got.cpu(), want)
     n = len(reqs.blocks)
     rows = DecodeRows(n, reqs.bs, dev)
@@ -289,4 +344,13 @@ def test_triton_ops_read_vllm_blocks(dtype, layout):
     got = tops.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq, 0.3, None, False, layer.table)
     want = ref.sparse_decode(q, layer.k, layer.v, layer.slot_page, slots, seq, 0.3, None, False, layer.table)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-    assert got.device == dev
+    assert got.device.type == dev.type
+    codes = reqs.store.page_state[codes_entry(2)]
+    for per_query_head in (False, True):
+        hs = 4 if per_query_head else 2
+        args = (q.float(), layer.k.float(), layer.kmin.float(), layer.kmax.float(), codes, layer.slot_page,
+                layer.cur_slot, seq, seq, None, 0.3, 2, 2, 1, per_query_head, layer.table)
+        chosen = [torch.full((n, hs, 2), -7, dtype=torch.long, device=dev) for _ in range(2)]
+        tops.lowbit_select(*args[:9], chosen[0], *args[10:])
+        ref.lowbit_select(*args[:9], chosen[1], *args[10:])
+        assert torch.equal(chosen[0].sort(-1).values, chosen[1].sort(-1).values), per_query_head

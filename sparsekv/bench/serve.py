@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache import storage_dtype
 from ..cache.host_store import HostMemoryError
 from ..engine import Engine, prefill_passes
 from ..errors import ConfigError
@@ -413,7 +414,8 @@ def pool_parts(method, kv_heads: int, head_dim: int, layers: int, dtype: torch.d
     token_bytes, page_bytes = cache_bytes(method.config, kv_heads, head_dim, dtype)
     slots = method.pool_pages(max_context, max_new_tokens)
     page = shared_page_bytes(method, token_bytes, page_bytes, layers)
-    return {"row": pool_row_bytes(method, slots, token_bytes, page_bytes, kv_heads, head_dim),
+    return {"row": pool_row_bytes(method, slots, token_bytes, page_bytes, kv_heads, head_dim,
+                                  storage_dtype(method.config.kv_dtype, dtype).itemsize),
             "pages": slots[0] if page else 0, "page": page,
             "prefill": prefill_bytes(method, max_context, token_bytes, kv_heads, head_dim, dtype),
             "host_row": method.pool_host_tokens(max_context) * token_bytes}

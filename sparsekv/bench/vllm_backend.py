@@ -6,8 +6,9 @@
     python -m sparsekv.bench.vllm_backend agree --layers 4 --context 8192 --new-tokens 64
 
 ``decode``: batch-1 decode per context (vLLM's engine timestamps; ``bench.peer decode``), vLLM dense and vLLM with
-sparsekv's backend. ``load``: the requests given at once (``bench.peer load``): output tokens/s, time to first token
-and per output token. Both on the published shape with random weights (vLLM's ``dummy`` load).
+sparsekv's backend, an engine per ``--spec`` given (several may follow it). ``load``: the requests given at once
+(``bench.peer load``): output tokens/s, time to first token and per output token. Both on the published shape with
+random weights (vLLM's ``dummy`` load).
 
 ``agree``: whether sparsekv inside vLLM scores what it should. A random-weight checkpoint of the shape's first
 ``--layers`` layers (transformers' initialisation, so that attention moves the logits) is saved and loaded by every
@@ -61,8 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     agree.add_argument("--context", type=int_arg(), default=8192)
     agree.add_argument("--new-tokens", type=int_arg(), default=64)
     agree.add_argument("--prompts", type=int_arg(), default=2)
+    for s in (decode, load):
+        s.add_argument("--spec", nargs="+", default=["quest:token_budget=2048"],
+                       help="the methods sparsekv's backend runs, each in an engine of its own")
+    agree.add_argument("--spec", default="quest:token_budget=2048", help="the method sparsekv's backend runs")
     for s in (decode, load, agree):
-        s.add_argument("--spec", default="quest:token_budget=2048", help="the method sparsekv's backend runs")
         s.add_argument("--model", default="shape:llama3-8b", help="shape:<name>: a published shape")
         s.add_argument("--kv-cache-memory-bytes", type=int_arg(), default=None,
                        help="vLLM's KV cache size, the same for every run (default: what 0.9 of the device leaves)")
@@ -81,7 +85,7 @@ def peer_options(args) -> list[str]:
 def decode_runs(args) -> list[dict]:
     common = [*peer_options(args), "--contexts", *map(str, args.contexts), "--new-tokens", str(args.new_tokens)]
     dense = peer_rows("vllm", "decode", common)["rows"]
-    sparse = peer_rows("vllm", "decode", [*common, "--sparsekv", args.spec])["rows"]
+    sparse = [row for spec in args.spec for row in peer_rows("vllm", "decode", [*common, "--sparsekv", spec])["rows"]]
     for row in sparse:
         base = next(d for d in dense if d["context"] == row["context"])
         row["vs_dense"] = base["decode_ms"] / row["decode_ms"]
@@ -99,9 +103,11 @@ def load_runs(args) -> list[dict]:
         if args.max_num_seqs:
             common += ["--max-num-seqs", str(args.max_num_seqs)]
         (dense,) = peer_rows("vllm", "load", common, timeout_s=1800)["rows"]
-        (sparse,) = peer_rows("vllm", "load", [*common, "--sparsekv", args.spec], timeout_s=1800)["rows"]
-    sparse["vs_dense"] = sparse["output_tokens_per_s"] / dense["output_tokens_per_s"]
-    return [dense, sparse]
+        sparse = [row for spec in args.spec
+                  for row in peer_rows("vllm", "load", [*common, "--sparsekv", spec], timeout_s=1800)["rows"]]
+    for row in sparse:
+        row["vs_dense"] = row["output_tokens_per_s"] / dense["output_tokens_per_s"]
+    return [dense, *sparse]
 
 
 def covering_spec(spec: str, tokens: int) -> str:
@@ -188,7 +194,7 @@ def markdown(meta: dict, rows: list[dict], verdict: dict | None) -> list[str]:
     elif meta["kind"] == "load":
         cols = [("method", "method", "{}"), ("output tok/s", "output_tokens_per_s", "{:.1f}"),
                 ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"), ("TPOT p50 ms", "tpot_p50_ms", "{:.2f}"),
-                ("max running", "max_batch", "{}"), ("KV GiB", "kv_capacity_gib", "{:.1f}"),
+                ("running cap (max_num_seqs)", "max_batch", "{}"), ("KV GiB", "kv_capacity_gib", "{:.1f}"),
                 ("vs vLLM dense", "vs_dense", "{:.2f}x")]
     else:
         cols = [("run", "run", "{}"),

@@ -229,18 +229,20 @@ class PagedLayer:
 
     @classmethod
     def over(cls, k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, table: torch.Tensor,
-             slot_page: torch.Tensor, cur_slot: torch.Tensor) -> "PagedLayer":
+             slot_page: torch.Tensor, cur_slot: torch.Tensor,
+             page_state: dict[str, torch.Tensor] | None = None) -> "PagedLayer":
         """A layer over a store of pages that something else keeps and fills (vLLM's blocks), allocating nothing:
         k, v (1, Hkv, N, P, D) and kmin, kmax (1, Hkv, N, D), any strides with head_dim contiguous; table (B, C + 1)
         int64, the store page of each row's slot; slot_page (B, Hkv, C + 1) and cur_slot (B, Hkv) as above, slot j
-        holding page j or free (no holes)."""
+        holding page j or free (no holes). page_state: the method's tensors per store page (1, Hkv, N, ...) (lowbit's
+        key codes), kept as ``slot_state`` and read through the table as the pages are."""
         layer = cls.__new__(cls)
         layer.page_size, layer.capacity = k.shape[3], table.shape[1] - 1
         layer.shared = SharedPages.over(table, k.shape[2])
         layer.k, layer.v, layer._kmin, layer._kmax = k, v, kmin, kmax
         layer.slot_page, layer.cur_slot = slot_page, cur_slot
         layer.has_holes, layer.max_pages, layer.dropped = False, None, [0] * table.shape[0]
-        layer.slot_state, layer._slot_ids = {}, None
+        layer.slot_state, layer._slot_ids = dict(page_state or {}), None
         return layer
 
     @property

@@ -111,7 +111,7 @@ class RecallProbe(Method):
     def prefill_device_tokens(self, max_context):
         return self.pool_pages(max_context, None)
 
-    def slot_state_bytes(self, head_dim):
+    def slot_state_bytes(self, head_dim, itemsize):
         return self.pool_pages(None, None)
 
     def pool_configs(self):
@@ -216,8 +216,8 @@ OBSERVED = (*SLOT_OPS, *TOKEN_OPS)
 # Ops of ``kernels`` that attend nothing (scores, selection, bookkeeping); any other op met in a decode step is an
 # attention the probe cannot read, and is refused rather than left out of the recall.
 NOT_ATTENTION = {"page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page",
-                 "window_token_maxima", "attention_mass", "append_token", "append_pages", "page_bounds", "raas_update",
-                 "linear", "linear_quantized"}
+                 "window_token_maxima", "attention_mass", "append_token", "append_pages", "page_bounds", "page_codes",
+                 "raas_update", "linear", "linear_quantized", "landmark_means", "landmark_page_scores"}
 
 
 def _observing_attention(calls: list):

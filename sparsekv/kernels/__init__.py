@@ -149,16 +149,16 @@ def _linear_quantized_fake(x, codes, scale, minimum, bias=None):
     return x.new_empty(*x.shape[:-1], reference.quantized_outputs(codes, scale))
 
 
-def _coded_scores_fake(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head=False):
-    return _page_scores_fake(q, kmin, kmax, slot_page, per_query_head)
+def _coded_scores_fake(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head=False, table=None):
+    return _page_scores_fake(q, kmin, kmax, slot_page, per_query_head, table)
 
 
 def _lowbit_select_fake(q, k, kmin, kmax, codes, slot_page, cur_slot, seq_len, first, chosen, scale, bits, num_pages,
-                        reuse=1, per_query_head=False):
+                        reuse=1, per_query_head=False, table=None):
     return None
 
 
-def _code_page_fake(k, kmin, kmax, codes, cur_slot, bits):
+def _code_page_fake(k, kmin, kmax, codes, cur_slot, bits, table=None):
     return None
 
 
@@ -171,6 +171,18 @@ def _append_pages_fake(k, v, kmin, kmax, slot_page, cur_slot, k_new, v_new, star
 
 
 def _page_bounds_fake(k, kmin, kmax, slot_mapping):
+    return None
+
+
+def _landmark_means_fake(k, means, slot_page, cur_slot, seq_len, table=None):
+    return None
+
+
+def _landmark_page_scores_fake(q, means, slot_page, seq_len, page_size, scale, per_query_head=False, table=None):
+    return _page_scores_fake(q, None, None, slot_page, per_query_head)
+
+
+def _page_codes_fake(k, kmin, kmax, codes, slot_mapping, bits):
     return None
 
 
@@ -196,6 +208,9 @@ append_token = _register("append_token", _append_token_fake,
 append_pages = _register("append_pages", _append_pages_fake,
                          mutates=("k", "v", "kmin", "kmax", "slot_page", "cur_slot"))
 page_bounds = _register("page_bounds", _page_bounds_fake, mutates=("kmin", "kmax"))
+landmark_means = _register("landmark_means", _landmark_means_fake, mutates=("means",))
+landmark_page_scores = _register("landmark_page_scores", _landmark_page_scores_fake)
+page_codes = _register("page_codes", _page_codes_fake, mutates=("codes",))
 raas_update = _register("raas_update", _raas_update_fake, mutates=("slot_page", "stamp"))
 linear = _register("linear", _linear_fake)
 linear_quantized = _register("linear_quantized", _linear_quantized_fake)
@@ -226,5 +241,6 @@ weigh_window = reference.weigh_window
 
 __all__ = ["page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page",
            "sparse_decode", "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "weigh_window",
-           "sparse_decode_tokens", "append_token", "append_pages", "page_bounds", "raas_update", "linear",
-           "linear_quantized", "count_attended", "merge_attention", "observe", "fused", "reference"]
+           "sparse_decode_tokens", "append_token", "append_pages", "page_bounds", "page_codes", "raas_update", "linear",
+           "linear_quantized", "landmark_means", "landmark_page_scores", "count_attended", "merge_attention", "observe",
+           "fused", "reference"]

@@ -142,34 +142,83 @@ def channel_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, se
     return mass.masked_fill((slot_page < 0).repeat_interleave(rows, dim=1), float("-inf"))
 
 
-def landmark_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor,
-                    landmarks: int, scale: float, per_query_head: bool = False,
-                    table: torch.Tensor | None = None) -> torch.Tensor:
-    """Pages scored by the attention mass their landmarks estimate: each page's tokens in ``landmarks`` runs of
-    P / landmarks, each run's stored keys taken as their mean (its landmark, as ShadowKV's per chunk), so a run of n
-    stored tokens gets n * exp(scale * q . mean) of the softmax over every run of the row; a page's score is its
-    runs' share, per query head (summed over a KV head's query heads unless ``per_query_head``).
+def check_landmarks(landmarks: int, page_size: int) -> None:
+    if landmarks < 1 or page_size % landmarks:
+        raise ValueError(f"landmarks must be a divisor of the page size ({page_size}), got {landmarks}")
 
-    q: (B, H, D); k: (B, Hkv, C, P, D), or with ``table`` (B, C) int64 a pool's shared pages (1, Hkv, N, P, D);
-    slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,) tokens stored per row; ``landmarks`` divides P.
-    Returns (B, Hkv, C) or (B, H, C) with ``per_query_head``; free slots score -inf. With a landmark per token it is
-    the true attention mass.
-    """
-    k = per_row(k, table)
+
+def page_landmarks(k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor, landmarks: int) -> torch.Tensor:
+    """Each slot's landmarks: the mean of the stored keys (``stored_tokens``) of each of its ``landmarks`` runs of
+    P / landmarks tokens (as ShadowKV's per chunk), 0 for a run without one.
+
+    k: (B, Hkv, C, P, D); slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,) tokens stored per row (a page's
+    positions from it on are not written yet); ``landmarks`` divides P. Returns (B, Hkv, C, landmarks, D) float32
+    (float64 for float64 keys)."""
+    b, hkv, c, p, d = k.shape
+    check_landmarks(landmarks, p)
+    stored = stored_tokens(slot_page, seq_len, p).view(b, hkv, c, landmarks, p // landmarks, 1)
+    keys = torch.where(stored, k.to(acc_dtype(k.dtype)).view(b, hkv, c, landmarks, p // landmarks, d), 0.0)
+    return keys.sum(4) / stored.sum(4).clamp(min=1)
+
+
+def landmark_means(k: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.Tensor,
+                   seq_len: torch.Tensor, table: torch.Tensor | None = None) -> None:
+    """Writes the landmarks (``page_landmarks``) of each row's current page, in place, in means' dtype:
+    ``means[b, h, cur_slot[b, h]]``, slot 0 for a row without pages (cur_slot -1).
+
+    k: (B, Hkv, C, P, D); means: (B, Hkv, C, L, D), L dividing P; or with ``table`` (B, C) int64 a store of shared
+    pages, k (1, Hkv, N, P, D) and means (1, Hkv, N, L, D), slot s of row b in page ``table[b, s]``; slot_page:
+    (B, Hkv, C); cur_slot: (B, Hkv) int64; seq_len: (B,)."""
+    slot = cur_slot.clamp(min=0)
+    row = torch.arange(slot.shape[0], device=slot.device).view(-1, 1) if table is None else 0
+    page = slot if table is None else table.gather(1, slot)  # (B, Hkv): the slot's page in k and means
+    head = torch.arange(slot.shape[1], device=slot.device).expand_as(page)
+    keys = raw(k)[row, head, page].view(k.dtype).unsqueeze(2)  # (B, Hkv, 1, P, D)
+    new = page_landmarks(keys, slot_page.gather(2, slot.unsqueeze(-1)), seq_len, means.shape[3])
+    raw(means)[row, head, page] = raw(to_cache(new.squeeze(2), means.dtype))
+
+
+def landmark_page_scores(q: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor,
+                         page_size: int, scale: float, per_query_head: bool = False,
+                         table: torch.Tensor | None = None) -> torch.Tensor:
+    """Pages scored by the attention mass their landmarks estimate: a run of n stored tokens (``stored_tokens``,
+    from the page table and the row's length) gets n * exp(scale * q . mean) of the softmax over every run of the
+    row; a page's score is its runs' share, per query head (summed over a KV head's query heads unless
+    ``per_query_head``).
+
+    q: (B, H, D); means: (B, Hkv, C, L, D) each slot's landmarks (``page_landmarks``; a run without a stored token
+    is left out, whatever its mean), or with ``table`` (B, C) int64 a store of shared pages (1, Hkv, N, L, D) read
+    through it (``per_row``); slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,); L divides page_size.
+    Returns (B, Hkv, C) or (B, H, C) with ``per_query_head``, float32 (float64 for float64 q); free slots -inf."""
+    means = per_row(means, table)
     b, h, d = q.shape
-    hkv, c, p = k.shape[1], k.shape[2], k.shape[3]
+    hkv, c, landmarks = means.shape[1], means.shape[2], means.shape[3]
+    check_landmarks(landmarks, page_size)
     acc = acc_dtype(q.dtype)
-    stored = stored_tokens(slot_page, seq_len, p).to(acc)
-    runs = stored.view(b, hkv, c, landmarks, p // landmarks)
-    count = runs.sum(-1)  # (B, Hkv, C, L)
-    mean = (k.to(acc) * stored.unsqueeze(-1)).view(b, hkv, c, landmarks, p // landmarks, d).sum(4)
-    mean = mean / count.clamp(min=1).unsqueeze(-1)
+    count = stored_tokens(slot_page, seq_len, page_size).view(b, hkv, c, landmarks, -1).sum(-1).to(acc)
     qg = q.to(acc).view(b, hkv, h // hkv, d)
-    logits = torch.einsum("bngd,bncld->bngcl", qg, mean) * scale + count.log().unsqueeze(2)  # -inf: no token
+    logits = torch.einsum("bngd,bncld->bngcl", qg, means.to(acc)) * scale + count.log().unsqueeze(2)
+    logits = logits.masked_fill((count == 0).unsqueeze(2), float("-inf"))
     mass = torch.softmax(logits.flatten(3), dim=-1).nan_to_num(0.0).view(b, hkv, -1, c, landmarks).sum(-1)
     mass = mass.flatten(1, 2) if per_query_head else mass.sum(2)
     rows = mass.shape[1] // hkv
     return mass.masked_fill((slot_page < 0).repeat_interleave(rows, dim=1), float("-inf"))
+
+
+def landmark_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor,
+                    landmarks: int, scale: float, per_query_head: bool = False,
+                    table: torch.Tensor | None = None) -> torch.Tensor:
+    """``landmark_page_scores`` of the landmarks ``page_landmarks`` makes from every stored key, unrounded: each
+    page's tokens in ``landmarks`` runs of P / landmarks, each run's stored keys taken as their mean (its landmark,
+    as ShadowKV's per chunk). With a landmark per token it is the true attention mass.
+
+    q: (B, H, D); k: (B, Hkv, C, P, D), or with ``table`` (B, C) int64 a pool's shared pages (1, Hkv, N, P, D);
+    slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,) tokens stored per row; ``landmarks`` divides P.
+    Returns (B, Hkv, C) or (B, H, C) with ``per_query_head``; free slots score -inf.
+    """
+    k = per_row(k, table)
+    return landmark_page_scores(q, page_landmarks(k, slot_page, seq_len, landmarks), slot_page, seq_len, k.shape[3],
+                                scale, per_query_head)
 
 
 def check_num_pages(num_pages: int) -> None:
@@ -712,19 +761,37 @@ def key_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int
 
 
 def code_page(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor, cur_slot: torch.Tensor,
-              bits: int) -> None:
+              bits: int, table: torch.Tensor | None = None) -> None:
     """Writes the codes (``key_codes``) of each row's current page on its current range, in place: ``codes[b, h,
     cur_slot[b, h]]``, slot 0 for a row without pages (cur_slot -1).
 
-    k: (B, Hkv, C, P, D); kmin, kmax: (B, Hkv, C, D); codes: (B, Hkv, C, P, D * bits / 8) uint8; cur_slot:
-    (B, Hkv) int64."""
+    k: (B, Hkv, C, P, D); kmin, kmax: (B, Hkv, C, D); codes: (B, Hkv, C, P, D * bits / 8) uint8; or with ``table``
+    (B, C) int64 a store of shared pages, k (1, Hkv, N, P, D), kmin, kmax (1, Hkv, N, D) and codes
+    (1, Hkv, N, P, D * bits / 8), slot s of row b in page ``table[b, s]``; cur_slot: (B, Hkv) int64."""
     slot = cur_slot.clamp(min=0)
+    if table is not None:
+        page = table.gather(1, slot)  # (B, Hkv)
+        head = torch.arange(slot.shape[1], device=slot.device).expand_as(page)
+        codes[0][head, page] = key_codes(k[0][head, page], kmin[0][head, page], kmax[0][head, page], bits)
+        return
     idx = slot.view(*slot.shape, 1, 1)
     lo = gather(kmin, 2, idx.expand(*slot.shape, 1, kmin.shape[3])).squeeze(2)
     hi = gather(kmax, 2, idx.expand(*slot.shape, 1, kmax.shape[3])).squeeze(2)
     keys = gather(k, 2, idx.unsqueeze(-1).expand(*slot.shape, 1, *k.shape[3:])).squeeze(2)
     new = key_codes(keys, lo, hi, bits)
     codes.scatter_(2, idx.unsqueeze(-1).expand(*slot.shape, 1, *codes.shape[3:]), new.unsqueeze(2))
+
+
+def page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
+               slot_mapping: torch.Tensor, bits: int) -> None:
+    """The codes (``key_codes``) of every token of each page a pass wrote into a store of pages by slot numbers (as
+    vLLM writes its blocks), on the page's bounds (``page_bounds``, already set), in place.
+
+    k: (1, Hkv, N, P, D); kmin, kmax: (1, Hkv, N, D); codes: (1, Hkv, N, P, D * bits / 8) uint8; slot_mapping: (T,)
+    int64, ``page * P + offset`` of each token written, -1 for none."""
+    slots = slot_mapping[slot_mapping >= 0]
+    pages = torch.unique(slots // k.shape[3])
+    codes[0][:, pages] = key_codes(k[0][:, pages], kmin[0][:, pages], kmax[0][:, pages], bits)
 
 
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -735,13 +802,16 @@ def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def coded_page_lse(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
-                   slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float, bits: int) -> torch.Tensor:
+                   slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float, bits: int,
+                   table: torch.Tensor | None = None) -> torch.Tensor:
     """Per query head and page, the log-sum-exp of the estimated logits ``scale * q . k~`` of its tokens, k~ the
     dequantized key ``min + code * (max - min) / L``.
 
-    q: (B, H, D); kmin, kmax: (B, Hkv, C, D); codes: (B, Hkv, C, P, D * bits / 8) uint8 (``key_codes``);
-    slot_page: (B, Hkv, C); seq_len: (B,). Tokens at positions >= seq_len and free slots are left out.
+    q: (B, H, D); kmin, kmax: (B, Hkv, C, D); codes: (B, Hkv, C, P, D * bits / 8) uint8 (``key_codes``); or with
+    ``table`` (B, C) int64 a store of shared pages (1, Hkv, N, ...) read through it (``per_row``); slot_page:
+    (B, Hkv, C); seq_len: (B,). Tokens at positions >= seq_len and free slots are left out.
     Returns (B, H, C) float32 (float64 for float64 inputs), -inf for free slots."""
+    kmin, kmax, codes = per_row(kmin, table), per_row(kmax, table), per_row(codes, table)
     b, h, d = q.shape
     hkv, c, p = codes.shape[1], codes.shape[2], codes.shape[3]
     check_code_bits(bits, d)
@@ -767,10 +837,10 @@ def page_mass(page_lse: torch.Tensor, kv_heads: int, per_query_head: bool = Fals
 
 def coded_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
                  slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float, bits: int,
-                 per_query_head: bool = False) -> torch.Tensor:
+                 per_query_head: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
     """Page scores from low-bit key codes: the log of each page's estimated share of the attention,
     ``page_mass(coded_page_lse(...))`` (shapes there). Returns (B, Hs, C), -inf for free slots."""
-    return page_mass(coded_page_lse(q, kmin, kmax, codes, slot_page, seq_len, scale, bits), kmin.shape[1],
+    return page_mass(coded_page_lse(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, table), kmin.shape[1],
                      per_query_head)
 
 
@@ -789,15 +859,15 @@ def due_rows(seq_len: torch.Tensor, first: torch.Tensor, reuse: int) -> torch.Te
 def lowbit_select(q: torch.Tensor, k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
                   slot_page: torch.Tensor, cur_slot: torch.Tensor, seq_len: torch.Tensor, first: torch.Tensor,
                   chosen: torch.Tensor, scale: float, bits: int, num_pages: int, reuse: int = 1,
-                  per_query_head: bool = False) -> None:
+                  per_query_head: bool = False, table: torch.Tensor | None = None) -> None:
     """lowbit's step in one op: the codes of each row's current page (``code_page(k, ...)``, in codes, for every
-    row), then ``select_pages(coded_scores(...), cur_slot, num_pages)`` (shapes there) written into ``chosen``
-    (B, Hs, min(num_pages, C)) int64 for the rows ``due_rows(seq_len, first, reuse)``; the other rows keep the
-    pages they chose last, so that a kernel skips their scores and selection. A choice then serves ``reuse`` steps;
-    with reuse dividing the page size no step outlives the current page it chose."""
+    row), then ``select_pages(coded_scores(...), cur_slot, num_pages)`` (shapes there; ``table`` as there) written
+    into ``chosen`` (B, Hs, min(num_pages, C)) int64 for the rows ``due_rows(seq_len, first, reuse)``; the other
+    rows keep the pages they chose last, so that a kernel skips their scores and selection. A choice then serves
+    ``reuse`` steps; with reuse dividing the page size no step outlives the current page it chose."""
     check_reuse(reuse)
-    code_page(k, kmin, kmax, codes, cur_slot, bits)
-    new = select_pages(coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head),
+    code_page(k, kmin, kmax, codes, cur_slot, bits, table)
+    new = select_pages(coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, table),
                        cur_slot, num_pages)
     if chosen.shape != new.shape:
         raise ValueError(f"chosen must have shape {tuple(new.shape)} (B, Hs, min(num_pages, C)), got "

@@ -159,9 +159,10 @@ class Method:
         ``max_new_tokens`` of them new."""
         return [-(-max_context // self.config.page_size)] * self.num_layers
 
-    def slot_state_bytes(self, head_dim: int) -> list[int]:
+    def slot_state_bytes(self, head_dim: int, itemsize: int) -> list[int]:
         """Per layer, the bytes per page slot and KV head of the method's per-slot state in a pool
-        (``PagedLayer.slot_state``): 8 (a counter or a score) unless the method keeps more."""
+        (``PagedLayer.slot_state``) for a cache of ``itemsize`` bytes an element: 8 (a counter or a score) unless
+        the method keeps more."""
         return [8] * self.num_layers
 
     def prefill_device_tokens(self, max_context: int) -> int:

@@ -1,24 +1,37 @@
 """Quest's page choice ranked by the attention mass that each page's landmarks estimate: the mean keys of runs of
 its tokens (as ShadowKV's landmarks, one per chunk of keys, at page granularity).
 
-A page's ``landmarks`` runs of ``page_size / landmarks`` tokens each keep their keys' mean; a step takes every
-token's logit as its run's ``q . mean`` and ranks pages by the softmax mass of those logits
-(``kernels.reference.landmark_scores``). Two landmarks are Quest's metadata bytes (two vectors per page and KV head,
-like its min and max), kept contiguous as a page fills. The first ``sink_pages`` pages are always attended (the
-attention sink). Everything else is Quest's: the budget, the current page, ``dense_layers``, ``per_query_head``,
-shared pages.
+A page's ``landmarks`` runs of ``page_size / landmarks`` tokens each keep their stored keys' mean; a step takes
+every token's logit as its run's ``q . mean`` and ranks pages by the softmax mass of those logits
+(``kernels.landmark_page_scores``). The first ``sink_pages`` pages are always attended (the attention sink).
+Everything else is Quest's: the budget, the current page, ``dense_layers``, ``per_query_head``.
 
-This is the reference: it computes the means from the keys at every step, for measuring accuracy
-(``sparsekv.eval``, ``sparsekv.eval.selection``).
+The means are kept per page slot in the cache (``PagedLayer.slot_state``), (B, Hkv, C + 1, landmarks, D) in the
+cache's dtype: two landmarks are Quest's metadata bytes (two vectors per page and KV head, like its min and max),
+which is all a step reads to score a page. They are made from the keys of every page after the prompt
+(``prefill``), then at every decode step for the current page, whose tokens arrive one at a time
+(``kernels.landmark_means``; once the page is full its means are final). A pass of several tokens after the prompt
+is refused, so that no page is left without means. ``kernels.reference.landmark_scores`` computes the same scores
+from every key (the means unrounded), for the tests and for layers whose pages something else keeps (vLLM's
+blocks, which hold no means: there each step computes them from the keys).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from .. import kernels
 from ..kernels import reference
 from .base import require
 from .quest import Reranked, RerankedConfig
+
+
+def means_entry(landmarks: int) -> str:
+    """The ``slot_state`` entry that holds a layer's means of ``landmarks`` runs per page (one per count, so that
+    methods of different counts can score one cache side by side, as ``sparsekv.eval.selection`` does)."""
+    return f"landmarks_{landmarks}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,10 +56,39 @@ class LandmarkConfig(RerankedConfig):
 
 
 class Landmark(Reranked):
+    """Its state is the cache's: the means, ``layer.slot_state[means_entry(landmarks)]`` in each layer from
+    ``dense_layers`` on."""
+
     config: LandmarkConfig
+    prefix_reuse = answer_reuse = True  # the prompt's means are made from its keys at its end (``prefill``)
+    accepts_chunks = False  # a multi-token pass after the prompt would complete pages without means
+    # A pool's rows keep their own pages: the means are per row and slot, which shared pages would need per store
+    # page, as their bounds are.
+    shared_pages = False
+
+    def prefill(self, layer_idx, q, layer, plan, scale):
+        if layer_idx >= self.config.dense_layers:
+            means = reference.page_landmarks(layer.k, layer.slot_page, plan.seq_len, self.config.landmarks)
+            layer.slot_state[means_entry(self.config.landmarks)] = reference.to_cache(means, layer.k.dtype)
+
+    def slot_state_bytes(self, head_dim, itemsize):
+        cfg = self.config
+        return [8 if i < cfg.dense_layers else cfg.metadata_bytes(head_dim, itemsize) for i in range(self.num_layers)]
+
+    def start_pool(self, layers, max_context):
+        # The means of every row, allocated with the pool (and counted in its size), not at the first join.
+        cfg = self.config
+        for layer in layers[cfg.dense_layers:]:
+            layer.slot_state[means_entry(cfg.landmarks)] = torch.zeros(
+                (*layer.slot_page.shape, cfg.landmarks, layer.k.shape[-1]), dtype=layer.k.dtype, device=layer.k.device)
 
     def estimate(self, q, layer, seq_len, scale):
-        """Each page's attention mass estimated from its landmarks."""
+        """Each page's attention mass estimated from its landmarks, after those of the current page."""
         cfg = self.config
-        return reference.landmark_scores(q, layer.k, layer.slot_page, seq_len, cfg.landmarks, scale,
-                                         cfg.per_query_head, layer.table)
+        means = layer.slot_state.get(means_entry(cfg.landmarks))
+        if means is None:  # a layer over pages kept elsewhere (vLLM's blocks), without means: from the keys
+            return reference.landmark_scores(q, layer.k, layer.slot_page, seq_len, cfg.landmarks, scale,
+                                             cfg.per_query_head, layer.table)
+        kernels.landmark_means(layer.k, means, layer.slot_page, layer.cur_slot, seq_len, layer.table)
+        return kernels.landmark_page_scores(q, means, layer.slot_page, seq_len, cfg.page_size, scale,
+                                            cfg.per_query_head, layer.table)

@@ -75,9 +75,10 @@ class LowBitConfig(QuestConfig):
 
 
 class LowBit(Method):
-    """State beyond the cache: ``first`` (B,) int64, each row's first decode position, and ``chosen``, per layer the
-    pages each row attends, (B, Hs, min(budget pages, C + 1)) int64 slots (-1: none), kept from the step that chose
-    them (``kernels.lowbit_select``). The method of a pool's first rows (``rows``) uses views of the pool's."""
+    """State beyond the cache: ``first`` (B,) int64, each row's first decode position, and with ``reuse`` > 1
+    ``chosen``, per layer the pages each row attends, (B, Hs, min(budget pages, C + 1)) int64 slots (-1: none), kept
+    from the step that chose them (``kernels.lowbit_select``). The method of a pool's first rows (``rows``) uses
+    views of the pool's. With shared pages (``layer.table``: vLLM's blocks) the codes are per store page."""
 
     config: LowBitConfig
     prefix_reuse = answer_reuse = True  # the prompt's codes are made from its keys at its end (``prefill``)
@@ -98,7 +99,7 @@ class LowBit(Method):
             self.first = torch.tensor(plan.new_len, device=layer.k.device)
             self.chosen = [None] * self.num_layers
 
-    def slot_state_bytes(self, head_dim):
+    def slot_state_bytes(self, head_dim, itemsize):
         cfg = self.config
         return [8 if i < cfg.dense_layers else cfg.code_bytes(head_dim) for i in range(self.num_layers)]
 
@@ -149,23 +150,29 @@ class LowBit(Method):
     def _codes(self, layer) -> torch.Tensor:
         """The layer's codes, after coding the current page's keys on its current range."""
         codes = layer.slot_state[codes_entry(self.config.bits)]
-        kernels.code_page(layer.k, layer.kmin, layer.kmax, codes, layer.cur_slot, self.config.bits)
+        kernels.code_page(layer.k, layer.kmin, layer.kmax, codes, layer.cur_slot, self.config.bits, layer.table)
         return codes
 
     def page_scores(self, layer_idx, q, layer, seq_len, scale):
         """Each page's estimated log share of the attention, (B, Hs, C + 1), -inf for free slots, after coding
         the current page's keys (``kernels.coded_scores``)."""
         return kernels.coded_scores(q, layer.kmin, layer.kmax, self._codes(layer), layer.slot_page, seq_len, scale,
-                                    self.config.bits, self.config.per_query_head)
+                                    self.config.bits, self.config.per_query_head, layer.table)
 
     def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         cfg = self.config
         if layer_idx < cfg.dense_layers:
             return attend_all(q, layer, seq_len, scale)
         _, hkv, c, _ = layer.shape
-        chosen = self._chosen(layer_idx, q.shape[1] if cfg.per_query_head else hkv, c)
+        rows = q.shape[1] if cfg.per_query_head else hkv
+        if cfg.reuse > 1:
+            chosen, first = self._chosen(layer_idx, rows, c), self.first
+        else:  # every step chooses: nothing is kept between steps (so rows need no state of ours: vLLM's)
+            chosen = torch.empty(q.shape[0], rows, min(cfg.token_budget // cfg.page_size, c), dtype=torch.long,
+                                 device=q.device)
+            first = seq_len
         kernels.lowbit_select(q, layer.k, layer.kmin, layer.kmax, layer.slot_state[codes_entry(cfg.bits)],
-                              layer.slot_page, layer.cur_slot, seq_len, self.first, chosen, scale, cfg.bits,
-                              cfg.token_budget // cfg.page_size, cfg.reuse, cfg.per_query_head)
+                              layer.slot_page, layer.cur_slot, seq_len, first, chosen, scale, cfg.bits,
+                              cfg.token_budget // cfg.page_size, cfg.reuse, cfg.per_query_head, layer.table)
         return layer.attend(q, chosen, seq_len, scale, tally.rows(chosen.shape[1]))
 

@@ -78,14 +78,15 @@ def shares_pages(method) -> bool:
     return method.shared_pages and method.config.page_size > 1
 
 
-def pool_row_bytes(method, slots: list[int], token_bytes: int, page_bytes: int, kv_heads: int,
-                   head_dim: int) -> int:
-    """Device bytes of one row of a pool of ``method`` whose layers have ``slots`` page slots each: ``row_bytes``,
-    or in shared pages the row's page table and per-slot tensors without the pages (``shared_page_bytes`` each)."""
+def pool_row_bytes(method, slots: list[int], token_bytes: int, page_bytes: int, kv_heads: int, head_dim: int,
+                   itemsize: int) -> int:
+    """Device bytes of one row of a pool of ``method`` whose layers have ``slots`` page slots each, in a cache of
+    ``itemsize`` bytes an element: ``row_bytes``, or in shared pages the row's page table and per-slot tensors
+    without the pages (``shared_page_bytes`` each)."""
     shared = shares_pages(method)
     return 8 * (slots[0] + 1) * shared + row_bytes(
         slots, method.config.page_size, 0 if shared else token_bytes, 0 if shared else page_bytes, kv_heads,
-        method.slot_state_bytes(head_dim))
+        method.slot_state_bytes(head_dim, itemsize))
 
 
 def shared_page_bytes(method, token_bytes: int, page_bytes: int, layers: int) -> int:
@@ -262,6 +263,7 @@ class Runner:
         kv_heads = model.config.num_key_value_heads // parallel.size(self.tp_group)
         dtype = next(model.parameters()).dtype
         self.token_bytes, self.page_bytes = cache_bytes(config, kv_heads, attn.head_dim, dtype)
+        itemsize = storage_dtype(config.kv_dtype, dtype).itemsize
         max_context = self.max_context
         self.max_new_tokens = max_context if max_new_tokens is None else max_new_tokens
         require(_is_count(self.max_new_tokens, 1) and self.max_new_tokens <= max_context, "max_new_tokens",
@@ -284,7 +286,7 @@ class Runner:
 
         def pool_bytes(method) -> int:
             return max_batch * pool_row_bytes(method, method.pool_pages(max_context, self.max_new_tokens),
-                                              self.token_bytes, self.page_bytes, kv_heads, attn.head_dim)
+                                              self.token_bytes, self.page_bytes, kv_heads, attn.head_dim, itemsize)
 
         # Of the configs the method leaves open (OmniKV's device layers), the first whose rows fit; with the device's
         # memory unknown, the last, which keeps the least there.
@@ -301,7 +303,8 @@ class Runner:
         # Per page slot, summed over layers and KV heads, the method's state beyond its first 8 bytes a slot and KV
         # head, which ``kv_bytes`` leaves uncounted as it does the page table's, so that a request of max_context
         # never needs more than its row; a request's pages lie evenly over the layers that hold them.
-        self.extra_state_bytes = sum(max(b - 8, 0) for b in self.method.slot_state_bytes(attn.head_dim)) * kv_heads
+        state = self.method.slot_state_bytes(attn.head_dim, itemsize)
+        self.extra_state_bytes = sum(max(b - 8, 0) for b in state) * kv_heads
         slots = self.method.pool_pages(self.max_context, self.max_new_tokens)
         self.page_store_bytes = shared_page_bytes(self.method, self.token_bytes, self.page_bytes, self.num_layers)
         least = self.kv_bytes(1, 2)  # a request of one prompt token and one new one
@@ -341,13 +344,14 @@ class Runner:
         self.grows = grow and self.shared is not None
         pages.layers = [PagedLayer(max_batch, kv_heads, attn.head_dim, page, n, kv_dtype, self.device, self.shared)
                         for n in slots]
-        # The KV memory requests may hold at once: the shared pages, or what is asked (default: the rows' size).
+        self.method.start_pool(pages.layers, self.max_context)
+        # The KV memory requests may hold at once: the shared pages, or what is asked (default: the rows' size, with
+        # the method's per-slot state, which ``kv_bytes`` counts).
         self.kv_memory_bytes = self.capacity_bytes() if self.shared is not None or kv_memory_bytes is None \
             else kv_memory_bytes
         pages.lengths = [0] * max_batch
         pages.seq_len = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         pages.in_prompt = False
-        self.method.start_pool(pages.layers, self.max_context)
         self.request_config = self.method.request_config()
         self.prefixes = None
         if prefix_cache_bytes:

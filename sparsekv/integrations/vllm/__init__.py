@@ -6,7 +6,8 @@
 The ``vllm.general_plugins`` entry point (``register``) makes ``backend.SparseKVBackend`` vLLM's CUSTOM attention
 backend in every vLLM process. Prompt tokens go through vLLM's own FlashAttention; decode tokens through the
 method, over vLLM's blocks (a block is a page, chosen per KV head), with our kernels. Each block keeps its keys'
-channel-wise min and max at the end of its page, in memory vLLM's KV planning counts (``pages.bounds_bytes``).
+channel-wise min and max (and lowbit's codes) at the end of its page, in memory vLLM's KV planning counts
+(``pages.tail_bytes``).
 ``docs/vllm.md`` says what maps onto vLLM and what does not, and why.
 
 This module imports without vLLM; ``register`` and the ``backend`` module say what is missing.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from ...errors import ConfigError
 from ...methods.base import MethodConfig
+from ...methods.lowbit import LowBitConfig
 from ...methods.oracle import OracleConfig
 from ...spec import build_config
 
@@ -24,7 +26,7 @@ from ...spec import build_config
 VLLM_VERSIONS = ">=0.26,<0.27"
 CONFIG_KEY = "sparsekv"  # the key of vLLM's --additional-config that holds the method spec
 # Methods whose decode step reads the pages through the table and keeps nothing per request beyond them.
-METHODS = ("quest", "spread", "sparq", "landmark", "oracle")
+METHODS = ("quest", "lowbit", "spread", "sparq", "landmark", "oracle")
 BACKEND = "sparsekv.integrations.vllm.backend.SparseKVBackend"
 
 
@@ -68,5 +70,8 @@ def method_config(additional_config, block_size: int, num_layers: int) -> Method
                           where=spec)
     if isinstance(config, OracleConfig) and config.granularity != "page":
         raise ConfigError("granularity", "\"page\" inside vLLM", config.granularity, where=spec)
+    if isinstance(config, LowBitConfig) and config.reuse != 1:
+        raise ConfigError("reuse", "1 inside vLLM (a choice kept across steps would be state per request)",
+                          config.reuse, where=spec)
     config.check_model(num_layers)
     return config

@@ -3,7 +3,8 @@ method (``pages``), selected with ``--attention-backend CUSTOM`` once ``register
 
 A step of one attention layer:
 - ``do_kv_cache_update``: vLLM writes the keys and values into its blocks, then each block written gets its keys'
-  bounds (``kernels.page_bounds``), in prefill and decode alike;
+  bounds (``kernels.page_bounds``) and, for lowbit, their codes (``kernels.page_codes``), in prefill and decode
+  alike;
 - ``forward``: the batch holds its decode requests first (one token each); their tokens attend through the method
   over the blocks of their block table (``pages.decode``), the rest (prompt chunks) through vLLM's FlashAttention.
 
@@ -11,8 +12,8 @@ Pure decode batches run in vLLM's full CUDA graphs (``UNIFORM_SINGLE_TOKEN_DECOD
 tables into buffers allocated once. Mixed batches run their attention eagerly between the captured pieces.
 
 vLLM plans its KV memory from each layer's page size, which its ``Attention`` layer states without asking the
-backend; ``_count_bounds`` makes the layers of this backend state pages of ``pages.bounds_bytes`` more (vLLM's
-``page_size_padded``), where the bounds live.
+backend; ``_count_bounds`` makes the layers of this backend state pages of ``pages.tail_bytes`` more (vLLM's
+``page_size_padded``), where the bounds (and codes) live.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from vllm.v1.attention.backends.flash_attn import (  # noqa: E402
     FlashAttentionMetadataBuilder,
 )
 
-from .pages import BlockStore, DecodeRows, bounds_bytes, decode, leading_decodes  # noqa: E402
+from .pages import BlockStore, DecodeRows, code_bits, decode, leading_decodes, tail_bytes  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -105,12 +106,12 @@ class SparseKVImpl(FlashAttentionImpl):
     def blocks(self, kv_cache: torch.Tensor) -> BlockStore:
         """This layer's cache as our store of pages (the views made once: vLLM binds a layer's cache once)."""
         if self.store is None or self.store.kv_cache.data_ptr() != kv_cache.data_ptr():
-            self.store = BlockStore(kv_cache)
+            self.store = BlockStore(kv_cache, code_bits(self.config))
         return self.store
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        self.blocks(kv_cache).write_bounds(slot_mapping)
+        self.blocks(kv_cache).write(slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -182,7 +183,8 @@ class SparseKVBackend(FlashAttentionBackend):
 
 
 def _count_bounds() -> None:
-    """Makes the KV-cache spec of every attention layer of this backend state pages that hold its blocks' bounds."""
+    """Makes the KV-cache spec of every attention layer of this backend state pages that hold its blocks' bounds
+    (and codes)."""
     stated = Attention.get_kv_cache_spec
     if getattr(stated, "_sparsekv", False):
         return
@@ -191,8 +193,8 @@ def _count_bounds() -> None:
         spec = stated(self, vllm_config)
         if spec is None or not isinstance(self.impl, SparseKVImpl):
             return spec
-        return dataclasses.replace(spec, page_size_padded=spec.real_page_size_bytes
-                                   + bounds_bytes(spec.num_kv_heads, spec.head_size, spec.dtype))
+        return dataclasses.replace(spec, page_size_padded=spec.real_page_size_bytes + tail_bytes(
+            self.impl.config, spec.num_kv_heads, spec.block_size, spec.head_size, spec.dtype))
 
     get_kv_cache_spec._sparsekv = True
     Attention.get_kv_cache_spec = get_kv_cache_spec

@@ -2,13 +2,14 @@
 it without vLLM).
 
 vLLM's FlashAttention cache of one layer is a view (NB, Hkv, BS, 2D) of blocks of BS tokens, each token's key and
-value side by side (K | V) per KV head. The backend asks vLLM for pages ``bounds_bytes`` longer than that
+value side by side (K | V) per KV head. The backend asks vLLM for pages ``tail_bytes`` longer than that
 (``page_size_padded``): the end of each block's page holds, per KV head, the channel-wise min and max of its keys
-(Hkv, 2, D), so vLLM's KV planning counts them, prefix caching shares them with the block, and a block copy moves
-them. ``BlockStore`` views that memory as our store of shared pages: keys and values (1, Hkv, NB, BS, D) and bounds
-(1, Hkv, NB, D), so the ops and methods of ``kernels`` and ``methods`` read it unchanged. ``DecodeRows`` turns
-vLLM's block table and sequence lengths into our rows' page tables, in buffers that a captured CUDA graph keeps
-reading.
+(Hkv, 2, D), then for lowbit its keys' codes (Hkv, BS, D * bits / 8) bytes, so vLLM's KV planning counts them,
+prefix caching shares them with the block, and a block copy moves them. ``BlockStore`` views that memory as our
+store of shared pages: keys and values (1, Hkv, NB, BS, D), bounds (1, Hkv, NB, D) and codes
+(1, Hkv, NB, BS, D * bits / 8), so the ops and methods of ``kernels`` and ``methods`` read it unchanged.
+``DecodeRows`` turns vLLM's block table and sequence lengths into our rows' page tables, in buffers that a captured
+CUDA graph keeps reading.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 
 from ... import kernels
 from ...cache.paged import PagedLayer
-from ...methods.base import Method, Tally
+from ...methods.base import Method, MethodConfig, Tally
+from ...methods.lowbit import LowBitConfig, codes_entry
 
 
 def bounds_bytes(num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
@@ -25,31 +27,58 @@ def bounds_bytes(num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
     return 2 * num_kv_heads * head_size * torch.empty((), dtype=dtype).element_size()
 
 
+def code_bits(config: MethodConfig) -> int:
+    """Bits per key channel of the codes a block keeps for the method (lowbit's), 0 for none."""
+    return config.bits if isinstance(config, LowBitConfig) else 0
+
+
+def tail_bytes(config: MethodConfig, num_kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype) -> int:
+    """Bytes a block's page adds for the method: its keys' bounds, and lowbit's codes of its keys."""
+    codes = num_kv_heads * block_size * head_size * code_bits(config) // 8
+    return bounds_bytes(num_kv_heads, head_size, dtype) + codes
+
+
 class BlockStore:
     """One layer's vLLM cache as a store of pages. kv_cache: (NB, Hkv, BS, 2D), vLLM's FlashAttention view of pages
-    of ``bounds_bytes`` more than their keys and values (any layout of the block: NHD or HND).
+    of ``tail_bytes`` more than their keys and values (any layout of the block: NHD or HND); bits: of the codes the
+    pages keep (``code_bits``, 0: none).
 
-    k, v: (1, Hkv, NB, BS, D) views; kmin, kmax: (1, Hkv, NB, D) views of the end of each page.
+    k, v: (1, Hkv, NB, BS, D) views; kmin, kmax: (1, Hkv, NB, D) views of the end of each page; page_state: the
+    codes (1, Hkv, NB, BS, D * bits / 8) uint8 after the bounds, by lowbit's name for them (``codes_entry``).
     """
 
-    def __init__(self, kv_cache: torch.Tensor):
+    def __init__(self, kv_cache: torch.Tensor, bits: int = 0):
         nb, hkv, bs, d2 = kv_cache.shape
         d = d2 // 2
         page = kv_cache.stride(0)
         data = bs * hkv * d2  # the page's keys and values come first, whatever their layout
-        if kv_cache.stride(3) != 1 or page < data + hkv * d2:
-            raise ValueError(f"BlockStore: a cache of pages with room for the bounds is needed: {data + hkv * d2} "
-                             f"elements a block, got a block stride of {page} (strides {kv_cache.stride()})")
-        self.kv_cache = kv_cache
+        item = kv_cache.element_size()
+        need = data + hkv * d2 + -(-hkv * bs * d * bits // (8 * item))
+        if kv_cache.stride(3) != 1 or page < need:
+            raise ValueError(f"BlockStore: a cache of pages with room for the bounds{' and codes' if bits else ''} "
+                             f"is needed: {need} elements a block, got a block stride of {page} (strides "
+                             f"{kv_cache.stride()})")
+        self.kv_cache, self.bits = kv_cache, bits
         self.k = kv_cache[..., :d].permute(1, 0, 2, 3).unsqueeze(0)
         self.v = kv_cache[..., d:].permute(1, 0, 2, 3).unsqueeze(0)
         bounds = torch.as_strided(kv_cache, (hkv, nb, 2, d), (d2, page, d, 1), kv_cache.storage_offset() + data)
         self.kmin, self.kmax = bounds[None, :, :, 0], bounds[None, :, :, 1]
+        self.page_state: dict[str, torch.Tensor] = {}
+        if bits:
+            width = d * bits // 8
+            raw = torch.empty(0, dtype=torch.uint8, device=kv_cache.device)
+            start = (kv_cache.storage_offset() + data + hkv * d2) * item
+            raw.set_(kv_cache.untyped_storage(), start, (1, hkv, nb, bs, width),
+                     (0, bs * width, page * item, width, 1))
+            self.page_state[codes_entry(bits)] = raw
 
-    def write_bounds(self, slot_mapping: torch.Tensor) -> None:
+    def write(self, slot_mapping: torch.Tensor) -> None:
         """After vLLM wrote a pass's keys at ``slot_mapping`` (T,) int64 (block * BS + offset, -1 for padding),
-        the bounds of every block written."""
+        the bounds of every block written, then its keys' codes."""
         kernels.page_bounds(self.k, self.kmin, self.kmax, slot_mapping)
+        if self.bits:
+            kernels.page_codes(self.k, self.kmin, self.kmax, self.page_state[codes_entry(self.bits)], slot_mapping,
+                               self.bits)
 
 
 class DecodeRows:
@@ -91,7 +120,8 @@ class DecodeRows:
         hkv = store.k.shape[1]
         c = self.table.shape[1]
         return PagedLayer.over(store.k, store.v, store.kmin, store.kmax, self.table[:n],
-                               self.slot_page[:n].expand(n, hkv, c), self.cur_slot[:n].expand(n, hkv))
+                               self.slot_page[:n].expand(n, hkv, c), self.cur_slot[:n].expand(n, hkv),
+                               store.page_state)
 
 
 def leading_decodes(cam) -> tuple[int, int]:

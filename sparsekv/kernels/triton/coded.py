@@ -43,13 +43,14 @@ def _lse(x, axis: tl.constexpr):
 
 
 @triton.jit
-def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, first_ptr, out_ptr, part_ptr, n_slots,
-                      n_parts, scale, sq_b, sq_h, sm_b, sm_h, sm_c, sc_b, sc_h, sc_c, sc_p, ss_b, ss_h, so_b, so_h,
-                      HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, first_ptr, table_ptr, out_ptr, part_ptr,
+                      n_slots, n_parts, scale, sq_b, sq_h, sm_b, sm_h, sm_c, sc_b, sc_h, sc_c, sc_p, ss_b, ss_h, st_b,
+                      so_b, so_h, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       BLOCK_B: tl.constexpr, P: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr,
-                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, REUSE: tl.constexpr):
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, REUSE: tl.constexpr, TABLE: tl.constexpr):
     """Per head, the log-sum-exp of each page's estimated logits (out, (B, H, C)) and of the program's block of
-    BLOCK_C slots (part, (B * H, n_parts)); rows that keep their choice (``kept``) are skipped."""
+    BLOCK_C slots (part, (B * H, n_parts)); rows that keep their choice (``kept``) are skipped. TABLE: codes and
+    bounds are a store of shared pages (strides of batch 0), slot c of row b in page ``table[b, c]``."""
     PER: tl.constexpr = 8 // BITS
     LEVELS: tl.constexpr = (1 << BITS) - 1
     row = tl.program_id(0)
@@ -69,8 +70,11 @@ def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, fir
     blk = tl.program_id(1)
     c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
     in_c = c < n_slots
-    c3 = c[:, None, None].to(tl.int64)
-    # Codes and bounds are loaded without waiting for the page table: a free slot's rows (any codes, +-inf bounds)
+    if TABLE:
+        c3 = tl.load(table_ptr + b * st_b + c, mask=in_c, other=0)[:, None, None].to(tl.int64)
+    else:
+        c3 = c[:, None, None].to(tl.int64)
+    # Codes and bounds are loaded without waiting for the slot table: a free slot's rows (any codes, +-inf bounds)
     # give NaN or inf in their own rows of the product only, which the mask below replaces.
     m_mask = in_c[:, None, None] & in_b  # (BLOCK_C, 1, BLOCK_B)
     byte = tl.load(codes_ptr + b * sc_b + kvh * sc_h + c3 * sc_c + j[None, :, None] * sc_p + i[None, None, :],
@@ -100,6 +104,23 @@ def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, fir
 
 
 @triton.jit
+def head_totals(part_ptr, row, g, in_g, n_parts, G: tl.constexpr, G_P2: tl.constexpr, BLOCK_P: tl.constexpr):
+    """(G_P2,) each head g of the group of row (sequence, KV head)'s total log-sum-exp: an online log-sum-exp over
+    its blocks' log-sum-exps (part, (B * H, n_parts)); 0 for a head without any (its pages' shares stay -inf)."""
+    part = part_ptr + (row * G + g)[:, None].to(tl.int64) * n_parts
+    top = tl.full((G_P2,), float("-inf"), tl.float32)
+    total = tl.zeros((G_P2,), tl.float32)
+    for p0 in range(0, n_parts, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        x = tl.load(part + p[None, :], mask=in_g[:, None] & (p < n_parts)[None, :], other=float("-inf"))
+        new = tl.maximum(top, tl.max(x, axis=1))
+        safe = tl.where(new > float("-inf"), new, 0.0)
+        total = total * tl.exp(top - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
+        top = new
+    return tl.where(top > float("-inf"), top + tl.log(tl.where(top > float("-inf"), total, 1.0)), 0.0)
+
+
+@triton.jit
 def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, len_ptr, first_ptr, cur_ptr, gmax_ptr, n_slots, n_parts, n_groups,
                       sl_b, sl_h, so_b, so_h, cu_b, cu_h, HKV: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                       BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr, REUSE: tl.constexpr,
@@ -113,18 +134,7 @@ def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, len_ptr, first_ptr, cur_ptr, g
     kvh = row % HKV
     g = tl.arange(0, G_P2)
     in_g = g < G
-    part = part_ptr + (row * G + g)[:, None].to(tl.int64) * n_parts
-    # Each head's total, an online log-sum-exp over the blocks' log-sum-exps.
-    top = tl.full((G_P2,), float("-inf"), tl.float32)
-    total = tl.zeros((G_P2,), tl.float32)
-    for p0 in range(0, n_parts, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        x = tl.load(part + p[None, :], mask=in_g[:, None] & (p < n_parts)[None, :], other=float("-inf"))
-        new = tl.maximum(top, tl.max(x, axis=1))
-        safe = tl.where(new > float("-inf"), new, 0.0)
-        total = total * tl.exp(top - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
-        top = new
-    total = tl.where(top > float("-inf"), top + tl.log(total), 0.0)  # a head without pages: its shares stay -inf
+    total = head_totals(part_ptr, row, g, in_g, n_parts, G, G_P2, BLOCK_P)  # a head without pages: shares -inf
     c0 = tl.program_id(1) * BLOCK_C
     c = c0 + tl.arange(0, BLOCK_C)
     in_c = c < n_slots
@@ -142,25 +152,19 @@ def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, len_ptr, first_ptr, cur_ptr, g
 
 
 @triton.jit
-def _code_page_kernel(k_ptr, kmin_ptr, kmax_ptr, codes_ptr, cur_ptr, sk_b, sk_h, sk_c, sk_p, sm_b, sm_h, sm_c,
-                      sc_b, sc_h, sc_c, sc_p, su_b, su_h, HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-                      BITS: tl.constexpr):
-    """One program per (sequence, KV head): the codes of its current page, as ``reference.key_codes`` rounds them
-    (float32 division rounded to nearest, then half to even)."""
+def _code_keys(k_ptr, lo_ptr, hi_ptr, codes_ptr, sk_p, sc_p, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """The codes of one page's P keys (at k_ptr, token stride sk_p) on its bounds (lo_ptr, hi_ptr), as
+    ``reference.key_codes`` rounds them (float32 division rounded to nearest, then half to even), into codes_ptr
+    (token stride sc_p)."""
     PER: tl.constexpr = 8 // BITS
     LEVELS: tl.constexpr = (1 << BITS) - 1
-    row = tl.program_id(0)
-    b = (row // HKV).to(tl.int64)
-    h = row % HKV
-    slot = tl.maximum(tl.load(cur_ptr + b * su_b + h * su_h), 0)
     j = tl.arange(0, P)
     i = tl.arange(0, D // PER)
     f = tl.arange(0, PER)
     d = i[:, None] * PER + f[None, :]  # (D / PER, PER): channel of field f of byte i
-    bound = b * sm_b + h * sm_h + slot * sm_c + d
-    lo = tl.load(kmin_ptr + bound).to(tl.float32)
-    width = tl.load(kmax_ptr + bound).to(tl.float32) - lo
-    keys = tl.load(k_ptr + b * sk_b + h * sk_h + slot * sk_c + j[:, None, None] * sk_p + d[None]).to(tl.float32)
+    lo = tl.load(lo_ptr + d).to(tl.float32)
+    width = tl.load(hi_ptr + d).to(tl.float32) - lo
+    keys = tl.load(k_ptr + j[:, None, None] * sk_p + d[None]).to(tl.float32)
     x = tl.where(width > 0, tl.math.div_rn(keys - lo, tl.where(width > 0, width, 1.0)) * LEVELS, 0.0)
     x = tl.where(x == x, x, 0.0)  # NaN codes 0
     # Half to even, as torch.round: adding 1.5 * 2^23 leaves the nearest integer in the mantissa for |x| < 2^22,
@@ -168,45 +172,109 @@ def _code_page_kernel(k_ptr, kmin_ptr, kmax_ptr, codes_ptr, cur_ptr, sk_b, sk_h,
     x = (x + 12582912.0) - 12582912.0
     code = tl.minimum(tl.maximum(x, 0.0), LEVELS).to(tl.int32)
     byte = tl.sum(code << (f * BITS)[None, None, :], axis=2)  # (P, D / PER)
-    tl.store(codes_ptr + b * sc_b + h * sc_h + slot * sc_c + j[:, None] * sc_p + i[None, :], byte.to(tl.uint8))
+    tl.store(codes_ptr + j[:, None] * sc_p + i[None, :], byte.to(tl.uint8))
+
+
+@triton.jit
+def _code_page_kernel(k_ptr, kmin_ptr, kmax_ptr, codes_ptr, cur_ptr, table_ptr, sk_b, sk_h, sk_c, sk_p, sm_b, sm_h,
+                      sm_c, sc_b, sc_h, sc_c, sc_p, su_b, su_h, st_b, HKV: tl.constexpr, P: tl.constexpr,
+                      D: tl.constexpr, BITS: tl.constexpr, TABLE: tl.constexpr):
+    """One program per (sequence, KV head): the codes of its current page. TABLE: a store of shared pages (strides
+    of batch 0), slot s of row b in page ``table[b, s]``."""
+    row = tl.program_id(0)
+    b = (row // HKV).to(tl.int64)
+    h = row % HKV
+    slot = tl.maximum(tl.load(cur_ptr + b * su_b + h * su_h), 0)
+    if TABLE:
+        slot = tl.load(table_ptr + b * st_b + slot)
+    _code_keys(k_ptr + b * sk_b + h * sk_h + slot * sk_c, kmin_ptr + b * sm_b + h * sm_h + slot * sm_c,
+               kmax_ptr + b * sm_b + h * sm_h + slot * sm_c, codes_ptr + b * sc_b + h * sc_h + slot * sc_c, sk_p,
+               sc_p, P, D, BITS)
+
+
+@triton.jit
+def _page_codes_kernel(k_ptr, kmin_ptr, kmax_ptr, codes_ptr, slot_ptr, n, sk_h, sk_c, sk_p, sm_h, sm_c, sc_h, sc_c,
+                       sc_p, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """One program per (token written, KV head); the page's last token of the pass codes the page (tokens of a
+    page are consecutive entries in order of offset, as ``page_bounds`` takes them)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    nxt = tl.load(slot_ptr + t + 1, mask=t + 1 < n, other=-1)
+    if (slot >= 0) & ((slot % P == P - 1) | (nxt != slot + 1)):
+        page = slot // P
+        _code_keys(k_ptr + h * sk_h + page * sk_c, kmin_ptr + h * sm_h + page * sm_c,
+                   kmax_ptr + h * sm_h + page * sm_c, codes_ptr + h * sc_h + page * sc_c, sk_p, sc_p, P, D, BITS)
+
+
+def _check_codes(name: str, k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor) -> None:
+    if k.stride(-1) != 1 or kmin.stride() != kmax.stride() or kmin.stride(-1) != 1 or codes.stride(-1) != 1:
+        raise ValueError(f"{name}: k, kmin, kmax and codes must be contiguous in their last dimension, kmin/kmax "
+                         "alike")
+
+
+def _coded_in_triton(k: torch.Tensor, bits: int) -> bool:
+    """Whether the Triton coding kernels take these keys (power-of-two page and head sizes, not float64)."""
+    p, d = k.shape[3], k.shape[4]
+    reference.check_code_bits(bits, d)
+    return k.dtype != torch.float64 and not p & (p - 1) and not d & (d - 1)
 
 
 def code_page(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor, cur_slot: torch.Tensor,
-              bits: int) -> None:
+              bits: int, table: torch.Tensor | None = None) -> None:
     """``reference.code_page`` in one launch."""
-    b, hkv, _, p, d = k.shape
-    reference.check_code_bits(bits, d)
-    if k.dtype == torch.float64 or p & (p - 1) or d & (d - 1):
-        return reference.code_page(k, kmin, kmax, codes, cur_slot, bits)
-    if k.stride(-1) != 1 or kmin.stride() != kmax.stride() or kmin.stride(-1) != 1 or codes.stride(-1) != 1:
-        raise ValueError("code_page: k, kmin, kmax and codes must be contiguous in their last dimension, kmin/kmax "
-                         "alike")
+    if not _coded_in_triton(k, bits):
+        return reference.code_page(k, kmin, kmax, codes, cur_slot, bits, table)
+    _check_codes("code_page", k, kmin, kmax, codes)
+    b, hkv = cur_slot.shape
+    batch = 0 if table is not None else 1  # a store of shared pages is one batch row: its batch stride unused
     _code_page_kernel[(b * hkv,)](
-        k, kmin, kmax, codes, cur_slot, k.stride(0), k.stride(1), k.stride(2), k.stride(3), kmin.stride(0),
-        kmin.stride(1), kmin.stride(2), codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
-        cur_slot.stride(0), cur_slot.stride(1), HKV=hkv, P=p, D=d, BITS=bits)
+        k, kmin, kmax, codes, cur_slot, cur_slot if table is None else table, batch * k.stride(0), k.stride(1),
+        k.stride(2), k.stride(3), batch * kmin.stride(0), kmin.stride(1), kmin.stride(2), batch * codes.stride(0),
+        codes.stride(1), codes.stride(2), codes.stride(3), cur_slot.stride(0), cur_slot.stride(1),
+        0 if table is None else table.stride(0), HKV=hkv, P=k.shape[3], D=k.shape[4], BITS=bits,
+        TABLE=table is not None)
+
+
+def page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
+               slot_mapping: torch.Tensor, bits: int) -> None:
+    """``reference.page_codes`` in one launch: a program per token written and KV head, the page's last token of
+    the pass coding the page."""
+    if not _coded_in_triton(k, bits):
+        return reference.page_codes(k, kmin, kmax, codes, slot_mapping, bits)
+    _check_codes("page_codes", k, kmin, kmax, codes)
+    if slot_mapping.stride(0) != 1:
+        raise ValueError("page_codes: slot_mapping must be contiguous")
+    n = slot_mapping.shape[0]
+    if n:
+        _page_codes_kernel[(n, k.shape[1])](
+            k, kmin, kmax, codes, slot_mapping, n, k.stride(1), k.stride(2), k.stride(3), kmin.stride(1),
+            kmin.stride(2), codes.stride(1), codes.stride(2), codes.stride(3), P=k.shape[3], D=k.shape[4],
+            BITS=bits)
 
 
 def coded_lse_parts(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
                     slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float, bits: int,
                     gate: tuple[torch.Tensor, int] | None = None,
-                    current: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    current: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.coded_page_lse`` (B, H, C) float32, and each head's log-sum-exp over each block of
     ``coded_block`` tokens (B * H, blocks) float32, from which ``coded_scores`` takes the heads' totals.
     gate: (first, reuse) of ``reference.due_rows``; the rows not due are skipped (their outputs left unset).
     current: (k, cur_slot); each row's current page is coded first (``reference.code_page``), in codes: within the
-    CUDA kernel where it takes the operands, else in a launch of its own."""
+    CUDA kernel where it takes the operands, else in a launch of its own. table: (B, C) int64 over a store of
+    shared pages (``reference.coded_page_lse``), read by the Triton kernel (the CUDA one reads rows' own pages)."""
     check(q, kmin, "coded_scores")
-    if TUNING["cuda_coded"] and cuda_coded.supported(q, kmin, codes, bits):
+    if table is None and TUNING["cuda_coded"] and cuda_coded.supported(q, kmin, codes, bits):
         if current is not None and not cuda_coded.codes_in_place(current[0], codes):
             code_page(current[0], kmin, kmax, codes, current[1], bits)
             current = None
         return cuda_coded.coded_lse(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, gate,
                                     TUNING["cuda_coded_block"], current)
     if current is not None:
-        code_page(current[0], kmin, kmax, codes, current[1], bits)
+        code_page(current[0], kmin, kmax, codes, current[1], bits, table)
     b, h, d = q.shape
-    hkv, c, p = codes.shape[1], codes.shape[2], codes.shape[3]
+    hkv, c, p = codes.shape[1], slot_page.shape[2], codes.shape[3]
     reference.check_code_bits(bits, d)
     if codes.stride(-1) != 1:
         codes = codes.contiguous()
@@ -216,33 +284,35 @@ def coded_lse_parts(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, cod
     out = torch.empty(b, h, c, dtype=torch.float32, device=q.device)
     part = torch.empty(b * h, n_parts, dtype=torch.float32, device=q.device)
     first, reuse = gate or (seq_len, 1)
+    batch = 0 if table is not None else 1  # a store of shared pages is one batch row: its batch stride unused
     _coded_lse_kernel[(b * hkv, n_parts)](
-        q, kmin, kmax, codes, slot_page, seq_len, first, out, part, c, n_parts, scale,
-        q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
-        codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
-        slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1),
+        q, kmin, kmax, codes, slot_page, seq_len, first, slot_page if table is None else table, out, part, c,
+        n_parts, scale, q.stride(0), q.stride(1), batch * kmin.stride(0), kmin.stride(1), kmin.stride(2),
+        batch * codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
+        slot_page.stride(0), slot_page.stride(1), 0 if table is None else table.stride(0), out.stride(0),
+        out.stride(1),
         HKV=hkv, G=h // hkv, G_PAD=max(TUNING["coded_heads"], triton.next_power_of_2(h // hkv)), D=d,
         BLOCK_B=max(16, triton.next_power_of_2(d * bits // 8)), P=p, BLOCK_C=block_c, BITS=bits,
-        PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), REUSE=reuse,
+        PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), REUSE=reuse, TABLE=table is not None,
         num_warps=TUNING["coded_warps"])
     return out, part
 
 
 def coded_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
                  slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float, bits: int,
-                 per_query_head: bool = False) -> torch.Tensor:
+                 per_query_head: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
     """``reference.coded_scores``: the page log-sum-exps (``coded_lse_parts``), then the shares."""
     if q.dtype == torch.float64:
-        return reference.coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head)
-    return _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head)[0]
+        return reference.coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, table)
+    return _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, table=table)[0]
 
 
 def _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, gate=None, current=None,
-                  gs=0):
+                  gs=0, table=None):
     """``coded_scores`` for the rows that ``gate`` (see ``coded_lse_parts``) leaves due, after coding the current
     pages (``current``, as there), and with gs > 0 the group maxima of the scores' keys for the group filter of the
     top-k (B * Hs, cdiv(C, gs)) int32 (else None)."""
-    lse, part = coded_lse_parts(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, gate, current)
+    lse, part = coded_lse_parts(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, gate, current, table)
     first, reuse = gate or (seq_len, 1)
     b, h, c = lse.shape
     hkv = kmin.shape[1]
@@ -263,20 +333,20 @@ def _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_que
 def lowbit_select(q: torch.Tensor, k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
                   slot_page: torch.Tensor, cur_slot: torch.Tensor, seq_len: torch.Tensor, first: torch.Tensor,
                   chosen: torch.Tensor, scale: float, bits: int, num_pages: int, reuse: int = 1,
-                  per_query_head: bool = False) -> None:
+                  per_query_head: bool = False, table: torch.Tensor | None = None) -> None:
     """``reference.lowbit_select`` in three launches where the CUDA scoring kernel applies: the current pages' codes
     and the page log-sum-exps, the shares with the group maxima (the top-k's group filter, where it applies), the
     top-k; the rows that keep their choice this step launch programs that return at once."""
     if q.dtype == torch.float64:
         return reference.lowbit_select(q, k, kmin, kmax, codes, slot_page, cur_slot, seq_len, first, chosen, scale,
-                                       bits, num_pages, reuse, per_query_head)
+                                       bits, num_pages, reuse, per_query_head, table)
     reference.check_reuse(reuse)
     reference.check_num_pages(num_pages)
     b, h, _ = q.shape
-    hs, c = h if per_query_head else kmin.shape[1], kmin.shape[2]
+    hs, c = h if per_query_head else kmin.shape[1], slot_page.shape[2]
     check_out("chosen", chosen, (b, hs, min(num_pages, c)))
     gate = (first, reuse) if reuse > 1 else None
     gs = fused_group_size(b * hs, c, num_pages)
     scores, gmax = _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, gate,
-                                 (k, cur_slot), gs)
+                                 (k, cur_slot), gs, table)
     select_from_maxima(scores, cur_slot, num_pages, gs, gmax, chosen, (seq_len, *gate) if gate else None)

@@ -37,6 +37,16 @@ def gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     return raw(t).gather(dim, index).view(t.dtype)
 
 
+def current_pages(cur_slot: torch.Tensor, table: torch.Tensor | None = None) -> tuple:
+    """Indices (row, head, page) that pick each row's current page (slot ``cur_slot`` (B, Hkv), slot 0 for a row
+    without pages) out of a cache tensor (B, Hkv, C, ...), or with ``table`` (B, C) int64 out of a store of shared
+    pages (1, Hkv, N, ...): ``t[current_pages(...)]`` is (B, Hkv, ...)."""
+    slot = cur_slot.clamp(min=0)
+    row = torch.arange(slot.shape[0], device=slot.device).view(-1, 1) if table is None else 0
+    page = slot if table is None else table.gather(1, slot)
+    return row, torch.arange(slot.shape[1], device=slot.device).expand_as(page), page
+
+
 def row_index(batch: int, rows: int, kv_heads: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Broadcastable (B, 1, 1) batch and (1, Hs, 1) KV-head indices of the ``rows`` selection rows."""
     bi = torch.arange(batch, device=device).view(batch, 1, 1)
@@ -169,13 +179,10 @@ def landmark_means(k: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor
     k: (B, Hkv, C, P, D); means: (B, Hkv, C, L, D), L dividing P; or with ``table`` (B, C) int64 a store of shared
     pages, k (1, Hkv, N, P, D) and means (1, Hkv, N, L, D), slot s of row b in page ``table[b, s]``; slot_page:
     (B, Hkv, C); cur_slot: (B, Hkv) int64; seq_len: (B,)."""
-    slot = cur_slot.clamp(min=0)
-    row = torch.arange(slot.shape[0], device=slot.device).view(-1, 1) if table is None else 0
-    page = slot if table is None else table.gather(1, slot)  # (B, Hkv): the slot's page in k and means
-    head = torch.arange(slot.shape[1], device=slot.device).expand_as(page)
-    keys = raw(k)[row, head, page].view(k.dtype).unsqueeze(2)  # (B, Hkv, 1, P, D)
-    new = page_landmarks(keys, slot_page.gather(2, slot.unsqueeze(-1)), seq_len, means.shape[3])
-    raw(means)[row, head, page] = raw(to_cache(new.squeeze(2), means.dtype))
+    at = current_pages(cur_slot, table)
+    keys = raw(k)[at].view(k.dtype).unsqueeze(2)  # (B, Hkv, 1, P, D)
+    new = page_landmarks(keys, slot_page.gather(2, cur_slot.clamp(min=0).unsqueeze(-1)), seq_len, means.shape[3])
+    raw(means)[at] = raw(to_cache(new.squeeze(2), means.dtype))
 
 
 def landmark_page_scores(q: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor,
@@ -768,18 +775,8 @@ def code_page(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: to
     k: (B, Hkv, C, P, D); kmin, kmax: (B, Hkv, C, D); codes: (B, Hkv, C, P, D * bits / 8) uint8; or with ``table``
     (B, C) int64 a store of shared pages, k (1, Hkv, N, P, D), kmin, kmax (1, Hkv, N, D) and codes
     (1, Hkv, N, P, D * bits / 8), slot s of row b in page ``table[b, s]``; cur_slot: (B, Hkv) int64."""
-    slot = cur_slot.clamp(min=0)
-    if table is not None:
-        page = table.gather(1, slot)  # (B, Hkv)
-        head = torch.arange(slot.shape[1], device=slot.device).expand_as(page)
-        codes[0][head, page] = key_codes(k[0][head, page], kmin[0][head, page], kmax[0][head, page], bits)
-        return
-    idx = slot.view(*slot.shape, 1, 1)
-    lo = gather(kmin, 2, idx.expand(*slot.shape, 1, kmin.shape[3])).squeeze(2)
-    hi = gather(kmax, 2, idx.expand(*slot.shape, 1, kmax.shape[3])).squeeze(2)
-    keys = gather(k, 2, idx.unsqueeze(-1).expand(*slot.shape, 1, *k.shape[3:])).squeeze(2)
-    new = key_codes(keys, lo, hi, bits)
-    codes.scatter_(2, idx.unsqueeze(-1).expand(*slot.shape, 1, *codes.shape[3:]), new.unsqueeze(2))
+    at = current_pages(cur_slot, table)
+    codes[at] = key_codes(*(raw(t)[at].view(t.dtype) for t in (k, kmin, kmax)), bits)
 
 
 def page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,

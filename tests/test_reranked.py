@@ -1,6 +1,7 @@
 """What spread, sparq and landmark share as Quest's choice ranked by another estimate (``quest.Reranked``): a pool's
 shared pages score as the rows' own, the sink pages and the current page are always attended, a bad sink_pages is
-refused, and through the engine a covering budget gives dense's tokens while a small one attends fewer."""
+refused, through the engine a covering budget gives dense's tokens while a small one attends fewer, and sparq with
+every channel and landmark with a landmark per token score the true page mass."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from paged_util import one_layer
 from sparsekv.engine import Engine
 from sparsekv.errors import ConfigError
 from sparsekv.kernels import reference
-from sparsekv.methods import LandmarkConfig, QuestConfig, SparQConfig, SpreadConfig
+from sparsekv.methods import LandmarkConfig, OracleConfig, QuestConfig, SparQConfig, SpreadConfig
 from sparsekv.tiny import tiny_model
 
 B, HKV, D, P = 2, 2, 8, 4
@@ -20,6 +21,24 @@ ESTIMATES = {
     "sparq": lambda q, k, sp, n, table=None: reference.channel_scores(q, k, sp, n, 2, 0.3, table=table),
     "landmark": lambda q, k, sp, n, table=None: reference.landmark_scores(q, k, sp, n, 2, 0.3, table=table),
 }
+# The estimates whose limit is the true page mass: sparq keeping every channel, a landmark per token.
+EXACT = {
+    "sparq": lambda q, k, sp, n, per_query_head: reference.channel_scores(q, k, sp, n, D, 0.3, per_query_head),
+    "landmark": lambda q, k, sp, n, per_query_head: reference.landmark_scores(q, k, sp, n, P, 0.3, per_query_head),
+}
+
+
+@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("h, per_query_head, lengths", [(2, False, None), (6, False, [37, 29]), (6, True, [37, 30])])
+def test_the_exact_limit_is_the_true_page_mass(name, h, per_query_head, lengths):
+    layer, seq_len = one_layer(37, B, HKV, D, P, lengths, dtype=torch.float64)
+    q = torch.randn(B, h, D, dtype=torch.float64)
+    got = EXACT[name](q, layer.k, layer.slot_page, seq_len, per_query_head)
+    oracle = OracleConfig(token_budget=8, page_size=P, dense_layers=0, per_query_head=per_query_head).build(1)
+    want = oracle.page_scores(0, q, layer, seq_len, 0.3)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    assert torch.allclose(got[finite], want[finite], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ESTIMATES)

@@ -1,6 +1,6 @@
-"""Pages ranked by the attention mass the query's largest channels estimate (``sparq``): every channel kept is the
-oracle's true page mass; fewer channels against a brute force in float64; its config checks (what it shares with
-spread and landmark: ``test_reranked.py``)."""
+"""Pages ranked by the attention mass the query's largest channels estimate (``sparq``): a few channels against
+a brute force in float64; its config checks (what it shares with spread and landmark, every channel kept scoring
+the true page mass among it: ``test_reranked.py``)."""
 
 import math
 
@@ -10,25 +10,13 @@ from paged_util import one_layer
 
 from sparsekv.errors import ConfigError
 from sparsekv.kernels import reference
-from sparsekv.methods import OracleConfig, QuestConfig, SparQConfig
+from sparsekv.methods import QuestConfig, SparQConfig
 
 B, HKV, D, P = 2, 2, 8, 4
 
 
 def _layer(prompt: int, lengths=None):
     return one_layer(prompt, B, HKV, D, P, lengths, dtype=torch.float64)
-
-
-@pytest.mark.parametrize("h, per_query_head, lengths", [(2, False, None), (6, False, [37, 29]), (6, True, [37, 30])])
-def test_every_channel_kept_is_the_true_page_mass(h, per_query_head, lengths):
-    layer, seq_len = _layer(37, lengths)
-    q = torch.randn(B, h, D, dtype=torch.float64)
-    got = reference.channel_scores(q, layer.k, layer.slot_page, seq_len, D, 0.3, per_query_head)
-    oracle = OracleConfig(token_budget=8, page_size=P, dense_layers=0, per_query_head=per_query_head).build(1)
-    want = oracle.page_scores(0, q, layer, seq_len, 0.3)
-    assert torch.equal(torch.isinf(got), torch.isinf(want))
-    finite = torch.isfinite(want)
-    assert torch.allclose(got[finite], want[finite], rtol=1e-12, atol=1e-12)
 
 
 def _brute(q, layer, seq_len, channels, scale, by_keys=False):

@@ -168,16 +168,23 @@ def append_pages(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
 
 
 @triton.jit
+def last_of_page(slot_ptr, t, n, P: tl.constexpr):
+    """(slot, whether entry t of a pass's slot numbers (n of them, -1 for none) is its page's last of the pass): the
+    one program that writes what the page keeps, no other touching it, as a page's tokens are consecutive entries in
+    order of offset."""
+    slot = tl.load(slot_ptr + t)
+    nxt = tl.load(slot_ptr + t + 1, mask=t + 1 < n, other=-1)
+    return slot, (slot >= 0) & ((slot % P == P - 1) | (nxt != slot + 1))
+
+
+@triton.jit
 def _page_bounds_kernel(k_ptr, kmin_ptr, kmax_ptr, slot_ptr, n, sk_h, sk_c, sk_p, sm_h, sm_c,
                         P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    slot = tl.load(slot_ptr + t)
-    nxt = tl.load(slot_ptr + t + 1, mask=t + 1 < n, other=-1)
-    off = slot % P
-    # The page's last token of the pass writes its bounds (no other program touches that page): tokens of a page are
-    # consecutive entries in order of offset.
-    if (slot >= 0) & ((off == P - 1) | (nxt != slot + 1)):
+    slot, last = last_of_page(slot_ptr, t, n, P)
+    if last:  # the page's bounds over its offsets up to this one
+        off = slot % P
         page = slot // P
         p = tl.arange(0, P)
         d = tl.arange(0, BLOCK_D)

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .. import reference
 from ..cuda import coded as cuda_coded
+from .append import last_of_page
 from .common import TUNING, check, interpreted_bf16, kept, precision
 from .selection import check_out, fused_group_size, group_maxima, select_from_maxima
 
@@ -195,13 +196,11 @@ def _code_page_kernel(k_ptr, kmin_ptr, kmax_ptr, codes_ptr, cur_ptr, table_ptr, 
 @triton.jit
 def _page_codes_kernel(k_ptr, kmin_ptr, kmax_ptr, codes_ptr, slot_ptr, n, sk_h, sk_c, sk_p, sm_h, sm_c, sc_h, sc_c,
                        sc_p, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """One program per (token written, KV head); the page's last token of the pass codes the page (tokens of a
-    page are consecutive entries in order of offset, as ``page_bounds`` takes them)."""
+    """One program per (token written, KV head); the page's last token of the pass codes the page."""
     t = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    slot = tl.load(slot_ptr + t)
-    nxt = tl.load(slot_ptr + t + 1, mask=t + 1 < n, other=-1)
-    if (slot >= 0) & ((slot % P == P - 1) | (nxt != slot + 1)):
+    slot, last = last_of_page(slot_ptr, t, n, P)
+    if last:
         page = slot // P
         _code_keys(k_ptr + h * sk_h + page * sk_c, kmin_ptr + h * sm_h + page * sm_c,
                    kmax_ptr + h * sm_h + page * sm_c, codes_ptr + h * sc_h + page * sc_c, sk_p, sc_p, P, D, BITS)

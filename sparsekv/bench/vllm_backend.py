@@ -157,11 +157,9 @@ def agree_runs(args) -> tuple[list[dict], dict]:
         lens = [args.new_tokens] * args.prompts
         work.write_text(json.dumps({"prompts": prompts, "output_lens": lens}))
         control = peer_rows("vllm", "score", common)["rows"]
-        forced = [r["tokens"] for r in control]
-        work.write_text(json.dumps({"prompts": prompts, "output_lens": lens, "forced": forced}))
         full = covering_spec(args.spec, total)
-        work.write_text(json.dumps({"prompts": prompts, "output_lens": lens}))
         greedy = peer_rows("vllm", "score", [*common, "--sparsekv", full])["rows"]
+        forced = [r["tokens"] for r in control]
         work.write_text(json.dumps({"prompts": prompts, "output_lens": lens, "forced": forced}))
         runs = {"vllm dense": [r["nll"] for r in control],
                 f"vllm sparsekv {full}": [r["nll"] for r in peer_rows("vllm", "score", [*common, "--sparsekv",

@@ -67,6 +67,19 @@ def stored_tokens(slot_page: torch.Tensor, seq_len: torch.Tensor, page_size: int
     return (slot_page.unsqueeze(-1) >= 0) & (position < seq_len.view(-1, 1, 1, 1))
 
 
+def mask_free(scores: torch.Tensor, slot_page: torch.Tensor) -> torch.Tensor:
+    """Selection rows' page scores (B, Hs, C), Hs a multiple of Hkv, with -inf where the row's slot is free
+    (slot_page (B, Hkv, C) < 0)."""
+    free = (slot_page < 0).repeat_interleave(scores.shape[1] // slot_page.shape[1], dim=1)
+    return scores.masked_fill(free, float("-inf"))
+
+
+def mass_rows(mass: torch.Tensor, slot_page: torch.Tensor, per_query_head: bool) -> torch.Tensor:
+    """Each query head's attention mass per page (B, Hkv, G, C) as the selection rows' scores: (B, H, C) with
+    ``per_query_head``, else summed over each KV head's group (B, Hkv, C); free slots -inf."""
+    return mask_free(mass.flatten(1, 2) if per_query_head else mass.sum(2), slot_page)
+
+
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
                 per_query_head: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
     """Quest's upper bound of ``q . k`` over each page: ``sum_i max(q_i * max_i, q_i * min_i)``.
@@ -82,10 +95,7 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
     acc = acc_dtype(q.dtype)
     qg = q.to(acc).view(b, hkv, h // hkv, 1, d)
     bound = torch.maximum(qg * kmax.to(acc).unsqueeze(2), qg * kmin.to(acc).unsqueeze(2)).sum(-1)  # (B,Hkv,G,C)
-    bound = bound.flatten(1, 2) if per_query_head else bound.amax(dim=2)
-    rows = bound.shape[1] // hkv
-    free = (slot_page < 0).repeat_interleave(rows, dim=1)
-    return bound.masked_fill(free, float("-inf"))
+    return mask_free(bound.flatten(1, 2) if per_query_head else bound.amax(dim=2), slot_page)
 
 
 def spread_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor, spread: float,
@@ -110,9 +120,7 @@ def spread_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq
     var = ((keys - mean.unsqueeze(3)).square() * stored).sum(3) / count
     qg = q.to(acc).view(b, hkv, h // hkv, 1, d)
     score = (qg * mean.unsqueeze(2)).sum(-1) + spread * (qg.square() * var.unsqueeze(2)).sum(-1).sqrt()
-    score = score.flatten(1, 2) if per_query_head else score.amax(dim=2)
-    rows = score.shape[1] // hkv
-    return score.masked_fill((slot_page < 0).repeat_interleave(rows, dim=1), float("-inf"))
+    return mask_free(score.flatten(1, 2) if per_query_head else score.amax(dim=2), slot_page)
 
 
 def channel_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor, channels: int,
@@ -147,9 +155,7 @@ def channel_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, se
     logits = logits * (scale / share.clamp(min=torch.finfo(acc).tiny).sqrt()).view(b, hkv, -1, 1, 1)
     logits = logits.masked_fill(~stored.unsqueeze(2), float("-inf"))
     mass = torch.softmax(logits.flatten(3), dim=-1).nan_to_num(0.0).view(b, hkv, -1, c, p).sum(-1)
-    mass = mass.flatten(1, 2) if per_query_head else mass.sum(2)
-    rows = mass.shape[1] // hkv
-    return mass.masked_fill((slot_page < 0).repeat_interleave(rows, dim=1), float("-inf"))
+    return mass_rows(mass, slot_page, per_query_head)
 
 
 def check_landmarks(landmarks: int, page_size: int) -> None:
@@ -207,9 +213,7 @@ def landmark_page_scores(q: torch.Tensor, means: torch.Tensor, slot_page: torch.
     logits = torch.einsum("bngd,bncld->bngcl", qg, means.to(acc)) * scale + count.log().unsqueeze(2)
     logits = logits.masked_fill((count == 0).unsqueeze(2), float("-inf"))
     mass = torch.softmax(logits.flatten(3), dim=-1).nan_to_num(0.0).view(b, hkv, -1, c, landmarks).sum(-1)
-    mass = mass.flatten(1, 2) if per_query_head else mass.sum(2)
-    rows = mass.shape[1] // hkv
-    return mass.masked_fill((slot_page < 0).repeat_interleave(rows, dim=1), float("-inf"))
+    return mass_rows(mass, slot_page, per_query_head)
 
 
 def landmark_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..kernels.reference import acc_dtype, per_row
+from ..kernels.reference import acc_dtype, mask_free, per_row
 from .base import Method, attend_all, require
 from .quest import QuestConfig
 
@@ -78,8 +78,7 @@ class Oracle(Method):
         ranks; ``sparsekv.eval.selection`` compares the other methods' estimates with it)."""
         mass = group_rows(true_attention(q, layer, seq_len, scale).sum(-1), layer.k.shape[1],
                           self.config.per_query_head)
-        free = (layer.slot_page < 0).repeat_interleave(mass.shape[1] // layer.k.shape[1], dim=1)
-        return mass.masked_fill(free, float("-inf"))
+        return mask_free(mass, layer.slot_page)
 
     def decode(self, layer_idx, q, layer, seq_len, scale, tally):
         cfg = self.config

@@ -11,7 +11,8 @@ from sparsekv.kernels import reference as ref
 B, H, HKV, D, P = 2, 4, 2, 8, 4
 OPS = ("page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page", "sparse_decode",
        "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "sparse_decode_tokens",
-       "append_token", "append_pages", "raas_update", "landmark_means", "landmark_page_scores")
+       "append_token", "append_pages", "raas_update", "landmark_means", "landmark_page_scores", "landmark_select",
+       "page_means")
 
 
 def filled_layer(dtype=torch.float32, lengths=(11, 6), seed=0, device="cpu"):
@@ -70,6 +71,10 @@ def op_args(dtype=torch.float32):
                            layer.cur_slot, seq_len),
         "landmark_page_scores": (q, ref.page_landmarks(layer.k, layer.slot_page, seq_len, 2).to(dtype),
                                  layer.slot_page, seq_len, P, 0.3, True),
+        "landmark_select": (q, layer.k, ref.page_landmarks(layer.k, layer.slot_page, seq_len, 2).to(dtype),
+                            layer.slot_page, layer.cur_slot, seq_len, 0.3, 2, 1, True),
+        "page_means": (layer.k[:1], torch.zeros(1, *layer.k.shape[1:3], 2, D, dtype=dtype),
+                       torch.tensor([0, 1, 2, P, P + 1, -1])),
     }
 
 
@@ -97,8 +102,10 @@ def test_names_call_the_registered_ops(name):
         got, want = [args[name][i] for i in (4, 9)], [before[i] for i in (4, 9)]  # codes and chosen
     if name == "code_page":
         got, want = args[name][3], before[3]  # codes
-    if name == "landmark_means":
+    if name in ("landmark_means", "page_means"):
         got, want = args[name][1], before[1]  # means
+    if name == "landmark_select":
+        got, want = (got, args[name][2]), (want, before[2])  # the choice and the means
     for g, w in zip(*(t if isinstance(t, (tuple, list)) else (t,) for t in (got, want))):
         assert torch.equal(g, w)
 

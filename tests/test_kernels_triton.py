@@ -814,6 +814,7 @@ LOWBIT_SELECT_VARIANTS = {  # TUNING overrides: each path of lowbit_select's top
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # pages without tokens
+@pytest.mark.parametrize("in_order", [False, True], ids=["", "in-order"])
 @pytest.mark.parametrize("reuse", [1, 4])
 @pytest.mark.parametrize("variant", LOWBIT_SELECT_VARIANTS)
 @pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", [
@@ -822,15 +823,17 @@ LOWBIT_SELECT_VARIANTS = {  # TUNING overrides: each path of lowbit_select's top
     pytest.param(2, 8, 1, 64, 16, [40, 9], 1, False, id="one-page"),
 ])
 def test_lowbit_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, variant, reuse,
-                       monkeypatch):
+                       in_order, monkeypatch):
     """Every row's current page is coded, due or not; the rows due (``reference.due_rows``: position a multiple of
     reuse, or the row's first decode position) get the selection of the coded scores written into ``chosen``; the
     others keep what it held, bit for bit, on each path of the selection (torch-topk: rows too long for the
-    kernels)."""
+    kernels); ``in_order``: slot j holds page j in a layer of more slots than the rows use, whose codes past each
+    row's last page are not read."""
     for key, value in LOWBIT_SELECT_VARIANTS[variant].items():
         monkeypatch.setitem(tops.TUNING, key, value)
+    spare = max(-(-n // page_size) for n in lengths) // 2 if in_order else 2
     k, _, kmin, kmax, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
-                                                                torch.float32)
+                                                                torch.float32, spare=spare, in_order=in_order)
     codes = ref.key_codes(k, kmin, kmax, 2)
     q = torch.randn(batch, heads, head_dim, device=DEV)
     scale = head_dim ** -0.5
@@ -845,7 +848,7 @@ def test_lowbit_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_p
     rows = torch.arange(batch, device=DEV).view(-1, 1), torch.arange(kv_heads, device=DEV).view(1, -1)
     codes[(*rows, cur_slot.clamp(min=0))] = 0  # each row's current page: coded by the op
     tops.lowbit_select(q, k, kmin, kmax, codes, slot_page, cur_slot, seq_len, first, chosen, scale, 2, n_pages,
-                       reuse, per_head)
+                       reuse, per_head, None, in_order)
     assert torch.equal(codes, want_codes)
     due = ref.due_rows(seq_len, first, reuse)
     assert due.tolist() == ([True] * batch if reuse == 1 else [True] + [(n - 1) % reuse == 0 for n in lengths[1:]])
@@ -1053,3 +1056,71 @@ def test_landmark_means_match_reference(batch, heads, kv_heads, head_dim, page_s
     # The sums of a run may be taken in another order: a float32 landmark within a few ulps, a rounded one the same.
     tol = {torch.float32: 1e-6, torch.bfloat16: 0.0, ref.FP8: 0.0}[dtype]
     torch.testing.assert_close(means.float(), want.float(), rtol=tol, atol=tol, equal_nan=True)
+
+
+LANDMARK_SELECT_VARIANTS = {**{name: LOWBIT_SELECT_VARIANTS[name]
+                               for name in ("default", "segments", "fused", "fused-blocks", "torch-topk")},
+                            # the landmarks read in head-dim slices of 16, blocks of 16 slots
+                            "slices16": {"landmark_block_k": 16, "landmark_block": 16}}
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # heads without runs
+@pytest.mark.parametrize("through_table", [False, True], ids=["", "table"])
+@pytest.mark.parametrize("in_order", [False, True], ids=["", "in-order"])
+@pytest.mark.parametrize("variant", LANDMARK_SELECT_VARIANTS)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,landmarks,lengths,n_pages,per_head,sinks", [
+    pytest.param(3, 8, 2, 64, 4, 2, [300, 170, 99], 8, False, 1, id="gqa4"),
+    pytest.param(2, 6, 3, 24, 6, 3, [260, 7], 5, True, 2, id="per-query-head-page6-d24"),
+    pytest.param(2, 4, 1, 32, 4, 4, [1, 70], 3, False, 0, id="one-token-no-sink"),
+])
+def test_landmark_select(batch, heads, kv_heads, head_dim, page_size, landmarks, lengths, n_pages, per_head, sinks,
+                         variant, in_order, through_table, monkeypatch):
+    """The current pages' landmarks written as ``landmark_means`` writes them (stale ones there before), then exactly
+    the selection of the landmark scores with the sink pages in, on each path of the top-k; ``in_order``: slot j
+    holds page j in a layer of more slots than the rows use."""
+    for key, value in LANDMARK_SELECT_VARIANTS[variant].items():
+        monkeypatch.setitem(tops.TUNING, key, value)
+    spare = max(-(-n // page_size) for n in lengths) // 2 if in_order else 2
+    k, _, _, _, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
+                                                          torch.float32, spare=spare, in_order=in_order)
+    means = ref.page_landmarks(k, slot_page, seq_len, landmarks).float()
+    rows = torch.arange(batch, device=DEV).view(-1, 1), torch.arange(kv_heads, device=DEV).view(1, -1)
+    means[(*rows, cur_slot)] = torch.randn_like(means[(*rows, cur_slot)])  # stale: the op writes them
+    want = means.clone()
+    table = None
+    if through_table:
+        (k, table), (means, _), (want, _) = _through_table(k, 3), _through_table(means, 3), _through_table(want, 3)
+    ref.landmark_means(k, want, slot_page, cur_slot, seq_len, table)
+    scale = head_dim ** -0.5
+    q = torch.randn(batch, heads, head_dim, device=DEV)
+    got = tops.landmark_select(q, k, means, slot_page, cur_slot, seq_len, scale, n_pages, sinks, per_head, in_order,
+                               table)
+    torch.testing.assert_close(means, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+    scores = tops.landmark_page_scores(q, means, slot_page, seq_len, page_size, scale, per_head, table)
+    assert torch.equal(got.sort(-1).values, stable_selection(ref.with_sinks(scores, slot_page, sinks), cur_slot,
+                                                             n_pages))
+    assert torch.equal(got.sort(-1).values, ref.landmark_select(*up(q, k, means), slot_page, cur_slot, seq_len, scale,
+                                                                n_pages, sinks, per_head, in_order,
+                                                                table).sort(-1).values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, ref.FP8], ids=str)
+@pytest.mark.parametrize("page_size,landmarks,head_dim", [(4, 2, 64), (6, 3, 24), (16, 2, 128), (1, 1, 32)])
+def test_page_means_match_reference(page_size, landmarks, head_dim, dtype):
+    """The landmarks of the pages a pass wrote by slot numbers (vLLM's blocks), from offset 0 to the last written:
+    pages written whole, in part, continued from an earlier pass, and padding; nothing else written."""
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    n_pages, kv_heads = 7, 2
+    k = ref.to_cache(torch.randn(1, kv_heads, n_pages, page_size, head_dim, generator=gen, device=DEV)
+                     * (300 if dtype == ref.FP8 else 1), dtype)
+    means = torch.randn(1, kv_heads, n_pages, landmarks, head_dim, generator=gen, device=DEV).to(dtype)
+    want = means.clone()
+    slots = [*range(2 * page_size, 3 * page_size), *range(5 * page_size + page_size // 2, 6 * page_size), -1,
+             *range(page_size, page_size + max(1, page_size - 1)), -1, -1]
+    slot_mapping = torch.tensor(slots, device=DEV)
+    tops.page_means(k, means, slot_mapping)
+    ref.page_means(k, want, slot_mapping)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 0.0, ref.FP8: 0.0}[dtype]
+    torch.testing.assert_close(means.float(), want.float(), rtol=tol, atol=tol)
+    untouched = [p for p in range(n_pages) if p not in (1, 2, 5)]
+    assert torch.equal(means[0, :, untouched].float(), want[0, :, untouched].float())

@@ -18,6 +18,7 @@ from sparsekv.eval.selection import SelectionConfig
 from sparsekv.kernels import reference
 from sparsekv.methods import LandmarkConfig, QuestConfig
 from sparsekv.methods.landmark import Landmark, means_entry
+from sparsekv.methods.quest import Reranked
 from sparsekv.tiny import tiny_model
 
 B, HKV, D, P = 2, 2, 8, 4
@@ -29,7 +30,7 @@ def _layer(prompt: int, lengths=None):
 
 def test_two_landmarks_equal_a_brute_force():
     """Per KV head: each run of P / 2 stored tokens weighs n exp(scale q . mean) in every query head's softmax over
-    the row's runs; a page sums its runs' weights over the group's heads."""
+    the row's runs; a page's score is the log of its runs' weights summed over the group's heads."""
     layer, seq_len = _layer(30, [30, 21])
     q = torch.randn(B, 6, D, dtype=torch.float64)
     got = reference.landmark_scores(q, layer.k, layer.slot_page, seq_len, 2, 0.4)
@@ -54,7 +55,7 @@ def test_two_landmarks_equal_a_brute_force():
                     mass[s] += w
             for s in range(slots):
                 if layer.slot_page[bi, kv, s] >= 0:
-                    assert got[bi, kv, s].item() == pytest.approx(mass[s].item(), rel=1e-12, abs=1e-12)
+                    assert got[bi, kv, s].exp().item() == pytest.approx(mass[s].item(), rel=1e-12, abs=1e-12)
 
 
 @pytest.mark.parametrize("page_size, landmarks, heads, per_query_head", [
@@ -106,9 +107,8 @@ def test_the_current_page_means_through_a_page_table():
 
 
 def test_the_engine_decodes_the_tokens_of_the_means_from_the_keys(monkeypatch):
-    """Through the engine (batched, chunked prefill), the stored means choose every step's pages as the means
-    computed from the keys at every step do (float64), so the tokens are the same; the step runs the stored-means
-    ops."""
+    """Through the engine (batched, chunked prefill), the stored means choose every step's pages (``landmark_select``)
+    as the means computed from the keys at every step do (float64), so the tokens are the same."""
     model = tiny_model("llama", seed=3, layers=3, dtype=torch.float64)
     model.generation_config.eos_token_id = None
     prompts = [[(7 * i + 3) % 250 for i in range(90)], [(5 * i + 1) % 250 for i in range(61)]]
@@ -119,7 +119,7 @@ def test_the_engine_decodes_the_tokens_of_the_means_from_the_keys(monkeypatch):
 
         def seen(name, arguments, result):
             ops.add(name)
-            if name == "select_pages":
+            if name in ("select_pages", "landmark_select"):
                 chosen.append(result.clone())
 
         with kernels.observe(seen):
@@ -127,10 +127,11 @@ def test_the_engine_decodes_the_tokens_of_the_means_from_the_keys(monkeypatch):
         return out, chosen, ops
 
     fast, fast_chosen, fast_ops = run()
+    monkeypatch.setattr(Landmark, "select", Reranked.select)
     monkeypatch.setattr(Landmark, "estimate", lambda self, q, layer, seq_len, scale: reference.landmark_scores(
         q, layer.k, layer.slot_page, seq_len, self.config.landmarks, scale, self.config.per_query_head))
     keys, keys_chosen, keys_ops = run()
-    assert {"landmark_means", "landmark_page_scores"} <= fast_ops and "landmark_means" not in keys_ops
+    assert "landmark_select" in fast_ops and not {"landmark_select", "landmark_means"} & keys_ops
     assert fast.tokens == keys.tokens and fast.stats == keys.stats
     assert len(fast_chosen) == len(keys_chosen) > 0
     assert all(torch.equal(a, b) for a, b in zip(fast_chosen, keys_chosen))

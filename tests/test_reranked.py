@@ -11,6 +11,7 @@ from sparsekv.engine import Engine
 from sparsekv.errors import ConfigError
 from sparsekv.kernels import reference
 from sparsekv.methods import LandmarkConfig, OracleConfig, QuestConfig, SparQConfig, SpreadConfig
+from sparsekv.methods.landmark import means_entry
 from sparsekv.tiny import tiny_model
 
 B, HKV, D, P = 2, 2, 8, 4
@@ -21,11 +22,17 @@ ESTIMATES = {
     "sparq": lambda q, k, sp, n, table=None: reference.channel_scores(q, k, sp, n, 2, 0.3, table=table),
     "landmark": lambda q, k, sp, n, table=None: reference.landmark_scores(q, k, sp, n, 2, 0.3, table=table),
 }
-# The estimates whose limit is the true page mass: sparq keeping every channel, a landmark per token.
+# The estimates whose limit is the true page mass: sparq keeping every channel, a landmark per token (its log).
 EXACT = {
     "sparq": lambda q, k, sp, n, per_query_head: reference.channel_scores(q, k, sp, n, D, 0.3, per_query_head),
-    "landmark": lambda q, k, sp, n, per_query_head: reference.landmark_scores(q, k, sp, n, P, 0.3, per_query_head),
+    "landmark": lambda q, k, sp, n, per_query_head: as_mass(reference.landmark_scores(q, k, sp, n, P, 0.3,
+                                                                                       per_query_head)),
 }
+
+
+def as_mass(log_scores: torch.Tensor) -> torch.Tensor:
+    """Page masses from their logs, free slots (-inf) staying -inf as the oracle scores them."""
+    return log_scores.exp().masked_fill(log_scores == float("-inf"), float("-inf"))
 
 
 @pytest.mark.parametrize("name", EXACT)
@@ -59,6 +66,8 @@ def test_shared_pages_score_as_a_rows_own(name):
 def test_the_sink_pages_and_the_current_page_are_attended(cls):
     layer, seq_len = one_layer(40, B, HKV, D, P, dtype=torch.float64)
     method = cls(token_budget=3 * P, page_size=P, dense_layers=0, sink_pages=2).build(1)
+    if cls is LandmarkConfig:  # the means its prefill keeps
+        layer.slot_state[means_entry(2)] = reference.page_landmarks(layer.k, layer.slot_page, seq_len, 2)
     q = torch.randn(B, 4, D, dtype=torch.float64)
     slots = method.select(0, q, layer, seq_len)
     pages = layer.slot_page.gather(2, slots.clamp(min=0))

@@ -14,21 +14,23 @@ from sparsekv.cache import PagedKVCache
 from sparsekv.errors import ConfigError
 from sparsekv.integrations import vllm as plugin
 from sparsekv.integrations.vllm.pages import (BlockStore, DecodeRows, bounds_bytes, code_bits, decode,
-                                              leading_decodes, tail_bytes)
+                                              landmark_count, leading_decodes, tail_bytes)
 from sparsekv.kernels import reference
 from sparsekv.methods.base import Tally
+from sparsekv.methods.landmark import means_entry
 from sparsekv.methods.lowbit import codes_entry
 from sparsekv.spec import build_config
 
 
 def vllm_cache(blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, layout: str,
-               gen: torch.Generator, spare: int = 0, device: str = "cpu", bits: int = 0) -> torch.Tensor:
+               gen: torch.Generator, spare: int = 0, device: str = "cpu", bits: int = 0,
+               landmarks: int = 0) -> torch.Tensor:
     """A layer's cache as vLLM's FlashAttention backend sees it with padded pages: (NB, Hkv, BS, 2D) over pages of
-    ``tail_bytes`` (for codes of ``bits``; plus ``spare`` elements) more than the keys and values, filled with
-    garbage (a reused block's stale contents)."""
+    ``tail_bytes`` (for codes of ``bits`` and ``landmarks`` means; plus ``spare`` elements) more than the keys and
+    values, filled with garbage (a reused block's stale contents)."""
     d2 = 2 * head_dim
     codes = kv_heads * block_size * head_dim * bits // 8 // torch.empty((), dtype=dtype).element_size()
-    page = block_size * kv_heads * d2 + kv_heads * d2 + codes + spare
+    page = block_size * kv_heads * d2 + kv_heads * d2 + codes + kv_heads * landmarks * head_dim + spare
     raw = torch.randn(blocks * page, generator=gen, dtype=torch.float64).mul(50).to(device, dtype)
     if layout == "NHD":
         return torch.as_strided(raw, (blocks, block_size, kv_heads, d2), (page, kv_heads * d2, d2, 1)).transpose(1, 2)
@@ -50,9 +52,10 @@ class Requests:
     """Requests growing in vLLM's blocks (from a shuffled free list, so blocks are out of order and hold garbage)
     and, beside each, our own cache of one row fed the same keys and values."""
 
-    def __init__(self, kv_cache: torch.Tensor, n: int, gen: torch.Generator, ops=kernels, bits: int = 0):
+    def __init__(self, kv_cache: torch.Tensor, n: int, gen: torch.Generator, ops=kernels, bits: int = 0,
+                 landmarks: int = 0):
         self.cache = kv_cache
-        self.store = BlockStore(kv_cache, bits)
+        self.store = BlockStore(kv_cache, bits, landmarks)
         self.ops = ops
         self.gen = gen
         self.free = torch.randperm(kv_cache.shape[0] - 1, generator=gen).add(1).tolist()  # block 0: vLLM's null block
@@ -84,7 +87,7 @@ class Requests:
 
     def step(self, counts: list[int], padding: int = 0) -> None:
         """One forward: ``counts[r]`` new tokens of request r (0: none), written as vLLM writes a batch, then the
-        bounds (and codes) of the blocks written, by ``ops``; ``padding`` trailing slots of -1 (a padded CUDA-graph
+        bounds (and codes, means) of the blocks written, by ``ops``; ``padding`` trailing slots of -1 (a padded CUDA-graph
         batch)."""
         slots, keys, values = [], [], []
         for r, c in enumerate(counts):
@@ -110,6 +113,8 @@ class Requests:
         if store.bits:
             self.ops.page_codes(store.k, store.kmin, store.kmax, store.page_state[codes_entry(store.bits)],
                                 slot_mapping, store.bits)
+        if store.landmarks:
+            self.ops.page_means(store.k, store.page_state[means_entry(store.landmarks)], slot_mapping)
 
     def block_table(self) -> torch.Tensor:
         width = max(map(len, self.blocks)) + 2
@@ -119,30 +124,35 @@ class Requests:
         return table
 
 
-def grown(dtype=torch.float64, layout="NHD", seed=0, ops=kernels, device="cpu", bits=0) -> Requests:
+def grown(dtype=torch.float64, layout="NHD", seed=0, ops=kernels, device="cpu", bits=0, landmarks=0) -> Requests:
     """Three requests: prompts in chunks that start and end mid-block, one prompt finishing while the others
-    decode, then decode steps together, the last batch padded; ``ops``: the module whose ``page_bounds`` and
-    ``page_codes`` keep the blocks' bounds and codes of ``bits`` (0: none); vLLM's cache on ``device`` (our own
-    caches stay on the CPU)."""
+    decode, then decode steps together, the last batch padded; ``ops``: the module whose ``page_bounds``,
+    ``page_codes`` and ``page_means`` keep the blocks' bounds, codes of ``bits`` and ``landmarks`` means (0: none);
+    vLLM's cache on ``device`` (our own caches stay on the CPU)."""
     gen = torch.Generator().manual_seed(seed)
-    reqs = Requests(vllm_cache(40, 2, 4, 8, dtype, layout, gen, device=device, bits=bits), 3, gen, ops, bits)
+    reqs = Requests(vllm_cache(40, 2, 4, 8, dtype, layout, gen, device=device, bits=bits, landmarks=landmarks), 3,
+                    gen, ops, bits, landmarks)
     for counts in ([6, 9, 0], [5, 1, 13], [1, 7, 2], [1, 1, 3], [1, 1, 1], [1, 1, 1]):
         reqs.step(counts)
     reqs.step([1, 1, 1], padding=2)
     return reqs
 
 
-def with_codes(reqs: Requests) -> None:
-    """Our caches' layers get lowbit's codes of every page, as its prefill makes them."""
-    bits = reqs.store.bits
-    for layer in reqs.layers:
-        layer.slot_state[codes_entry(bits)] = reference.key_codes(layer.k, layer.kmin, layer.kmax, bits)
+def with_page_state(reqs: Requests) -> None:
+    """Our caches' layers get lowbit's codes or landmark's means of every page, as those methods' prefill makes
+    them."""
+    bits, landmarks = reqs.store.bits, reqs.store.landmarks
+    for r, layer in enumerate(reqs.layers):
+        if bits:
+            layer.slot_state[codes_entry(bits)] = reference.key_codes(layer.k, layer.kmin, layer.kmax, bits)
+        if landmarks:
+            means = reference.page_landmarks(layer.k, layer.slot_page, torch.tensor([reqs.length[r]]), landmarks)
+            layer.slot_state[means_entry(landmarks)] = reference.to_cache(means, layer.k.dtype)
 
 
 def assert_blocks_equal_our_pages(reqs: Requests) -> None:
-    bits = reqs.store.bits
-    if bits:
-        with_codes(reqs)
+    bits, landmarks = reqs.store.bits, reqs.store.landmarks
+    with_page_state(reqs)
     for r, blocks in enumerate(reqs.blocks):
         ours = reqs.layers[r]
         for j, block in enumerate(blocks):
@@ -154,13 +164,16 @@ def assert_blocks_equal_our_pages(reqs: Requests) -> None:
             if bits:
                 codes = reqs.store.page_state[codes_entry(bits)]
                 assert torch.equal(codes[0, :, block, :n], ours.slot_state[codes_entry(bits)][0, :, j, :n]), (r, j)
+            if landmarks:
+                means = reqs.store.page_state[means_entry(landmarks)]
+                assert torch.equal(means[0, :, block], ours.slot_state[means_entry(landmarks)][0, :, j]), (r, j)
 
 
-@pytest.mark.parametrize("bits", [0, 1, 2, 4])
+@pytest.mark.parametrize("bits, landmarks", [(0, 0), (1, 0), (2, 0), (4, 0), (0, 2), (0, 4), (2, 1)])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_block_bounds_equal_our_pages(dtype, layout, bits):
-    assert_blocks_equal_our_pages(grown(dtype, layout, bits=bits))
+def test_block_bounds_equal_our_pages(dtype, layout, bits, landmarks):
+    assert_blocks_equal_our_pages(grown(dtype, layout, bits=bits, landmarks=landmarks))
 
 
 def test_shared_prefix_blocks_hold_for_every_reader():
@@ -217,12 +230,33 @@ def test_codes_change_only_their_place_in_the_written_blocks():
     assert torch.equal(store.page_state[codes_entry(4)][0, :, 3, :2], want[:, :2])
 
 
+def test_means_change_only_their_place_in_the_written_blocks():
+    """landmark's means follow the bounds in the page's tail: writing a block changes its bounds and means only;
+    a block's means are of its keys up to the last one written."""
+    gen = torch.Generator().manual_seed(3)
+    cache = vllm_cache(6, 2, 4, 8, torch.float64, "NHD", gen, spare=3, landmarks=2)
+    page = cache.stride(0)
+    flat = torch.as_strided(cache, (6 * page,), (1,))
+    before = flat.clone()
+    store = BlockStore(cache, landmarks=2)
+    store.write(torch.tensor([-1, 4, 5, 6]))  # block 1, offsets 0-2
+    changed = (flat != before).nonzero().squeeze(1)
+    data = 4 * 2 * 16
+    assert changed.min() >= page + data and changed.max() < page + data + 2 * 16 + 2 * 2 * 8
+    keys = store.k[0, :, 1]  # (Hkv, BS, D)
+    want = torch.stack([keys[:, :2].mean(1), keys[:, 2]], 1)  # runs of 2 tokens: 2 stored, then 1
+    assert torch.equal(store.page_state[means_entry(2)][0, :, 1], want)
+
+
 def test_tail_bytes_and_a_page_too_short():
     assert bounds_bytes(8, 128, torch.bfloat16) == 4096
     quest, lowbit = build_config("quest:page_size=16"), build_config("lowbit:page_size=16,bits=2")
     assert (code_bits(quest), code_bits(lowbit)) == (0, 2)
     assert tail_bytes(quest, 8, 16, 128, torch.bfloat16) == 4096
     assert tail_bytes(lowbit, 8, 16, 128, torch.bfloat16) == 4096 + 8 * 16 * 128 * 2 // 8
+    landmark = build_config("landmark:page_size=16,landmarks=4")
+    assert (code_bits(landmark), landmark_count(landmark), landmark_count(quest)) == (0, 4, 0)
+    assert tail_bytes(landmark, 8, 16, 128, torch.bfloat16) == 4096 + 8 * 4 * 128 * 2
     gen = torch.Generator().manual_seed(0)
     plain = torch.randn(5, 4, 2, 8, generator=gen).transpose(1, 2)  # FlashAttention's cache without the room
     with pytest.raises(ValueError, match="room for the bounds"):
@@ -231,6 +265,8 @@ def test_tail_bytes_and_a_page_too_short():
     BlockStore(bounds_only)
     with pytest.raises(ValueError, match="room for the bounds and codes"):
         BlockStore(bounds_only, 2)
+    with pytest.raises(ValueError, match="room for the bounds and means"):
+        BlockStore(bounds_only, 0, 2)
 
 
 SPECS = ["quest:token_budget=8,dense_layers=0", "quest:token_budget=8,dense_layers=0,per_query_head=true",
@@ -247,9 +283,8 @@ def test_decode_over_blocks_equals_our_cache(spec):
     """Each row's output through vLLM's blocks (batched, a padded row at the end) equals the same method over the
     row's own cache (float64, references); the budget of 2 pages leaves most pages out."""
     config = build_config(spec + ",page_size=4")
-    reqs = grown(bits=code_bits(config))
-    if reqs.store.bits:
-        with_codes(reqs)
+    reqs = grown(bits=code_bits(config), landmarks=landmark_count(config))
+    with_page_state(reqs)
     method = config.method_class()(config, 2)
     n = len(reqs.blocks)
     rows = DecodeRows(n + 1, reqs.bs, torch.device("cpu"))
@@ -320,16 +355,18 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_ops_read_vllm_blocks(dtype, layout):
-    """The Triton kernels on vLLM's padded blocks: bounds and codes equal the reference's; Quest's and lowbit's
-    choices and the sparse decode through the rows' table equal the reference ops on the same views."""
+    """The Triton kernels on vLLM's padded blocks: bounds, codes and means equal the reference's; Quest's, lowbit's
+    and landmark's choices and the sparse decode through the rows' table equal the reference ops on the same
+    views."""
     from sparsekv.kernels import reference as ref
     from sparsekv.kernels import triton as tops
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    reqs = grown(dtype, layout, seed=4, ops=tops, device=dev, bits=2)
-    twin = grown(dtype, layout, seed=4, ops=ref, bits=2)
+    reqs = grown(dtype, layout, seed=4, ops=tops, device=dev, bits=2, landmarks=2)
+    twin = grown(dtype, layout, seed=4, ops=ref, bits=2, landmarks=2)
     for got, want in ((reqs.store.kmin, twin.store.kmin), (reqs.store.kmax, twin.store.kmax),
-                      (reqs.store.page_state[codes_entry(2)], twin.store.page_state[codes_entry(2)])):
+                      (reqs.store.page_state[codes_entry(2)], twin.store.page_state[codes_entry(2)]),
+                      (reqs.store.page_state[means_entry(2)], twin.store.page_state[means_entry(2)])):
         assert torch.equal(got.cpu(), want)
     n = len(reqs.blocks)
     rows = DecodeRows(n, reqs.bs, dev)
@@ -354,3 +391,9 @@ def test_triton_ops_read_vllm_blocks(dtype, layout):
         tops.lowbit_select(*args[:9], chosen[0], *args[10:])
         ref.lowbit_select(*args[:9], chosen[1], *args[10:])
         assert torch.equal(chosen[0].sort(-1).values, chosen[1].sort(-1).values), per_query_head
+    means = reqs.store.page_state[means_entry(2)]
+    for per_query_head in (False, True):
+        args = (q.float(), layer.k.float(), means.float(), layer.slot_page, layer.cur_slot, seq, 0.3, 2, 1,
+                per_query_head, True, layer.table)
+        got = tops.landmark_select(*args)
+        assert torch.equal(got.sort(-1).values.cpu(), ref.landmark_select(*args).sort(-1).values.cpu()), per_query_head

@@ -217,7 +217,8 @@ OBSERVED = (*SLOT_OPS, *TOKEN_OPS)
 # attention the probe cannot read, and is refused rather than left out of the recall.
 NOT_ATTENTION = {"page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page",
                  "window_token_maxima", "attention_mass", "append_token", "append_pages", "page_bounds", "page_codes",
-                 "raas_update", "linear", "linear_quantized", "landmark_means", "landmark_page_scores"}
+                 "raas_update", "linear", "linear_quantized", "landmark_means", "landmark_page_scores",
+                 "landmark_select", "page_means"}
 
 
 def _observing_attention(calls: list):

@@ -154,7 +154,7 @@ def _coded_scores_fake(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, pe
 
 
 def _lowbit_select_fake(q, k, kmin, kmax, codes, slot_page, cur_slot, seq_len, first, chosen, scale, bits, num_pages,
-                        reuse=1, per_query_head=False, table=None):
+                        reuse=1, per_query_head=False, table=None, in_order=False):
     return None
 
 
@@ -180,6 +180,15 @@ def _landmark_means_fake(k, means, slot_page, cur_slot, seq_len, table=None):
 
 def _landmark_page_scores_fake(q, means, slot_page, seq_len, page_size, scale, per_query_head=False, table=None):
     return _page_scores_fake(q, None, None, slot_page, per_query_head)
+
+
+def _landmark_select_fake(q, k, means, slot_page, cur_slot, seq_len, scale, num_pages, sink_pages=0,
+                          per_query_head=False, in_order=False, table=None):
+    return _select_pages_fake(_page_scores_fake(q, None, None, slot_page, per_query_head), cur_slot, num_pages)
+
+
+def _page_means_fake(k, means, slot_mapping):
+    return None
 
 
 def _page_codes_fake(k, kmin, kmax, codes, slot_mapping, bits):
@@ -210,6 +219,8 @@ append_pages = _register("append_pages", _append_pages_fake,
 page_bounds = _register("page_bounds", _page_bounds_fake, mutates=("kmin", "kmax"))
 landmark_means = _register("landmark_means", _landmark_means_fake, mutates=("means",))
 landmark_page_scores = _register("landmark_page_scores", _landmark_page_scores_fake)
+landmark_select = _register("landmark_select", _landmark_select_fake, mutates=("means",))
+page_means = _register("page_means", _page_means_fake, mutates=("means",))
 page_codes = _register("page_codes", _page_codes_fake, mutates=("codes",))
 raas_update = _register("raas_update", _raas_update_fake, mutates=("slot_page", "stamp"))
 linear = _register("linear", _linear_fake)
@@ -242,5 +253,5 @@ weigh_window = reference.weigh_window
 __all__ = ["page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page",
            "sparse_decode", "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "weigh_window",
            "sparse_decode_tokens", "append_token", "append_pages", "page_bounds", "page_codes", "raas_update", "linear",
-           "linear_quantized", "landmark_means", "landmark_page_scores", "count_attended", "merge_attention", "observe",
-           "fused", "reference"]
+           "linear_quantized", "landmark_means", "landmark_page_scores", "landmark_select", "page_means",
+           "count_attended", "merge_attention", "observe", "fused", "reference"]

@@ -191,18 +191,16 @@ def landmark_means(k: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor
     raw(means)[at] = raw(to_cache(new.squeeze(2), means.dtype))
 
 
-def landmark_page_scores(q: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor,
-                         page_size: int, scale: float, per_query_head: bool = False,
-                         table: torch.Tensor | None = None) -> torch.Tensor:
-    """Pages scored by the attention mass their landmarks estimate: a run of n stored tokens (``stored_tokens``,
-    from the page table and the row's length) gets n * exp(scale * q . mean) of the softmax over every run of the
-    row; a page's score is its runs' share, per query head (summed over a KV head's query heads unless
-    ``per_query_head``).
+def landmark_page_lse(q: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor,
+                      page_size: int, scale: float, table: torch.Tensor | None = None) -> torch.Tensor:
+    """Per query head and page, the log-sum-exp of its runs' logits ``scale * q . mean + log(n)``: a run of n stored
+    tokens (``stored_tokens``, from the page table and the row's length) taken as n keys equal to its landmark; a
+    run without a stored token is left out, whatever its mean.
 
-    q: (B, H, D); means: (B, Hkv, C, L, D) each slot's landmarks (``page_landmarks``; a run without a stored token
-    is left out, whatever its mean), or with ``table`` (B, C) int64 a store of shared pages (1, Hkv, N, L, D) read
-    through it (``per_row``); slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,); L divides page_size.
-    Returns (B, Hkv, C) or (B, H, C) with ``per_query_head``, float32 (float64 for float64 q); free slots -inf."""
+    q: (B, H, D); means: (B, Hkv, C, L, D) each slot's landmarks (``page_landmarks``), or with ``table`` (B, C)
+    int64 a store of shared pages (1, Hkv, N, L, D) read through it (``per_row``); slot_page: (B, Hkv, C), -1 for
+    free slots; seq_len: (B,); L divides page_size. Returns (B, H, C) float32 (float64 for float64 q), -inf for free
+    slots."""
     means = per_row(means, table)
     b, h, d = q.shape
     hkv, c, landmarks = means.shape[1], means.shape[2], means.shape[3]
@@ -211,9 +209,24 @@ def landmark_page_scores(q: torch.Tensor, means: torch.Tensor, slot_page: torch.
     count = stored_tokens(slot_page, seq_len, page_size).view(b, hkv, c, landmarks, -1).sum(-1).to(acc)
     qg = q.to(acc).view(b, hkv, h // hkv, d)
     logits = torch.einsum("bngd,bncld->bngcl", qg, means.to(acc)) * scale + count.log().unsqueeze(2)
-    logits = logits.masked_fill((count == 0).unsqueeze(2), float("-inf"))
-    mass = torch.softmax(logits.flatten(3), dim=-1).nan_to_num(0.0).view(b, hkv, -1, c, landmarks).sum(-1)
-    return mass_rows(mass, slot_page, per_query_head)
+    return logits.masked_fill((count == 0).unsqueeze(2), float("-inf")).logsumexp(-1).view(b, h, c)
+
+
+def landmark_page_scores(q: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor,
+                         page_size: int, scale: float, per_query_head: bool = False,
+                         table: torch.Tensor | None = None) -> torch.Tensor:
+    """Pages scored by the attention their landmarks estimate: the log of each page's share of the softmax over
+    every run of the row, ``page_mass(landmark_page_lse(...))`` (shapes there; per query head, or the shares summed
+    over a KV head's query heads unless ``per_query_head``). Returns (B, Hkv, C) or (B, H, C), free slots -inf."""
+    return page_mass(landmark_page_lse(q, means, slot_page, seq_len, page_size, scale, table), means.shape[1],
+                     per_query_head)
+
+
+def with_sinks(scores: torch.Tensor, slot_page: torch.Tensor, sink_pages: int) -> torch.Tensor:
+    """Selection rows' page scores (B, Hs, C), Hs a multiple of Hkv, with +inf for the slots holding the first
+    ``sink_pages`` pages of their row (slot_page (B, Hkv, C) in [0, sink_pages)): always selected."""
+    sinks = (slot_page >= 0) & (slot_page < sink_pages)
+    return scores.masked_fill(sinks.repeat_interleave(scores.shape[1] // sinks.shape[1], dim=1), float("inf"))
 
 
 def landmark_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor,
@@ -221,7 +234,7 @@ def landmark_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, s
                     table: torch.Tensor | None = None) -> torch.Tensor:
     """``landmark_page_scores`` of the landmarks ``page_landmarks`` makes from every stored key, unrounded: each
     page's tokens in ``landmarks`` runs of P / landmarks, each run's stored keys taken as their mean (its landmark,
-    as ShadowKV's per chunk). With a landmark per token it is the true attention mass.
+    as ShadowKV's per chunk). With a landmark per token it is the log of the true attention mass.
 
     q: (B, H, D); k: (B, Hkv, C, P, D), or with ``table`` (B, C) int64 a pool's shared pages (1, Hkv, N, P, D);
     slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,) tokens stored per row; ``landmarks`` divides P.
@@ -261,6 +274,22 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_p
     if in_order:
         check_in_order("quest_select", slot_page)
     return select_pages(page_scores(q, kmin, kmax, slot_page, per_query_head, table), cur_slot, num_pages)
+
+
+def landmark_select(q: torch.Tensor, k: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor,
+                    cur_slot: torch.Tensor, seq_len: torch.Tensor, scale: float, num_pages: int, sink_pages: int = 0,
+                    per_query_head: bool = False, in_order: bool = False,
+                    table: torch.Tensor | None = None) -> torch.Tensor:
+    """landmark's step in one op: the landmarks of each row's current page (``landmark_means``, in means), then
+    ``select_pages`` of the pages' scores (``landmark_page_scores``) with the first ``sink_pages`` pages of each row
+    always in (``with_sinks``); shapes as there, k (B, Hkv, C, P, D) or with ``table`` a store (1, Hkv, N, P, D).
+    ``in_order`` as ``quest_select``'s: a kernel then reads no landmarks past each row's last page. Returns (B, Hs,
+    min(num_pages, C)) int64."""
+    if in_order:
+        check_in_order("landmark_select", slot_page)
+    landmark_means(k, means, slot_page, cur_slot, seq_len, table)
+    scores = landmark_page_scores(q, means, slot_page, seq_len, k.shape[3], scale, per_query_head, table)
+    return select_pages(with_sinks(scores, slot_page, sink_pages), cur_slot, num_pages)
 
 
 def _weights(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor, q_pos: torch.Tensor,
@@ -640,6 +669,17 @@ def append_pages(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
     cur_slot[row:row + r] = last
 
 
+def written_pages(slot_mapping: torch.Tensor, page_size: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages of a store of ``num_pages`` that a pass wrote by slot numbers (``page * page_size + offset`` of
+    each token, slot_mapping (T,) int64, -1 for none), in increasing order (n,) int64, and the last offset written
+    in each (n,) int64."""
+    slots = slot_mapping[slot_mapping >= 0]
+    last = torch.full((num_pages,), -1, dtype=torch.long, device=slot_mapping.device)
+    last.scatter_reduce_(0, slots // page_size, slots % page_size, "amax")
+    pages = (last >= 0).nonzero().squeeze(1)
+    return pages, last[pages]
+
+
 def page_bounds(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """The key bounds of the pages a pass wrote into a store of pages by slot numbers (as vLLM writes its blocks):
     each page written gets the channel-wise min and max of its keys at offsets 0 to the last one written, so a
@@ -650,15 +690,10 @@ def page_bounds(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_ma
     are consecutive entries, in order of their offsets.
     """
     p = k.shape[3]
-    slots = slot_mapping[slot_mapping >= 0]
-    if slots.numel() == 0:
-        return
-    last = torch.full((k.shape[2],), -1, dtype=torch.long, device=k.device)
-    last.scatter_reduce_(0, slots // p, slots % p, "amax")
-    pages = (last >= 0).nonzero().squeeze(1)
+    pages, last = written_pages(slot_mapping, p, k.shape[2])
     acc = acc_dtype(k.dtype) if k.dtype != FP8 else torch.float32
     keys = k[0][:, pages].to(acc)  # (Hkv, n, P, D)
-    written = (torch.arange(p, device=k.device) <= last[pages].unsqueeze(1)).view(1, -1, p, 1)
+    written = (torch.arange(p, device=k.device) <= last.unsqueeze(1)).view(1, -1, p, 1)
     kmin[0][:, pages] = keys.masked_fill(~written, float("inf")).amin(2).to(kmin.dtype)
     kmax[0][:, pages] = keys.masked_fill(~written, float("-inf")).amax(2).to(kmax.dtype)
 
@@ -790,9 +825,21 @@ def page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: t
 
     k: (1, Hkv, N, P, D); kmin, kmax: (1, Hkv, N, D); codes: (1, Hkv, N, P, D * bits / 8) uint8; slot_mapping: (T,)
     int64, ``page * P + offset`` of each token written, -1 for none."""
-    slots = slot_mapping[slot_mapping >= 0]
-    pages = torch.unique(slots // k.shape[3])
+    pages = written_pages(slot_mapping, k.shape[3], k.shape[2])[0]
     codes[0][:, pages] = key_codes(k[0][:, pages], kmin[0][:, pages], kmax[0][:, pages], bits)
+
+
+def page_means(k: torch.Tensor, means: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The landmarks (``page_landmarks``) of each page a pass wrote into a store of pages by slot numbers (as vLLM
+    writes its blocks), from its keys at offsets 0 to the last one written, in place, in means' dtype.
+
+    k: (1, Hkv, N, P, D); means: (1, Hkv, N, L, D), L dividing P; slot_mapping: (T,) int64, ``page * P + offset``
+    of each token written, -1 for none."""
+    pages, last = written_pages(slot_mapping, k.shape[3], k.shape[2])
+    keys = raw(k)[0][:, pages].view(k.dtype).transpose(0, 1).unsqueeze(2)  # (n, Hkv, 1, P, D): a page per row
+    first = torch.zeros(keys.shape[:3], dtype=torch.long, device=k.device)  # each row's page 0, its length last + 1
+    new = page_landmarks(keys, first, last + 1, means.shape[3]).squeeze(2).transpose(0, 1)
+    raw(means)[0][:, pages] = raw(to_cache(new, means.dtype))
 
 
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -860,13 +907,16 @@ def due_rows(seq_len: torch.Tensor, first: torch.Tensor, reuse: int) -> torch.Te
 def lowbit_select(q: torch.Tensor, k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
                   slot_page: torch.Tensor, cur_slot: torch.Tensor, seq_len: torch.Tensor, first: torch.Tensor,
                   chosen: torch.Tensor, scale: float, bits: int, num_pages: int, reuse: int = 1,
-                  per_query_head: bool = False, table: torch.Tensor | None = None) -> None:
+                  per_query_head: bool = False, table: torch.Tensor | None = None, in_order: bool = False) -> None:
     """lowbit's step in one op: the codes of each row's current page (``code_page(k, ...)``, in codes, for every
     row), then ``select_pages(coded_scores(...), cur_slot, num_pages)`` (shapes there; ``table`` as there) written
     into ``chosen`` (B, Hs, min(num_pages, C)) int64 for the rows ``due_rows(seq_len, first, reuse)``; the other
     rows keep the pages they chose last, so that a kernel skips their scores and selection. A choice then serves
-    ``reuse`` steps; with reuse dividing the page size no step outlives the current page it chose."""
+    ``reuse`` steps; with reuse dividing the page size no step outlives the current page it chose. ``in_order`` as
+    ``quest_select``'s."""
     check_reuse(reuse)
+    if in_order:
+        check_in_order("lowbit_select", slot_page)
     code_page(k, kmin, kmax, codes, cur_slot, bits, table)
     new = select_pages(coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, table),
                        cur_slot, num_pages)

@@ -2,18 +2,19 @@
 its tokens (as ShadowKV's landmarks, one per chunk of keys, at page granularity).
 
 A page's ``landmarks`` runs of ``page_size / landmarks`` tokens each keep their stored keys' mean; a step takes
-every token's logit as its run's ``q . mean`` and ranks pages by the softmax mass of those logits
+every token's logit as its run's ``q . mean`` and ranks pages by the log of the softmax mass of those logits
 (``kernels.landmark_page_scores``). The first ``sink_pages`` pages are always attended (the attention sink).
 Everything else is Quest's: the budget, the current page, ``dense_layers``, ``per_query_head``.
 
 The means are kept per page slot in the cache (``PagedLayer.slot_state``), (B, Hkv, C + 1, landmarks, D) in the
 cache's dtype: two landmarks are Quest's metadata bytes (two vectors per page and KV head, like its min and max),
 which is all a step reads to score a page. They are made from the keys of every page after the prompt
-(``prefill``), then at every decode step for the current page, whose tokens arrive one at a time
-(``kernels.landmark_means``; once the page is full its means are final). A pass of several tokens after the prompt
-is refused, so that no page is left without means. ``kernels.reference.landmark_scores`` computes the same scores
-from every key (the means unrounded), for the tests and for layers whose pages something else keeps (vLLM's
-blocks, which hold no means: there each step computes them from the keys).
+(``prefill``), then at every decode step for the current page, whose tokens arrive one at a time (within
+``kernels.landmark_select``, the step's choice in one op; once the page is full its means are final). A pass of
+several tokens after the prompt is refused, so that no page is left without means. Over pages that something else
+keeps (vLLM's blocks) the means are per store page, kept with the page (``PagedLayer.over``'s ``page_state``), and
+read through the page table. ``kernels.reference.landmark_scores`` computes the same scores from every key (the
+means unrounded), for the tests.
 """
 
 from __future__ import annotations
@@ -83,12 +84,19 @@ class Landmark(Reranked):
                 (*layer.slot_page.shape, cfg.landmarks, layer.k.shape[-1]), dtype=layer.k.dtype, device=layer.k.device)
 
     def estimate(self, q, layer, seq_len, scale):
-        """Each page's attention mass estimated from its landmarks, after those of the current page."""
+        """Each page's estimated attention mass (its log), after the current page's landmarks (the step's choice,
+        ``select``, does both in one op)."""
         cfg = self.config
-        means = layer.slot_state.get(means_entry(cfg.landmarks))
-        if means is None:  # a layer over pages kept elsewhere (vLLM's blocks), without means: from the keys
-            return reference.landmark_scores(q, layer.k, layer.slot_page, seq_len, cfg.landmarks, scale,
-                                             cfg.per_query_head, layer.table)
+        means = layer.slot_state[means_entry(cfg.landmarks)]
         kernels.landmark_means(layer.k, means, layer.slot_page, layer.cur_slot, seq_len, layer.table)
         return kernels.landmark_page_scores(q, means, layer.slot_page, seq_len, cfg.page_size, scale,
                                             cfg.per_query_head, layer.table)
+
+    def select(self, layer_idx, q, layer, seq_len, scale=None):
+        cfg = self.config
+        if layer_idx < cfg.dense_layers:
+            return super().select(layer_idx, q, layer, seq_len)
+        return kernels.landmark_select(q, layer.k, layer.slot_state[means_entry(cfg.landmarks)], layer.slot_page,
+                                       layer.cur_slot, seq_len, q.shape[-1] ** -0.5 if scale is None else scale,
+                                       cfg.token_budget // cfg.page_size, cfg.sink_pages, cfg.per_query_head,
+                                       not layer.may_have_holes, layer.table)

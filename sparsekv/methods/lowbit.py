@@ -173,6 +173,7 @@ class LowBit(Method):
             first = seq_len
         kernels.lowbit_select(q, layer.k, layer.kmin, layer.kmax, layer.slot_state[codes_entry(cfg.bits)],
                               layer.slot_page, layer.cur_slot, seq_len, first, chosen, scale, cfg.bits,
-                              cfg.token_budget // cfg.page_size, cfg.reuse, cfg.per_query_head, layer.table)
+                              cfg.token_budget // cfg.page_size, cfg.reuse, cfg.per_query_head, layer.table,
+                              not layer.may_have_holes)
         return layer.attend(q, chosen, seq_len, scale, tally.rows(chosen.shape[1]))
 

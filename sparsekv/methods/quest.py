@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from ..kernels import reference
 from .base import Method, MethodConfig, all_slots, attend_all, require
 
 
@@ -102,8 +103,7 @@ class Reranked(Quest):
         """(B, Hs, C + 1): ``estimate`` at the model's attention ``scale`` (None: head_dim ** -0.5), +inf for the
         sink pages."""
         scores = self.estimate(q, layer, seq_len, q.shape[-1] ** -0.5 if scale is None else scale)
-        sinks = (layer.slot_page >= 0) & (layer.slot_page < self.config.sink_pages)
-        return scores.masked_fill(sinks.repeat_interleave(scores.shape[1] // sinks.shape[1], dim=1), float("inf"))
+        return reference.with_sinks(scores, layer.slot_page, self.config.sink_pages)
 
     def select(self, layer_idx, q, layer, seq_len, scale=None):
         if layer_idx < self.config.dense_layers:

@@ -3,8 +3,8 @@ method (``pages``), selected with ``--attention-backend CUSTOM`` once ``register
 
 A step of one attention layer:
 - ``do_kv_cache_update``: vLLM writes the keys and values into its blocks, then each block written gets its keys'
-  bounds (``kernels.page_bounds``) and, for lowbit, their codes (``kernels.page_codes``), in prefill and decode
-  alike;
+  bounds (``kernels.page_bounds``) and, for lowbit, their codes (``kernels.page_codes``), for landmark their means
+  (``kernels.page_means``), in prefill and decode alike;
 - ``forward``: the batch holds its decode requests first (one token each); their tokens attend through the method
   over the blocks of their block table (``pages.decode``), the rest (prompt chunks) through vLLM's FlashAttention.
 
@@ -13,7 +13,7 @@ tables into buffers allocated once. Mixed batches run their attention eagerly be
 
 vLLM plans its KV memory from each layer's page size, which its ``Attention`` layer states without asking the
 backend; ``_count_bounds`` makes the layers of this backend state pages of ``pages.tail_bytes`` more (vLLM's
-``page_size_padded``), where the bounds (and codes) live.
+``page_size_padded``), where the bounds (and codes or means) live.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from vllm.v1.attention.backends.flash_attn import (  # noqa: E402
     FlashAttentionMetadataBuilder,
 )
 
-from .pages import BlockStore, DecodeRows, code_bits, decode, leading_decodes, tail_bytes  # noqa: E402
+from .pages import (BlockStore, DecodeRows, code_bits, decode, landmark_count, leading_decodes,  # noqa: E402
+                    tail_bytes)
 
 
 @dataclasses.dataclass
@@ -106,7 +107,7 @@ class SparseKVImpl(FlashAttentionImpl):
     def blocks(self, kv_cache: torch.Tensor) -> BlockStore:
         """This layer's cache as our store of pages (the views made once: vLLM binds a layer's cache once)."""
         if self.store is None or self.store.kv_cache.data_ptr() != kv_cache.data_ptr():
-            self.store = BlockStore(kv_cache, code_bits(self.config))
+            self.store = BlockStore(kv_cache, code_bits(self.config), landmark_count(self.config))
         return self.store
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -184,7 +185,7 @@ class SparseKVBackend(FlashAttentionBackend):
 
 def _count_bounds() -> None:
     """Makes the KV-cache spec of every attention layer of this backend state pages that hold its blocks' bounds
-    (and codes)."""
+    (and codes or means)."""
     stated = Attention.get_kv_cache_spec
     if getattr(stated, "_sparsekv", False):
         return

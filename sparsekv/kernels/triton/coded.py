@@ -48,10 +48,13 @@ def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, fir
                       n_slots, n_parts, scale, sq_b, sq_h, sm_b, sm_h, sm_c, sc_b, sc_h, sc_c, sc_p, ss_b, ss_h, st_b,
                       so_b, so_h, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       BLOCK_B: tl.constexpr, P: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr,
-                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, REUSE: tl.constexpr, TABLE: tl.constexpr):
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, REUSE: tl.constexpr, TABLE: tl.constexpr,
+                      IN_ORDER: tl.constexpr):
     """Per head, the log-sum-exp of each page's estimated logits (out, (B, H, C)) and of the program's block of
     BLOCK_C slots (part, (B * H, n_parts)); rows that keep their choice (``kept``) are skipped. TABLE: codes and
-    bounds are a store of shared pages (strides of batch 0), slot c of row b in page ``table[b, c]``."""
+    bounds are a store of shared pages (strides of batch 0), slot c of row b in page ``table[b, c]``. IN_ORDER:
+    slot j holds page j or is free, so nothing is read past the row's last page (a block table or a pool's row
+    wider than the row)."""
     PER: tl.constexpr = 8 // BITS
     LEVELS: tl.constexpr = (1 << BITS) - 1
     row = tl.program_id(0)
@@ -71,13 +74,14 @@ def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, fir
     blk = tl.program_id(1)
     c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
     in_c = c < n_slots
+    read = in_c & (c < tl.cdiv(n, P)) if IN_ORDER else in_c  # the slots whose pages are read
     if TABLE:
-        c3 = tl.load(table_ptr + b * st_b + c, mask=in_c, other=0)[:, None, None].to(tl.int64)
+        c3 = tl.load(table_ptr + b * st_b + c, mask=read, other=0)[:, None, None].to(tl.int64)
     else:
         c3 = c[:, None, None].to(tl.int64)
     # Codes and bounds are loaded without waiting for the slot table: a free slot's rows (any codes, +-inf bounds)
     # give NaN or inf in their own rows of the product only, which the mask below replaces.
-    m_mask = in_c[:, None, None] & in_b  # (BLOCK_C, 1, BLOCK_B)
+    m_mask = read[:, None, None] & in_b  # (BLOCK_C, 1, BLOCK_B)
     byte = tl.load(codes_ptr + b * sc_b + kvh * sc_h + c3 * sc_c + j[None, :, None] * sc_p + i[None, None, :],
                    mask=m_mask, other=0).to(tl.int32)  # (BLOCK_C, P, BLOCK_B)
     m_off = b * sm_b + kvh * sm_h + c3 * sm_c + i[None, None, :] * PER
@@ -96,7 +100,7 @@ def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, fir
         else:
             keys = keys.to(q.dtype)
         logits = tl.dot(keys, tl.trans(q), logits, input_precision=PRECISION)  # (BLOCK_C * P, G_PAD)
-    page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
+    page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=read, other=-1)
     ok = (page[:, None] >= 0) & (page[:, None] * P + j[None, :] < n)  # (BLOCK_C, P)
     logits = tl.where(ok[:, :, None], tl.reshape(logits * scale, (BLOCK_C, P, G_PAD)), float("-inf"))
     lse = _lse(logits, 1)  # (BLOCK_C, G_PAD)
@@ -122,11 +126,12 @@ def head_totals(part_ptr, row, g, in_g, n_parts, G: tl.constexpr, G_P2: tl.const
 
 
 @triton.jit
-def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, len_ptr, first_ptr, cur_ptr, gmax_ptr, n_slots, n_parts, n_groups,
-                      sl_b, sl_h, so_b, so_h, cu_b, cu_h, HKV: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-                      BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr, REUSE: tl.constexpr,
-                      GS: tl.constexpr):
-    """The shares (out), and with GS > 0 the group maxima of their keys (``selection.group_maxima``)."""
+def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, len_ptr, first_ptr, cur_ptr, gmax_ptr, sp_ptr, n_slots, n_parts,
+                      n_groups, sl_b, sl_h, so_b, so_h, cu_b, cu_h, ss_b, ss_h, HKV: tl.constexpr, G: tl.constexpr,
+                      G_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr,
+                      REUSE: tl.constexpr, GS: tl.constexpr, SINKS: tl.constexpr):
+    """The shares (out), +inf for the slots of the first SINKS pages of their row, and with GS > 0 the group maxima
+    of their keys (``selection.group_maxima``)."""
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     if REUSE > 1:
@@ -142,14 +147,49 @@ def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, len_ptr, first_ptr, cur_ptr, g
     head = kvh * G + g
     share = tl.load(lse_ptr + b * sl_b + head[:, None] * sl_h + c[None, :], mask=in_g[:, None] & in_c[None, :],
                     other=float("-inf")) - total[:, None]
+    if not PER_HEAD:
+        share = _lse(share, 0)
+    if SINKS > 0:
+        page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
+        sink = (page >= 0) & (page < SINKS)
+        if PER_HEAD:
+            share = tl.where(sink[None, :], float("inf"), share)
+        else:
+            share = tl.where(sink, float("inf"), share)
     if PER_HEAD:
         tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], share, mask=in_g[:, None] & in_c[None, :])
     else:
-        share = _lse(share, 0)
         tl.store(out_ptr + b * so_b + kvh * so_h + c, share, mask=in_c)
     if GS > 0:
         cur = tl.maximum(tl.load(cur_ptr + b * cu_b + kvh * cu_h), 0)
         group_maxima(gmax_ptr, share, c, c0, cur, n_slots, n_groups, row, g, G, G_P2, GS, BLOCK_C, PER_HEAD)
+
+
+def page_shares(lse: torch.Tensor, part: torch.Tensor, kv_heads: int, seq_len: torch.Tensor,
+                per_query_head: bool = False, gate: tuple[torch.Tensor, int] | None = None,
+                cur_slot: torch.Tensor | None = None, gs: int = 0,
+                sinks: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``reference.page_mass`` of per-head page log-sum-exps lse (B, H, C) float32 and their blocks' (part, (B * H,
+    blocks)) in one launch: (B, Hs, C) float32, and with gs > 0 the group maxima of the scores' keys for the group
+    filter of the top-k (B * Hs, cdiv(C, gs)) int32 (else None), cur_slot (B, Hkv) then given. gate: (first,
+    reuse) of ``reference.due_rows``, the rows not due skipped; sinks: (slot_page (B, Hkv, C), n), the slots of
+    each row's first n pages scored +inf (``reference.with_sinks``)."""
+    first, reuse = gate or (seq_len, 1)
+    b, h, c = lse.shape
+    out = torch.empty(b, h if per_query_head else kv_heads, c, dtype=torch.float32, device=lse.device)
+    n_groups = triton.cdiv(c, gs) if gs else 0
+    gmax = torch.empty(b * out.shape[1], n_groups, dtype=torch.int32, device=lse.device) if gs else None
+    cur = cur_slot if gs else seq_len.view(-1, 1)
+    slot_page, n_sinks = sinks or (cur, 0)
+    block = max(min(TUNING["mass_block"], triton.next_power_of_2(c)), gs)
+    _page_mass_kernel[(b * kv_heads, triton.cdiv(c, block))](
+        lse, part, out, seq_len, first, cur, out if gmax is None else gmax, slot_page, c, part.shape[1], n_groups,
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), cur.stride(0), cur.stride(1),
+        slot_page.stride(0), slot_page.stride(1), HKV=kv_heads, G=h // kv_heads,
+        G_P2=triton.next_power_of_2(h // kv_heads), BLOCK_C=block,
+        BLOCK_P=min(TUNING["mass_parts"], triton.next_power_of_2(part.shape[1])), PER_HEAD=per_query_head,
+        REUSE=reuse, GS=gs, SINKS=n_sinks, num_warps=TUNING["mass_warps"])
+    return out, gmax
 
 
 @triton.jit
@@ -256,13 +296,14 @@ def coded_lse_parts(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, cod
                     slot_page: torch.Tensor, seq_len: torch.Tensor, scale: float, bits: int,
                     gate: tuple[torch.Tensor, int] | None = None,
                     current: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    table: torch.Tensor | None = None, in_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.coded_page_lse`` (B, H, C) float32, and each head's log-sum-exp over each block of
     ``coded_block`` tokens (B * H, blocks) float32, from which ``coded_scores`` takes the heads' totals.
     gate: (first, reuse) of ``reference.due_rows``; the rows not due are skipped (their outputs left unset).
     current: (k, cur_slot); each row's current page is coded first (``reference.code_page``), in codes: within the
     CUDA kernel where it takes the operands, else in a launch of its own. table: (B, C) int64 over a store of
-    shared pages (``reference.coded_page_lse``), read by the Triton kernel (the CUDA one reads rows' own pages)."""
+    shared pages (``reference.coded_page_lse``), read by the Triton kernel (the CUDA one reads rows' own pages).
+    in_order: slot j holds page j or is free (``reference.quest_select``'s promise)."""
     check(q, kmin, "coded_scores")
     if table is None and TUNING["cuda_coded"] and cuda_coded.supported(q, kmin, codes, bits):
         if current is not None and not cuda_coded.codes_in_place(current[0], codes):
@@ -293,7 +334,7 @@ def coded_lse_parts(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, cod
         HKV=hkv, G=h // hkv, G_PAD=max(TUNING["coded_heads"], triton.next_power_of_2(h // hkv)), D=d,
         BLOCK_B=max(16, triton.next_power_of_2(d * bits // 8)), P=p, BLOCK_C=block_c, BITS=bits,
         PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), REUSE=reuse, TABLE=table is not None,
-        num_warps=TUNING["coded_warps"])
+        IN_ORDER=in_order, num_warps=TUNING["coded_warps"])
     return out, part
 
 
@@ -307,38 +348,24 @@ def coded_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes:
 
 
 def _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, gate=None, current=None,
-                  gs=0, table=None):
+                  gs=0, table=None, in_order=False):
     """``coded_scores`` for the rows that ``gate`` (see ``coded_lse_parts``) leaves due, after coding the current
-    pages (``current``, as there), and with gs > 0 the group maxima of the scores' keys for the group filter of the
-    top-k (B * Hs, cdiv(C, gs)) int32 (else None)."""
-    lse, part = coded_lse_parts(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, gate, current, table)
-    first, reuse = gate or (seq_len, 1)
-    b, h, c = lse.shape
-    hkv = kmin.shape[1]
-    out = torch.empty(b, h if per_query_head else hkv, c, dtype=torch.float32, device=q.device)
-    n_groups = triton.cdiv(c, gs) if gs else 0
-    gmax = torch.empty(b * out.shape[1], n_groups, dtype=torch.int32, device=q.device) if gs else None
-    cur = current[1] if gs else seq_len.view(-1, 1)
-    block = max(min(TUNING["mass_block"], triton.next_power_of_2(c)), gs)
-    _page_mass_kernel[(b * hkv, triton.cdiv(c, block))](
-        lse, part, out, seq_len, first, cur, out if gmax is None else gmax, c, part.shape[1], n_groups,
-        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), cur.stride(0), cur.stride(1), HKV=hkv,
-        G=h // hkv, G_P2=triton.next_power_of_2(h // hkv), BLOCK_C=block,
-        BLOCK_P=min(TUNING["mass_parts"], triton.next_power_of_2(part.shape[1])), PER_HEAD=per_query_head,
-        REUSE=reuse, GS=gs, num_warps=TUNING["mass_warps"])
-    return out, gmax
+    pages (``current``, as there), and with gs > 0 the group maxima (``page_shares``)."""
+    lse, part = coded_lse_parts(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, gate, current, table,
+                                in_order)
+    return page_shares(lse, part, kmin.shape[1], seq_len, per_query_head, gate, current[1] if gs else None, gs)
 
 
 def lowbit_select(q: torch.Tensor, k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
                   slot_page: torch.Tensor, cur_slot: torch.Tensor, seq_len: torch.Tensor, first: torch.Tensor,
                   chosen: torch.Tensor, scale: float, bits: int, num_pages: int, reuse: int = 1,
-                  per_query_head: bool = False, table: torch.Tensor | None = None) -> None:
+                  per_query_head: bool = False, table: torch.Tensor | None = None, in_order: bool = False) -> None:
     """``reference.lowbit_select`` in three launches where the CUDA scoring kernel applies: the current pages' codes
     and the page log-sum-exps, the shares with the group maxima (the top-k's group filter, where it applies), the
     top-k; the rows that keep their choice this step launch programs that return at once."""
     if q.dtype == torch.float64:
         return reference.lowbit_select(q, k, kmin, kmax, codes, slot_page, cur_slot, seq_len, first, chosen, scale,
-                                       bits, num_pages, reuse, per_query_head, table)
+                                       bits, num_pages, reuse, per_query_head, table, in_order)
     reference.check_reuse(reuse)
     reference.check_num_pages(num_pages)
     b, h, _ = q.shape
@@ -347,5 +374,5 @@ def lowbit_select(q: torch.Tensor, k: torch.Tensor, kmin: torch.Tensor, kmax: to
     gate = (first, reuse) if reuse > 1 else None
     gs = fused_group_size(b * hs, c, num_pages)
     scores, gmax = _coded_scores(q, kmin, kmax, codes, slot_page, seq_len, scale, bits, per_query_head, gate,
-                                 (k, cur_slot), gs, table)
+                                 (k, cur_slot), gs, table, in_order)
     select_from_maxima(scores, cur_slot, num_pages, gs, gmax, chosen, (seq_len, *gate) if gate else None)

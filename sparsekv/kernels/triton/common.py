@@ -64,8 +64,11 @@ from triton import knobs
 # mass_*: the page shares from the coded kernel's log-sum-exps: programs of mass_block slots (mass_warps warps)
 # that read the per-block totals mass_parts at a time (on the H200 at the shape above, scores 91.1 -> 88.1 us with
 # blocks of 256 slots instead of 1024: 8 times more programs).
-# landmark_*: landmark's page scores from stored landmarks (``landmark``), not yet tuned on a GPU: programs of
-# landmark_block slots (landmark_warps warps) take their runs' log-sum-exps; the shares take the mass_* launch.
+# landmark_*: landmark's page scores from stored landmarks (``landmark``): programs of landmark_block slots
+# (landmark_warps warps) take their runs' log-sum-exps, reading the landmarks in head-dim slices of landmark_block_k
+# through landmark_stages stages; the shares take the mass_* launch. On the H200 at Llama-3-8B, batch 1, 128K,
+# budget 2048, landmark_select (the three launches) 29.6 us a layer with 32 / 4 / 64 / 3, 30.3-34 with blocks of
+# 64 or 128, 8 warps, slices of 32 or 128 or 2-4 stages, 33.2 with the whole head dim in one tile (KERNEL_NOTES.md).
 # prompt_mass_*: the attention each token receives from a prompt pass's queries (``mass``, H2O's prompt scores):
 # prompt_mass_blocks, the (queries, tokens) of a block in pass 1 (programs of queries) and in pass 2 (programs of
 # tokens), half that for fp32 tiles. On the H200 at Llama-3-8B, 4096 queries over 32K tokens (a sweep in
@@ -105,7 +108,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "qmm_block_n": 64, "qmm_block_g": 8, "qmm_split": 4, "qmm_programs": 256, "qmm_warps": 4, "qmm_stages": 3,
           "coded_block": 128, "coded_warps": 4, "coded_heads": 8, "cuda_coded": True, "cuda_coded_block": 128,
           "mass_block": 256, "mass_parts": 1024, "mass_warps": 4,
-          "landmark_block": 64, "landmark_warps": 4,
+          "landmark_block": 32, "landmark_block_k": 64, "landmark_warps": 4, "landmark_stages": 3,
           "prompt_mass_blocks": ((128, 32), (64, 64)), "prompt_mass_warps": 4, "prompt_mass_stages": 2,
           "append_search": 4096, "append_warps": 4, "append_pages_tokens": 64,
           "fp8_attn_block_n": 64, "fp8_attn_long_programs_per_sm": 2, "fp8_attn_long_stages": 1,

@@ -87,8 +87,8 @@ class Requests:
 
     def step(self, counts: list[int], padding: int = 0) -> None:
         """One forward: ``counts[r]`` new tokens of request r (0: none), written as vLLM writes a batch, then the
-        bounds (and codes, means) of the blocks written, by ``ops``; ``padding`` trailing slots of -1 (a padded CUDA-graph
-        batch)."""
+        bounds (and codes, means) of the blocks written, by ``ops``; ``padding`` trailing slots of -1 (a padded
+        CUDA-graph batch)."""
         slots, keys, values = [], [], []
         for r, c in enumerate(counts):
             if not c:

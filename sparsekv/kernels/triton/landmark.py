@@ -222,7 +222,7 @@ def _landmark_lse(q, means, slot_page, seq_len, page_size, scale, table, current
     hkv, landmarks = means.shape[1], means.shape[3]
     c = slot_page.shape[2]
     reference.check_landmarks(landmarks, page_size)
-    k, cur_slot = current or (means, slot_page[:, :, 0])
+    k, cur_slot = current or (means, slot_page[:, :, 0])  # without current: tensors the kernel does not read
     l_pad = triton.next_power_of_2(landmarks)
     # At least 16 rows (runs) a tile: tl.dot's smallest.
     block_c = max(max(1, 16 // l_pad), min(TUNING["landmark_block"], triton.next_power_of_2(c)))

@@ -74,12 +74,6 @@ def mask_free(scores: torch.Tensor, slot_page: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(free, float("-inf"))
 
 
-def mass_rows(mass: torch.Tensor, slot_page: torch.Tensor, per_query_head: bool) -> torch.Tensor:
-    """Each query head's attention mass per page (B, Hkv, G, C) as the selection rows' scores: (B, H, C) with
-    ``per_query_head``, else summed over each KV head's group (B, Hkv, C); free slots -inf."""
-    return mask_free(mass.flatten(1, 2) if per_query_head else mass.sum(2), slot_page)
-
-
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
                 per_query_head: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
     """Quest's upper bound of ``q . k`` over each page: ``sum_i max(q_i * max_i, q_i * min_i)``.
@@ -155,7 +149,7 @@ def channel_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, se
     logits = logits * (scale / share.clamp(min=torch.finfo(acc).tiny).sqrt()).view(b, hkv, -1, 1, 1)
     logits = logits.masked_fill(~stored.unsqueeze(2), float("-inf"))
     mass = torch.softmax(logits.flatten(3), dim=-1).nan_to_num(0.0).view(b, hkv, -1, c, p).sum(-1)
-    return mass_rows(mass, slot_page, per_query_head)
+    return mask_free(mass.flatten(1, 2) if per_query_head else mass.sum(2), slot_page)
 
 
 def check_landmarks(landmarks: int, page_size: int) -> None:

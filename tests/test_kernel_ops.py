@@ -12,7 +12,7 @@ B, H, HKV, D, P = 2, 4, 2, 8, 4
 OPS = ("page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page", "sparse_decode",
        "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "sparse_decode_tokens",
        "append_token", "append_pages", "raas_update", "landmark_means", "landmark_page_scores", "landmark_select",
-       "page_means")
+       "page_means", "merge_lse")
 
 
 def filled_layer(dtype=torch.float32, lengths=(11, 6), seed=0, device="cpu"):
@@ -75,6 +75,8 @@ def op_args(dtype=torch.float32):
                             layer.slot_page, layer.cur_slot, seq_len, 0.3, 2, 1, True),
         "page_means": (layer.k[:1], torch.zeros(1, *layer.k.shape[1:3], 2, D, dtype=dtype),
                        torch.tensor([0, 1, 2, P, P + 1, -1])),
+        "merge_lse": (torch.randn(1, H, 5, D, generator=g).to(dtype), torch.randn(1, H, 5, generator=g),
+                      torch.randn(1, H, 5, D, generator=g).to(dtype), torch.randn(1, H, 5, generator=g)),
     }
 
 
@@ -162,3 +164,25 @@ def test_observers_see_every_call_with_named_arguments():
     assert [s[0] for s in seen] == ["page_scores", "select_pages"]
     assert seen[0][1]["per_query_head"] is False and seen[0][2] is out
     assert seen[1][1]["scores"] is out and seen[1][1]["num_pages"] == 2 and seen[1][2] is slots
+
+
+def test_merge_lse_gives_the_attention_over_both_parts():
+    """Attention over two disjoint key sets, merged by their log-sum-exp (float64), is the attention over the
+    union; a position with no key in one part takes the other's."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, H, 6, D, generator=g, dtype=torch.float64) for _ in range(3))
+    kk, vv = (torch.randn(1, H, 9, D, generator=g, dtype=torch.float64) for _ in range(2))
+    keys, values = torch.cat([k, kk], 2), torch.cat([v, vv], 2)
+
+    def part(keys, values):
+        logits = q @ keys.transpose(-1, -2) * 0.3
+        return torch.softmax(logits, -1) @ values, torch.logsumexp(logits, -1)
+
+    out, lse = ref.merge_lse(*part(k, v), *part(kk, vv))
+    want, want_lse = part(keys, values)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    a, lse_a = part(k, v)
+    empty = torch.full_like(lse_a, float("-inf"))
+    out, lse = ref.merge_lse(a, lse_a, torch.zeros_like(a), empty)
+    assert torch.equal(out, a) and torch.equal(lse, lse_a)

@@ -1124,3 +1124,27 @@ def test_page_means_match_reference(page_size, landmarks, head_dim, dtype):
     torch.testing.assert_close(means.float(), want.float(), rtol=tol, atol=tol)
     untouched = [p for p in range(n_pages) if p not in (1, 2, 5)]
     assert torch.equal(means[0, :, untouched].float(), want[0, :, untouched].float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,heads,length,head_dim", [(1, 4, 37, 64), (2, 3, 5, 24), (1, 2, 130, 128)])
+def test_merge_lse_matches_reference(rows, heads, length, head_dim, dtype):
+    """Two parts of attention merged by their log-sum-exp, read through strided views (a prompt pass's padded
+    parts), with positions where one part or both have no key (lse -inf): the float64 merge of the same inputs."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    pad = 3
+    a = torch.randn(rows, heads, length + pad, head_dim, generator=gen, device=DEV).to(dtype)[:, :, pad:]
+    b = torch.randn(rows, heads, length + 2 * pad, head_dim, generator=gen, device=DEV).to(dtype)[:, :, :length]
+    lse_a = (torch.randn(rows, heads, length + pad, generator=gen, device=DEV) * 4)[:, :, pad:]
+    lse_b = (torch.randn(rows, heads, length, generator=gen, device=DEV) * 4).transpose(0, 1).contiguous()
+    lse_b = lse_b.transpose(0, 1)
+    lse_a[:, :, 0] = float("-inf")
+    lse_b[:, :, 1 % length] = float("-inf")
+    lse_b[:, :, 0] = float("-inf")
+    out, lse = tops.merge_lse(a, lse_a, b, lse_b)
+    want, want_lse = ref.merge_lse(a.to(F64), lse_a.to(F64), b.to(F64), lse_b.to(F64))
+    assert out.dtype == dtype and out.shape == a.shape and lse.dtype == torch.float32
+    assert torch.equal(out[:, :, 0].float(), torch.zeros_like(out[:, :, 0].float()))
+    assert lse[:, :, 0].eq(float("-inf")).all()
+    assert rel_err(out, want) <= 2 * rel_err(ref.merge_lse(a, lse_a, b, lse_b)[0], want) + 1e-6
+    torch.testing.assert_close(lse.to(F64), want_lse, rtol=1e-6, atol=1e-6)

@@ -986,10 +986,13 @@ def test_a_failing_decode_step_ends_the_running_requests_with_error_and_the_engi
     assert engine.metrics()["finished_requests"] == {"error": 2, "length": 2}
 
 
-def test_a_failing_join_or_admission_ends_only_its_request(model, monkeypatch):
+@pytest.mark.parametrize("step_tokens", [None, 120])
+def test_a_failing_join_or_admission_ends_only_its_request(model, monkeypatch, step_tokens):
     """A request whose row cannot be set (its join) or whose prefill cannot start ends with "error"; the others
-    get their tokens alone, and the pages come back."""
-    engine = ServingEngine(model, CONFIGS["quest"], max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+    get their tokens alone, and the pages come back. With mixed steps of 120 tokens the prompts run in one step,
+    and the prefill ending there after the failing join joins at the next."""
+    engine = ServingEngine(model, CONFIGS["quest"], max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           step_tokens=step_tokens)
     runner = engine.runner
     set_sampling, start = runner._set_sampling, runner.start
 
@@ -1170,14 +1173,14 @@ def test_admission_grow_counts_the_pages_a_request_holds(model):
         ServingEngine(model, config, admission="lazy")
 
 
-def mixed_forwards(engine: ServingEngine) -> list[tuple[int, int]]:
-    """Records (decode rows, prompt tokens) of each of ``engine``'s mixed forwards."""
+def mixed_forwards(engine: ServingEngine) -> list[tuple[int, list[int]]]:
+    """Records (decode rows, each prompt chunk's tokens) of each of ``engine``'s mixed forwards."""
     forwards = []
     mixed = engine.runner.decoder.mixed
 
-    def recorded(token, position, cache, ids, *args):
-        forwards.append((token.shape[0], ids.shape[1]))
-        return mixed(token, position, cache, ids, *args)
+    def recorded(token, position, cache, chunks):
+        forwards.append((token.shape[0], [chunk.ids.shape[1] for chunk in chunks]))
+        return mixed(token, position, cache, chunks)
 
     engine.runner.decoder.mixed = recorded
     return forwards
@@ -1186,7 +1189,7 @@ def mixed_forwards(engine: ServingEngine) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("name", ["dense", "quest", "quest-per-query-head", "quest-kv-fp8"])
 def test_mixed_steps_give_the_alone_tokens(model, name):
     """Mixed steps (``step_tokens``): the running rows' decode tokens and the next prompt tokens of the oldest
-    prefill in one forward, at most 20 tokens in all; requests greedy, sampled, penalized and asking for
+    prefills in one forward, at most 20 tokens in all; requests greedy, sampled, penalized and asking for
     log-probabilities, ended by stop tokens, length and cancellation, eager and captured: each gives its tokens
     alone, and its log-probabilities those of a run without mixed steps."""
     config = CONFIGS[name]
@@ -1215,10 +1218,12 @@ def test_mixed_steps_give_the_alone_tokens(model, name):
                 assert final[i].finish_reason == "cancelled" and tokens[i] == want[:len(tokens[i])]
             else:
                 assert tokens[i] == want and final[i].finish_reason == "length"
-        # Forwards with rows decoding, the prompt's tokens filling the rest of the 20; and prompts alone.
-        assert any(rows and rows + prompt_tokens == 20 for rows, prompt_tokens in forwards)
+        # Forwards with rows decoding, the prompts' tokens filling the rest of the 20; prompts alone; a prompt's
+        # last chunk and the next prompt's first in one forward.
+        assert any(rows and rows + sum(chunks) == 20 for rows, chunks in forwards)
         assert any(not rows for rows, _ in forwards)
-        assert sum(prompt_tokens for _, prompt_tokens in forwards) == sum(n for _, n, _, _ in PLAN)
+        assert any(len(chunks) > 1 and sum(chunks) + rows == 20 for rows, chunks in forwards)
+        assert sum(sum(chunks) for _, chunks in forwards) == sum(n for _, n, _, _ in PLAN)
         shared = engine.runner.shared
         assert engine.metrics()["kv_bytes_in_use"] == 0 and sorted(shared.free) == list(range(shared.pages))
     assert found[1] == found[2] and set(found[1]) == set(found[0])

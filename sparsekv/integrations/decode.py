@@ -22,6 +22,7 @@ and multiplied through their modules, one product each, so that the modules' own
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from dataclasses import dataclass
@@ -136,6 +137,18 @@ def _attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @dataclass(frozen=True)
+class PromptChunk:
+    """The next tokens of a prompt in a mixed step (``DecodeModel.mixed``): ids (1, S) at positions ``start ..``,
+    the prompt's cache (set for the pass: ``prompt_end``), and whether the step returns its last column's logits
+    (the prompt's last chunk)."""
+
+    ids: torch.Tensor
+    start: int
+    cache: SparseKVCache
+    logits: bool
+
+
+@dataclass(frozen=True)
 class Parts:
     """The code of a decode step between two attentions, each part a function of tensors and modules: ``first``
     (embedding, rotary embedding, layer 0's attention inputs), ``between`` (a layer's output and the next layer's
@@ -186,32 +199,38 @@ class DecodeModel:
         out = _attend(layers[-1].self_attn, q, k, v, cache)
         return self.parts.last(self.model, self.head, layers[-1], products[-1], hidden, out)
 
-    def mixed(self, token: torch.Tensor, position: torch.Tensor, cache: SparseKVCache, ids: torch.Tensor,
-              start: int, prompt_cache: SparseKVCache, prompt_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def mixed(self, token: torch.Tensor, position: torch.Tensor, cache: SparseKVCache,
+              chunks: list[PromptChunk]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """One forward of a mixed step: the decode tokens of B rows, token and position (B, 1), with ``cache``,
-        and the next S tokens of a prompt, ids (1, S) at positions start.., with ``prompt_cache`` (set for the
-        pass: ``prompt_end``), through every layer together. Each weight product runs once over the B + S tokens
-        (the rows' tokens as columns of one sequence), the attention apart: the decode tokens through the method,
-        the prompt's densely (its prompt pass). Returns the rows' next-token logits (B, V) and, with
-        ``prompt_logits``, the prompt's last column's (1, V) (else None). B may be 0: a prompt pass through every
-        layer at once."""
-        b, s = token.shape[0], ids.shape[1]
+        and the next tokens of one or more prompts (``chunks``, each with its own cache), through every layer
+        together. Each weight product runs once over all the tokens (the rows' tokens, then each chunk's, as
+        columns of one sequence), the attention apart: the decode tokens through the method, each chunk's densely
+        (its prompt pass). Returns the rows' next-token logits (B, V) and, for each chunk, its last column's (1, V)
+        where it asked for them (else None). B may be 0: prompt passes through every layer at once."""
+        b = token.shape[0]
+        sizes = [chunk.ids.shape[1] for chunk in chunks]
         decoder = self.decoder
-        hidden = decoder.embed_tokens(torch.cat([token.view(1, b), ids], dim=1))
-        positions = torch.cat([position.view(1, b), torch.arange(start, start + s, device=ids.device).view(1, s)], 1)
+        device = token.device
+        hidden = decoder.embed_tokens(torch.cat([token.view(1, b), *(chunk.ids for chunk in chunks)], dim=1))
+        positions = torch.cat([position.view(1, b), *(torch.arange(chunk.start, chunk.start + s, device=device)
+                                                       .view(1, s) for chunk, s in zip(chunks, sizes))], 1)
         rotary = decoder.rotary_emb(hidden, positions)
+        bounds = list(itertools.accumulate(sizes, initial=b))  # chunk j's columns: bounds[j] .. bounds[j + 1] - 1
         for layer, products in zip(self.layers, self.products):
             q, k, v = self.parts.prompt_inputs(layer, products, self.rotate, hidden, rotary)
             outs = []
             if b:  # (1, H, B, D) -> (B, H, 1, D): a row's token is its own sequence
                 rows = [t[:, :, :b].transpose(0, 2).contiguous() for t in (q, k, v)]
                 outs.append(_attend(layer.self_attn, *rows, cache).transpose(0, 1))
-            outs.append(_attend(layer.self_attn, q[:, :, b:], k[:, :, b:], v[:, :, b:], prompt_cache))
+            for chunk, first, end in zip(chunks, bounds, bounds[1:]):
+                outs.append(_attend(layer.self_attn, q[:, :, first:end], k[:, :, first:end], v[:, :, first:end],
+                                    chunk.cache))
             hidden = self.parts.prompt_output(layer, products, hidden, torch.cat(outs, dim=1))
-        wanted = hidden[0, :b] if not prompt_logits else torch.cat([hidden[0, :b], hidden[0, -1:]])
-        wanted = decoder.norm(wanted)
+        wanted = decoder.norm(torch.cat([hidden[0, :b], *(hidden[0, end - 1:end]
+                                                          for chunk, end in zip(chunks, bounds[1:]) if chunk.logits)]))
         logits = self.model.lm_head(wanted) if self.head is None else self.head(wanted)[0]
-        return logits[:b], logits[b:] if prompt_logits else None
+        found = iter(logits[b:].split(1))
+        return logits[:b], [next(found) if chunk.logits else None for chunk in chunks]
 
     def prompt_pass(self, index: int, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                     cache: SparseKVCache) -> torch.Tensor:

@@ -337,14 +337,6 @@ def _plan_width(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def _merge_parts(out: torch.Tensor, lse: torch.Tensor, before: torch.Tensor, lse_before: torch.Tensor) -> torch.Tensor:
-    """``merge_attention`` of a pass's two parts (1, H, n, D) with their lse (1, H, n), in out's dtype."""
-    return kernels.reference.merge_attention([(out, lse), (before, lse_before)], out.dtype)
-
-
-_merge = kernels.fused(_merge_parts, dynamic=True)  # one kernel on CUDA
-
-
 def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale: float) -> torch.Tensor:
     """Dense causal attention of a prompt pass (the whole prompt or one chunk of it) over the sequence so far.
 
@@ -376,7 +368,7 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
         if split:
             before, lse_before = attention_lse(_padded(qr, 0, _plan_width(n, step)), keys[:, :, :split].to(q.dtype),
                                                values[:, :, :split].to(q.dtype), False, scale)
-            own = _merge(own, lse, before[:, :, :n], lse_before[:, :, :n])
+            own = kernels.merge_lse(own, lse, before[:, :, :n], lse_before[:, :, :n])[0]
         out[row:row + 1, :, cols] = own
     return out
 

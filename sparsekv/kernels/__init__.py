@@ -191,6 +191,10 @@ def _page_means_fake(k, means, slot_mapping):
     return None
 
 
+def _merge_lse_fake(a, lse_a, b, lse_b):
+    return a.new_empty(a.shape), lse_a.new_empty(lse_a.shape)
+
+
 def _page_codes_fake(k, kmin, kmax, codes, slot_mapping, bits):
     return None
 
@@ -221,6 +225,7 @@ landmark_means = _register("landmark_means", _landmark_means_fake, mutates=("mea
 landmark_page_scores = _register("landmark_page_scores", _landmark_page_scores_fake)
 landmark_select = _register("landmark_select", _landmark_select_fake, mutates=("means",))
 page_means = _register("page_means", _page_means_fake, mutates=("means",))
+merge_lse = _register("merge_lse", _merge_lse_fake)
 page_codes = _register("page_codes", _page_codes_fake, mutates=("codes",))
 raas_update = _register("raas_update", _raas_update_fake, mutates=("slot_page", "stamp"))
 linear = _register("linear", _linear_fake)
@@ -254,4 +259,4 @@ __all__ = ["page_scores", "select_pages", "quest_select", "coded_scores", "lowbi
            "sparse_decode", "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "weigh_window",
            "sparse_decode_tokens", "append_token", "append_pages", "page_bounds", "page_codes", "raas_update", "linear",
            "linear_quantized", "landmark_means", "landmark_page_scores", "landmark_select", "page_means",
-           "count_attended", "merge_attention", "observe", "fused", "reference"]
+           "merge_lse", "count_attended", "merge_attention", "observe", "fused", "reference"]

@@ -619,6 +619,19 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch
     return out.to(dtype)
 
 
+def merge_lse(a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor,
+              lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two disjoint key sets combined into the attention over their union (a prompt pass's parts,
+    ``integrations.transformers.prompt_attention``): a, b (B, H, S, D), any strides, with their log-sum-exp lse_a,
+    lse_b (B, H, S) float32 (-inf: no key). Returns out (B, H, S, D) in a's dtype (0 where neither part has a key)
+    and lse (B, H, S) float32, so that further parts merge into it."""
+    acc = acc_dtype(a.dtype)
+    lse = torch.logaddexp(lse_a.to(acc), lse_b.to(acc))
+    share_a = torch.exp(lse_a.to(acc) - lse).nan_to_num(0.0).unsqueeze(-1)
+    share_b = torch.exp(lse_b.to(acc) - lse).nan_to_num(0.0).unsqueeze(-1)
+    return (share_a * a.to(acc) + share_b * b.to(acc)).to(a.dtype), lse.to(lse_a.dtype)
+
+
 def append_pages(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
                  cur_slot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, start: int, row: int,
                  table: torch.Tensor | None = None) -> None:

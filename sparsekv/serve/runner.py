@@ -44,7 +44,7 @@ from ..cache.host_store import require_host_bytes
 from ..engine import (CapturedStep, Engine, Sampling, _is_count, argmax, counter_noise, draw, penalize,
                       prefill_passes, run_passes, token_logprobs, token_set)
 from ..integrations import apply
-from ..integrations.decode import DecodeModel
+from ..integrations.decode import DecodeModel, PromptChunk
 from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
 from ..methods.base import Method, is_real, require
 
@@ -746,30 +746,39 @@ class Runner:
             run()
         return self._launched(cache)
 
-    def launch_mixed(self, job: Prefill, tokens: int) -> "Launched":
-        """``launch``, the step carrying the next ``tokens`` of ``job``'s prompt (at most those left) beside the
-        running rows' decode tokens, through the model together (``DecodeModel.mixed``: each weight read once for
-        both), run eagerly; after the prompt's last, ``job.logits``. With no row running,
-        a prompt pass through every layer. A prefill is run by mixed steps only, from its first: a layer-major pass
-        (``prefill``) would leave its layers at different columns. Only in shared pages (``ServingEngine``'s
-        ``step_tokens``), where a prompt pass reads the prompt's earlier pages in the store, chunks in any order."""
+    def launch_mixed(self, jobs: list[Prefill], tokens: int) -> "Launched":
+        """``launch``, the step carrying the next prompt tokens of ``jobs`` (the oldest first, each up to its
+        prompt's end, ``tokens`` in all) beside the running rows' decode tokens, through the model together
+        (``DecodeModel.mixed``: each weight read once for all), run eagerly; after a prompt's last, its
+        ``job.logits``. With no row running, prompt passes through every layer. A prefill is run by mixed steps
+        only, from its first: a layer-major pass (``prefill``) would leave its layers at different columns. Only in
+        shared pages (``ServingEngine``'s ``step_tokens``), where a prompt pass reads the prompt's earlier pages in
+        the store, chunks in any order."""
         if self.in_flight is not None:
             raise RuntimeError("launch_mixed: the step launched before is not collected")
-        if not job.begun:
-            self._begin(job)
-        begin = job.reused + job.ran
-        end = min(begin + tokens, len(job.passed))
-        ids = device_tensor(job.passed[begin:end], self.device).view(1, -1)
-        ends = end == len(job.passed)
-        job.cache.prompt_end, job.cache.pending_mask = ends, None
+        chunks, ran = [], []
+        for job in jobs:
+            if tokens <= 0:
+                break
+            if not job.begun:
+                self._begin(job)
+            begin = job.reused + job.ran
+            end = min(begin + tokens, len(job.passed))
+            ends = end == len(job.passed)
+            job.cache.prompt_end, job.cache.pending_mask = ends, None
+            chunks.append(PromptChunk(device_tensor(job.passed[begin:end], self.device).view(1, -1), begin,
+                                      job.cache, ends))
+            ran.append(end - begin)
+            tokens -= end - begin
         n = len(self.keys)
         cache, _, sample = self._rows_step() if n else (None, None, None)
         with apply(self.model, self.config), torch.no_grad():
-            logits, job.logits = self.decoder.mixed(self.token[:n], self.pool.pages.seq_len[:n].view(n, 1), cache,
-                                                    ids, begin, job.cache, ends)
+            logits, found = self.decoder.mixed(self.token[:n], self.pool.pages.seq_len[:n].view(n, 1), cache, chunks)
             if n:
                 sample(logits)
-        job.ran += end - begin
+        for job, count, job_logits in zip(jobs, ran, found):
+            job.ran += count
+            job.logits = job_logits
         return self._launched(cache)
 
     def _rows_step(self) -> tuple[SparseKVCache, CapturedStep, Callable[[torch.Tensor], None]]:

@@ -189,7 +189,7 @@ class ServingEngine:
     (Quest) its row comes back from host memory, and it goes on with the same tokens); other methods' rows are
     bounded and counted whole either way. step_tokens: None, or mixed steps (methods in shared pages:
     dense, quest): each step carries the running rows' decode tokens and the next prompt tokens of the oldest
-    prefill, at most ``step_tokens`` tokens in all (as vLLM's ``max_num_batched_tokens``), through the model
+    prefills, at most ``step_tokens`` tokens in all (as vLLM's ``max_num_batched_tokens``), through the model
     together (``Runner.launch_mixed``); steps with no prompt tokens stay captured."""
 
     def __init__(self, model, config, *, tokenizer=None, max_batch: int = 8, max_context: int | None = None,
@@ -389,19 +389,22 @@ class ServingEngine:
             self._collect(launched, events)
 
     def _mixed_step(self, events: list[Event]) -> None:
-        """One step of the running rows' decode tokens and, while a prefill waits, the next prompt tokens of the
-        oldest, ``step_tokens`` in all; a prefill that ends there gives its requests their first tokens and rows."""
-        if not self._prefilling:
-            if self._running:
-                self._collect(self.runner.launch(), events)
-            return
-        job = self._prefilling[0].prefill
-        before = job.ran
-        launched = self.runner.launch_mixed(job, self.step_tokens - len(self._running))
-        self._prefill_work += (job.ran - before) * self.runner.num_layers
-        self._collect(launched, events)
-        if job.logits is not None:
-            self._prefilled(job, [live for live in self._prefilling if live.prefill is job], events)
+        """One step of the running rows' decode tokens and, while prefills wait, the next prompt tokens of the
+        oldest (and of the next ones where it ends first), ``step_tokens`` in all; a prefill that ends there gives
+        its requests their first tokens and rows."""
+        jobs = list({id(live.prefill): live.prefill for live in self._prefilling}.values())  # arrival order, once
+        # A prefill may have ended in a step where an earlier one's joining failed: it joins now, running no more.
+        waiting = [job for job in jobs if job.logits is None]
+        if waiting:
+            before = sum(job.ran for job in waiting)
+            launched = self.runner.launch_mixed(waiting, self.step_tokens - len(self._running))
+            self._prefill_work += (sum(job.ran for job in waiting) - before) * self.runner.num_layers
+            self._collect(launched, events)
+        elif self._running:
+            self._collect(self.runner.launch(), events)
+        for job in jobs:
+            if job.logits is not None:
+                self._prefilled(job, [live for live in self._prefilling if live.prefill is job], events)
 
     def _collect(self, launched, events: list[Event]) -> None:
         """Emits the tokens of a step the runner launched."""

@@ -1,11 +1,11 @@
 """Fused Triton kernels of the decode path, with the signatures of the ops in ``reference``, one module per family:
 ``selection`` (page scores and top-k), ``coded`` (low-bit key codes: a page's, vLLM's blocks', and the page scores
 from them), ``landmark`` (landmark's mean keys of a page's runs: a row's current page's, vLLM's blocks'; the page
-scores from them and a step's choice), ``attention`` (split-K decoding and its merge), ``scoring`` (OmniKV's window
-token scores), ``raas`` (RaaS's stamps and eviction), ``mass`` (the attention a prompt's tokens receive, H2O's
-prompt scores), ``append`` (the cache's writes: a decode token, a prompt pass, vLLM's blocks' key bounds),
-``linear`` (the weights' products of one row), ``quant`` (those of group-quantized weights for a few rows),
-``common`` (``TUNING`` and shared checks).
+scores from them and a step's choice), ``attention`` (split-K decoding and its merge; a prompt pass's two parts
+merged by their log-sum-exp), ``scoring`` (OmniKV's window token scores), ``raas`` (RaaS's stamps and eviction),
+``mass`` (the attention a prompt's tokens receive, H2O's prompt scores), ``append`` (the cache's writes: a decode
+token, a prompt pass, vLLM's blocks' key bounds), ``linear`` (the weights' products of one row), ``quant`` (those of
+group-quantized weights for a few rows), ``common`` (``TUNING`` and shared checks).
 
 ``sparsekv.kernels`` imports this package (and so triton) the first time an op sees a CUDA tensor, so CPU-only use
 never imports triton. Tensors are fp16, bf16 or fp32 (fp64 runs the reference, which is exact); q must have the
@@ -14,7 +14,7 @@ be captured in a CUDA graph.
 """
 
 from .append import append_pages, append_token, page_bounds
-from .attention import sparse_decode, sparse_decode_tokens
+from .attention import merge_lse, sparse_decode, sparse_decode_tokens
 from .coded import code_page, coded_scores, lowbit_select, page_codes
 from .common import TUNING
 from .landmark import landmark_means, landmark_page_scores, landmark_select, page_means
@@ -33,9 +33,9 @@ OPS = {"page_scores": page_scores, "select_pages": select_pages, "quest_select":
        "coded_scores": coded_scores, "lowbit_select": lowbit_select, "code_page": code_page,
        "attention_mass": attention_mass, "page_bounds": page_bounds, "page_codes": page_codes,
        "landmark_means": landmark_means, "landmark_page_scores": landmark_page_scores,
-       "landmark_select": landmark_select, "page_means": page_means}
+       "landmark_select": landmark_select, "page_means": page_means, "merge_lse": merge_lse}
 
 __all__ = ["OPS", "TUNING", "append_pages", "append_token", "attention_mass", "code_page", "coded_scores",
            "landmark_means", "landmark_page_scores", "landmark_select", "linear", "linear_quantized", "lowbit_select",
-           "page_bounds", "page_codes", "page_means", "page_scores", "quest_select", "raas_update", "select_pages",
-           "sparse_decode", "sparse_decode_tokens", "window_token_maxima"]
+           "merge_lse", "page_bounds", "page_codes", "page_means", "page_scores", "quest_select", "raas_update",
+           "select_pages", "sparse_decode", "sparse_decode_tokens", "window_token_maxima"]

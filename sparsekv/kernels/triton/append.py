@@ -91,7 +91,9 @@ def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
         SEARCH=TUNING["append_search"], TABLE=table is not None, num_warps=TUNING["append_warps"])
 
 
-@triton.jit
+# A pass's positions vary with every chunk: specializing on them (Triton's divisibility by 16) would compile the
+# kernel anew in the middle of serving (0.4 s a compilation on the H200).
+@triton.jit(do_not_specialize=["start", "end", "row0", "skn_b", "svn_b"])
 def _append_pages_kernel(k_ptr, v_ptr, kmin_ptr, kmax_ptr, sp_ptr, cur_ptr, kn_ptr, vn_ptr, table_ptr, start, end,
                          row0, sk_b, sk_h, sk_c, sk_p, sv_b, sv_h, sv_c, sv_p, sm_b, sm_h, sm_c, ss_b, ss_h, sc_b, sc_h,
                          skn_b, skn_h, skn_s, svn_b, svn_h, svn_s, st_b,

@@ -286,3 +286,53 @@ def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, toke
     if q.dtype == torch.float64:
         return reference.sparse_decode_tokens(q, k, v, tokens, scale)
     return _split_attention(q, k, v, None, tokens, None, scale)
+
+
+# The strides and lengths vary with every prompt pass's shape: specializing on them (Triton's divisibility by 16)
+# would compile the kernel anew in the middle of serving (0.4 s a compilation on the H200).
+@triton.jit(do_not_specialize=["s", "sa_b", "sa_h", "sa_s", "sb_b", "sb_h", "sb_s", "sla_b", "sla_h", "sla_s",
+                               "slb_b", "slb_h", "slb_s"])
+def _merge_lse_kernel(a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, out_ptr, lse_ptr, s, sa_b, sa_h, sa_s, sb_b, sb_h, sb_s,
+                      sla_b, sla_h, sla_s, slb_b, slb_h, slb_s, H: tl.constexpr, D: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program (row and head, block of BLOCK_S positions): the two parts' outputs weighed by their shares."""
+    bh = tl.program_id(0)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    i = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = i < s
+    la = tl.load(lse_a_ptr + b * sla_b + h * sla_h + i * sla_s, mask=ok, other=float("-inf"))
+    lb = tl.load(lse_b_ptr + b * slb_b + h * slb_h + i * slb_s, mask=ok, other=float("-inf"))
+    top = tl.maximum(la, lb)
+    top = tl.where(top == float("-inf"), 0.0, top)  # neither part has a key: both shares 0
+    wa = tl.exp(la - top)
+    wb = tl.exp(lb - top)
+    total = wa + wb
+    lse = tl.where(total > 0, top + tl.log(total), float("-inf"))
+    total = tl.where(total > 0, total, 1.0)
+    tile = ok[:, None] & (d < D)[None, :]
+    a = tl.load(a_ptr + b * sa_b + h * sa_h + i[:, None] * sa_s + d[None, :], mask=tile, other=0.0)
+    v = tl.load(b_ptr + b * sb_b + h * sb_h + i[:, None] * sb_s + d[None, :], mask=tile, other=0.0)
+    out = (a.to(tl.float32) * (wa / total)[:, None] + v.to(tl.float32) * (wb / total)[:, None])
+    row = bh.to(tl.int64) * s + i
+    tl.store(out_ptr + row[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=tile)
+    tl.store(lse_ptr + row, lse, mask=ok)
+
+
+def merge_lse(a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor,
+              lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if a.dtype == torch.float64:
+        return reference.merge_lse(a, lse_a, b, lse_b)
+    if a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError("merge_lse: the parts' last (head_dim) dimension must be contiguous")
+    n, h, s, d = a.shape
+    fp32_out = interpreted_bf16(a.dtype)
+    out = torch.empty(n, h, s, d, dtype=torch.float32 if fp32_out else a.dtype, device=a.device)
+    lse = torch.empty(n, h, s, dtype=torch.float32, device=a.device)
+    block = TUNING["merge_block"]
+    _merge_lse_kernel[(n * h, triton.cdiv(s, block))](
+        a, lse_a, b, lse_b, out, lse, s, a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1),
+        b.stride(2), lse_a.stride(0), lse_a.stride(1), lse_a.stride(2), lse_b.stride(0), lse_b.stride(1),
+        lse_b.stride(2), H=h, D=d, BLOCK_D=block_d(d), BLOCK_S=block, num_warps=4)
+    return out.to(a.dtype), lse

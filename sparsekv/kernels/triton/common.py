@@ -110,7 +110,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "mass_block": 256, "mass_parts": 1024, "mass_warps": 4,
           "landmark_block": 32, "landmark_block_k": 64, "landmark_warps": 4, "landmark_stages": 3,
           "prompt_mass_blocks": ((128, 32), (64, 64)), "prompt_mass_warps": 4, "prompt_mass_stages": 2,
-          "append_search": 4096, "append_warps": 4, "append_pages_tokens": 64,
+          "append_search": 4096, "append_warps": 4, "append_pages_tokens": 64, "merge_block": 64,
           "fp8_attn_block_n": 64, "fp8_attn_long_programs_per_sm": 2, "fp8_attn_long_stages": 1,
           "fp8_attn_few_programs_per_sm": 4, "fp8_page_block": 128,
           "cuda_fp8_attn": True, "cuda_fp8_blocks_per_sm": 2}

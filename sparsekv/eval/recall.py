@@ -213,12 +213,13 @@ SLOT_OPS = {
 }
 TOKEN_OPS = ("sparse_decode_tokens",)
 OBSERVED = (*SLOT_OPS, *TOKEN_OPS)
-# Ops of ``kernels`` that attend nothing (scores, selection, bookkeeping); any other op met in a decode step is an
-# attention the probe cannot read, and is refused rather than left out of the recall.
+# Ops of ``kernels`` that attend nothing (scores, selection, bookkeeping, the merge of a prompt pass's attention
+# parts); any other op met in a decode step is an attention the probe cannot read, and is refused rather than left
+# out of the recall.
 NOT_ATTENTION = {"page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page",
                  "window_token_maxima", "attention_mass", "append_token", "append_pages", "page_bounds", "page_codes",
                  "raas_update", "linear", "linear_quantized", "landmark_means", "landmark_page_scores",
-                 "landmark_select", "page_means"}
+                 "landmark_select", "page_means", "merge_lse"}
 
 
 def _observing_attention(calls: list):

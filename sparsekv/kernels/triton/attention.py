@@ -288,10 +288,11 @@ def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, toke
     return _split_attention(q, k, v, None, tokens, None, scale)
 
 
-# The strides and lengths vary with every prompt pass's shape: specializing on them (Triton's divisibility by 16)
-# would compile the kernel anew in the middle of serving (0.4 s a compilation on the H200).
+# The strides, lengths and the log-sum-exps' addresses (views from a padded pass's first real query) vary with
+# every prompt pass: specializing on them (Triton's divisibility by 16) compiled the kernel anew in the middle of
+# serving (0.4 s a compilation on the H200).
 @triton.jit(do_not_specialize=["s", "sa_b", "sa_h", "sa_s", "sb_b", "sb_h", "sb_s", "sla_b", "sla_h", "sla_s",
-                               "slb_b", "slb_h", "slb_s"])
+                               "slb_b", "slb_h", "slb_s"], do_not_specialize_on_alignment=["lse_a_ptr", "lse_b_ptr"])
 def _merge_lse_kernel(a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, out_ptr, lse_ptr, s, sa_b, sa_h, sa_s, sb_b, sb_h, sb_s,
                       sla_b, sla_h, sla_s, slb_b, slb_h, slb_s, H: tl.constexpr, D: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):

@@ -756,7 +756,7 @@ class Runner:
         the store, chunks in any order."""
         if self.in_flight is not None:
             raise RuntimeError("launch_mixed: the step launched before is not collected")
-        chunks, ran = [], []
+        chunks = []
         for job in jobs:
             if tokens <= 0:
                 break
@@ -768,7 +768,6 @@ class Runner:
             job.cache.prompt_end, job.cache.pending_mask = ends, None
             chunks.append(PromptChunk(device_tensor(job.passed[begin:end], self.device).view(1, -1), begin,
                                       job.cache, ends))
-            ran.append(end - begin)
             tokens -= end - begin
         n = len(self.keys)
         cache, _, sample = self._rows_step() if n else (None, None, None)
@@ -776,8 +775,8 @@ class Runner:
             logits, found = self.decoder.mixed(self.token[:n], self.pool.pages.seq_len[:n].view(n, 1), cache, chunks)
             if n:
                 sample(logits)
-        for job, count, job_logits in zip(jobs, ran, found):
-            job.ran += count
+        for job, chunk, job_logits in zip(jobs, chunks, found):
+            job.ran += chunk.ids.shape[1]
             job.logits = job_logits
         return self._launched(cache)
 

@@ -263,6 +263,9 @@ def test_a_prompt_prefilled_into_shared_pages_matches_a_cache_of_its_own(kv_dtyp
     assert torch.equal(theirs.slot_page, mine.slot_page[:, :, :9]) and torch.equal(theirs.cur_slot, mine.cur_slot)
     for got, want in zip(theirs.row_tokens(0, n), mine.row_tokens(0, n)):
         assert got.shape == (1, h, n, d) and torch.equal(raw(got), raw(want))
+    for start, end in [(5, 23), (8, 16), (9, 11), (12, 23)]:  # across the runs, inside one, inside one page
+        for got, want in zip(theirs.row_tokens(0, end, start), mine.row_tokens(0, n)):
+            assert torch.equal(raw(got), raw(want[:, :, start:end])), (start, end)
     # The first 8 tokens lie in one run of store pages: read where they lie, nothing gathered.
     for got, want, store in zip(theirs.row_tokens(0, 8), mine.row_tokens(0, 8), (pool.k, pool.v)):
         assert got.untyped_storage().data_ptr() == store.untyped_storage().data_ptr()

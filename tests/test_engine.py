@@ -14,6 +14,7 @@ from sparsekv import (DenseConfig, H2OConfig, LowBitConfig, OmniKVConfig, Oracle
                       SnapKVConfig, StreamingLLMConfig, TOVAConfig)
 from sparsekv import engine as engine_module
 from sparsekv import kernels
+from sparsekv.cache import PagedKVCache
 from sparsekv.engine import Engine, Sampling
 from sparsekv.integrations import transformers as transformers_integration
 from sparsekv.tiny import tiny_model
@@ -110,6 +111,50 @@ def test_chunked_prefill_gives_the_one_pass_logits(model, plan_step, monkeypatch
     with sparsekv.apply(model, engine.config) as session, torch.no_grad():
         logits = engine._prefill(session.new_cache(None), ids, mask)
     torch.testing.assert_close(logits, dense, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("page_size", [2, 4])
+def test_prompt_plans_are_the_shapes_prompt_attention_runs(page_size, monkeypatch):
+    """Every pass of 1 to 10 tokens from every position of a 40-token prompt written into shared pages that lie in
+    two runs (read where they lie, or gathered), cut at multiples of 8: the shapes of the ``attention_lse`` calls are
+    exactly ``prompt_plans(10, 40, 8)``, their tensors contiguous (cuDNN keys its plans by strides too), and those
+    ``build_prompt_plans`` runs ahead; it runs nothing where cuDNN does not attend."""
+    from sparsekv.cache import PagedLayer, SharedPages
+
+    monkeypatch.setattr(transformers_integration, "_plan_step", lambda q: 8)
+    seen = set()
+    attention_lse = transformers_integration.attention_lse
+
+    def recorded(q, k, v, causal, scale):
+        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        seen.add((q.shape[2], k.shape[2], causal))
+        return attention_lse(q, k, v, causal, scale)
+
+    monkeypatch.setattr(transformers_integration, "attention_lse", recorded)
+    gen, cpu, pages = torch.Generator().manual_seed(0), torch.device("cpu"), 40 // page_size
+    for prev in range(40):
+        for n in range(1, min(10, 40 - prev) + 1):
+            shared = SharedPages(rows=2, slots=pages, pages=pages + 3, device=cpu)
+            shared.assign(0, 2)
+            shared.assign(1, 1)
+            shared.release(0)  # the free list: row 0's 2 pages, then the rest
+            table = shared.beside(1)
+            table.assign(0, pages)
+            cache = PagedKVCache(num_layers=1, page_size=page_size)
+            cache.layers = [PagedLayer(2, 1, 4, page_size, pages, torch.float32, cpu, shared).beside(table)]
+            for s in (prev, n):
+                if s:
+                    cache.begin(s, None, 1, cpu, prompt_end=s == n)
+                    cache.append(0, *(torch.randn(1, 1, s, 4, generator=gen) for _ in range(2)))
+            transformers_integration.prompt_attention(torch.randn(1, 2, n, 4, generator=gen), cache.layers[0],
+                                                      cache.plan, 0.5)
+    assert seen == set(transformers_integration.prompt_plans(10, 40, 8))
+    seen.clear()  # built ahead: the same shapes, contiguous views of two buffers
+    assert transformers_integration.build_prompt_plans(2, 1, 4, torch.float32, cpu, 0.5, 10, 40) == len(
+        transformers_integration.prompt_plans(10, 40, 8))
+    assert seen == set(transformers_integration.prompt_plans(10, 40, 8))
+    monkeypatch.undo()
+    assert transformers_integration.build_prompt_plans(2, 1, 4, torch.float32, cpu, 0.5, 10, 40) == 0
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -237,11 +237,15 @@ def run_engine(engine: ServingEngine, work: list[Work], concurrency: int | None,
 
 
 def warm_up(engine: ServingEngine, max_batch: int, vocab: int, longest: int) -> None:
-    """Runs one prompt of ``longest`` tokens (the workload's longest: the prompt pass's kernels compiled, cuDNN's
-    attention plans built for its shapes), then every batch size from 1 to ``max_batch`` twice or more, up and down
-    (a size's decode step is captured on its second run), with short greedy requests, so that the measured run does
-    not pay for the compilations and captures. Their prompts come from a generator of their own: they share no
-    prefix with the workload's (``workload``, seeded by --seed), which a prefix cache would otherwise give it."""
+    """Builds the prompt passes' attention plans (``Runner.prepare``), runs one prompt of ``longest`` tokens (the
+    workload's longest: the prompt pass's kernels compiled), then every batch size from 1 to ``max_batch`` twice or
+    more, up and down (a size's decode step is captured on its second run), with short greedy requests, so that the
+    measured run does not pay for the compilations and captures. Their prompts come from a generator of their own:
+    they share no prefix with the workload's (``workload``, seeded by --seed), which a prefix cache would otherwise
+    give it."""
+    start = time.perf_counter()
+    if built := engine.runner.prepare():
+        print(f"built {built} prompt attention plans in {time.perf_counter() - start:.1f} s", flush=True)
     rng = random.Random("warm-up")
     engine.submit(Request(prompt=[rng.randrange(vocab) for _ in range(longest)], max_tokens=1))
     while engine.has_work():

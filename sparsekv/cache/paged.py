@@ -302,25 +302,28 @@ class PagedLayer:
         """(batch, kv_heads, slots including scratch, head_dim)."""
         return (*self.slot_page.shape, self.k.shape[-1])
 
-    def row_pages(self, row: int, used: int, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
-        """The pages of slots [0, used) of ``row`` by attribute (``names``, default ``paged``): (Hkv, used, ...)
-        each, views, or in shared pages views where the slots' store pages are one run (``SharedPages.runs``: a
-        prompt's, taken from a free list in order), else gathered."""
+    def row_pages(self, row: int, used: int, names: tuple[str, ...] | None = None,
+                  first: int = 0) -> dict[str, torch.Tensor]:
+        """The pages of slots [first, used) of ``row`` by attribute (``names``, default ``paged``): (Hkv, used -
+        first, ...) each, views, or in shared pages views where the slots' store pages are one run
+        (``SharedPages.runs``: a prompt's, taken from a free list in order), else gathered (contiguous)."""
         names = self.paged if names is None else names
         if self.shared is None:
-            return {n: getattr(self, n)[row, :, :used] for n in names}
-        runs = self.shared.runs(row, used)
-        if len(runs) == 1 and runs[0][2] == used:
-            first = runs[0][1]
-            return {n: getattr(self, n)[0, :, first:first + used] for n in names}
-        idx = self.shared.table[row, :used]
+            return {n: getattr(self, n)[row, :, first:used] for n in names}
+        runs = [run for run in self.shared.runs(row, used) if run[0] + run[2] > first]
+        if len(runs) == 1:  # the one run of pages that holds slots first .. used - 1
+            start = runs[0][1] + first - runs[0][0]
+            return {n: getattr(self, n)[0, :, start:start + used - first] for n in names}
+        idx = self.shared.table[row, first:used]
         return {n: raw(t)[0].index_select(1, idx).view(t.dtype) for n in names for t in (getattr(self, n),)}
 
-    def row_tokens(self, row: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (1, Hkv, end, D) of the first ``end`` tokens of ``row``, whose slot j holds page j (a
-        prompt's): views, or gathered through the page table in shared pages (``row_pages``)."""
-        pages = self.row_pages(row, -(-end // self.page_size), ("k", "v"))
-        return pages["k"].flatten(1, 2)[None, :, :end], pages["v"].flatten(1, 2)[None, :, :end]
+    def row_tokens(self, row: int, end: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (1, Hkv, end - start, D) of tokens ``start .. end - 1`` of ``row``, whose slot j holds
+        page j (a prompt's): views, or gathered through the page table in shared pages (``row_pages``)."""
+        first = start // self.page_size
+        pages = self.row_pages(row, -(-end // self.page_size), ("k", "v"), first)
+        offset = start - first * self.page_size
+        return tuple(pages[n].flatten(1, 2)[None, :, offset:offset + end - start] for n in ("k", "v"))
 
     def attend(self, q: torch.Tensor, slots: torch.Tensor, seq_len: torch.Tensor, scale: float,
                attended: torch.Tensor | None = None, in_order: bool = False) -> torch.Tensor:

@@ -337,6 +337,38 @@ def _plan_width(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
+def prompt_plans(most_tokens: int, max_context: int, step: int = PLAN_STEP) -> list[tuple[int, int, bool]]:
+    """The (queries, keys, causal) of every ``attention_lse`` call that ``prompt_attention`` makes for passes of 1 to
+    ``most_tokens`` tokens of prompts of at most ``max_context`` tokens, cut by ``step``: the causal square of a
+    pass's width (its tokens after the split, padded), and the pass's queries (padded) over every split before it.
+    In shared pages their tensors are contiguous, so that these shapes are all cuDNN's plans see."""
+    own = [(w, w, True) for w in range(step, _plan_width(min(step - 1 + most_tokens, max_context), step) + 1, step)]
+    before = [(w, split, False) for split in range(step, max_context, step)
+              for w in range(step, _plan_width(min(most_tokens, max_context - split), step) + 1, step)]
+    return own + before
+
+
+def build_prompt_plans(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                       scale: float, most_tokens: int, max_context: int) -> int:
+    """Runs ``attention_lse`` once on zeros of every shape of ``prompt_plans`` where cuDNN attends (``_plan_step``),
+    so that the passes find its execution plans built (55-70 ms each on the H200; PyTorch keeps them per thread:
+    call this from the thread that runs the passes). Returns the count of shapes run (0 where cuDNN does not
+    attend)."""
+    probe = torch.empty(0, dtype=dtype, device=device)
+    step = _plan_step(probe)
+    if step == 1:
+        return 0
+    shapes = prompt_plans(most_tokens, max_context, step)
+    # Each shape a contiguous view of one buffer: tensors of every size would each leave a block in PyTorch's cache
+    # (16 GiB of them for a 128K context).
+    q = torch.zeros(heads * max(s[0] for s in shapes) * head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(kv_heads * max(s[1] for s in shapes) * head_dim, dtype=dtype, device=device)
+    for queries, keys, causal in shapes:
+        k = kv[:kv_heads * keys * head_dim].view(1, kv_heads, keys, head_dim)
+        attention_lse(q[:heads * queries * head_dim].view(1, heads, queries, head_dim), k, k, causal, scale)
+    return len(shapes)
+
+
 def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale: float) -> torch.Tensor:
     """Dense causal attention of a prompt pass (the whole prompt or one chunk of it) over the sequence so far.
 
@@ -348,9 +380,9 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
     cuDNN attends: ``_plan_step``), which every query sees, and the rest causally, as the square of queries and
     keys from ``split`` on whose queries before the pass are zeros, not read. Both are padded with zeros to
     multiples of that step (queries past the pass, keys past its end: no real query sees them), so that their
-    shapes repeat across prompts. Peak
-    memory is one chunk's (in shared pages, one row's keys and values of one layer besides), whatever the context.
-    Padding queries give zeros. Returns (B, H, S, D)."""
+    shapes repeat across prompts (``prompt_plans``). Peak memory is one chunk's (in shared pages, one row's keys and
+    values of one layer besides: gathered, or a contiguous copy), whatever the context. Padding queries give zeros.
+    Returns (B, H, S, D)."""
     out = torch.zeros_like(q)
     step = _plan_step(q)
     for row, (prev, new) in enumerate(zip(plan.prev_len, plan.new_len)):
@@ -359,15 +391,17 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
             continue
         cols = plan.valid[row].nonzero().squeeze(1) if n != q.shape[2] else slice(None)
         qr = q[row:row + 1, :, cols]  # (1, H, n, D)
-        keys, values = layer.row_tokens(row, new)
         split = prev // step * step
         lead, width = prev - split, _plan_width(new - split, step)
-        own, lse = attention_lse(_padded(qr, lead, width), _padded(keys[:, :, split:new].to(q.dtype), 0, width),
-                                 _padded(values[:, :, split:new].to(q.dtype), 0, width), True, scale)
+        keys, values = layer.row_tokens(row, new, split)
+        own, lse = attention_lse(_padded(qr, lead, width), _padded(keys.to(q.dtype), 0, width),
+                                 _padded(values.to(q.dtype), 0, width), True, scale)
         own, lse = own[:, :, lead:lead + n], lse[:, :, lead:lead + n]
         if split:
-            before, lse_before = attention_lse(_padded(qr, 0, _plan_width(n, step)), keys[:, :, :split].to(q.dtype),
-                                               values[:, :, :split].to(q.dtype), False, scale)
+            keys, values = (t.to(q.dtype) for t in layer.row_tokens(row, split))
+            if layer.shared is not None:  # contiguous, as gathered ones are: cuDNN keys its plans by strides too, and
+                keys, values = keys.contiguous(), values.contiguous()  # those of ``prompt_plans`` are built ahead
+            before, lse_before = attention_lse(_padded(qr, 0, _plan_width(n, step)), keys, values, False, scale)
             own = kernels.merge_lse(own, lse, before[:, :, :n], lse_before[:, :, :n])[0]
         out[row:row + 1, :, cols] = own
     return out

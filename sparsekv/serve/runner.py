@@ -45,7 +45,7 @@ from ..engine import (CapturedStep, Engine, Sampling, _is_count, argmax, counter
                       prefill_passes, run_passes, token_logprobs, token_set)
 from ..integrations import apply
 from ..integrations.decode import DecodeModel, PromptChunk
-from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window
+from ..integrations.transformers import DecodeStats, SparseKVCache, _sliding_window, build_prompt_plans
 from ..methods.base import Method, is_real, require
 
 log = logging.getLogger("sparsekv.serve")
@@ -100,8 +100,8 @@ def prefill_bytes(method, max_context: int, token_bytes: int, kv_heads: int, hea
     """Device bytes one prompt of up to ``max_context`` tokens takes beside a pool of ``method`` while it is
     prefilled: its cache of one row (``Method.prefill_device_tokens``: every layer's keys and values before any
     eviction, OmniKV's offloaded layers one at a time), or in shared pages, whose store pages it writes, one layer's
-    keys and values gathered for its attention (``PagedLayer.row_tokens``), and their copy in ``dtype`` where the
-    cache holds another (fp8)."""
+    keys and values read for its attention (``prompt_attention``: gathered or copied), and their copy in ``dtype``
+    where the cache holds another (fp8)."""
     if shares_pages(method):  # in a cache dtype other than the model's, the gathered tokens and their conversion
         converted = 2 * kv_heads * head_dim * dtype.itemsize
         return max_context * (token_bytes + (converted if converted != token_bytes else 0))
@@ -255,7 +255,7 @@ class Runner:
                  gpu_memory_utilization: float = 0.9, grow: bool = False, step_tokens: int | None = None):
         self.engine = Engine(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
-        self.max_batch, self.max_context = max_batch, self.engine.max_context
+        self.max_batch, self.max_context, self.compile = max_batch, self.engine.max_context, compile
         self.device = self.engine.device
         self.num_layers = model.config.num_hidden_layers
         attn = model.get_decoder().layers[0].self_attn
@@ -280,8 +280,8 @@ class Runner:
         self.model, self.passes = model, passes
         self.window = _sliding_window(model.config)
         self.decoder = DecodeModel(model, self.engine.parts)
-        most_tokens = max(prefill_chunk, step_tokens or 0)  # the most prompt tokens a forward carries
-        self.profile_bytes = self.profile(config, most_tokens, max_batch) if self.device.type == "cuda" else 0
+        self.most_tokens = max(prefill_chunk, step_tokens or 0)  # the most prompt tokens a forward carries
+        self.profile_bytes = self.profile(config, self.most_tokens, max_batch) if self.device.type == "cuda" else 0
         budget = device_budget(self.device, gpu_memory_utilization, self.profile_bytes)
 
         def pool_bytes(method) -> int:
@@ -417,6 +417,20 @@ class Runner:
             return 0
 
         return peak_bytes(device, prompt_pass) + peak_bytes(device, decode_tail)
+
+    def prepare(self) -> int:
+        """With ``compile`` (start-up time spent for speed), builds what the prompt passes would otherwise build
+        mid-run: cuDNN's execution plans for every shape of their attention (``build_prompt_plans``; ~60 ms each, some
+        100 shapes for a 32K context and 500 for 128K). PyTorch keeps them per thread: call this from the thread that
+        runs the steps. Returns the count of shapes built."""
+        if not self.compile:
+            return 0
+        attn = self.model.get_decoder().layers[0].self_attn
+        ranks = parallel.size(self.tp_group)
+        return build_prompt_plans(self.model.config.num_attention_heads // ranks,
+                                  self.model.config.num_key_value_heads // ranks, attn.head_dim,
+                                  next(self.model.parameters()).dtype, self.device, attn.scaling, self.most_tokens,
+                                  self.max_context)
 
     @property
     def free_rows(self) -> int:

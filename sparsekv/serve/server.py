@@ -585,6 +585,12 @@ class EngineLoop:
         device = self.engine.runner.device
         if device.type == "cuda":  # the current device is per thread; kernels launch on it
             torch.cuda.set_device(device)
+        try:  # in this thread: PyTorch keeps cuDNN's plans per thread
+            start = time.monotonic()
+            if built := self.engine.runner.prepare():
+                log.info("built %d prompt attention plans in %.1f s", built, time.monotonic() - start)
+        except Exception:  # the passes build the plans they meet instead
+            log.exception("building the prompt attention plans failed")
         while True:
             self.wake.clear()
             try:

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Shard
 
 from .quant import QuantLinear
@@ -133,6 +134,16 @@ def head_group(model) -> dist.ProcessGroup | None:
     return mesh.get_group()
 
 
+def row_split(linear) -> dist.ProcessGroup | None:
+    """The group over whose processes a projection's inputs are split (transformers' "rowwise" plan: its weight a
+    DTensor split by input columns, ``Shard(1)``, over a 1D mesh of more than one process), each holding the
+    columns of its heads and giving a partial sum of the output; None for any other weight."""
+    mesh = getattr(output_rows(linear), "device_mesh", None)
+    if mesh is None or mesh.ndim != 1 or mesh.size() == 1 or linear.weight.placements != (Shard(1),):
+        return None
+    return mesh.get_group()
+
+
 def local_heads(model) -> tuple[int, int]:
     """(query heads, KV heads) of one of ``model``'s attention layers held by this process: all of them, or this
     process's slice under tensor parallelism (read from the local projection weights, not the config)."""
@@ -148,14 +159,15 @@ def size(group: dist.ProcessGroup | None) -> int:
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``tensor`` summed over the group's processes, in place (any shape, the same on every process)."""
-    if group is not None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
+    """``tensor`` summed over the group's processes (any shape, the same on every process): a new tensor, through
+    PyTorch's functional collective (DTensor's), which torch.compile traces and a CUDA graph captures."""
+    if group is None:
+        return tensor
+    return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))
 
 
 def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The element-wise maximum of ``tensor`` over the group's processes, in place."""
-    if group is not None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor
+    """The element-wise maximum of ``tensor`` over the group's processes: a new tensor (``all_reduce_sum``)."""
+    if group is None:
+        return tensor
+    return funcol.wait_tensor(funcol.all_reduce(tensor, "max", group))

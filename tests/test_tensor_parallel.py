@@ -67,7 +67,9 @@ def test_generate_under_torchrun_prints_the_one_process_text(tmp_path):
 
 
 def test_one_process_has_no_head_group():
-    assert parallel.head_group(tiny_model()) is None
+    model = tiny_model()
+    assert parallel.head_group(model) is None
+    assert parallel.row_split(model.get_decoder().layers[0].self_attn.o_proj) is None  # a plain weight: no sum
     assert parallel.size(None) == 1
     t = torch.tensor([1.0, -2.0])
     assert parallel.all_reduce_sum(t, None) is t and parallel.all_reduce_max(t, None) is t

@@ -17,7 +17,9 @@ A prompt pass runs through the same functions (``DecodeModel.prompt_pass``: a ch
 layer, its attention the prompt's dense one), compiled with dynamic shapes where the engine compiles.
 
 Weights that are not plain tensors (the DTensor shards of transformers' tensor parallelism) are left as they are
-and multiplied through their modules, one product each, so that the modules' own communication runs.
+and multiplied through their modules, one product each, but for the projections whose inputs are split (o and
+down): those multiply their local columns and sum the partial outputs over the processes themselves
+(``parallel.all_reduce_sum``), the one collective of each.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .. import kernels
+from .. import kernels, parallel
 from ..kernels.reference import tiled
 from ..quant import QuantLinear
 from .transformers import SparseKVCache, sparsekv_attention
@@ -41,13 +44,16 @@ from .transformers import SparseKVCache, sparsekv_attention
 class Fused:
     """Row blocks of one product: weight (sum of outs, in), bias (sum of outs,) or None, and each block's rows. For
     quantized layers (``QuantLinear``) weight holds the codes and scale, minimum the groups' (rows are
-    independent, so the blocks of codes, scales and minima stack as the weights do)."""
+    independent, so the blocks of codes, scales and minima stack as the weights do). ``group``: under tensor
+    parallelism, the processes over which the product's inputs are split (``parallel.row_split``): weight is this
+    process's columns, and the partial outputs are summed over the group."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     sizes: tuple[int, ...]
     scale: torch.Tensor | None = None
     minimum: torch.Tensor | None = None
+    group: dist.ProcessGroup | None = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: (..., in). Returns each block's (..., out_i)."""
@@ -55,6 +61,8 @@ class Fused:
             out = kernels.linear(x, self.weight, self.bias)
         else:
             out = kernels.linear_quantized(x, self.weight, self.scale, self.minimum, self.bias)
+        if self.group is not None:
+            out = parallel.all_reduce_sum(out, self.group)
         return out.split(self.sizes, dim=-1)
 
 
@@ -78,8 +86,12 @@ class Products:
 def fuse(linears: Sequence[nn.Module]) -> Fused | None:
     """One weight for ``linears`` (``nn.Linear`` of one input size, all with a bias or none; or ``QuantLinear`` of
     one input size, code width and layout), their weights and biases (codes, scales and minima) becoming views of
-    its row blocks (blocks of tiles for tiled codes); None when a weight is not a plain tensor. A group laid out so
-    already (by an earlier call) is taken as it is, so that no second copy is made."""
+    its row blocks (blocks of tiles for tiled codes); None when a weight is not a plain tensor, but for one
+    projection without a bias whose inputs tensor parallelism splits (``parallel.row_split``): its local columns,
+    summed over the group. A group laid out so already (by an earlier call) is taken as it is, so that no second
+    copy is made."""
+    if len(linears) == 1 and linears[0].bias is None and (group := parallel.row_split(linears[0])) is not None:
+        return Fused(linears[0].weight.to_local(), None, (linears[0].out_features,), group=group)
     rows = 0  # the dim of the outputs' rows: 1 for tiled codes (chunks of tiles)
     if all(type(m) is QuantLinear for m in linears):
         names = ("codes", "scale", "minimum")

@@ -499,7 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "begins with the same tokens (a conversation's next turn, another question on one "
                           "document) prefills only the rest (dense, quest, lowbit, oracle, raas, omnikv without "
                           "offload; default 0: none)")
-    srv.add_argument("--compile", action="store_true", help="fuse the decode step's layer code with torch.compile")
+    srv.add_argument("--compile", action="store_true", help="fuse the decode step's layer code with torch.compile, "
+                     "and build cuDNN's prompt attention plans at start")
     srv.add_argument("--chat-template", help="a Jinja chat template file, for a tokenizer that has none")
     srv.add_argument("--api-key", help="the key clients must give (Authorization: Bearer KEY) for /v1/ requests "
                                        "(default: $SPARSEKV_API_KEY, else none asked)")

@@ -1334,3 +1334,19 @@ def test_the_pool_allocates_what_its_accounting_says(model, name):
         tensors[runner.shared.table.untyped_storage().data_ptr()] = runner.shared.table.untyped_storage().nbytes()
     allocated = sum(tensors.values())
     assert 0.9 * runner.pool_bytes <= allocated <= 1.01 * runner.pool_bytes
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_prepare_builds_the_prompt_plans_of_its_passes_under_compile(model, compile, monkeypatch):
+    """``Runner.prepare`` builds cuDNN's prompt attention plans only under ``compile``, for the heads, head dim,
+    dtype and scale of the model, passes of the larger of prefill_chunk and step_tokens, and the max context."""
+    from sparsekv.serve import runner as runner_module
+
+    calls = []
+    monkeypatch.setattr(runner_module, "build_prompt_plans", lambda *args: calls.append(args) or 7)
+    engine = ServingEngine(model, QuestConfig(token_budget=32, dense_layers=0), max_batch=2, max_context=CONTEXT,
+                           prefill_chunk=CHUNK, step_tokens=48, compile=compile)
+    attn = model.get_decoder().layers[0].self_attn
+    assert engine.runner.prepare() == (7 if compile else 0)
+    assert calls == ([(model.config.num_attention_heads, model.config.num_key_value_heads, attn.head_dim,
+                       torch.float32, torch.device("cpu"), attn.scaling, 48, CONTEXT)] if compile else [])

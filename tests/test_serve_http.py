@@ -413,6 +413,30 @@ def test_max_tokens_over_max_new_tokens_gives_400_naming_the_limit():
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
 
 
+def test_the_engine_thread_prepares_the_runner_then_serves_and_a_failed_preparation_is_logged(monkeypatch, caplog):
+    """``Runner.prepare`` (cuDNN's plans, kept per thread by PyTorch) runs in the thread that steps the engine; where
+    it fails, the server logs it and serves all the same (the passes build the plans they meet)."""
+    import threading
+
+    from sparsekv.serve.runner import Runner
+
+    threads = []
+
+    def prepare(self):
+        threads.append(threading.current_thread().name)
+        raise RuntimeError("no plans today")
+
+    monkeypatch.setattr(Runner, "prepare", prepare)
+    tokenizer = byte_tokenizer()
+    engine = ServingEngine(tiny_model("llama", layers=1, max_positions=256), build_config("dense"),
+                           tokenizer=tokenizer, max_batch=1, max_context=256, prefill_chunk=64)
+    with caplog.at_level("ERROR", logger="sparsekv.serve"), running(create_app(engine, tokenizer, NAME)) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert threads == ["sparsekv-engine"]
+    assert "building the prompt attention plans failed" in caplog.text
+
+
 def test_full_queue_gives_429_and_a_disconnect_frees_rows(server, client):
     """MAX_BATCH long requests run, MAX_QUEUE wait; one more is refused with 429. Every client then leaves
     mid-stream: the rows come back to the pool, and the server still answers."""

@@ -96,16 +96,19 @@ def shared_page_bytes(method, token_bytes: int, page_bytes: int, layers: int) ->
 
 
 def prefill_bytes(method, max_context: int, token_bytes: int, kv_heads: int, head_dim: int,
-                  dtype: torch.dtype) -> int:
+                  dtype: torch.dtype, hidden_size: int = 0) -> int:
     """Device bytes one prompt of up to ``max_context`` tokens takes beside a pool of ``method`` while it is
     prefilled: its cache of one row (``Method.prefill_device_tokens``: every layer's keys and values before any
     eviction, OmniKV's offloaded layers one at a time), or in shared pages, whose store pages it writes, one layer's
     keys and values read for its attention (``prompt_attention``: gathered or copied), and their copy in ``dtype``
-    where the cache holds another (fp8)."""
+    where the cache holds another (fp8). ``hidden_size``: where the prompt runs layer by layer
+    (``engine.prefill_passes``, not mixed steps), the model's hidden size: its hidden states between two layers,
+    (1, S, hidden) in ``dtype``, are held beside (0: not counted)."""
+    between = max_context * hidden_size * dtype.itemsize
     if shares_pages(method):  # in a cache dtype other than the model's, the gathered tokens and their conversion
         converted = 2 * kv_heads * head_dim * dtype.itemsize
-        return max_context * (token_bytes + (converted if converted != token_bytes else 0))
-    return method.prefill_device_tokens(max_context) * token_bytes
+        return between + max_context * (token_bytes + (converted if converted != token_bytes else 0))
+    return between + method.prefill_device_tokens(max_context) * token_bytes
 
 
 def device_budget(device: torch.device, utilization: float, profile: int) -> int | None:
@@ -293,7 +296,8 @@ class Runner:
         choices = [c.build(self.num_layers) for c in config.build(self.num_layers).pool_configs()]
 
         def beside_bytes(method) -> int:
-            return prefill_bytes(method, max_context, self.token_bytes, kv_heads, attn.head_dim, dtype) + others
+            return prefill_bytes(method, max_context, self.token_bytes, kv_heads, attn.head_dim, dtype,
+                                 0 if step_tokens else model.config.hidden_size) + others
 
         self.method = choices[-1] if budget is None else next(
             (m for m in choices if pool_bytes(m) + beside_bytes(m) <= budget), choices[-1])
@@ -389,19 +393,21 @@ class Runner:
         self.in_flight: Launched | None = None  # the step ``launch`` queued, until ``collect``
 
     def profile(self, config, chunk: int, rows: int) -> int:
-        """Device bytes the steps take beside the pool, measured (``peak_bytes``): the activations of a prompt pass of
-        ``chunk`` random tokens through every layer of ``config``'s method (its cache of one row not counted: the
-        pool holds a prompt's keys and values), plus a decode step's logits, sampling, penalties and
-        log-probabilities over ``rows`` rows, apart because captured steps keep theirs in the graphs' memory pool
-        (``engine.GraphCapture``)."""
+        """Device bytes the steps take beside the pool, measured (``peak_bytes``): the activations of prompt passes of
+        ``chunk`` random tokens through every layer of ``config``'s method, a second one where the context allows
+        (its attention over the keys before it, ``prompt_attention``'s second part, included; its cache of one row
+        not counted: the pool holds a prompt's keys and values), plus a decode step's logits, sampling, penalties
+        and log-probabilities over ``rows`` rows, apart because captured steps keep theirs in the graphs' memory
+        pool (``engine.GraphCapture``)."""
         device, vocab = self.device, self.vocab_size
 
         def prompt_pass() -> int:
             method = config.build(self.num_layers)
             method.tp_group = self.tp_group
             cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
-            cache.pages.planned_tokens = method.planned_tokens([chunk], chunk)
-            ids = torch.randint(vocab, (1, chunk), device=device)
+            tokens = min(2 * chunk, self.max_context)
+            cache.pages.planned_tokens = method.planned_tokens([tokens], tokens)
+            ids = torch.randint(vocab, (1, tokens), device=device)
             with apply(self.model, method.config), torch.no_grad():
                 run_passes(prefill_passes(self.model, cache, ids, None, chunk, layers=self.decoder))
             return cache.pages.resident_bytes()

@@ -123,6 +123,7 @@ def test_load_rows_come_back_from_the_child(fake_vllm):
     kept = peer.load_rows_of("vllm", "shape:tiny", [[1] * 100], [9], 4, 0, kv_cache_memory_bytes=2**30)
     assert kept["rows"][0]["kv_capacity_gib"] == 1.0
     assert row["tpot_p50_ms"] == pytest.approx(2.0) and row["ttft_p50_ms"] == pytest.approx(15.0)
+    assert row["ttft_max_ms"] >= row["ttft_p99_ms"]
     assert row["output_tokens_per_s"] == pytest.approx(21 / row["duration_s"])
 
 
@@ -201,8 +202,8 @@ def test_serve_puts_the_peers_row_in_its_table(tmp_path, monkeypatch):
         assert peer_name == "vllm" and options[:2] == ["--model", "shape:tiny"]
         return {"peer": "vllm", "version": "0.26.0", "rows": [
             {"peer": "vllm", "requests_done": 3, "output_tokens": 12, "duration_s": 1e4, "output_tokens_per_s": 12e-4,
-             "requests_per_s": 3e-4, "ttft_p50_ms": 5.0, "ttft_p90_ms": 6.0, "ttft_p99_ms": 6.0, "tpot_p50_ms": 2.0,
-             "tpot_p90_ms": 2.0, "tpot_p99_ms": 2.0, "max_batch": 2}]}
+             "requests_per_s": 3e-4, "ttft_p50_ms": 5.0, "ttft_p90_ms": 6.0, "ttft_p99_ms": 6.0, "ttft_max_ms": 6.0,
+             "tpot_p50_ms": 2.0, "tpot_p90_ms": 2.0, "tpot_p99_ms": 2.0, "max_batch": 2}]}
 
     monkeypatch.setattr(peer, "peer_rows", fake_peer)
     monkeypatch.setattr(serve, "peer_problem", lambda args, device: None)  # the CPU stands in for the GPU
@@ -215,6 +216,10 @@ def test_serve_puts_the_peers_row_in_its_table(tmp_path, monkeypatch):
     peer_row, dense = result["rows"]
     assert peer_row["via"] == "vllm" and dense["spec"] == "dense" and result["meta"]["peer"]["version"] == "0.26.0"
     assert dense["vs_peer"] == pytest.approx(dense["output_tokens_per_s"] / 12e-4)
+    # the share of each run before its last first token: 6 ms of 10,000 s for the peer
+    assert peer_row["until_last_ttft"] == pytest.approx(6e-7)
+    assert dense["until_last_ttft"] == pytest.approx(dense["ttft_max_ms"] / 1e3 / dense["duration_s"])
+    assert 0 < dense["until_last_ttft"] <= 1
     table = (tmp_path / "serve.md").read_text()
     assert "vs vllm tok/s" in table and "vllm 0.26.0 (dense, prefix caching off" in table
 

@@ -220,14 +220,15 @@ def refuse(prog: str, message: str) -> int:
 
 
 def quantiles(values: list[float]) -> dict:
-    """The p50, p90 and p99 of ``values`` (the value at that rank; None for each when there are none)."""
+    """The p50, p90 and p99 of ``values`` (the value at that rank) and their max; None for each when there are
+    none."""
     if not values:
-        return {"p50": None, "p90": None, "p99": None}
+        return {"p50": None, "p90": None, "p99": None, "max": None}
     values = sorted(values)
 
     def at(q: float) -> float:
         return values[min(int(q * len(values)), len(values) - 1)]
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": values[-1]}
 
 
 def device_name(device: torch.device) -> str:

@@ -536,6 +536,7 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("decode tok/s", "decode_tokens_per_s", "{:.1f}"), ("req/s", "requests_per_s", "{:.3f}"),
                ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"),
                ("TTFT p90", "ttft_p90_ms", "{:.0f}"), ("TTFT p99", "ttft_p99_ms", "{:.0f}"),
+               ("until last TTFT", "until_last_ttft", "{:.0%}"),
                ("TPOT p50 ms", "tpot_p50_ms", "{:.2f}"), ("TPOT p90", "tpot_p90_ms", "{:.2f}"),
                ("TPOT p99", "tpot_p99_ms", "{:.2f}"), ("step p50 ms", "step_p50_ms", "{:.2f}"),
                ("static step ms", "static_step_ms", "{:.2f}"), ("TPOT / static", "tpot_vs_static", "{:.2f}x"),
@@ -587,7 +588,9 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
              f"{'; --capacity: runs stop once memory keeps requests waiting' if meta['capacity'] else ''}; "
              f"prefill {prefill}{fill}{window}. "
              f"via engine: the engine stepped in the bench's thread; via http: the server in this process, the "
-             f"openai client streaming.{peer_note(meta)} Command: `{meta['command']}`", ""]
+             f"openai client streaming. until last TTFT: the share of the run before the last request's first token "
+             f"(with every request given at once, the part that prefills prompts).{peer_note(meta)} "
+             f"Command: `{meta['command']}`", ""]
     return lines + markdown_table(columns, rows) + out_of_memory_lines(meta["out_of_memory"])
 
 
@@ -847,6 +850,9 @@ def main(argv: list[str] | None = None) -> int:
         base = next((r["output_tokens_per_s"] for r in rows if r["via"] == args.peer), None)
         for r in rows:
             r["vs_peer"] = r["output_tokens_per_s"] / base if base and r["output_tokens_per_s"] else None
+        for r in rows:  # with every request given at once: the share of the run that prefills prompts
+            r["until_last_ttft"] = (r["ttft_max_ms"] / 1e3 / r["duration_s"]
+                                    if r.get("ttft_max_ms") is not None and r.get("duration_s") else None)
         write_results(args.out, args.tag, meta, [{k: v for k, v in r.items() if k != "series"} for r in rows],
                       markdown(meta, rows), series={f"{r['spec']} {r['via']}": r["series"] for r in rows
                                                     if "series" in r},

@@ -432,11 +432,8 @@ class Runner:
         if not self.compile:
             return 0
         attn = self.model.get_decoder().layers[0].self_attn
-        ranks = parallel.size(self.tp_group)
-        return build_prompt_plans(self.model.config.num_attention_heads // ranks,
-                                  self.model.config.num_key_value_heads // ranks, attn.head_dim,
-                                  next(self.model.parameters()).dtype, self.device, attn.scaling, self.most_tokens,
-                                  self.max_context)
+        return build_prompt_plans(*parallel.local_heads(self.model), attn.head_dim, next(self.model.parameters()).dtype,
+                                  self.device, attn.scaling, self.most_tokens, self.max_context)
 
     @property
     def free_rows(self) -> int:

@@ -198,8 +198,9 @@ def engine_row(model, config, label: str, context: int, batch: int, args, device
     engine = Engine(model, config, max_batch=batch, max_context=context + args.new_tokens,
                     prefill_chunk=args.prefill_chunk, compile=args.compile)
     profiler = StepProfiler(args.profile) if args.profile and device.type == "cuda" else None
-    if real:  # the prompts' own shapes: the kernels compiled, cuDNN's attention plans built
-        engine.generate(rows, 1, stop_tokens=())
+    if real:  # the prompts' own shapes, in a cache of the measured run's size (cuDNN keys its plans by the
+        # strides of the keys it reads, which follow that size): the kernels compiled, the plans built
+        engine.generate(rows, args.new_tokens, stop_tokens=())
     started = conditions(device)
     out = engine.generate(rows, args.new_tokens, stop_tokens=(), time_steps=True,
                           prefill=None if real else random_fill(model), stream=profiler)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Generator, Iterator, Sequence
 
@@ -312,13 +313,19 @@ class GraphCapture:
 
     def __init__(self):
         self.pool = None
+        # The pool's live graphs: once none lives PyTorch frees the pool, and a capture into it would fail (an
+        # engine's next generate), so the next capture starts a pool of its own.
+        self.graphs: weakref.WeakSet = weakref.WeakSet()
 
     def __call__(self, step: Step) -> Step:
+        if not self.graphs:
+            self.pool = None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             step()
         if self.pool is None:
             self.pool = graph.pool()
+        self.graphs.add(graph)
         graph.replay()
         return graph.replay
 

@@ -2,6 +2,7 @@
 decode step that survives capture (checked on the CPU with an emulated CUDA graph), sampling, stop tokens,
 streaming, and the capacity checks."""
 
+import contextlib
 import dataclasses
 import enum
 
@@ -360,6 +361,45 @@ def test_capacity_is_checked_before_running(model):
         Sampling(temperature=-1)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         Sampling(top_p=2)
+
+
+def test_graph_capture_shares_a_pool_while_a_graph_lives_and_starts_another_after(monkeypatch):
+    """The graphs of ``GraphCapture`` share the first one's memory pool while any of them lives; once none does
+    (PyTorch then frees the pool: capturing into it fails, as an engine's next ``generate`` did on the H200), the
+    next capture starts a pool of its own. CUDA graphs stood in for by fakes that record the pool they capture
+    into."""
+    import gc
+
+    pools = iter(range(100))
+    captured_into = []
+
+    class FakeGraph:
+        def __init__(self):
+            self.own = next(pools)
+
+        def pool(self):
+            return self.own
+
+        def replay(self):
+            return None
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None):
+        captured_into.append(pool)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    capture = engine_module.GraphCapture()
+    first = capture(lambda: None)
+    second = capture(lambda: None)
+    assert captured_into == [None, 0]  # the second graph into the first's pool
+    del first, second
+    gc.collect()
+    third = capture(lambda: None)
+    assert captured_into == [None, 0, None] and capture.pool == 2  # no graph lived: a new pool
+    capture(lambda: None)
+    assert captured_into[-1] == 2 and third is not None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -159,15 +159,21 @@ def size(group: dist.ProcessGroup | None) -> int:
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``tensor`` summed over the group's processes (any shape, the same on every process): a new tensor, through
-    PyTorch's functional collective (DTensor's), which torch.compile traces and a CUDA graph captures."""
-    if group is None:
-        return tensor
-    return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))
+    """``tensor`` summed over the group's processes, in place (any shape, the same on every process)."""
+    if group is not None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
 
 
 def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The element-wise maximum of ``tensor`` over the group's processes: a new tensor (``all_reduce_sum``)."""
-    if group is None:
-        return tensor
-    return funcol.wait_tensor(funcol.all_reduce(tensor, "max", group))
+    """The element-wise maximum of ``tensor`` over the group's processes, in place."""
+    if group is not None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def sum_partials(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum over the group's processes of a product's partial outputs (``row_split``): a new tensor, through
+    PyTorch's functional collective (DTensor's), which torch.compile traces inside a compiled part and a CUDA graph
+    captures."""
+    return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))

@@ -19,7 +19,7 @@ layer, its attention the prompt's dense one), compiled with dynamic shapes where
 Weights that are not plain tensors (the DTensor shards of transformers' tensor parallelism) are left as they are
 and multiplied through their modules, one product each, but for the projections whose inputs are split (o and
 down): those multiply their local columns and sum the partial outputs over the processes themselves
-(``parallel.all_reduce_sum``), the one collective of each.
+(``parallel.sum_partials``), the one collective of each.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Fused:
         else:
             out = kernels.linear_quantized(x, self.weight, self.scale, self.minimum, self.bias)
         if self.group is not None:
-            out = parallel.all_reduce_sum(out, self.group)
+            out = parallel.sum_partials(out, self.group)
         return out.split(self.sizes, dim=-1)
 
 

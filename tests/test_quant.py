@@ -221,7 +221,7 @@ def test_cuda_int4_every_launch_matches_float64_reference(launch, rows, k):
         x = torch.randn(rows, k, generator=g, device=DEV).to(dtype)
         b = torch.randn(n, generator=g, device=DEV).to(dtype)
         out = torch.full((rows, n), float("nan"), device=DEV, dtype=dtype)
-        cuda.module("quant").int4_products(x, *tiles, b, out, *launch)
+        cuda.module("quant").int4_products(x, *tiles, b, out, *launch, False)
         exact = ref.linear_quantized(x.to(F64), codes, scale, minimum, b.to(F64))
         torch_err = (ref.linear_quantized(x.float(), codes, scale, minimum, b.float()).to(dtype).to(F64)
                      - exact).norm() / exact.norm()

@@ -39,7 +39,7 @@ from typing import Callable, Generator
 import torch
 import torch.distributed as dist
 
-from .. import parallel
+from .. import kernels, parallel
 from ..cache import KV_DTYPE_HELP, storage_dtype
 from ..engine import Engine, prompt_passes, run_passes
 from ..errors import ConfigError
@@ -327,6 +327,7 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                 f"decode ms per token from its engine's first and last token times.")
     weights = "" if meta.get("weights", "float") == "float" else f", {meta['weights']} weights"
     weights += "" if meta.get("kv_dtype", "auto") == "auto" else f", {meta['kv_dtype']} KV"
+    weights += ", programmatic dependent launch" if meta.get("pdl") else ""
     lines = [f"# End-to-end decode ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
              f"{how} fill = random: the cache was filled with random keys and values instead of a real prefill. "
              f"Command: `{meta['command']}`", "", *markdown_table(columns, rows)]
@@ -389,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="contexts at which to time transformers' StaticCache + torch.compile loop too")
     parser.add_argument("--profile", type=int_arg(0), default=0, metavar="STEPS",
                         help="list the kernels of this many captured decode steps of each row (torch.profiler, CUDA)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="programmatic dependent launch for our kernels and torch.compile's "
+                             "(kernels.set_programmatic_launch; CUDA, Hopper and later)")
     weights_arg(parser)
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"], help=KV_DTYPE_HELP)
     parser.add_argument("--peer", choices=PEERS, default=None,
@@ -449,6 +453,13 @@ def main(argv: list[str] | None = None) -> int:
         weights = shape_weights(args.model, dtype)
     except ValueError as err:
         parser.error(str(err))
+    if args.pdl:
+        if device.type != "cuda":
+            parser.error(f"--pdl launches CUDA kernels, the device is {device}")
+        try:
+            kernels.set_programmatic_launch(True)
+        except RuntimeError as err:
+            parser.error(str(err))
     longest = max(args.contexts) + args.new_tokens
     gpus = dist.get_world_size() if parallel.launched() else 1
     where = device_name(device) + (f" x {gpus} (tensor parallel)" if gpus > 1 else "")
@@ -491,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(device, Timer(device, reps=30)) if device.type == "cuda" else None
     rows, out_of_memory = list(peer_results), []
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "weights": args.weights,
-            "kv_dtype": args.kv_dtype,
+            "kv_dtype": args.kv_dtype, "pdl": args.pdl,
             "new_tokens": args.new_tokens,
             "device_name": where, "torch": torch.__version__,
             "bandwidth_tbs": None if bandwidth is None else bandwidth / 1e12,

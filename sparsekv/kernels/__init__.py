@@ -63,6 +63,32 @@ def observe(callback: Callable) -> Iterator[None]:
         _observers.remove(callback)
 
 
+_programmatic = False  # see set_programmatic_launch
+
+
+def set_programmatic_launch(enabled: bool) -> None:
+    """Turns programmatic dependent launch (PDL, CUDA on Hopper and later) on or off for the whole process. On, every
+    kernel of ours is launched so that the GPU may start it while the kernel before it in the stream still runs: it
+    waits for that kernel's writes (``griddepcontrol.wait``) only once its own prologue is done (the 4-bit products
+    copy their first weight stages before it), then lets the kernel after it launch (``launch_dependents``); and the
+    Triton kernels torch.compile generates from then on do the same (inductor's ``triton.enable_pdl``). Launches
+    captured in a CUDA graph keep the setting of their capture. Raises RuntimeError where this torch's inductor has
+    no such option."""
+    global _programmatic
+    import torch._inductor.config as inductor
+
+    if not hasattr(inductor.triton, "enable_pdl"):
+        raise RuntimeError(f"set_programmatic_launch: torch {torch.__version__}'s inductor has no triton.enable_pdl; "
+                           "torch.compile's kernels could not take part")
+    inductor.triton.enable_pdl = bool(enabled)
+    _programmatic = bool(enabled)
+
+
+def programmatic_launch() -> bool:
+    """Whether kernels are launched with programmatic dependent launch (``set_programmatic_launch``)."""
+    return _programmatic
+
+
 # The ``sparsekv`` op namespace, defined through the low-level API: a call costs a few us on the host, where
 # torch.library.custom_op's Python autograd and version-counter wrappers measured 25-30 us per op and over 100 us
 # for append_token's six mutated tensors. Nothing differentiates through a decode step: no autograd formula is
@@ -259,4 +285,5 @@ __all__ = ["page_scores", "select_pages", "quest_select", "coded_scores", "lowbi
            "sparse_decode", "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "weigh_window",
            "sparse_decode_tokens", "append_token", "append_pages", "page_bounds", "page_codes", "raas_update", "linear",
            "linear_quantized", "landmark_means", "landmark_page_scores", "landmark_select", "page_means",
-           "merge_lse", "count_attended", "merge_attention", "observe", "fused", "reference"]
+           "merge_lse", "count_attended", "merge_attention", "observe", "fused", "reference",
+           "set_programmatic_launch", "programmatic_launch"]

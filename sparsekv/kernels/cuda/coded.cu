@@ -191,6 +191,7 @@ __global__ void __launch_bounds__(W * 32) lse_kernel(
   const int row = blockIdx.x, b = row / HKV, kvh = row % HKV;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int s0 = blockIdx.y * chunk, s1 = min(C, s0 + chunk), groups = (s1 - s0 + R - 1) / R;
+  sparsekv::dependent_launch();
   if (coding.keys != nullptr) {
     // The warp whose groups hold the current page (slot 0 for a row without pages) codes it before it copies any
     // codes, at every step, whether or not the row chooses this step.
@@ -409,29 +410,28 @@ template <bool BF16, int BITS, int D, int R>
 void launch(const torch::Tensor& q, const torch::Tensor& kmin, const torch::Tensor& kmax, const torch::Tensor& codes,
             const Coding& coding, const torch::Tensor& slot_page, const torch::Tensor& seq_len,
             const torch::Tensor& first, torch::Tensor& out, torch::Tensor& part, double scale, int64_t reuse,
-            int64_t chunk) {
+            int64_t chunk, bool pdl) {
   constexpr int P = 16, W = 4;
   const int B = q.size(0), H = q.size(1), HKV = kmin.size(1), C = kmin.size(2);
   const dim3 grid(B * HKV, part.size(1));
-  lse_kernel<BF16, BITS, D, R, P, W><<<grid, W * 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  sparsekv::launch_kernel(lse_kernel<BF16, BITS, D, R, P, W>, grid, W * 32, 0, pdl,
       reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(kmin.data_ptr()),
       reinterpret_cast<const uint16_t*>(kmax.data_ptr()), codes.data_ptr<uint8_t>(), coding,
       slot_page.data_ptr<int64_t>(), seq_len.data_ptr<int64_t>(), first.data_ptr<int64_t>(), out.data_ptr<float>(),
       part.data_ptr<float>(), HKV, H / HKV, C, chunk, part.size(1), (float)scale * kLog2e, reuse, q.stride(0),
       q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), codes.stride(0), codes.stride(1), codes.stride(2),
       slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <bool BF16, int BITS>
 void by_shape(int D, int R, const torch::Tensor& q, const torch::Tensor& kmin, const torch::Tensor& kmax,
               const torch::Tensor& codes, const Coding& coding, const torch::Tensor& slot_page,
               const torch::Tensor& seq_len, const torch::Tensor& first, torch::Tensor& out, torch::Tensor& part,
-              double scale, int64_t reuse, int64_t chunk) {
+              double scale, int64_t reuse, int64_t chunk, bool pdl) {
 #define SPARSEKV_CODED(DD, RR) \
   if (D == DD && R == RR)        \
   return launch<BF16, BITS, DD, RR>(q, kmin, kmax, codes, coding, slot_page, seq_len, first, out, part, scale, reuse, \
-                                    chunk)
+                                    chunk, pdl)
   if constexpr (BITS >= 2) {
     SPARSEKV_CODED(64, 1);
     SPARSEKV_CODED(64, 2);
@@ -445,12 +445,13 @@ void by_shape(int D, int R, const torch::Tensor& q, const torch::Tensor& kmin, c
 }  // namespace
 
 // (out, part) of the codes' page log-sum-exps; chunk: slots a block takes (even, at most kMaxChunk). With keys and
-// cur_slot, each row's current page is coded first (``reference.code_page``), in codes.
+// cur_slot, each row's current page is coded first (``reference.code_page``), in codes. pdl: programmatic dependent
+// launch.
 std::vector<torch::Tensor> coded_lse(const torch::Tensor& q, const torch::Tensor& kmin, const torch::Tensor& kmax,
                                      const torch::Tensor& codes, const std::optional<torch::Tensor>& keys,
                                      const std::optional<torch::Tensor>& cur_slot, const torch::Tensor& slot_page,
                                      const torch::Tensor& seq_len, const torch::Tensor& first, double scale,
-                                     int64_t bits, int64_t reuse, int64_t chunk) {
+                                     int64_t bits, int64_t reuse, int64_t chunk, bool pdl) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), HKV = kmin.size(1), C = kmin.size(2);
   const auto type = q.scalar_type();
   TORCH_CHECK(q.is_cuda() && (type == torch::kBFloat16 || type == torch::kHalf) && kmin.scalar_type() == type &&
@@ -487,9 +488,9 @@ std::vector<torch::Tensor> coded_lse(const torch::Tensor& q, const torch::Tensor
 #define SPARSEKV_BITS(BB)                                                                                       \
   if (bits == BB) {                                                                                           \
     if (bf16) by_shape<true, BB>(D, R, q, kmin, kmax, codes, coding, slot_page, seq_len, first, out, part,      \
-                                 scale, reuse, chunk);                                                        \
+                                 scale, reuse, chunk, pdl);                                                   \
     else by_shape<false, BB>(D, R, q, kmin, kmax, codes, coding, slot_page, seq_len, first, out, part, scale,  \
-                             reuse, chunk);                                                                   \
+                             reuse, chunk, pdl);                                                              \
     return {out, part};                                                                                       \
   }
   SPARSEKV_BITS(1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import programmatic_launch
 from . import available, module
 
 HEAD_DIMS = (64, 128)  # head dims with a kernel (at least 128 bits of codes per token)
@@ -61,4 +62,4 @@ def coded_lse(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: to
     first, reuse = gate or (seq_len, 1)
     k, cur_slot = current or (None, None)
     return tuple(module("coded").coded_lse(q.contiguous(), kmin, kmax, codes, k, cur_slot, slot_page, seq_len, first,
-                                           scale, bits, reuse, chunk))
+                                           scale, bits, reuse, chunk, programmatic_launch()))

@@ -129,6 +129,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const Args a) {
   const int row = blockIdx.x, split = blockIdx.y, G = a.group;
   const int64_t b = row / a.hs;
   const int r = row % a.hs, kvh = r / a.rows_per_kv;
+  sparsekv::dependent_launch();
   const int64_t q_pos = a.seq_len[b] - 1;
   const int first = split * a.per_split;
   int last = min(first + a.per_split, a.n_sel);
@@ -308,35 +309,34 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const Args a) {
 }
 
 template <typename T, int D, bool IN_ORDER, bool COUNT>
-void launch(const Args& a, int rows) {
+void launch(const Args& a, int rows, bool pdl) {
   constexpr int bytes = shared_bytes<D>();
   auto* kernel = split_kernel<T, D, IN_ORDER, COUNT>;
   static const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   TORCH_CHECK(set == cudaSuccess, "fp8 split_attention: ", cudaGetErrorString(set));
-  kernel<<<dim3(rows, a.n_splits), kWarps * 32, bytes, c10::cuda::getCurrentCUDAStream()>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  sparsekv::launch_kernel(kernel, dim3(rows, a.n_splits), kWarps * 32, bytes, pdl, a);
 }
 
 template <typename T, int D>
-void by_mode(const Args& a, int rows, bool in_order, bool count) {
-  if (in_order) count ? launch<T, D, true, true>(a, rows) : launch<T, D, true, false>(a, rows);
-  else count ? launch<T, D, false, true>(a, rows) : launch<T, D, false, false>(a, rows);
+void by_mode(const Args& a, int rows, bool in_order, bool count, bool pdl) {
+  if (in_order) count ? launch<T, D, true, true>(a, rows, pdl) : launch<T, D, true, false>(a, rows, pdl);
+  else count ? launch<T, D, false, true>(a, rows, pdl) : launch<T, D, false, false>(a, rows, pdl);
 }
 
 template <typename T>
-void by_head_dim(const Args& a, int rows, int D, bool in_order, bool count) {
-  D == 64 ? by_mode<T, 64>(a, rows, in_order, count) : by_mode<T, 128>(a, rows, in_order, count);
+void by_head_dim(const Args& a, int rows, int D, bool in_order, bool count, bool pdl) {
+  D == 64 ? by_mode<T, 64>(a, rows, in_order, count, pdl) : by_mode<T, 128>(a, rows, in_order, count, pdl);
 }
 
 }  // namespace
 
 // {part, stats, counts} of the split attention (see the top of this file): rows_per_b selection rows per sequence,
-// n_splits splits of per_split entries each; counts is empty unless count.
+// n_splits splits of per_split entries each; counts is empty unless count. pdl: programmatic dependent launch.
 std::vector<torch::Tensor> split_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                            const torch::Tensor& slot_page, const torch::Tensor& sel,
                                            const torch::Tensor& seq_len, double scale, int64_t n_splits,
                                            int64_t per_split, bool in_order, bool count,
-                                           const std::optional<torch::Tensor>& table) {
+                                           const std::optional<torch::Tensor>& table, bool pdl) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), HKV = k.size(1), HS = sel.size(1);
   const auto type = q.scalar_type();
   TORCH_CHECK(q.is_cuda() && (type == torch::kBFloat16 || type == torch::kHalf) && q.stride(2) == 1,
@@ -370,8 +370,8 @@ std::vector<torch::Tensor> split_attention(const torch::Tensor& q, const torch::
                slot_page.stride(1), sel.stride(0), sel.stride(1), store ? table->stride(0) : 0,
                (int)sel.size(2), (int)per_split, (int)n_splits, (int)HS, (int)(HS / HKV), (int)(H / HS),
                (float)scale * kLog2e};
-  if (type == torch::kHalf) by_head_dim<__half>(a, B * HS, D, in_order, count);
-  else by_head_dim<__nv_bfloat16>(a, B * HS, D, in_order, count);
+  if (type == torch::kHalf) by_head_dim<__half>(a, B * HS, D, in_order, count, pdl);
+  else by_head_dim<__nv_bfloat16>(a, B * HS, D, in_order, count, pdl);
   return {part, stats, counts};
 }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import programmatic_launch
 from . import available, module
 
 HEAD_DIMS = (64, 128)
@@ -36,4 +37,4 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page
     empty unless ``count``), through the rows' page ``table`` (B, C) into a store of shared pages when given;
     operands as ``supported`` takes them."""
     return tuple(module("fp8kv").split_attention(q, k, v, slot_page, sel, seq_len, scale, splits, per_split,
-                                                 in_order, count, table))
+                                                 in_order, count, table, programmatic_launch()))

@@ -1,7 +1,12 @@
 // What the CUDA kernels share: building tensor-core operands from codes in registers, and the m16n8k16 product.
 #pragma once
 
+#include <cuda_runtime.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
 #include <cstdint>
+#include <utility>
 
 namespace sparsekv {
 
@@ -67,6 +72,32 @@ __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_
 template <int N>
 __device__ __forceinline__ void wait_copies() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// Programmatic dependent launch (``kernels.set_programmatic_launch``), where a kernel begins to touch memory the
+// kernel before it in the stream writes or reads: waits until that kernel has finished and its writes are visible,
+// then lets the kernel after this one launch. Both instructions do nothing in a launch without the attribute.
+__device__ __forceinline__ void dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, shared, the current stream>>>(args...), with programmatic dependent launch if pdl.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared, bool pdl, Args&&... args) {
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared;
+  config.stream = c10::cuda::getCurrentCUDAStream();
+  config.attrs = &attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 }  // namespace sparsekv

@@ -115,7 +115,8 @@ __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restri
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[r][nb][j] = 0.f;
 #pragma unroll
-  for (int i = 0; i < S - 1; ++i) issue(i);
+  for (int i = 0; i < S - 1; ++i) issue(i);  // weights: no kernel of the step writes them, so before the wait
+  sparsekv::dependent_launch();
   load_x(0);
   for (int i = 0; i < steps; ++i) {
     wait_copies<S - 2>();
@@ -218,7 +219,7 @@ __global__ void __launch_bounds__(W * 32) int4_products(const uint16_t* __restri
 
 template <bool BF16, int COLS, int W, int R, int S>
 void launch(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-            const torch::Tensor& minimum, const uint16_t* bias, torch::Tensor& out) {
+            const torch::Tensor& minimum, const uint16_t* bias, torch::Tensor& out, bool pdl) {
   const int M = x.size(0), K = x.size(1), N = out.size(1);
   constexpr int bytes = W * S * R * SLOT * 16;
   static_assert(bytes <= 227 * 1024 && bytes >= W * R * (COLS > 8 ? 2 : 1) * 512,
@@ -226,20 +227,19 @@ void launch(const torch::Tensor& x, const torch::Tensor& codes, const torch::Ten
   const auto kernel = int4_products<BF16, COLS, W, R, S>;
   static const cudaError_t sized = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   TORCH_CHECK(sized == cudaSuccess, "int4_products: ", bytes, " bytes of shared memory: ", cudaGetErrorString(sized));
-  kernel<<<N / (16 * R), W * 32, bytes, c10::cuda::getCurrentCUDAStream()>>>(
+  sparsekv::launch_kernel(kernel, N / (16 * R), W * 32, bytes, pdl,
       reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint4*>(codes.data_ptr()),
       reinterpret_cast<const uint4*>(scale.data_ptr()), reinterpret_cast<const uint4*>(minimum.data_ptr()), bias,
-      reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K, codes.stride(0) / 128);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K, (int)(codes.stride(0) / 128));
 }
 
 template <bool BF16, int COLS>
 void dispatch(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
               const torch::Tensor& minimum, const uint16_t* bias, torch::Tensor& out, int64_t warps, int64_t tiles,
-              int64_t stages) {
+              int64_t stages, bool pdl) {
 #define SPARSEKV_LAUNCH(W, R, S)                 \
   if (warps == W && tiles == R && stages == S) \
-    return launch<BF16, COLS, W, R, S>(x, codes, scale, minimum, bias, out);
+    return launch<BF16, COLS, W, R, S>(x, codes, scale, minimum, bias, out, pdl);
   SPARSEKV_LAUNCHES
 #undef SPARSEKV_LAUNCH
   TORCH_CHECK(false, "int4_products: no launch of ", warps, " warps, ", tiles, " tiles and ", stages, " stages");
@@ -247,10 +247,11 @@ void dispatch(const torch::Tensor& x, const torch::Tensor& codes, const torch::T
 
 }  // namespace
 
-// out (M, N) = x (M, K) times the tiled weight (plus bias); warps, tiles and stages: one of the launches built.
+// out (M, N) = x (M, K) times the tiled weight (plus bias); warps, tiles and stages: one of the launches built;
+// pdl: programmatic dependent launch.
 void int4_products(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                    const torch::Tensor& minimum, const c10::optional<torch::Tensor>& bias, torch::Tensor& out,
-                   int64_t warps, int64_t tiles, int64_t stages) {
+                   int64_t warps, int64_t tiles, int64_t stages, bool pdl) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(x.is_cuda() && x.is_contiguous() && (x.scalar_type() == torch::kBFloat16 ||
               x.scalar_type() == torch::kHalf), "int4_products: x must be a contiguous bf16 or fp16 CUDA tensor");
@@ -281,7 +282,7 @@ void int4_products(const torch::Tensor& x, const torch::Tensor& codes, const tor
   const auto run = M == 1 ? (bf16 ? dispatch<true, 1> : dispatch<false, 1>)
                  : M <= 8 ? (bf16 ? dispatch<true, 8> : dispatch<false, 8>)
                           : (bf16 ? dispatch<true, 16> : dispatch<false, 16>);
-  run(x, codes, scale, minimum, b, out, warps, tiles, stages);
+  run(x, codes, scale, minimum, b, out, warps, tiles, stages, pdl);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

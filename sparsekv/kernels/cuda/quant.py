@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import TILE_N
+from .. import programmatic_launch
 from . import module
 
 # An mma.sync product covers 8 input rows (its B operand's columns), 16 outputs and 16 inputs; the kernel takes two
@@ -49,5 +50,5 @@ def int4_products(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, min
         x = x.clone()
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     module("quant").int4_products(x, codes, scale, minimum, None if bias is None else bias.to(x.dtype), out,
-                                  *launch_for(n, x.shape[0], sms))
+                                  *launch_for(n, x.shape[0], sms), programmatic_launch())
     return out

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import TUNING
+from .common import TUNING, dependent_launch, pdl_launch
 
 
 @triton.jit
@@ -20,7 +20,8 @@ def _append_token_kernel(k_ptr, v_ptr, kmin_ptr, kmax_ptr, sp_ptr, cur_ptr, pos_
                          n_free, sk_b, sk_h, sk_c, sk_p, sv_b, sv_h, sv_c, sv_p, sm_b, sm_h, sm_c, ss_b, ss_h, sc_b,
                          sc_h, skn_b, skn_h, svn_b, svn_h, st_b,
                          HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr,
-                         HAS_HOLES: tl.constexpr, SEARCH: tl.constexpr, TABLE: tl.constexpr):
+                         HAS_HOLES: tl.constexpr, SEARCH: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     h = (row % HKV).to(tl.int64)  # times a head's stride: past 2**31 in a large store of shared pages
@@ -88,7 +89,7 @@ def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
         cur_slot.stride(0), cur_slot.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         0 if table is None else table.stride(0),
         HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), P=p, HAS_HOLES=has_holes,
-        SEARCH=TUNING["append_search"], TABLE=table is not None, num_warps=TUNING["append_warps"])
+        SEARCH=TUNING["append_search"], TABLE=table is not None, num_warps=TUNING["append_warps"], **pdl_launch())
 
 
 # A pass's positions vary with every chunk: specializing on them (Triton's divisibility by 16) would compile the
@@ -98,8 +99,9 @@ def _append_pages_kernel(k_ptr, v_ptr, kmin_ptr, kmax_ptr, sp_ptr, cur_ptr, kn_p
                          row0, sk_b, sk_h, sk_c, sk_p, sv_b, sv_h, sv_c, sv_p, sm_b, sm_h, sm_c, ss_b, ss_h, sc_b, sc_h,
                          skn_b, skn_h, skn_s, svn_b, svn_h, svn_s, st_b,
                          HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr,
-                         PAGES: tl.constexpr, BOUNDS: tl.constexpr, TABLE: tl.constexpr):
+                         PAGES: tl.constexpr, BOUNDS: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr):
     """Program (row and KV head, block of PAGES pages from the first the pass reaches)."""
+    dependent_launch(PDL)
     pid = tl.program_id(0)
     r = (pid // HKV).to(tl.int64)
     h = (pid % HKV).to(tl.int64)  # times a head's stride: past 2**31 in a large store of shared pages
@@ -166,7 +168,7 @@ def append_pages(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
         cur_slot.stride(0), cur_slot.stride(1), k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0),
         v_new.stride(1), v_new.stride(2), 0 if table is None else table.stride(0),
         HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), P=p, PAGES=block, BOUNDS=p > 1, TABLE=table is not None,
-        num_warps=TUNING["append_warps"])
+        num_warps=TUNING["append_warps"], **pdl_launch())
 
 
 @triton.jit
@@ -181,7 +183,8 @@ def last_of_page(slot_ptr, t, n, P: tl.constexpr):
 
 @triton.jit
 def _page_bounds_kernel(k_ptr, kmin_ptr, kmax_ptr, slot_ptr, n, sk_h, sk_c, sk_p, sm_h, sm_c,
-                        P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                        P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     slot, last = last_of_page(slot_ptr, t, n, P)
@@ -210,4 +213,4 @@ def page_bounds(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_ma
     if n:
         _page_bounds_kernel[(n, hkv)](k, kmin, kmax, slot_mapping, n, k.stride(1), k.stride(2), k.stride(3),
                                       kmin.stride(1), kmin.stride(2), P=k.shape[3], D=d,
-                                      BLOCK_D=triton.next_power_of_2(d))
+                                      BLOCK_D=triton.next_power_of_2(d), **pdl_launch())

@@ -24,8 +24,8 @@ import triton.language as tl
 
 from .. import reference
 from ..cuda import fp8kv as cuda_fp8kv
-from .common import (LOG2E, TUNING, block_d, check, f16_products, fp8_launch, group_pad, interpreted_bf16, num_sms,
-                     precision, product_query)
+from .common import (LOG2E, TUNING, block_d, check, dependent_launch, f16_products, fp8_launch, group_pad,
+                     interpreted_bf16, num_sms, pdl_launch, precision, product_query)
 
 
 @triton.jit
@@ -69,7 +69,8 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, table
                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                             TOKENS: tl.constexpr, COUNT: tl.constexpr, PRECISION: tl.constexpr,
                             UPCAST: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-                            IN_ORDER: tl.constexpr, TABLE: tl.constexpr):
+                            IN_ORDER: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = (row // HS).to(tl.int64)
@@ -143,7 +144,8 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, sp_ptr, sel_ptr, seq_ptr, table
 @triton.jit
 def _merge_kernel(part_ptr, stat_ptr, split_count_ptr, out_ptr, lse_ptr, count_ptr, n_splits, so_b, so_h, sc_b,
                   sc_h, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr, COUNT: tl.constexpr):
+                  BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr, COUNT: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     bh = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -238,7 +240,7 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_
         HS=rows_per_b, ROWS_PER_KV=rows_per_b // hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_N=block_n, P=p, TOKENS=tokens, COUNT=counting, PRECISION=precision(q.dtype),
         UPCAST=interpreted_bf16(q.dtype), F16=f16_products(q, k), PREFETCH=fp8, IN_ORDER=in_order, TABLE=store,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **pdl_launch())
     return _merge(q, part, stats, split_counts, attended, rows_per_b, tokens)
 
 
@@ -269,7 +271,7 @@ def _merge(q, part, stats, split_counts, attended, rows_per_b, tokens):
     _merge_kernel[(b * h,)](part, stats, split_counts, out, lse, count, splits, out.stride(0), out.stride(1),
                             count.stride(0), count.stride(1), H=h, G=g, D=d, BLOCK_D=block_d(d),
                             BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=tokens, COUNT=counting,
-                            num_warps=4)
+                            num_warps=4, **pdl_launch())
     return (out, lse) if tokens else out.to(q.dtype)
 
 
@@ -295,8 +297,9 @@ def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, toke
                                "slb_b", "slb_h", "slb_s"], do_not_specialize_on_alignment=["lse_a_ptr", "lse_b_ptr"])
 def _merge_lse_kernel(a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, out_ptr, lse_ptr, s, sa_b, sa_h, sa_s, sb_b, sb_h, sb_s,
                       sla_b, sla_h, sla_s, slb_b, slb_h, slb_s, H: tl.constexpr, D: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                      BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Program (row and head, block of BLOCK_S positions): the two parts' outputs weighed by their shares."""
+    dependent_launch(PDL)
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
@@ -335,5 +338,5 @@ def merge_lse(a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor,
     _merge_lse_kernel[(n * h, triton.cdiv(s, block))](
         a, lse_a, b, lse_b, out, lse, s, a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1),
         b.stride(2), lse_a.stride(0), lse_a.stride(1), lse_a.stride(2), lse_b.stride(0), lse_b.stride(1),
-        lse_b.stride(2), H=h, D=d, BLOCK_D=block_d(d), BLOCK_S=block, num_warps=4)
+        lse_b.stride(2), H=h, D=d, BLOCK_D=block_d(d), BLOCK_S=block, num_warps=4, **pdl_launch())
     return out.to(a.dtype), lse

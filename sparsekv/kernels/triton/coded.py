@@ -28,7 +28,7 @@ import triton.language as tl
 from .. import reference
 from ..cuda import coded as cuda_coded
 from .append import last_of_page
-from .common import TUNING, check, interpreted_bf16, kept, precision
+from .common import TUNING, check, dependent_launch, interpreted_bf16, kept, pdl_launch, precision
 from .selection import check_out, fused_group_size, group_maxima, select_from_maxima
 
 _ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0
@@ -49,12 +49,13 @@ def _coded_lse_kernel(q_ptr, kmin_ptr, kmax_ptr, codes_ptr, sp_ptr, len_ptr, fir
                       so_b, so_h, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       BLOCK_B: tl.constexpr, P: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr,
                       PRECISION: tl.constexpr, UPCAST: tl.constexpr, REUSE: tl.constexpr, TABLE: tl.constexpr,
-                      IN_ORDER: tl.constexpr):
+                      IN_ORDER: tl.constexpr, PDL: tl.constexpr):
     """Per head, the log-sum-exp of each page's estimated logits (out, (B, H, C)) and of the program's block of
     BLOCK_C slots (part, (B * H, n_parts)); rows that keep their choice (``kept``) are skipped. TABLE: codes and
     bounds are a store of shared pages (strides of batch 0), slot c of row b in page ``table[b, c]``. IN_ORDER:
     slot j holds page j or is free, so nothing is read past the row's last page (a block table or a pool's row
     wider than the row)."""
+    dependent_launch(PDL)
     PER: tl.constexpr = 8 // BITS
     LEVELS: tl.constexpr = (1 << BITS) - 1
     row = tl.program_id(0)
@@ -129,9 +130,10 @@ def head_totals(part_ptr, row, g, in_g, n_parts, G: tl.constexpr, G_P2: tl.const
 def _page_mass_kernel(lse_ptr, part_ptr, out_ptr, len_ptr, first_ptr, cur_ptr, gmax_ptr, sp_ptr, n_slots, n_parts,
                       n_groups, sl_b, sl_h, so_b, so_h, cu_b, cu_h, ss_b, ss_h, HKV: tl.constexpr, G: tl.constexpr,
                       G_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr,
-                      REUSE: tl.constexpr, GS: tl.constexpr, SINKS: tl.constexpr):
+                      REUSE: tl.constexpr, GS: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
     """The shares (out), +inf for the slots of the first SINKS pages of their row, and with GS > 0 the group maxima
     of their keys (``selection.group_maxima``)."""
+    dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     if REUSE > 1:
@@ -188,7 +190,7 @@ def page_shares(lse: torch.Tensor, part: torch.Tensor, kv_heads: int, seq_len: t
         slot_page.stride(0), slot_page.stride(1), HKV=kv_heads, G=h // kv_heads,
         G_P2=triton.next_power_of_2(h // kv_heads), BLOCK_C=block,
         BLOCK_P=min(TUNING["mass_parts"], triton.next_power_of_2(part.shape[1])), PER_HEAD=per_query_head,
-        REUSE=reuse, GS=gs, SINKS=n_sinks, num_warps=TUNING["mass_warps"])
+        REUSE=reuse, GS=gs, SINKS=n_sinks, num_warps=TUNING["mass_warps"], **pdl_launch())
     return out, gmax
 
 
@@ -219,9 +221,10 @@ def _code_keys(k_ptr, lo_ptr, hi_ptr, codes_ptr, sk_p, sc_p, P: tl.constexpr, D:
 @triton.jit
 def _code_page_kernel(k_ptr, kmin_ptr, kmax_ptr, codes_ptr, cur_ptr, table_ptr, sk_b, sk_h, sk_c, sk_p, sm_b, sm_h,
                       sm_c, sc_b, sc_h, sc_c, sc_p, su_b, su_h, st_b, HKV: tl.constexpr, P: tl.constexpr,
-                      D: tl.constexpr, BITS: tl.constexpr, TABLE: tl.constexpr):
+                      D: tl.constexpr, BITS: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr):
     """One program per (sequence, KV head): the codes of its current page. TABLE: a store of shared pages (strides
     of batch 0), slot s of row b in page ``table[b, s]``."""
+    dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     h = row % HKV
@@ -235,8 +238,9 @@ def _code_page_kernel(k_ptr, kmin_ptr, kmax_ptr, codes_ptr, cur_ptr, table_ptr, 
 
 @triton.jit
 def _page_codes_kernel(k_ptr, kmin_ptr, kmax_ptr, codes_ptr, slot_ptr, n, sk_h, sk_c, sk_p, sm_h, sm_c, sc_h, sc_c,
-                       sc_p, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+                       sc_p, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
     """One program per (token written, KV head); the page's last token of the pass codes the page."""
+    dependent_launch(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     slot, last = last_of_page(slot_ptr, t, n, P)
@@ -272,7 +276,7 @@ def code_page(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: to
         k.stride(2), k.stride(3), batch * kmin.stride(0), kmin.stride(1), kmin.stride(2), batch * codes.stride(0),
         codes.stride(1), codes.stride(2), codes.stride(3), cur_slot.stride(0), cur_slot.stride(1),
         0 if table is None else table.stride(0), HKV=hkv, P=k.shape[3], D=k.shape[4], BITS=bits,
-        TABLE=table is not None)
+        TABLE=table is not None, **pdl_launch())
 
 
 def page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
@@ -289,7 +293,7 @@ def page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: t
         _page_codes_kernel[(n, k.shape[1])](
             k, kmin, kmax, codes, slot_mapping, n, k.stride(1), k.stride(2), k.stride(3), kmin.stride(1),
             kmin.stride(2), codes.stride(1), codes.stride(2), codes.stride(3), P=k.shape[3], D=k.shape[4],
-            BITS=bits)
+            BITS=bits, **pdl_launch())
 
 
 def coded_lse_parts(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
@@ -334,7 +338,7 @@ def coded_lse_parts(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, cod
         HKV=hkv, G=h // hkv, G_PAD=max(TUNING["coded_heads"], triton.next_power_of_2(h // hkv)), D=d,
         BLOCK_B=max(16, triton.next_power_of_2(d * bits // 8)), P=p, BLOCK_C=block_c, BITS=bits,
         PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), REUSE=reuse, TABLE=table is not None,
-        IN_ORDER=in_order, num_warps=TUNING["coded_warps"])
+        IN_ORDER=in_order, num_warps=TUNING["coded_warps"], **pdl_launch())
     return out, part
 
 

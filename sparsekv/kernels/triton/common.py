@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from .. import programmatic_launch
+
 # Launch parameters, chosen on the H200 by ``python -m sparsekv.bench.attention --tune`` (see KERNEL_NOTES.md).
 # page_block_k: the page-score kernel reads its block of key bounds in head-dim slices of this many, through a loop
 # of page_stages stages (slices of 64 in 4 stages need ~94 registers instead of ~128 for the whole tile, so
@@ -147,6 +149,23 @@ def product_query(q, F16: tl.constexpr):
     if F16:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     return q
+
+
+@triton.jit
+def dependent_launch(PDL: tl.constexpr):
+    """With PDL (``kernels.set_programmatic_launch``), where a kernel begins to touch memory: waits until the kernel
+    before it in the stream has finished and its writes are visible, then lets the kernel after it launch (its
+    programs then start on the multiprocessors this one leaves and wait there in turn)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_launch() -> dict:
+    """The launch arguments of a kernel that calls ``dependent_launch``: PDL on where the process asks for it, off
+    in the CPU interpreter (which has no grid dependencies)."""
+    on = programmatic_launch() and not knobs.runtime.interpret
+    return {"PDL": on, "launch_pdl": on}
 
 
 def interpreted_bf16(dtype: torch.dtype) -> bool:

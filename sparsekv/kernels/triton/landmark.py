@@ -25,7 +25,7 @@ from triton import knobs
 from .. import reference
 from .append import last_of_page
 from .coded import _lse, page_shares
-from .common import TUNING, block_d, check, group_pad, interpreted_bf16, precision
+from .common import TUNING, block_d, check, dependent_launch, group_pad, interpreted_bf16, pdl_launch, precision
 from .selection import fused_group_size, select_from_maxima
 
 
@@ -72,8 +72,9 @@ def _current_landmarks(k_ptr, m_ptr, sp_ptr, tab_ptr, b, h, slot, n, sk_b, sk_h,
 def _landmark_means_kernel(k_ptr, m_ptr, sp_ptr, cur_ptr, len_ptr, tab_ptr, sk_b, sk_h, sk_c, sk_p, sm_b, sm_h,
                            sm_c, sm_l, ss_b, ss_h, su_b, su_h, st_b, HKV: tl.constexpr, L: tl.constexpr,
                            L_PAD: tl.constexpr, RUN: tl.constexpr, RUN_PAD: tl.constexpr, D: tl.constexpr,
-                           D_PAD: tl.constexpr, TABLE: tl.constexpr, FP8: tl.constexpr):
+                           D_PAD: tl.constexpr, TABLE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """The landmarks of row (sequence, KV head)'s current slot, slot 0 for a row without pages."""
+    dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     h = row % HKV
@@ -85,8 +86,9 @@ def _landmark_means_kernel(k_ptr, m_ptr, sp_ptr, cur_ptr, len_ptr, tab_ptr, sk_b
 @triton.jit
 def _page_means_kernel(k_ptr, m_ptr, slot_ptr, n, sk_h, sk_c, sk_p, sm_h, sm_c, sm_l, P: tl.constexpr,
                        L: tl.constexpr, L_PAD: tl.constexpr, RUN: tl.constexpr, RUN_PAD: tl.constexpr,
-                       D: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr):
+                       D: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """One program per (token written, KV head); the page's last token of the pass writes the page's landmarks."""
+    dependent_launch(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     slot, last = last_of_page(slot_ptr, t, n, P)
@@ -131,7 +133,7 @@ def landmark_means(k: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor
         k, out, slot_page, cur_slot, seq_len, cur_slot if table is None else table, k.stride(0), k.stride(1),
         k.stride(2), k.stride(3), out.stride(0), out.stride(1), out.stride(2), out.stride(3), slot_page.stride(0),
         slot_page.stride(1), cur_slot.stride(0), cur_slot.stride(1), 0 if table is None else table.stride(0),
-        HKV=hkv, TABLE=table is not None, FP8=out.dtype == reference.FP8, **shape)
+        HKV=hkv, TABLE=table is not None, FP8=out.dtype == reference.FP8, **shape, **pdl_launch())
     _round_back(out, means)
 
 
@@ -148,7 +150,7 @@ def page_means(k: torch.Tensor, means: torch.Tensor, slot_mapping: torch.Tensor)
     if n:
         _page_means_kernel[(n, k.shape[1])](
             k, out, slot_mapping, n, k.stride(1), k.stride(2), k.stride(3), out.stride(1), out.stride(2),
-            out.stride(3), P=k.shape[3], FP8=out.dtype == reference.FP8, **shape)
+            out.stride(3), P=k.shape[3], FP8=out.dtype == reference.FP8, **shape, **pdl_launch())
     _round_back(out, means)
 
 
@@ -159,10 +161,11 @@ def _landmark_lse_kernel(q_ptr, k_ptr, m_ptr, sp_ptr, cur_ptr, len_ptr, tab_ptr,
                          D_PAD: tl.constexpr, BLOCK_K: tl.constexpr, L: tl.constexpr, L_PAD: tl.constexpr,
                          RUN: tl.constexpr, RUN_PAD: tl.constexpr, BLOCK_C: tl.constexpr, TABLE: tl.constexpr,
                          PRECISION: tl.constexpr, UPCAST: tl.constexpr, CURRENT: tl.constexpr,
-                         IN_ORDER: tl.constexpr, FP8: tl.constexpr):
+                         IN_ORDER: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """Per head, the log-sum-exp of each page's run logits (out, (B, H, C)) and of the program's block of BLOCK_C
     slots (part, (B * H, n_parts)). CURRENT: the row's current page's landmarks are written first (by the program
     whose block holds it, which alone reads them); IN_ORDER: slot j holds page j or is free."""
+    dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     kvh = row % HKV
@@ -241,7 +244,8 @@ def _landmark_lse(q, means, slot_page, seq_len, page_size, scale, table, current
         BLOCK_K=min(block_d(d), max(16, TUNING["landmark_block_k"])), L=landmarks, L_PAD=l_pad, RUN=run,
         RUN_PAD=triton.next_power_of_2(run), BLOCK_C=block_c, TABLE=table is not None, PRECISION=precision(q.dtype),
         UPCAST=interpreted_bf16(q.dtype), CURRENT=current is not None, IN_ORDER=in_order,
-        FP8=out.dtype == reference.FP8, num_warps=TUNING["landmark_warps"], num_stages=TUNING["landmark_stages"])
+        FP8=out.dtype == reference.FP8, num_warps=TUNING["landmark_warps"], num_stages=TUNING["landmark_stages"],
+        **pdl_launch())
     if current:
         _round_back(out, means)
     return lse, part

@@ -23,12 +23,13 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import TUNING, interpreted_bf16
+from .common import TUNING, dependent_launch, interpreted_bf16, pdl_launch
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, BIAS: tl.constexpr):
+                 EVEN_K: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < n
     acc = tl.zeros((BLOCK_N,), tl.float32)
@@ -55,5 +56,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _gemv_kernel[(triton.cdiv(n, block_n),)](x.contiguous(), weight, weight if bias is None else bias, out, n, k,
                                              BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
                                              BIAS=bias is not None, num_warps=TUNING["gemv_warps"],
-                                             num_stages=TUNING["gemv_stages"])
+                                             num_stages=TUNING["gemv_stages"], **pdl_launch())
     return out.to(x.dtype).view(*x.shape[:-1], n)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import LOG2E, TUNING, block_d, check, interpreted_bf16, precision
+from .common import LOG2E, TUNING, block_d, check, dependent_launch, interpreted_bf16, pdl_launch, precision
 
 _NONE = tl.constexpr(2 ** 62)  # the position of a token no query sees, above every real one
 
@@ -67,8 +67,9 @@ def _mass_lse_kernel(q_ptr, k_ptr, sp_ptr, sl_ptr, qp_ptr, lse_ptr, S, T, scale_
                      sk_b, sk_h, sk_c, sk_p, sp_b, sp_h, sp_c, sl_b, sl_h, sl_k, qp_b, qp_s,
                      H: tl.constexpr, HS: tl.constexpr, HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     UPCAST: tl.constexpr, PDL: tl.constexpr):
     """Pass 1: lse (B, H, S) in log2 units, 0 for a query that sees no token."""
+    dependent_launch(PDL)
     b, h, r, kvh = _program(H, HS, HKV)
     s = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q, pos = _queries(q_ptr, qp_ptr, b, h, s, S, sq_b, sq_h, sq_s, sq_d, qp_b, qp_s, D, BLOCK_D, UPCAST)
@@ -96,8 +97,9 @@ def _mass_sum_kernel(q_ptr, k_ptr, sp_ptr, sl_ptr, qp_ptr, lse_ptr, out_ptr, S, 
                      sq_d, sk_b, sk_h, sk_c, sk_p, sp_b, sp_h, sp_c, sl_b, sl_h, sl_k, qp_b, qp_s,
                      H: tl.constexpr, HS: tl.constexpr, HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     UPCAST: tl.constexpr, PDL: tl.constexpr):
     """Pass 2: out (B, H, T) float32, each token's weights summed over the queries that see it."""
+    dependent_launch(PDL)
     b, h, r, kvh = _program(H, HS, HKV)
     t = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     slot, kpos = _tokens(sl_ptr, sp_ptr, b, r, kvh, t, T, sl_b, sl_h, sl_k, sp_b, sp_h, sp_c, P)
@@ -142,7 +144,7 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, sl
                 num_stages=TUNING["prompt_mass_stages"])
     scale_log2 = scale * LOG2E
     _mass_lse_kernel[(b * h, triton.cdiv(s, lse_q))](q, k, slot_page, slots, q_pos, lse, s, n, scale_log2, *strides,
-                                                     BLOCK_Q=lse_q, BLOCK_K=lse_k, **meta)
+                                                     BLOCK_Q=lse_q, BLOCK_K=lse_k, **meta, **pdl_launch())
     _mass_sum_kernel[(b * h, triton.cdiv(n, sum_k))](q, k, slot_page, slots, q_pos, lse, out, s, n, scale_log2,
-                                                     *strides, BLOCK_Q=sum_q, BLOCK_K=sum_k, **meta)
+                                                     *strides, BLOCK_Q=sum_q, BLOCK_K=sum_k, **meta, **pdl_launch())
     return out

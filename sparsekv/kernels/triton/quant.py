@@ -42,7 +42,7 @@ import triton.language as tl
 from .. import reference
 from ..cuda import available
 from ..cuda import quant as cuda_int4
-from .common import TUNING, interpreted_bf16, num_sms, precision
+from .common import TUNING, dependent_launch, interpreted_bf16, num_sms, pdl_launch, precision
 
 # Chunks of 64 inputs per program of ``_untile_kernel``.
 UNTILE_CHUNKS = 4
@@ -82,12 +82,13 @@ def _levels(w, BITS: tl.constexpr):
 def _qmm_kernel(x_ptr, c_ptr, s_ptr, m_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, rows_x, n, k, groups,
                 BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
                 SPLIT: tl.constexpr, EVEN: tl.constexpr, BIAS: tl.constexpr, DTYPE: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, PDL: tl.constexpr):
     """out (rows_x, n) = x (rows_x, k) @ weight.T, each slice's weight (BLOCK_N, BLOCK_G * 32) dequantized in DTYPE
     and multiplied with x's slice (BLOCK_G * 32, BLOCK_M) into out (BLOCK_N, BLOCK_M) fp32. With SPLIT > 1 the
     groups are split in SPLIT ranges (program axis 1): each program writes its sums (BLOCK_N, BLOCK_M) to ws
     (SPLIT, n blocks, BLOCK_M, BLOCK_N) fp32 and counts itself in count (n blocks,) int32 (zero between launches);
     the last to count adds them up, writes out and sets the count back to zero."""
+    dependent_launch(PDL)
     WORDS: tl.constexpr = BITS  # 32-bit words of a group: 32 codes of BITS bits
     LEVEL: tl.constexpr = (1 << BITS) * 1.0
     BLOCK_K: tl.constexpr = BLOCK_G * 32
@@ -139,11 +140,12 @@ def _qmm_kernel(x_ptr, c_ptr, s_ptr, m_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, r
 
 
 @triton.jit
-def _untile_kernel(c_ptr, s_ptr, m_ptr, out_ptr, k, sc, ss, CHUNKS: tl.constexpr):
+def _untile_kernel(c_ptr, s_ptr, m_ptr, out_ptr, k, sc, ss, CHUNKS: tl.constexpr, PDL: tl.constexpr):
     """The weight rows of tile ``program_id(0)`` (16, k), inputs of CHUNKS chunks from ``program_id(1) * CHUNKS``,
     from codes, scale and minimum in ``reference.to_tiles``' layout (chunk strides sc and ss, the rest contiguous):
     each value looks up its lane's word and nibble, ``scale * q + minimum`` in fp32 (the product exact: q < 16 and
     an fp16 scale), stored in out's dtype."""
+    dependent_launch(PDL)
     tile = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, 16)[:, None]  # row g + 8p of the tile
     i = tl.program_id(1) * CHUNKS * 64 + tl.arange(0, CHUNKS * 64)[None, :]
@@ -168,7 +170,7 @@ def untile(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtyp
     rounded = interpreted_bf16(dtype)  # the interpreter rounds bf16 stores toward zero: torch rounds instead
     out = torch.empty(tiles * reference.TILE_N, k, dtype=torch.float32 if rounded else dtype, device=codes.device)
     _untile_kernel[(tiles, triton.cdiv(chunks, UNTILE_CHUNKS))](codes, scale, minimum, out, k, codes.stride(0),
-                                                                 scale.stride(0), CHUNKS=UNTILE_CHUNKS)
+                                                                 scale.stride(0), CHUNKS=UNTILE_CHUNKS, **pdl_launch())
     return out.to(dtype)
 
 
@@ -281,5 +283,5 @@ def linear_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
         x.contiguous(), codes.view(torch.int32), scale, minimum, codes if bias is None else bias, out, ws, count,
         rows, n, k, groups, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split,
         EVEN=k % (block_g * reference.GROUP) == 0, BIAS=bias is not None, DTYPE=dtype,
-        PRECISION=precision(x.dtype), num_warps=TUNING["qmm_warps"], num_stages=TUNING["qmm_stages"])
+        PRECISION=precision(x.dtype), num_warps=TUNING["qmm_warps"], num_stages=TUNING["qmm_stages"], **pdl_launch())
     return out.to(x.dtype).view(*x.shape[:-1], n)

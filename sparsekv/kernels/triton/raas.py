@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import TUNING
+from .common import TUNING, dependent_launch, pdl_launch
 
 _NEVER = tl.constexpr(9223372036854775807)  # the victim key of a slot that is not a candidate
 
@@ -26,7 +26,9 @@ _NEVER = tl.constexpr(9223372036854775807)  # the victim key of a slot that is n
 @triton.jit
 def _raas_rank_kernel(sc_ptr, sp_ptr, pp_ptr, lim_ptr, cnt_ptr, rank_ptr, soft_ptr, n, n_blocks, n_cand, capacity,
                       scale, sc_b, sc_h, sp_b, sp_h,
-                      HKV: tl.constexpr, BY_ALPHA: tl.constexpr, BLOCK: tl.constexpr, CAND: tl.constexpr):
+                      HKV: tl.constexpr, BY_ALPHA: tl.constexpr, BLOCK: tl.constexpr, CAND: tl.constexpr,
+                      PDL: tl.constexpr):
+    dependent_launch(PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
     b = (row // HKV).to(tl.int64)
@@ -59,7 +61,9 @@ def _raas_rank_kernel(sc_ptr, sp_ptr, pp_ptr, lim_ptr, cnt_ptr, rank_ptr, soft_p
 def _raas_evict_kernel(sc_ptr, sp_ptr, cur_ptr, st_ptr, step_ptr, seq_ptr, lim_ptr, pp_ptr, cnt_ptr, rank_ptr,
                        soft_ptr, n_blocks, n_cand, capacity, page_size, fraction, alpha, scale,
                        sc_b, sc_h, sp_b, sp_h, st_b, st_h, cu_b, cu_h,
-                       HKV: tl.constexpr, BY_ALPHA: tl.constexpr, CAND: tl.constexpr, NB: tl.constexpr):
+                       HKV: tl.constexpr, BY_ALPHA: tl.constexpr, CAND: tl.constexpr, NB: tl.constexpr,
+                       PDL: tl.constexpr):
+    dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     h = row % HKV
@@ -132,10 +136,10 @@ def raas_update(scores: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.T
     _raas_rank_kernel[(rows, n_blocks)](
         scores, slot_page, prompt_pages, limit, counts, ranks, soft, n, n_blocks, decode_pages, capacity, scale,
         scores.stride(0), scores.stride(1), slot_page.stride(0), slot_page.stride(1),
-        HKV=hkv, BY_ALPHA=by_alpha, BLOCK=block, CAND=cand, num_warps=TUNING["raas_warps"])
+        HKV=hkv, BY_ALPHA=by_alpha, BLOCK=block, CAND=cand, num_warps=TUNING["raas_warps"], **pdl_launch())
     _raas_evict_kernel[(rows,)](
         scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages, counts, ranks, soft, n_blocks,
         decode_pages, capacity, page_size, 0.0 if top_fraction is None else top_fraction,
         0.0 if alpha is None else alpha, scale, scores.stride(0), scores.stride(1), slot_page.stride(0),
         slot_page.stride(1), stamp.stride(0), stamp.stride(1), cur_slot.stride(0), cur_slot.stride(1),
-        HKV=hkv, BY_ALPHA=by_alpha, CAND=cand, NB=max(2, triton.next_power_of_2(n_blocks)), num_warps=4)
+        HKV=hkv, BY_ALPHA=by_alpha, CAND=cand, NB=max(2, triton.next_power_of_2(n_blocks)), num_warps=4, **pdl_launch())

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import LOG2E, TUNING, block_d, check, interpreted_bf16, num_sms, precision
+from .common import LOG2E, TUNING, block_d, check, dependent_launch, interpreted_bf16, num_sms, pdl_launch, precision
 
 _MAX_SPLITS = 256  # the merge holds one row's splits in one tile
 
@@ -72,9 +72,10 @@ def _window_stats_kernel(q_ptr, k_ptr, kp_ptr, qp_ptr, lim_ptr, stat_ptr, n, blo
                          HKV: tl.constexpr, G: tl.constexpr, W: tl.constexpr, HC: tl.constexpr,
                          HC_PAD: tl.constexpr, W_PAD: tl.constexpr, CHUNKS: tl.constexpr, D: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         UPCAST: tl.constexpr, PDL: tl.constexpr):
     """Pass 1: per query row, the max (log2 units) and the sum of exp2 of its masked logits over the split's
     blocks, written to stats (B, H, W, splits, 2)."""
+    dependent_launch(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = (row // (HKV * CHUNKS)).to(tl.int64)
@@ -104,8 +105,9 @@ def _window_stats_kernel(q_ptr, k_ptr, kp_ptr, qp_ptr, lim_ptr, stat_ptr, n, blo
 
 
 @triton.jit
-def _window_lse_kernel(stat_ptr, lse_ptr, n_splits, BLOCK_S: tl.constexpr):
+def _window_lse_kernel(stat_ptr, lse_ptr, n_splits, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Merges one query row's splits into its log-sum-exp in log2 units; 0 when the row sees no candidate."""
+    dependent_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     ok = s < n_splits
@@ -123,8 +125,9 @@ def _window_maxima_kernel(q_ptr, k_ptr, kp_ptr, qp_ptr, lim_ptr, lse_ptr, out_pt
                           HKV: tl.constexpr, G: tl.constexpr, W: tl.constexpr, HC: tl.constexpr,
                           HC_PAD: tl.constexpr, W_PAD: tl.constexpr, CHUNKS: tl.constexpr, D: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                          UPCAST: tl.constexpr):
+                          UPCAST: tl.constexpr, PDL: tl.constexpr):
     """Pass 2: the (W, BLOCK_N) tile of the output for one sequence, the max over all query heads."""
+    dependent_launch(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     kpos, cand = _tokens(kp_ptr, b, j, n, skp_b, skp_n, lim_ptr, sl_b)
@@ -186,9 +189,9 @@ def window_token_maxima(q: torch.Tensor, k: torch.Tensor, key_pos: torch.Tensor,
                 num_warps=TUNING["window_warps"], num_stages=TUNING["window_stages"])
     scale_log2 = scale * LOG2E
     _window_stats_kernel[(rows, splits)](q, k, key_pos, q_pos, limit, stats, n, per_split, splits, scale_log2,
-                                         *strides, **meta)
+                                         *strides, **meta, **pdl_launch())
     _window_lse_kernel[(b * h * w,)](stats, lse, splits, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-                                     num_warps=1)
+                                     num_warps=1, **pdl_launch())
     _window_maxima_kernel[(b, n_blocks)](q, k, key_pos, q_pos, limit, lse, out, n, scale_log2, *strides,
-                                         out.stride(0), out.stride(1), **meta)
+                                         out.stride(0), out.stride(1), **meta, **pdl_launch())
     return out

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import (TUNING, block_d, check, f16_products, fp8_launch, group_pad, interpreted_bf16, kept, precision,
-                     product_query)
+from .common import (TUNING, block_d, check, dependent_launch, f16_products, fp8_launch, group_pad, interpreted_bf16,
+                     kept, pdl_launch, precision, product_query)
 
 
 @triton.jit
@@ -73,10 +73,11 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
                         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
                         PER_HEAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr,
-                        F16: tl.constexpr, IN_ORDER: tl.constexpr, TABLE: tl.constexpr):
+                        F16: tl.constexpr, IN_ORDER: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr):
     """Scores of BLOCK_C slots per chunk; with GS > 0 also the maxima of the score keys (``_key_of``) of each group
     of GS consecutive slots, per selection row, for the group filter of the top-k (rows of n_groups int32). With
     IN_ORDER (slot j holds page j or is free) the bounds past the row's current slot are not read."""
+    dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     kvh = row % HKV
@@ -162,8 +163,9 @@ def _packed(row_ptr, c, n, cur):
 @triton.jit
 def _topk_segment_kernel(scores_ptr, cur_ptr, cand_ptr, len_ptr, first_ptr, n, n_seg, sc_b, sc_h, cu_b, cu_h,
                          HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, SEG: tl.constexpr, KP: tl.constexpr,
-                         REUSE: tl.constexpr):
+                         REUSE: tl.constexpr, PDL: tl.constexpr):
     """The top KP of each segment of SEG slots, packed, in descending order (so ties list the lower slot first)."""
+    dependent_launch(PDL)
     row = tl.program_id(0)
     seg = tl.program_id(1)
     b = (row // HS).to(tl.int64)
@@ -309,8 +311,9 @@ def _emit(out, key, val, start, done, prefix, left):
 @triton.jit
 def _topk_radix_kernel(src_ptr, cur_ptr, out_ptr, len_ptr, first_ptr, n, k, sc_b, sc_h, cu_b, cu_h, so_b, so_h,
                        HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
-                       FROM_SCORES: tl.constexpr, BITS: tl.constexpr, REUSE: tl.constexpr):
+                       FROM_SCORES: tl.constexpr, BITS: tl.constexpr, REUSE: tl.constexpr, PDL: tl.constexpr):
     """Top k of a row of n scores, or of n segment candidates per row."""
+    dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HS).to(tl.int64)
     if REUSE > 1:
@@ -336,8 +339,9 @@ def _topk_radix_kernel(src_ptr, cur_ptr, out_ptr, len_ptr, first_ptr, n, k, sc_b
 @triton.jit
 def _group_max_kernel(scores_ptr, cur_ptr, gmax_ptr, len_ptr, first_ptr, n, n_groups, sc_b, sc_h, cu_b, cu_h,
                       HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, GS: tl.constexpr, BLOCK: tl.constexpr,
-                      REUSE: tl.constexpr):
+                      REUSE: tl.constexpr, PDL: tl.constexpr):
     """Group maxima of the score keys (as int32 bits), BLOCK groups per program."""
+    dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HS).to(tl.int64)
     if REUSE > 1:
@@ -356,11 +360,12 @@ def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, cand_ptr, out_ptr
                        sc_b, sc_h, cu_b, cu_h, so_b, so_h,
                        HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
                        GS: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr, BITS: tl.constexpr,
-                       REUSE: tl.constexpr):
+                       REUSE: tl.constexpr, PDL: tl.constexpr):
     """Top k of a row of n scores through its groups of GS slots: the radix select of the k-th largest group
     maximum bounds the k-th largest key from below, so the top k lie in the groups whose maximum reaches that bound
     (at most KP >= k of them, see below); a second radix select over those groups' slots gives the top k. The
     group maxima come from ``_group_max_kernel``, or from the page-score kernel (``quest_select``)."""
+    dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HS).to(tl.int64)
     if REUSE > 1:
@@ -438,7 +443,7 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, 
         BLOCK_K=min(block_d(d), TUNING["page_block_k"]), BLOCK_C=block_c, CHUNKS=chunks,
         PER_HEAD=per_query_head, PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), GS=gs,
         F16=f16_products(q, kmin), IN_ORDER=in_order, TABLE=table is not None, num_warps=TUNING["page_warps"],
-        num_stages=TUNING["page_stages"])
+        num_stages=TUNING["page_stages"], **pdl_launch())
     return out, gmax
 
 
@@ -487,13 +492,13 @@ def select_pages(scores: torch.Tensor, cur_slot: torch.Tensor, num_pages: int, o
         _topk_segment_kernel[(b * hs, n // kp)](scores, cur_slot, src, seq_len, first, c, n // kp, *rows,
                                                 cur_slot.stride(0), cur_slot.stride(1), HS=hs,
                                                 ROWS_PER_KV=hs // cur_slot.shape[1], SEG=seg, KP=kp, REUSE=reuse,
-                                                num_warps=TUNING["select_block_warps"])
+                                                num_warps=TUNING["select_block_warps"], **pdl_launch())
     head, tail = _pieces(n)
     _topk_radix_kernel[(b * hs,)](src, cur_slot, out, seq_len, first, n, k, *rows, cur_slot.stride(0),
                                   cur_slot.stride(1), out.stride(0), out.stride(1), HS=hs,
                                   ROWS_PER_KV=hs // cur_slot.shape[1], HEAD=head, TAIL=tail,
                                   FROM_SCORES=src is scores, BITS=TUNING["select_digit_bits"], REUSE=reuse,
-                                  num_warps=TUNING["select_warps"])
+                                  num_warps=TUNING["select_warps"], **pdl_launch())
     return out
 
 
@@ -578,9 +583,9 @@ def _select_by_groups(scores, cur_slot, out, k, kp, gs, gmax=None, gate=None):
         block = max(2, TUNING["select_group_block"] // gs)
         _group_max_kernel[(b * hs, triton.cdiv(n_groups, block))](scores, cur_slot, gmax, seq_len, first, c,
                                                                   n_groups, *rows, BLOCK=block, REUSE=reuse,
-                                                                  **common, num_warps=4)
+                                                                  **common, num_warps=4, **pdl_launch())
     _topk_group_kernel[(b * hs,)](scores, cur_slot, gmax, ids, cand, out, seq_len, first, c, n_groups, k, *rows,
                                   out.stride(0), out.stride(1), HEAD=head, TAIL=tail, KP=kp, CAND=n_cand,
                                   BITS=TUNING["select_digit_bits"], REUSE=reuse, **common,
-                                  num_warps=TUNING["select_warps"])
+                                  num_warps=TUNING["select_warps"], **pdl_launch())
 

@@ -366,8 +366,9 @@ def cmd_serve(args) -> int:
     kv_memory = None if args.kv_memory_gib is None else int(args.kv_memory_gib * 2**30)
     engine = ServingEngine(loaded.model, config, tokenizer=loaded.tokenizer, max_batch=args.max_batch,
                            max_context=args.max_context, max_new_tokens=args.max_new_tokens,
-                           prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
-                           max_queue=args.max_queue, compile=args.compile, kv_memory_bytes=kv_memory,
+                           max_prompt_tokens=args.max_prompt_tokens, prefill_chunk=args.prefill_chunk,
+                           prefill_share=args.prefill_share, max_queue=args.max_queue, compile=args.compile,
+                           kv_memory_bytes=kv_memory,
                            prefix_cache_bytes=int(args.prefix_cache_gib * 2**30), admission=args.admission,
                            gpu_memory_utilization=args.gpu_memory_utilization, step_tokens=args.step_tokens)
     name = args.name or served_name(args.model)
@@ -472,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-new-tokens", type=int, default=None,
                      help="largest max_tokens of a request (default: --max-context); a smaller one shrinks the device "
                           "rows of OmniKV's offloaded layers (they hold only the decode tokens there)")
+    srv.add_argument("--max-prompt-tokens", type=int, default=None,
+                     help="largest prompt of a request (default: --max-context less one; a longer one gets 400); a "
+                          "smaller one shrinks RaaS's rows to the longest prompt's pages and the budget's")
     srv.add_argument("--prefill-chunk", type=int, default=4096,
                      help="prompt tokens prefilled between two decode steps of the running requests")
     srv.add_argument("--prefill-share", type=float, default=None,

@@ -288,7 +288,7 @@ def test_serve_bench_checks_its_memory_before_it_builds_anything(tmp_path, capsy
     assert "needs about 274.2 GiB (KV pool 274.2 GiB" in capsys.readouterr().err and not list(tmp_path.iterdir())
     # --kv-memory-gib bounds the shared pages: 1 GiB of them beside the rows' own tables.
     runs, config = serve.method_runs(["dense"], [32]), serve.shape_config("tiny", 65552)
-    pool = serve.pool_parts(runs[0].config.build(2), 2, 64, 2, torch.float32, 65537, 65537)
+    pool = serve.pool_parts(runs[0].config.build(2), 2, 64, 2, torch.float32, 65537, 65537, 65536)
     assert serve.run_memory(runs, config, torch.float32, serve.build_parser().parse_args(
         [*many, "--kv-memory-gib", "1"]), 65537, torch.device("cpu"))["KV pool"] == \
         4096 * pool["row"] + 2**30 // pool["page"] * pool["page"]

@@ -15,6 +15,7 @@ from sparsekv.errors import ConfigError
 from sparsekv.methods import LandmarkConfig
 from sparsekv.serve import PrefillPacer, QueueFull, Request, RequestError, ServingEngine
 from sparsekv.serve.runner import row_bytes
+from sparsekv.serve.scheduler import ContextTooLong
 from sparsekv.tiny import tiny_model
 
 CONFIGS = {
@@ -180,8 +181,8 @@ def test_the_pool_holds_what_its_size_counted(model, name):
     before = runner.capacity_bytes()
     run(engine, [(0, Request(prompt=prompt(70), max_tokens=5)), (0, Request(prompt=prompt(20), max_tokens=3))])
     head_dim = model.get_decoder().layers[0].self_attn.head_dim
-    counted = 2 * row_bytes(runner.method.pool_pages(CONTEXT, CONTEXT), config.page_size, runner.token_bytes,
-                            runner.page_bytes, model.config.num_key_value_heads,
+    counted = 2 * row_bytes(runner.method.pool_pages(CONTEXT, CONTEXT, CONTEXT - 1), config.page_size,
+                            runner.token_bytes, runner.page_bytes, model.config.num_key_value_heads,
                             runner.method.slot_state_bytes(head_dim, runner.pool.pages.layers[0].k.element_size()))
     assert runner.capacity_bytes() <= counted
     # every row can take a request of max_context tokens: admission by memory never leaves a row idle
@@ -190,6 +191,40 @@ def test_the_pool_holds_what_its_size_counted(model, name):
         assert before == runner.capacity_bytes()
         # the codes (an eighth of the keys) and the means (two keys a page) are counted
         assert counted - runner.capacity_bytes() < counted / 50
+
+
+@pytest.mark.parametrize("name", ["raas", "raas-quest", "dense"])
+def test_rows_sized_by_the_longest_prompt_give_the_alone_tokens(model, name):
+    """With max_prompt_tokens, RaaS's rows hold the longest prompt's limit (its pages and the budget's), not
+    max_context, and a dense pool's page tables the longest prompt and max_new_tokens: every request still gets its
+    alone-tokens, and a longer prompt is refused at submit, naming the option."""
+    config = CONFIGS[name]
+    longest, room = max(n for _, n, _, _ in PLAN), max(new for _, _, new, _ in PLAN)
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new, _ in PLAN]
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new, _ in PLAN]
+    wide = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+    engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
+                           max_new_tokens=room, max_prompt_tokens=longest)
+    page = config.page_size
+    if name == "dense":
+        rows = -(-(longest + room) // page)
+    else:
+        rows = engine.runner.method._limits([longest])[1][0]
+    assert rows < -(-CONTEXT // page)
+    assert [layer.capacity for layer in engine.runner.pool.pages.layers] == [rows] * 3
+    assert engine.runner.capacity_bytes() < wide.runner.capacity_bytes()
+    tokens, _ = run(engine, requests)
+    assert [tokens[i] for i in range(len(PLAN))] == expected
+    with pytest.raises(ContextTooLong, match=rf"prompt must be at most {longest} tokens \(max_prompt_tokens\)"):
+        engine.submit(Request(prompt=prompt(longest + 1), max_tokens=1))
+
+
+@pytest.mark.parametrize("value", [0, CONTEXT, 2.5, True])
+def test_bad_max_prompt_tokens_is_refused(model, value):
+    with pytest.raises(ConfigError, match="max_prompt_tokens must be None"):
+        ServingEngine(model, CONFIGS["raas"], max_batch=1, max_context=CONTEXT, prefill_chunk=CHUNK,
+                      max_prompt_tokens=value)
 
 
 def test_offloaded_rows_sized_by_new_tokens_give_the_alone_tokens(model):

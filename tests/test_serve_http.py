@@ -673,6 +673,7 @@ def test_a_stop_string_end_counts_as_stop_in_the_metrics(server, client):
     (["--chat-template", "/no/such/template.jinja"], "--chat-template: no file"),
     (["--max-batch", "0"], "max_batch"),
     (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-prompt-tokens", "0"], "max_prompt_tokens"),
     (["--prefix-cache-gib", "1", "--method", "snapkv"], "prefix_cache_bytes must be 0 for snapkv"),
     (["--kv-memory-gib", "0.0000001"], "kv_memory_bytes"),
     (["--kv-memory-gib", "-2"], "--kv-memory-gib must be a number of GiB > 0"),

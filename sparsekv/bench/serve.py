@@ -408,15 +408,15 @@ def largest_batch(make, most: int) -> int:
 
 
 def pool_parts(method, kv_heads: int, head_dim: int, layers: int, dtype: torch.dtype, max_context: int,
-               max_new_tokens: int) -> dict[str, int]:
+               max_new_tokens: int, max_prompt_tokens: int) -> dict[str, int]:
     """A pool row of ``method`` (a built method, one of its ``pool_configs``) for requests of up to ``max_context``
-    tokens, at most ``max_new_tokens`` new, in bytes by the runner's own accounting: ``row``, its own device part
-    (``runner.pool_row_bytes`` of ``Method.pool_pages``: in shared pages its page table and per-slot state only);
-    ``pages``, the shared pages a row holds at most (0 where the rows hold their own), ``page`` bytes each
-    (``runner.shared_page_bytes``); ``prefill``, one prompt's beside the pool (``runner.prefill_bytes``); and
-    ``host_row``, its host store (``Method.pool_host_tokens``)."""
+    tokens, at most ``max_new_tokens`` new and ``max_prompt_tokens`` in the prompt, in bytes by the runner's own
+    accounting: ``row``, its own device part (``runner.pool_row_bytes`` of ``Method.pool_pages``: in shared pages its
+    page table and per-slot state only); ``pages``, the shared pages a row holds at most (0 where the rows hold their
+    own), ``page`` bytes each (``runner.shared_page_bytes``); ``prefill``, one prompt's beside the pool
+    (``runner.prefill_bytes``); and ``host_row``, its host store (``Method.pool_host_tokens``)."""
     token_bytes, page_bytes = cache_bytes(method.config, kv_heads, head_dim, dtype)
-    slots = method.pool_pages(max_context, max_new_tokens)
+    slots = method.pool_pages(max_context, max_new_tokens, max_prompt_tokens)
     page = shared_page_bytes(method, token_bytes, page_bytes, layers)
     return {"row": pool_row_bytes(method, slots, token_bytes, page_bytes, kv_heads, head_dim,
                                   storage_dtype(method.config.kv_dtype, dtype).itemsize),
@@ -441,7 +441,7 @@ def run_memory(runs, config, dtype: torch.dtype, args, max_context: int, device:
     for run in runs:
         method = run.config.build(layers).pool_configs()[-1].build(layers)
         pool = pool_parts(method, config.num_key_value_heads, head_dim, layers, dtype, max_context,
-                          args.max_new_tokens or max_context)
+                          args.max_new_tokens or max_context, args.prompt_len[1])
         pages = batch * pool["pages"]
         if pool["page"] and args.kv_memory_gib is not None:
             pages = min(pages, int(args.kv_memory_gib * GIB) // pool["page"])
@@ -478,19 +478,17 @@ def _too_big(args, problem: str) -> int:
 
 
 def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_new_tokens: int, device_bytes: int,
-         host_bytes: int) -> dict:
-    """The planner's rows (no device used) of a pool of ``config``'s method for requests of ``max_context`` tokens,
-    at most ``max_new_tokens`` new, by the runner's own accounting: a device row is ``runner.pool_row_bytes`` of
-    ``Method.pool_pages`` (in shared pages, a request's pages of ``max_context`` tokens and its row's page table,
-    with ``DEVICE_MARGIN`` left free for the steps, an estimate of the profile the runner measures); the rows and one
-    prompt's
-    prefill (``runner.prefill_bytes``) must fit ``device_bytes`` less the weights (the runner's check before it
-    allocates); a host row
-    is ``Method.pool_host_tokens``, and the pool's host store plus one prompt's own store while it is prefilled must
-    fit ``host_bytes``. Of the configs the method leaves open
-    (``Method.pool_configs``: OmniKV's device layers) the one with the most rows, the first of equals; the runner
-    takes it for that many rows (the first whose rows fit its device budget, ``runner.device_budget``). The method's
-    other per-row state (OmniKV's fetch buffer: its budget times the offloaded layers' token bytes) and the
+         host_bytes: int, max_prompt_tokens: int) -> dict:
+    """The planner's rows (no device used) of a pool of ``config``'s method for requests of ``max_context`` tokens, at
+    most ``max_new_tokens`` new and ``max_prompt_tokens`` in the prompt, by the runner's own accounting: a device row
+    is ``runner.pool_row_bytes`` of ``Method.pool_pages`` (in shared pages, a request's pages of ``max_context``
+    tokens and its row's page table, with ``DEVICE_MARGIN`` left free for the steps, an estimate of the profile the
+    runner measures); the rows and one prompt's prefill (``runner.prefill_bytes``) must fit ``device_bytes`` less the
+    weights (the runner's check before it allocates); a host row is ``Method.pool_host_tokens``, and the pool's host
+    store plus one prompt's own store while it is prefilled must fit ``host_bytes``. Of the configs the method leaves
+    open (``Method.pool_configs``: OmniKV's device layers) the one with the most rows, the first of equals; the
+    runner takes it for that many rows (the first whose rows fit its device budget, ``runner.device_budget``). The
+    method's other per-row state (OmniKV's fetch buffer: its budget times the offloaded layers' token bytes) and the
     activations are not counted."""
     _, kv_heads, head_dim = shape.attention
     weights = shape.parameters * dtype.itemsize
@@ -498,7 +496,8 @@ def plan(config, shape: ModelShape, dtype: torch.dtype, max_context: int, max_ne
     choices = config.build(shape.layers).pool_configs()
     for choice in choices:
         method = choice.build(shape.layers)
-        pool = pool_parts(method, kv_heads, head_dim, shape.layers, dtype, max_context, max_new_tokens)
+        pool = pool_parts(method, kv_heads, head_dim, shape.layers, dtype, max_context, max_new_tokens,
+                          max_prompt_tokens)
         # A row, and in shared pages the pages of one request of max_context.
         row, prefill, host_row = pool["row"] + pool["pages"] * pool["page"], pool["prefill"], pool["host_row"]
         margin = DEVICE_MARGIN if shares_pages(method) or choice is not choices[-1] else 0
@@ -521,7 +520,8 @@ def plan_markdown(meta: dict, rows: list[dict]) -> list[str]:
                ("rows by host", "rows_by_host", "{}"), ("rows", "rows", "{}"), ("binds", "binds", "{}"),
                ("vs dense", "vs_dense", "{:.2f}x"), ("host GiB for 2x dense", "host_gib_for_2x_dense", "{:.1f}")]
     lines = [f"# Capacity plan ({meta['model']}, {meta['dtype']}): the planner's numbers, not a run", "",
-             f"Requests of {meta['max_context']} tokens, at most {meta['max_new_tokens']} new; {meta['device_gib']} "
+             f"Requests of {meta['max_context']} tokens, at most {meta['max_new_tokens']} new and "
+             f"{meta['max_prompt_tokens']} in the prompt; {meta['device_gib']} "
              f"GiB of device memory less the weights ({rows[0]['weights_gib']:.2f} GiB) for the rows and one "
              f"prompt's prefill (`prefill GiB`: its own cache, or in shared pages one layer's keys and values "
              f"gathered for its attention); {meta['host_gib']} GiB of host memory for "
@@ -583,7 +583,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     lines = [f"# Serving under load ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
              f"{meta['requests']} requests, {load}; prompts of {meta['prompt_len'][0]}-{meta['prompt_len'][1]} "
              f"tokens{shared}, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens{cached}; max context "
-             f"{meta['max_context']}; max batch "
+             f"{meta['max_context']}, max prompt tokens {meta['prompt_len'][1]} (RaaS's rows hold the longest "
+             f"prompt's pages and the budget's); max batch "
              f"{meta['max_batch']}{' (or the most the device holds)' if meta['fit'] else ''}, KV memory {kv}{grow}"
              f"{'; --capacity: runs stop once memory keeps requests waiting' if meta['capacity'] else ''}; "
              f"prefill {prefill}{fill}{window}. "
@@ -864,7 +865,8 @@ def main(argv: list[str] | None = None) -> int:
                              prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
                              max_queue=args.requests, compile=args.compile, kv_memory_bytes=kv_memory,
                              prefill=fill_passes(args.fill_chunk) if args.fill == "random" else prefill_passes,
-                             max_new_tokens=args.max_new_tokens, prefix_cache_bytes=int(args.prefix_cache_gib * GIB),
+                             max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.prompt_len[1],
+                             prefix_cache_bytes=int(args.prefix_cache_gib * GIB),
                              admission=args.admission, gpu_memory_utilization=args.gpu_memory_utilization,
                              step_tokens=args.step_tokens if shares_pages(config.build(model.config.num_hidden_layers))
                              else None)  # the other methods keep the step-then-chunk schedule
@@ -949,15 +951,16 @@ def capacity_plan(args, runs, shape: ModelShape, dtype: torch.dtype, max_context
                   setting: dict) -> int:
     """--plan: ``plan`` for each method, written and printed like a run's results."""
     new = args.max_new_tokens or max_context
-    rows = [{"spec": run.label, **plan(run.config, shape, dtype, max_context, new,
-                                       int(args.device_gib * GIB), int(args.host_gib * GIB))} for run in runs]
+    rows = [{"spec": run.label, **plan(run.config, shape, dtype, max_context, new, int(args.device_gib * GIB),
+                                       int(args.host_gib * GIB), args.prompt_len[1])} for run in runs]
     dense = next((r["rows"] for r in rows if r["method"] == "dense"), None)
     for r in rows:
         r["vs_dense"] = r["rows"] / dense if dense else None
         if dense and r["host_row_gib"]:
             r["host_gib_for_2x_dense"] = (2 * dense + 1) * r["host_row_gib"]
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "max_context": max_context,
-            "max_new_tokens": new, "device_gib": args.device_gib, "host_gib": args.host_gib, "plan": True,
+            "max_new_tokens": new, "max_prompt_tokens": args.prompt_len[1], "device_gib": args.device_gib,
+            "host_gib": args.host_gib, "plan": True,
             "setting": setting, "command": command}
     lines = plan_markdown(meta, rows)
     write_results(args.out, args.tag, meta, rows, lines, overwrite=args.overwrite)

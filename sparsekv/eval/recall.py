@@ -101,36 +101,36 @@ class RecallProbe(Method):
 
     # The probe keeps every key of one generation by position: it measures a generation through the engine or
     # ``apply``, and a serving pool (rows joining and leaving) is refused when it is made.
-    def pool_pages(self, max_context, max_new_tokens):
+    def pool_pages(self, max_context, max_new_tokens, max_prompt_tokens):
         raise ConfigError("method", "a method to serve, not the attention-recall probe (it measures one generation "
                                     "through Engine or apply)", self.config.name)
 
     def pool_host_tokens(self, max_context):
-        return self.pool_pages(max_context, None)
+        return self.pool_pages(max_context, None, None)
 
     def prefill_device_tokens(self, max_context):
-        return self.pool_pages(max_context, None)
+        return self.pool_pages(max_context, None, None)
 
     def slot_state_bytes(self, head_dim, itemsize):
-        return self.pool_pages(None, None)
+        return self.pool_pages(None, None, None)
 
     def pool_configs(self):
-        return self.pool_pages(None, None)
+        return self.pool_pages(None, None, None)
 
     def step_slots(self, n):
-        return self.pool_pages(None, None)
+        return self.pool_pages(None, None, None)
 
     def start_pool(self, layers, max_context):
-        self.pool_pages(max_context, None)
+        self.pool_pages(max_context, None, None)
 
     def request_config(self):
-        return self.pool_pages(None, None)
+        return self.pool_pages(None, None, None)
 
     def copy_row(self, row, source, source_row, prompt_len):
-        self.pool_pages(None, None)
+        self.pool_pages(None, None, None)
 
     def rows(self, n, decode_tokens):
-        return self.pool_pages(None, None)
+        return self.pool_pages(None, None, None)
 
     def prefill(self, layer_idx, q, layer, plan, scale):
         self._remember(layer_idx, layer, int(max(plan.new_len)))  # before a compressing method drops any

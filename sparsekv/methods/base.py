@@ -93,6 +93,12 @@ class MethodConfig:
         return self.method_class()(self, num_layers)
 
 
+def most_tokens(max_context: int, max_new_tokens: int, max_prompt_tokens: int) -> int:
+    """The most tokens a request of up to ``max_context`` tokens holds, at most ``max_new_tokens`` of them new and
+    ``max_prompt_tokens`` in its prompt."""
+    return min(max_context, max_prompt_tokens + max_new_tokens)
+
+
 class Method:
     """A sparse-attention policy over a paged cache.
 
@@ -154,10 +160,11 @@ class Method:
     # ``request_config``) in a cache of one row; ``copy_row`` then moves it into a row of the pool, and the decode
     # steps run on ``rows(n)``, the method of the pool's first n rows.
 
-    def pool_pages(self, max_context: int, max_new_tokens: int) -> list[int]:
+    def pool_pages(self, max_context: int, max_new_tokens: int, max_prompt_tokens: int) -> list[int]:
         """Page slots per row each layer of a pool needs for any request of up to ``max_context`` tokens, at most
-        ``max_new_tokens`` of them new."""
-        return [-(-max_context // self.config.page_size)] * self.num_layers
+        ``max_new_tokens`` of them new and ``max_prompt_tokens`` in its prompt."""
+        return [-(-most_tokens(max_context, max_new_tokens, max_prompt_tokens) // self.config.page_size)] * \
+            self.num_layers
 
     def slot_state_bytes(self, head_dim: int, itemsize: int) -> list[int]:
         """Per layer, the bytes per page slot and KV head of the method's per-slot state in a pool

@@ -23,7 +23,7 @@ import torch
 
 from .. import kernels
 from ..cache import AppendPlan, PagedLayer
-from .base import Method, MethodConfig, all_slots, attend_all, require
+from .base import Method, MethodConfig, all_slots, attend_all, most_tokens, require
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,12 +86,13 @@ class EvictionMethod(Method):
         if max(held) + 1 < layer.capacity:
             layer.compact(max(held) + 1)  # room for the next token without growing again
 
-    def pool_pages(self, max_context, max_new_tokens):
+    def pool_pages(self, max_context, max_new_tokens, max_prompt_tokens):
         # A row holds its budget where every step evicts; else (SnapKV) the compressed prompt, at most the budget,
         # and every decode token.
         budget = self.config.token_budget
-        sparse = budget if self.evicts_in_decode else min(budget + max_new_tokens, max_context)
-        return [max_context if self.dense(i) else sparse for i in range(self.num_layers)]
+        full = most_tokens(max_context, max_new_tokens, max_prompt_tokens)
+        sparse = budget if self.evicts_in_decode else min(budget + max_new_tokens, full)
+        return [full if self.dense(i) else sparse for i in range(self.num_layers)]
 
     def start_pool(self, layers, max_context):
         for i, layer in enumerate(layers):

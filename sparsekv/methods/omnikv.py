@@ -26,7 +26,7 @@ import torch
 
 from .. import kernels, parallel
 from ..cache.host_store import HostKVStore, require_host
-from .base import DEVICE_MARGIN, Method, MethodConfig, all_slots, attend_all, require
+from .base import DEVICE_MARGIN, Method, MethodConfig, all_slots, attend_all, most_tokens, require
 
 SELECTORS = ("last", "uniform", "exponential")
 PAPER_LAYERS = 32
@@ -333,12 +333,12 @@ class OmniKV(Method):
             return [self.config]
         return [replace(self.config, device_layers=n) for n in range(len(self._sparse()), -1, -1)]
 
-    def pool_pages(self, max_context, max_new_tokens):
+    def pool_pages(self, max_context, max_new_tokens, max_prompt_tokens):
         # An offloaded layer's row holds the prompt's last partial page (moved to the row's first slot when the
         # prompt went to the host) and the decode tokens: at most page_size - 1 + max_new_tokens tokens, and never
         # more than the whole context.
         page = self.config.page_size
-        full = -(-max_context // page)
+        full = -(-most_tokens(max_context, max_new_tokens, max_prompt_tokens) // page)
         offloaded = self._pool_offloaded()
         return [min(-(-(page - 1 + max_new_tokens) // page), full) if i in offloaded else full
                 for i in range(self.num_layers)]

@@ -112,6 +112,12 @@ class RaaS(Method):
             return prompt, [max(cfg.budget_pages, p + 1) for p in prompt]
         return prompt, [p + cfg.budget_pages - cfg.prefill_pages for p in prompt]
 
+    def pool_pages(self, max_context, max_new_tokens, max_prompt_tokens):
+        # A row never holds more than the limit of its prompt (``_limits``), which grows with the prompt: the
+        # longest prompt's, not the whole context's.
+        full = super().pool_pages(max_context, max_new_tokens, max_prompt_tokens)[0]
+        return [min(full, self._limits([max_prompt_tokens])[1][0])] * self.num_layers
+
     def planned_tokens(self, prompt_lengths, total):
         # The rows never hold more than their limit: a long decode allocates the budget, not the whole decode.
         return min(total, max(self._limits(prompt_lengths)[1]) * self.config.page_size)

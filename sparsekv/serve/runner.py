@@ -237,17 +237,19 @@ class PrefixCache:
 
 
 class Runner:
-    """Runs ``config``'s method on ``model`` for up to ``max_batch`` requests at once (see ``Engine`` for the
-    arguments, validated the same way). ``max_new_tokens``: the most new tokens of any request (None:
-    max_context), which sizes the rows of layers that hold only a request's decode tokens on the device (OmniKV's
-    offloaded layers). Requests are known by a key the caller gives (``join``). ``passes``: a prompt's prefill,
-    ``engine.prefill_passes``'s signature (benchmarks give random keys and values instead). ``prefix_cache_bytes``:
-    device memory for finished prompts' caches kept for prompts that begin like them (``PrefixCache``; 0: none),
-    for methods whose prompt pages can start another prompt (``Method.prefix_reuse``). ``kv_memory_bytes``: the KV
-    memory requests may hold at once (``ServingEngine``), which sizes the shared pages where the rows keep theirs
-    there (None: what ``gpu_memory_utilization`` leaves, ``device_budget``, after the rows and one prompt's
-    prefill). ``gpu_memory_utilization``: on a CUDA device, the share of its total memory the process may take, the
-    weights, the pool and the steps' memory (``profile``, measured before the pool is made) included; a pool that
+    """Runs ``config``'s method on ``model`` for up to ``max_batch`` requests at once (see ``Engine`` for the arguments,
+    validated the same way). ``max_new_tokens``: the most new tokens of any request (None: max_context), which sizes the
+    rows of layers that hold only a request's decode tokens on the device (OmniKV's offloaded layers).
+    ``max_prompt_tokens``: the most tokens of any prompt (None: max_context - 1), which sizes the rows of methods that
+    hold a prompt and a bounded part of the decode (RaaS: the longest prompt's limit, not max_context) and bounds every
+    row by it plus max_new_tokens. Requests are known by a key the caller gives (``join``). ``passes``: a prompt's
+    prefill, ``engine.prefill_passes``'s signature (benchmarks give random keys and values instead).
+    ``prefix_cache_bytes``: device memory for finished prompts' caches kept for prompts that begin like them
+    (``PrefixCache``; 0: none), for methods whose prompt pages can start another prompt (``Method.prefix_reuse``).
+    ``kv_memory_bytes``: the KV memory requests may hold at once (``ServingEngine``), which sizes the shared pages where
+    the rows keep theirs there (None: what ``gpu_memory_utilization`` leaves, ``device_budget``, after the rows and one
+    prompt's prefill). ``gpu_memory_utilization``: on a CUDA device, the share of its total memory the process may take,
+    the weights, the pool and the steps' memory (``profile``, measured before the pool is made) included; a pool that
     does not fit it is refused. ``grow``: in shared pages a row takes the pages of its new tokens as it reaches them
     (``growth``, ``grow``), not all of its max_tokens' when it joins. ``step_tokens``: the tokens of a mixed step
     (``launch_mixed``), which the profile's prompt pass takes where it exceeds prefill_chunk."""
@@ -255,7 +257,8 @@ class Runner:
     def __init__(self, model, config, *, max_batch: int, max_context: int | None, prefill_chunk: int,
                  cuda_graph: bool | None, compile: bool, passes: Callable = prefill_passes,
                  max_new_tokens: int | None = None, prefix_cache_bytes: int = 0, kv_memory_bytes: int | None = None,
-                 gpu_memory_utilization: float = 0.9, grow: bool = False, step_tokens: int | None = None):
+                 gpu_memory_utilization: float = 0.9, grow: bool = False, step_tokens: int | None = None,
+                 max_prompt_tokens: int | None = None):
         self.engine = Engine(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
         self.max_batch, self.max_context, self.compile = max_batch, self.engine.max_context, compile
@@ -271,6 +274,9 @@ class Runner:
         self.max_new_tokens = max_context if max_new_tokens is None else max_new_tokens
         require(_is_count(self.max_new_tokens, 1) and self.max_new_tokens <= max_context, "max_new_tokens",
                 f"None (max_context) or an int from 1 to max_context ({max_context})", max_new_tokens)
+        self.max_prompt_tokens = max_context - 1 if max_prompt_tokens is None else max_prompt_tokens
+        require(_is_count(self.max_prompt_tokens, 1) and self.max_prompt_tokens < max_context, "max_prompt_tokens",
+                f"None (max_context - 1) or an int from 1 to max_context - 1 ({max_context - 1})", max_prompt_tokens)
         self.vocab_size = model.config.vocab_size
         require(_is_count(prefix_cache_bytes, 0), "prefix_cache_bytes", "an int >= 0 (0: no prefix cache)",
                 prefix_cache_bytes)
@@ -288,7 +294,8 @@ class Runner:
         budget = device_budget(self.device, gpu_memory_utilization, self.profile_bytes)
 
         def pool_bytes(method) -> int:
-            return max_batch * pool_row_bytes(method, method.pool_pages(max_context, self.max_new_tokens),
+            return max_batch * pool_row_bytes(method, method.pool_pages(max_context, self.max_new_tokens,
+                                                                        self.max_prompt_tokens),
                                               self.token_bytes, self.page_bytes, kv_heads, attn.head_dim, itemsize)
 
         # Of the configs the method leaves open (OmniKV's device layers), the first whose rows fit; with the device's
@@ -309,7 +316,7 @@ class Runner:
         # never needs more than its row; a request's pages lie evenly over the layers that hold them.
         state = self.method.slot_state_bytes(attn.head_dim, itemsize)
         self.extra_state_bytes = sum(max(b - 8, 0) for b in state) * kv_heads
-        slots = self.method.pool_pages(self.max_context, self.max_new_tokens)
+        slots = self.method.pool_pages(self.max_context, self.max_new_tokens, self.max_prompt_tokens)
         self.page_store_bytes = shared_page_bytes(self.method, self.token_bytes, self.page_bytes, self.num_layers)
         least = self.kv_bytes(1, 2)  # a request of one prompt token and one new one
         require(kv_memory_bytes is None or _is_count(kv_memory_bytes, least), "kv_memory_bytes",

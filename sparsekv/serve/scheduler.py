@@ -47,7 +47,8 @@ class RequestError(ConfigError):
 
 
 class ContextTooLong(RequestError):
-    """A request whose prompt, or prompt and new tokens, exceed ``max_context``."""
+    """A request whose prompt, or prompt and new tokens, exceed ``max_context``, or whose prompt exceeds
+    ``max_prompt_tokens``."""
 
 
 class QueueFull(RuntimeError):
@@ -169,34 +170,37 @@ class ServingEngine:
     """Continuous batching of ``config``'s method on ``model``: requests join and leave the running rows at step
     boundaries; a new request's prompt is prefilled in passes interleaved with the decode steps.
 
-    max_batch: rows decoded together; max_context: tokens per request (prompt plus new ones; default the model's
-    limit); max_new_tokens: new tokens per request (default max_context; a smaller one shrinks the rows of layers
-    that hold only the decode tokens on the device, OmniKV's offloaded layers); prefill_chunk: prompt tokens per
+    max_batch: rows decoded together; max_context: tokens per request (prompt plus new ones; default the model's limit);
+    max_new_tokens: new tokens per request (default max_context; a smaller one shrinks the rows of layers that hold only
+    the decode tokens on the device, OmniKV's offloaded layers); max_prompt_tokens: tokens per prompt (default
+    max_context - 1; a smaller one shrinks the rows of methods that hold a prompt and a bounded part of the decode,
+    RaaS's, to the longest prompt's, and bounds every row by it plus max_new_tokens); prefill_chunk: prompt tokens per
     pass, and about the prefill work done per step (one chunk through every layer); prefill_share: None, or decode
     priority (``PrefillPacer``): while requests decode, prefill takes at most about this share of the decode steps'
     time; max_queue: requests that may wait; cuda_graph, compile: as in ``Engine``; kv_memory_bytes: the KV memory
-    requests may hold at once (default: what the runner's pool holds for ``max_batch`` rows; for methods whose rows
-    keep their keys and values in shared pages, the size of those pages, by default what the device leaves);
-    gpu_memory_utilization: on a CUDA device, the share of its total memory the process may take (weights, pool
-    and the steps' measured profile, ``Runner.profile``), as vLLM's option of that name.
-    tokenizer: gives the default stop tokens. prefill: a prompt's prefill, ``engine.prefill_passes``'s signature
-    (benchmarks give ``bench.e2e.random_passes``: random keys and values). prefix_cache_bytes: device memory for
-    finished prompts' caches, which start the prompts that begin with the same tokens (``runner.PrefixCache``; 0:
-    none). admission: "reserve" counts each request's KV of its prompt and max_tokens from its admission; "grow"
-    (methods in shared pages: dense, quest) counts its prompt's and then each page it takes as it grows, and
-    preempts the newest admitted request where the store cannot give the running rows their next pages (later its
-    prompt and tokens so far are prefilled again, or for methods whose decode step a prompt pass cannot redo
-    (Quest) its row comes back from host memory, and it goes on with the same tokens); other methods' rows are
-    bounded and counted whole either way. step_tokens: None, or mixed steps (methods in shared pages:
-    dense, quest): each step carries the running rows' decode tokens and the next prompt tokens of the oldest
-    prefills, at most ``step_tokens`` tokens in all (as vLLM's ``max_num_batched_tokens``), through the model
-    together (``Runner.launch_mixed``); steps with no prompt tokens stay captured."""
+    requests may hold at once (default: what the runner's pool holds for ``max_batch`` rows; for methods whose rows keep
+    their keys and values in shared pages, the size of those pages, by default what the device leaves);
+    gpu_memory_utilization: on a CUDA device, the share of its total memory the process may take (weights, pool and the
+    steps' measured profile, ``Runner.profile``), as vLLM's option of that name. tokenizer: gives the default stop
+    tokens. prefill: a prompt's prefill, ``engine.prefill_passes``'s signature (benchmarks give
+    ``bench.e2e.random_passes``: random keys and values). prefix_cache_bytes: device memory for finished prompts'
+    caches, which start the prompts that begin with the same tokens (``runner.PrefixCache``; 0: none). admission:
+    "reserve" counts each request's KV of its prompt and max_tokens from its admission; "grow" (methods in shared pages:
+    dense, quest) counts its prompt's and then each page it takes as it grows, and preempts the newest admitted request
+    where the store cannot give the running rows their next pages (later its prompt and tokens so far are prefilled
+    again, or for methods whose decode step a prompt pass cannot redo (Quest) its row comes back from host memory, and
+    it goes on with the same tokens); other methods' rows are bounded and counted whole either way. step_tokens: None,
+    or mixed steps (methods in shared pages: dense, quest): each step carries the running rows' decode tokens and the
+    next prompt tokens of the oldest prefills, at most ``step_tokens`` tokens in all (as vLLM's
+    ``max_num_batched_tokens``), through the model together (``Runner.launch_mixed``); steps with no prompt tokens stay
+    captured."""
 
     def __init__(self, model, config, *, tokenizer=None, max_batch: int = 8, max_context: int | None = None,
                  prefill_chunk: int = 4096, prefill_share: float | None = None, max_queue: int = 256,
                  cuda_graph: bool | None = None, compile: bool = False, kv_memory_bytes: int | None = None,
                  prefill: Callable = prefill_passes, max_new_tokens: int | None = None, prefix_cache_bytes: int = 0,
-                 admission: str = "reserve", gpu_memory_utilization: float = 0.9, step_tokens: int | None = None):
+                 admission: str = "reserve", gpu_memory_utilization: float = 0.9, step_tokens: int | None = None,
+                 max_prompt_tokens: int | None = None):
         if not _is_count(max_queue, 1):
             raise ConfigError("max_queue", "an int >= 1", max_queue)
         require(admission in ADMISSIONS, "admission", " or ".join(map(repr, ADMISSIONS)), admission)
@@ -206,7 +210,7 @@ class ServingEngine:
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile, passes=prefill,
                              max_new_tokens=max_new_tokens, prefix_cache_bytes=prefix_cache_bytes,
                              kv_memory_bytes=kv_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
-                             grow=admission == "grow", step_tokens=step_tokens)
+                             grow=admission == "grow", step_tokens=step_tokens, max_prompt_tokens=max_prompt_tokens)
         self.tokenizer, self.max_queue, self.kv_memory_bytes = tokenizer, max_queue, self.runner.kv_memory_bytes
         if step_tokens is not None:
             require(_is_count(step_tokens, max_batch + 1), "step_tokens",
@@ -243,8 +247,9 @@ class ServingEngine:
 
     def submit(self, request: Request) -> int:
         """Queues ``request`` and returns its id. Raises RequestError when it can never run here (its tokens
-        outside the vocabulary, longer than max_context, more new tokens than max_new_tokens, or more KV than
-        kv_memory_bytes), QueueFull when max_queue requests wait already. Thread-safe."""
+        outside the vocabulary, longer than max_context or its prompt than max_prompt_tokens, more new tokens than
+        max_new_tokens, or more KV than kv_memory_bytes), QueueFull when max_queue requests wait already.
+        Thread-safe."""
         if not isinstance(request, Request):
             raise TypeError(f"submit takes a sparsekv.serve.Request, got {type(request).__name__}")
         runner = self.runner
@@ -259,6 +264,9 @@ class ServingEngine:
         if len(request.prompt) >= runner.max_context:
             raise ContextTooLong("prompt", f"at most {runner.max_context - 1} tokens (max_context, "
                                f"{runner.max_context}, less one new token)", len(request.prompt))
+        if len(request.prompt) > runner.max_prompt_tokens:
+            raise ContextTooLong("prompt", f"at most {runner.max_prompt_tokens} tokens (max_prompt_tokens)",
+                                 len(request.prompt))
         total = len(request.prompt) + request.max_tokens
         if total > runner.max_context:
             raise ContextTooLong("max_tokens", f"at most max_context ({runner.max_context}) less the prompt's "

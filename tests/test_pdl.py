@@ -4,6 +4,7 @@ Hopper GPU the same outputs and tokens with it as without."""
 
 import ast
 import dataclasses
+import importlib
 import re
 from pathlib import Path
 
@@ -82,6 +83,19 @@ def test_the_setting_reaches_inductor_and_the_launches(pdl_off, monkeypatch):
     assert not kernels.programmatic_launch() and not inductor.triton.enable_pdl
     monkeypatch.setattr(knobs.runtime, "interpret", False)
     assert pdl_launch() == {"PDL": False, "launch_pdl": False}
+
+
+@pytest.mark.parametrize("bench, argv", [
+    ("e2e", ["--model", "shape:tiny", "--contexts", "64", "--methods", "dense"]),
+    ("serve", ["--model", "tiny:llama", "--methods", "dense", "--requests", "1", "--prompt-len", "8", "8",
+               "--output-len", "2", "2"]),
+])
+def test_the_benchmarks_refuse_pdl_off_cuda(bench, argv, tmp_path, capsys):
+    module = importlib.import_module(f"sparsekv.bench.{bench}")
+    with pytest.raises(SystemExit) as exit_code:
+        module.main(["--pdl", "--device", "cpu", *argv, "--out", str(tmp_path)])
+    assert exit_code.value.code == 2 and "--pdl launches CUDA kernels, the device is cpu" in capsys.readouterr().err
+    assert not kernels.programmatic_launch() and not list(tmp_path.iterdir())
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")

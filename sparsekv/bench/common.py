@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .. import kernels
 from ..timing import Timer
 
 
@@ -384,6 +385,26 @@ def weights_arg(parser) -> None:
     """--weights, as ``load_model``'s for a benchmark's model: float, or int4 after it is built or loaded."""
     parser.add_argument("--weights", default="float", choices=["float", "int4"],
                         help="int4: the layers' linear weights quantized to group-wise int4 after loading")
+
+
+def pdl_arg(parser) -> None:
+    """--pdl: programmatic dependent launch for the run (``start_pdl``)."""
+    parser.add_argument("--pdl", action="store_true",
+                        help="programmatic dependent launch for our kernels and torch.compile's "
+                             "(kernels.set_programmatic_launch; CUDA, Hopper and later)")
+
+
+def start_pdl(args, device: torch.device, parser) -> None:
+    """With --pdl, turns programmatic dependent launch on for the process (a parser error off CUDA, or where this
+    torch's inductor cannot take part)."""
+    if not args.pdl:
+        return
+    if device.type != "cuda":
+        parser.error(f"--pdl launches CUDA kernels, the device is {device}")
+    try:
+        kernels.set_programmatic_launch(True)
+    except RuntimeError as err:
+        parser.error(str(err))
 
 
 def pyplot():

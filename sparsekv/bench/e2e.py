@@ -39,7 +39,7 @@ from typing import Callable, Generator
 import torch
 import torch.distributed as dist
 
-from .. import kernels, parallel
+from .. import parallel
 from ..cache import KV_DTYPE_HELP, storage_dtype
 from ..engine import Engine, prompt_passes, run_passes
 from ..errors import ConfigError
@@ -56,8 +56,9 @@ from ..spec import budget_arg
 from .peer import PEERS, PeerError
 from .peer import peer_rows as run_peer
 from .common import (SHAPES, Timer, claim_results, conditions, copy_bandwidth, device_name, int_arg, kernel_table,
-                     load_sharded, markdown_table, memory_problems, out_of_memory_lines, pyplot, refuse, run_args,
-                     run_setting, shape_model, shape_weights, shared_folder, weights_arg, write_results)
+                     load_sharded, markdown_table, memory_problems, out_of_memory_lines, pdl_arg, pyplot, refuse,
+                     run_args, run_setting, shape_model, shape_weights, shared_folder, start_pdl, weights_arg,
+                     write_results)
 
 FILL_CHUNK = 16384  # tokens of random keys and values written per pass
 
@@ -390,9 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="contexts at which to time transformers' StaticCache + torch.compile loop too")
     parser.add_argument("--profile", type=int_arg(0), default=0, metavar="STEPS",
                         help="list the kernels of this many captured decode steps of each row (torch.profiler, CUDA)")
-    parser.add_argument("--pdl", action="store_true",
-                        help="programmatic dependent launch for our kernels and torch.compile's "
-                             "(kernels.set_programmatic_launch; CUDA, Hopper and later)")
+    pdl_arg(parser)
     weights_arg(parser)
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"], help=KV_DTYPE_HELP)
     parser.add_argument("--peer", choices=PEERS, default=None,
@@ -453,13 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = shape_weights(args.model, dtype)
     except ValueError as err:
         parser.error(str(err))
-    if args.pdl:
-        if device.type != "cuda":
-            parser.error(f"--pdl launches CUDA kernels, the device is {device}")
-        try:
-            kernels.set_programmatic_launch(True)
-        except RuntimeError as err:
-            parser.error(str(err))
+    start_pdl(args, device, parser)
     longest = max(args.contexts) + args.new_tokens
     gpus = dist.get_world_size() if parallel.launched() else 1
     where = device_name(device) + (f" x {gpus} (tensor parallel)" if gpus > 1 else "")

@@ -86,7 +86,7 @@ from ..serve.runner import POOL_FIELD, cache_bytes, pool_row_bytes, prefill_byte
 from ..spec import budget_arg
 from .common import (ModelShape, claim_results, conditions, device_name, int_arg, markdown_table, memory_problems,
                      model_shape, out_of_memory_lines, pyplot, quantiles, refuse, run_args, run_setting, shape_config,
-                     shape_model, shape_weights, weights_arg, write_results)
+                     shape_model, shape_weights, start_pdl, pdl_arg, weights_arg, write_results)
 from .e2e import fill_passes, random_fill
 from .peer import PEERS, PeerError
 from .peer import load_rows_of as run_peer_load
@@ -575,6 +575,7 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     if meta["fill"] == "random" and meta.get("fill_chunk"):
         fill += f", written in passes of {meta['fill_chunk']} tokens"
     weights = "" if meta.get("weights", "float") == "float" else f", {meta['weights']} weights"
+    weights += ", programmatic dependent launch" if meta.get("pdl") else ""
     shared = (f"; every prompt begins with the same {meta['shared_prefix']} tokens" if meta.get("shared_prefix")
               else "")
     cached = f"; a prefix cache of {meta['prefix_cache_gib']:g} GiB" if meta.get("prefix_cache_gib") else ""
@@ -703,6 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run the same requests through the peer's dense serving, at most --max-batch at "
                              "a time, in a process of its own before ours (python -m sparsekv.bench.peer; a shape: "
                              "model on CUDA, bf16, all at once, real prefill)")
+    pdl_arg(parser)
     weights_arg(parser)
     run_args(parser, "serve")
     return parser
@@ -784,6 +786,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" or args.plan else "float32"))
     max_context = args.max_context or args.prompt_len[1] + args.output_len[1]
     command = "python -m sparsekv.bench.serve " + " ".join(argv)
+    if not args.plan:
+        start_pdl(args, device, parser)
     claim_results(args.out / f"{args.tag}.json", None if args.plan else device_name(device), setting,
                   args.overwrite)
     problem = args.peer and not args.plan and peer_problem(args, device)
@@ -828,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
               f"evict, compress or offload the prompt)", file=sys.stderr)
         return 2
     kv_memory = None if args.kv_memory_gib is None else int(args.kv_memory_gib * GIB)
-    meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "weights": args.weights,
+    meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "weights": args.weights, "pdl": args.pdl,
             "device_name": device_name(device), "torch": torch.__version__, "requests": args.requests,
             "rate": args.rate, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
             "output_len": args.output_len, "max_batch": args.max_batch, "max_context": max_context,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -172,8 +173,87 @@ def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     return tensor
 
 
-def sum_partials(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The sum over the group's processes of a product's partial outputs (``row_split``): a new tensor, through
-    PyTorch's functional collective (DTensor's), which torch.compile traces inside a compiled part and a CUDA graph
-    captures."""
+ALL_REDUCES = ("nccl", "one-shot")
+ONE_SHOT_BYTES = 256 * 1024
+"""The largest partial output (per process) that the one-shot all-reduce sums: a decode step's rows up to batch 32
+at Llama-3-8B's width in bf16. Larger ones (prompt chunks) go through NCCL, whose ring pays off there."""
+
+_all_reduce = "nccl"
+_buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # (group name, dtype) -> this process's symmetric buffer
+
+
+def set_all_reduce(kind: str) -> None:
+    """How ``sum_partials`` sums the partial outputs of the products that tensor parallelism splits by input, for
+    the products prepared after this call (``one_shot``), process-wide and the same in every process:
+
+    - ``"nccl"`` (the default): PyTorch's functional all-reduce over NCCL (DTensor's).
+    - ``"one-shot"``: up to ``ONE_SHOT_BYTES``, each process copies its part into a buffer of symmetric memory
+      that every process of the group maps, waits on a barrier of flags, and loads and adds every process's part
+      itself (PyTorch's ``symm_mem.one_shot_all_reduce_copy_out``): one kernel of a few microseconds over NVLink
+      peer-to-peer loads, without multicast, where NCCL's ring takes tens. Needs CUDA and PyTorch's symmetric
+      memory; larger tensors still go through NCCL."""
+    global _all_reduce
+    if kind not in ALL_REDUCES:
+        raise ValueError(f"all_reduce: must be one of {', '.join(ALL_REDUCES)}, got {kind!r}")
+    _all_reduce = kind
+
+
+def all_reduce() -> str:
+    """The all-reduce that products prepared now get (``set_all_reduce``)."""
+    return _all_reduce
+
+
+@dataclass(frozen=True)
+class OneShot:
+    """A group's one-shot all-reduce for partial outputs of ``dtype``: ``capacity`` elements fit its buffer."""
+
+    group_name: str
+    capacity: int
+
+
+def one_shot(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device) -> OneShot | None:
+    """With ``set_all_reduce("one-shot")``, the group's one-shot all-reduce for ``dtype``, its symmetric buffer
+    allocated and exchanged at the first call (a collective: every process of the group calls it at the same
+    point, outside CUDA-graph capture); None with ``"nccl"``."""
+    if _all_reduce != "one-shot":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"all_reduce: 'one-shot' sums over CUDA symmetric memory, the device is {device}; use "
+                         "'nccl'")
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    name = group.group_name
+    capacity = ONE_SHOT_BYTES // dtype.itemsize
+    if (name, dtype) not in _buffers:
+        buffer = symm_mem.empty(capacity, dtype=dtype, device=device)
+        symm_mem.rendezvous(buffer, name)
+        _buffers[name, dtype] = buffer
+    return OneShot(name, capacity)
+
+
+@torch.library.custom_op("sparsekv::one_shot_sum", mutates_args=())
+def one_shot_sum(partial: torch.Tensor, group_name: str) -> torch.Tensor:
+    """partial: (..., N), contiguous, at most the capacity of the group's buffer for its dtype (``one_shot``).
+    Returns the sum of every process's ``partial``, the same on every process (added in process order)."""
+    buffer = _buffers.get((group_name, partial.dtype))
+    if buffer is None or partial.numel() > buffer.numel():
+        raise RuntimeError(f"one_shot_sum: no symmetric buffer of {partial.numel()} {partial.dtype} elements for "
+                           f"group {group_name!r}; parallel.one_shot prepares it")
+    out = torch.empty_like(partial)
+    torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer[:partial.numel()].view_as(partial), partial, "sum",
+                                                    group_name, out)
+    return out
+
+
+@one_shot_sum.register_fake
+def _(partial: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(partial)
+
+
+def sum_partials(tensor: torch.Tensor, group: dist.ProcessGroup, fast: OneShot | None = None) -> torch.Tensor:
+    """The sum over the group's processes of a product's partial outputs (``row_split``): a new tensor. Through
+    ``fast`` (``one_shot``) where the tensor fits its buffer, else PyTorch's functional collective (DTensor's);
+    torch.compile traces either inside a compiled part, and a CUDA graph captures either."""
+    if fast is not None and tensor.numel() <= fast.capacity:
+        return one_shot_sum(tensor.contiguous(), fast.group_name)
     return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))

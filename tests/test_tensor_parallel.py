@@ -160,3 +160,66 @@ def test_agreement_needs_no_group_and_describes_long_values_by_digest():
     long = parallel.describe("x" * 1000)
     assert long.startswith("'xxx") and "(1002 characters, sha256 " in long and len(long) < 250
     assert long != parallel.describe("x" * 999 + "y")
+
+
+def test_all_reduce_setting_is_checked_and_one_shot_needs_cuda():
+    assert parallel.all_reduce() == "nccl"
+    with pytest.raises(ValueError, match=r"^all_reduce: must be one of nccl, one-shot, got 'ring'$"):
+        parallel.set_all_reduce("ring")
+    assert parallel.all_reduce() == "nccl"
+    group = object()  # not reached: nccl prepares nothing, and one-shot stops at the device
+    assert parallel.one_shot(group, torch.bfloat16, torch.device("cpu")) is None
+    parallel.set_all_reduce("one-shot")
+    try:
+        with pytest.raises(ValueError, match=r"all_reduce: 'one-shot' sums over CUDA symmetric memory, the device "
+                                             r"is cpu; use 'nccl'"):
+            parallel.one_shot(group, torch.bfloat16, torch.device("cpu"))
+    finally:
+        parallel.set_all_reduce("nccl")
+    with pytest.raises(RuntimeError, match="no symmetric buffer of 4 torch.float32 elements for group 'none'"):
+        parallel.one_shot_sum(torch.zeros(2, 2), "none")
+
+
+def test_benches_refuse_one_shot_off_cuda(capsys):
+    from sparsekv.bench import e2e
+
+    with pytest.raises(SystemExit) as stop:
+        e2e.main(["--model", "shape:tiny", "--device", "cpu", "--contexts", "64", "--all-reduce", "one-shot"])
+    assert stop.value.code == 2
+    assert "--all-reduce one-shot sums over CUDA symmetric memory, the device is cpu" in capsys.readouterr().err
+    assert parallel.all_reduce() == "nccl"
+
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+# NVLink multicast stays off: on shared hosts a program using it can take the GPUs out of service.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@TWO_GPUS
+def test_one_shot_all_reduce_equals_nccl(tmp_path):
+    """Bit for bit, eagerly, compiled and from a CUDA graph, in bf16 and float32; a tensor larger than the buffer
+    goes through NCCL."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               **NO_MULTICAST)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(ROOT / "tests" / "tp_one_shot.py"), str(tmp_path / "out.json")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    results = json.loads((tmp_path / "out.json").read_text())
+    assert len(results) == 2 * 5 * 4 and all(results.values()), [case for case, ok in results.items() if not ok]
+
+
+@TWO_GPUS
+def test_one_shot_engine_gives_the_one_process_tokens(tmp_path):
+    """The captured decode step with one-shot sums gives the one-process tokens of every method in float32."""
+    out = tmp_path / "tp.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               **NO_MULTICAST)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "sparsekv.bench.tp", "--model", "tiny:llama", "--context", "96", "--dtype", "float32",
+           "--all-reduce", "one-shot", "--out", str(out)]
+    run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["errors"] == [] and result["notes"] == []
+    assert any(name.startswith(ENGINE) for name in result["tensor_parallel"])

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .. import kernels
+from .. import kernels, parallel
 from ..timing import Timer
 
 
@@ -405,6 +405,20 @@ def start_pdl(args, device: torch.device, parser) -> None:
         kernels.set_programmatic_launch(True)
     except RuntimeError as err:
         parser.error(str(err))
+
+
+def all_reduce_arg(parser) -> None:
+    """--all-reduce: how tensor parallelism sums the row-split products (``start_all_reduce``)."""
+    parser.add_argument("--all-reduce", default="nccl", choices=parallel.ALL_REDUCES,
+                        help="under torchrun, how the decode step sums the partial outputs of the o and down "
+                             "products: NCCL, or one-shot over CUDA symmetric memory (parallel.set_all_reduce)")
+
+
+def start_all_reduce(args, device: torch.device, parser) -> None:
+    """Sets --all-reduce for the process before a model is loaded (a parser error for one-shot off CUDA)."""
+    if args.all_reduce != "nccl" and device.type != "cuda":
+        parser.error(f"--all-reduce {args.all_reduce} sums over CUDA symmetric memory, the device is {device}")
+    parallel.set_all_reduce(args.all_reduce)
 
 
 def pyplot():

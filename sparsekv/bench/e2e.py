@@ -55,10 +55,10 @@ from ..quant import QuantLinear, quantize_model
 from ..spec import budget_arg
 from .peer import PEERS, PeerError
 from .peer import peer_rows as run_peer
-from .common import (SHAPES, Timer, claim_results, conditions, copy_bandwidth, device_name, int_arg, kernel_table,
-                     load_sharded, markdown_table, memory_problems, out_of_memory_lines, pdl_arg, pyplot, refuse,
-                     run_args, run_setting, shape_model, shape_weights, shared_folder, start_pdl, weights_arg,
-                     write_results)
+from .common import (SHAPES, Timer, all_reduce_arg, claim_results, conditions, copy_bandwidth, device_name, int_arg,
+                     kernel_table, load_sharded, markdown_table, memory_problems, out_of_memory_lines, pdl_arg, pyplot,
+                     refuse, run_args, run_setting, shape_model, shape_weights, shared_folder, start_all_reduce,
+                     start_pdl, weights_arg, write_results)
 
 FILL_CHUNK = 16384  # tokens of random keys and values written per pass
 
@@ -329,6 +329,7 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     weights = "" if meta.get("weights", "float") == "float" else f", {meta['weights']} weights"
     weights += "" if meta.get("kv_dtype", "auto") == "auto" else f", {meta['kv_dtype']} KV"
     weights += ", programmatic dependent launch" if meta.get("pdl") else ""
+    weights += f", {meta['all_reduce']} all-reduce" if meta.get("all_reduce", "nccl") != "nccl" else ""
     lines = [f"# End-to-end decode ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
              f"{how} fill = random: the cache was filled with random keys and values instead of a real prefill. "
              f"Command: `{meta['command']}`", "", *markdown_table(columns, rows)]
@@ -392,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", type=int_arg(0), default=0, metavar="STEPS",
                         help="list the kernels of this many captured decode steps of each row (torch.profiler, CUDA)")
     pdl_arg(parser)
+    all_reduce_arg(parser)
     weights_arg(parser)
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"], help=KV_DTYPE_HELP)
     parser.add_argument("--peer", choices=PEERS, default=None,
@@ -453,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     start_pdl(args, device, parser)
+    start_all_reduce(args, device, parser)
     longest = max(args.contexts) + args.new_tokens
     gpus = dist.get_world_size() if parallel.launched() else 1
     where = device_name(device) + (f" x {gpus} (tensor parallel)" if gpus > 1 else "")
@@ -495,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(device, Timer(device, reps=30)) if device.type == "cuda" else None
     rows, out_of_memory = list(peer_results), []
     meta = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "weights": args.weights,
-            "kv_dtype": args.kv_dtype, "pdl": args.pdl,
+            "kv_dtype": args.kv_dtype, "pdl": args.pdl, "all_reduce": args.all_reduce,
             "new_tokens": args.new_tokens,
             "device_name": where, "torch": torch.__version__,
             "bandwidth_tbs": None if bandwidth is None else bandwidth / 1e12,

@@ -92,6 +92,8 @@ def engine(args, max_len: int, **extra):
                    disable_log_stats=False, **extra)  # LLM turns the per-request stats off, and the timestamps
     if args.max_num_seqs:
         options["max_num_seqs"] = args.max_num_seqs
+    if args.tensor_parallel_size > 1:
+        options["tensor_parallel_size"] = args.tensor_parallel_size
     if args.kv_cache_memory_bytes:
         options["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     if args.sparsekv:
@@ -231,6 +233,7 @@ def parser() -> argparse.ArgumentParser:
                             "quest:token_budget=2048); default: vLLM's own attention")
         s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         s.add_argument("--max-num-seqs", type=int_arg(), default=None, help="vLLM's cap on running requests")
+        s.add_argument("--tensor-parallel-size", type=int_arg(), default=1, help="vLLM's tensor parallelism (GPUs)")
         s.add_argument("--kv-cache-memory-bytes", type=int_arg(), default=None,
                        help="vLLM's KV cache size (default: what --gpu-memory-utilization leaves)")
         s.add_argument("--seed", type=int, default=0)

@@ -41,8 +41,9 @@ from ..methods import (DenseConfig, H2OConfig, MethodConfig, OmniKVConfig, Quest
                        StreamingLLMConfig, TOVAConfig)
 from ..models import resolve_dtype
 from ..tiny import tiny_model
-from .common import (SHAPES, claim_results, device_name, int_arg, load_sharded, memory_problems, overwrite_arg,
-                     refuse, run_setting, shape_model, shape_weights, shared_folder, write_files)
+from .common import (SHAPES, all_reduce_arg, claim_results, device_name, int_arg, load_sharded, memory_problems,
+                     overwrite_arg, refuse, run_setting, shape_model, shape_weights, shared_folder, start_all_reduce,
+                     write_files)
 
 CONTROL = "transformers"
 
@@ -251,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the tokens as JSON here (process 0)")
+    all_reduce_arg(parser)
     overwrite_arg(parser)
     return parser
 
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = shape_weights(args.model, dtype, args.layers)
     except ValueError as err:
         parser.error(str(err))
+    start_all_reduce(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"), parser)
 
     # transformers shards the model over the machine's accelerator whenever there is one. It would start the process
     # group itself; it is started first here to share the model folder.

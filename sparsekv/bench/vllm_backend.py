@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--kv-cache-memory-bytes", type=int_arg(), default=None,
                        help="vLLM's KV cache size, the same for every run (default: what 0.9 of the device leaves)")
         s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--tensor-parallel-size", type=int_arg(), default=1,
+                       help="vLLM's tensor parallelism: every engine over this many GPUs (sparsekv's own engine in "
+                            "agree stays on one)")
         s.add_argument("--out", type=Path, default=None,
                        help="results JSON (default: benchmarks/results/vllm/KIND.json)")
         overwrite_arg(s)
@@ -79,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def peer_options(args) -> list[str]:
     kv = [] if args.kv_cache_memory_bytes is None else ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
-    return ["--model", args.model, "--seed", str(args.seed), *kv]
+    return ["--model", args.model, "--seed", str(args.seed), "--tensor-parallel-size", str(args.tensor_parallel_size),
+            *kv]
 
 
 def decode_runs(args) -> list[dict]:
@@ -215,11 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     problem = missing_vllm()
     if problem:
         return refuse(prog, problem)
-    if not torch.cuda.is_available():
-        return refuse(prog, "vLLM's engine needs a CUDA device")
-    out = args.out or RESULTS / f"{args.kind}.json"
+    if torch.cuda.device_count() < args.tensor_parallel_size:
+        return refuse(prog, f"--tensor-parallel-size {args.tensor_parallel_size} needs as many CUDA devices, this "
+                            f"machine has {torch.cuda.device_count()}")
+    tp = args.tensor_parallel_size
+    out = args.out or RESULTS / (f"{args.kind}.json" if tp == 1 else f"{args.kind}_tp{tp}.json")
     setting = run_setting("vllm_backend", args)
-    device = device_name(torch.device("cuda"))
+    device = device_name(torch.device("cuda")) + (f" x {tp} (tensor parallel)" if tp > 1 else "")
     claim_results(out, device, setting, args.overwrite)
     try:
         rows, verdict = (agree_runs(args) if args.kind == "agree"

@@ -46,7 +46,8 @@ class Fused:
     quantized layers (``QuantLinear``) weight holds the codes and scale, minimum the groups' (rows are
     independent, so the blocks of codes, scales and minima stack as the weights do). ``group``: under tensor
     parallelism, the processes over which the product's inputs are split (``parallel.row_split``): weight is this
-    process's columns, and the partial outputs are summed over the group."""
+    process's columns, and the partial outputs are summed over the group (through ``one_shot`` where set:
+    ``parallel.set_all_reduce``)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -54,6 +55,7 @@ class Fused:
     scale: torch.Tensor | None = None
     minimum: torch.Tensor | None = None
     group: dist.ProcessGroup | None = None
+    one_shot: parallel.OneShot | None = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: (..., in). Returns each block's (..., out_i)."""
@@ -62,7 +64,7 @@ class Fused:
         else:
             out = kernels.linear_quantized(x, self.weight, self.scale, self.minimum, self.bias)
         if self.group is not None:
-            out = parallel.sum_partials(out, self.group)
+            out = parallel.sum_partials(out, self.group, self.one_shot)
         return out.split(self.sizes, dim=-1)
 
 
@@ -91,7 +93,9 @@ def fuse(linears: Sequence[nn.Module]) -> Fused | None:
     summed over the group. A group laid out so already (by an earlier call) is taken as it is, so that no second
     copy is made."""
     if len(linears) == 1 and linears[0].bias is None and (group := parallel.row_split(linears[0])) is not None:
-        return Fused(linears[0].weight.to_local(), None, (linears[0].out_features,), group=group)
+        weight = linears[0].weight.to_local()
+        return Fused(weight, None, (linears[0].out_features,), group=group,
+                     one_shot=parallel.one_shot(group, weight.dtype, weight.device))
     rows = 0  # the dim of the outputs' rows: 1 for tiled codes (chunks of tiles)
     if all(type(m) is QuantLinear for m in linears):
         names = ("codes", "scale", "minimum")

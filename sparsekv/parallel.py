@@ -63,6 +63,7 @@ def finish(wait: bool = True) -> None:
     if started():
         if wait:
             dist.barrier()
+        _buffers.clear()
         dist.destroy_process_group()
 
 
@@ -143,6 +144,20 @@ def row_split(linear) -> dist.ProcessGroup | None:
     if mesh is None or mesh.ndim != 1 or mesh.size() == 1 or linear.weight.placements != (Shard(1),):
         return None
     return mesh.get_group()
+
+
+def column_split(linear) -> torch.Tensor | None:
+    """This process's rows of a projection whose outputs tensor parallelism splits (transformers' "colwise" plan:
+    a weight that is a DTensor split by output rows, ``Shard(0)``, over a 1D mesh of more than one process, no
+    bias): the DTensor's own local tensor (``_local_tensor``, not the alias ``to_local()`` makes), so that a caller
+    that gives it new storage (``.data``) moves the module's weight too; None for any other projection."""
+    if isinstance(linear, QuantLinear) or linear.bias is not None:  # quantized layers are never split
+        return None
+    weight = linear.weight
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None or mesh.ndim != 1 or mesh.size() == 1 or weight.placements != (Shard(0),):
+        return None
+    return weight._local_tensor
 
 
 def local_heads(model) -> tuple[int, int]:
@@ -252,8 +267,9 @@ def _(partial: torch.Tensor, group_name: str) -> torch.Tensor:
 
 def sum_partials(tensor: torch.Tensor, group: dist.ProcessGroup, fast: OneShot | None = None) -> torch.Tensor:
     """The sum over the group's processes of a product's partial outputs (``row_split``): a new tensor. Through
-    ``fast`` (``one_shot``) where the tensor fits its buffer, else PyTorch's functional collective (DTensor's);
-    torch.compile traces either inside a compiled part, and a CUDA graph captures either."""
-    if fast is not None and tensor.numel() <= fast.capacity:
+    ``fast`` (``one_shot``) where the tensor fits its buffer (and is a whole number of 4-byte words, as its kernel
+    needs), else PyTorch's functional collective (DTensor's); torch.compile traces either inside a compiled part,
+    and a CUDA graph captures either."""
+    if fast is not None and tensor.numel() <= fast.capacity and tensor.numel() * tensor.element_size() % 4 == 0:
         return one_shot_sum(tensor.contiguous(), fast.group_name)
     return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))

@@ -1,6 +1,7 @@
 """Started by torchrun (2 processes, one GPU each) from tests/test_tensor_parallel.py: the one-shot all-reduce
 (``parallel.sum_partials`` with ``parallel.one_shot``) against NCCL's, bit for bit, eagerly, compiled and replayed
-from a CUDA graph, on shapes that fit its buffer and on one that does not (summed by NCCL). Writes ``OUT`` (its
+from a CUDA graph, on shapes that fit its buffer and on ones that NCCL sums (larger than the buffer; an odd count of
+bf16 values, which the one-shot kernel's 4-byte words do not take). Writes ``OUT`` (its
 one argument) from the first process: {case: true when equal}."""
 
 import json
@@ -26,7 +27,8 @@ def main(out: str) -> None:
             x = x.to(dtype)
             want = parallel.sum_partials(x, group)
             results[f"eager {dtype} {shape}"] = torch.equal(parallel.sum_partials(x, group, fast), want)
-            results[f"compiled {dtype} {shape}"] = torch.equal(step(x), step_ref(x, group))
+            if shape == shapes[0]:  # a compile per shape costs tens of seconds: one decode row
+                results[f"compiled {dtype} {shape}"] = torch.equal(step(x), step_ref(x, group))
             static = x.clone()
             graph = torch.cuda.CUDAGraph()
             parallel.sum_partials(static, group, fast)  # warm up outside the capture
@@ -44,6 +46,7 @@ def main(out: str) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({case: gathered[0][case] and gathered[1][case] for case in results}, f, indent=1)
+    del graph, captured
     parallel.finish()
 
 

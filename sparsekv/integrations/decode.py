@@ -16,10 +16,11 @@ computes what it did before (``model.generate`` included) and holds no second co
 A prompt pass runs through the same functions (``DecodeModel.prompt_pass``: a chunk of tokens per row through one
 layer, its attention the prompt's dense one), compiled with dynamic shapes where the engine compiles.
 
-Weights that are not plain tensors (the DTensor shards of transformers' tensor parallelism) are left as they are
-and multiplied through their modules, one product each, but for the projections whose inputs are split (o and
-down): those multiply their local columns and sum the partial outputs over the processes themselves
-(``parallel.sum_partials``), the one collective of each.
+Under transformers' tensor parallelism the weights are DTensor shards. The projections whose outputs are split
+(q/k/v, gate/up) fuse their local rows as above, each process computing its own heads and channels; those whose
+inputs are split (o and down) multiply their local columns and sum the partial outputs over the processes
+(``parallel.sum_partials``), the one collective of each. Other such weights (the embedding, the head) are
+multiplied through their modules.
 """
 
 from __future__ import annotations
@@ -81,21 +82,26 @@ class Products:
     @classmethod
     def of(cls, layer: nn.Module) -> "Products":
         attn, mlp = layer.self_attn, layer.mlp
-        return cls(fuse((attn.q_proj, attn.k_proj, attn.v_proj)), fuse((attn.o_proj,)),
-                   fuse((mlp.gate_proj, mlp.up_proj)), fuse((mlp.down_proj,)))
+        return cls(fuse((attn.q_proj, attn.k_proj, attn.v_proj), local=True), fuse((attn.o_proj,)),
+                   fuse((mlp.gate_proj, mlp.up_proj), local=True), fuse((mlp.down_proj,)))
 
 
-def fuse(linears: Sequence[nn.Module]) -> Fused | None:
+def fuse(linears: Sequence[nn.Module], local: bool = False) -> Fused | None:
     """One weight for ``linears`` (``nn.Linear`` of one input size, all with a bias or none; or ``QuantLinear`` of
     one input size, code width and layout), their weights and biases (codes, scales and minima) becoming views of
-    its row blocks (blocks of tiles for tiled codes); None when a weight is not a plain tensor, but for one
-    projection without a bias whose inputs tensor parallelism splits (``parallel.row_split``): its local columns,
-    summed over the group. A group laid out so already (by an earlier call) is taken as it is, so that no second
-    copy is made."""
+    its row blocks (blocks of tiles for tiled codes). Under tensor parallelism, with ``local`` (outputs that the
+    products after them take split: a layer's heads and MLP channels; not the head's logits, which are gathered),
+    projections without a bias whose outputs are split (``parallel.column_split``): their local rows the same way,
+    each process computing its own outputs; one projection without a bias whose inputs are split
+    (``parallel.row_split``): its local columns, summed over the group. None for any other weight that is not a
+    plain tensor. A group laid out so already (by an earlier call) is taken as it is, so that no second copy is made."""
     if len(linears) == 1 and linears[0].bias is None and (group := parallel.row_split(linears[0])) is not None:
         weight = linears[0].weight.to_local()
         return Fused(weight, None, (linears[0].out_features,), group=group,
                      one_shot=parallel.one_shot(group, weight.dtype, weight.device))
+    shards = [parallel.column_split(m) for m in linears] if local else [None]
+    if all(shard is not None for shard in shards) and len({m.in_features for m in linears}) == 1:
+        return Fused(_one_tensor(shards, 0), None, tuple(shard.shape[0] for shard in shards))
     rows = 0  # the dim of the outputs' rows: 1 for tiled codes (chunks of tiles)
     if all(type(m) is QuantLinear for m in linears):
         names = ("codes", "scale", "minimum")

@@ -220,7 +220,8 @@ def all_reduce() -> str:
 
 @dataclass(frozen=True)
 class OneShot:
-    """A group's one-shot all-reduce for partial outputs of ``dtype``: ``capacity`` elements fit its buffer."""
+    """A group's one-shot all-reduce for partial outputs of one dtype (``one_shot``'s): ``capacity`` elements of
+    it fit the group's buffer."""
 
     group_name: str
     capacity: int

@@ -20,12 +20,17 @@ from sparsekv.tiny import tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def worktree_env(**more: str) -> dict[str, str]:
+    """This environment with ``more``, the worktree first on the path, so that the processes a test starts import
+    this checkout's sparsekv."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                **more)
+
+
 def test_two_processes_give_the_one_process_tokens(tmp_path):
     assert dist.is_gloo_available()
     out = tmp_path / "tp.json"
-    # The worktree first, so that the processes import this checkout's sparsekv; one thread each on a small CPU.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1")
+    env = worktree_env(OMP_NUM_THREADS="1")  # one thread a process on a small CPU
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "sparsekv.bench.tp", "--model", "tiny:llama", "--context", "48", "--new-tokens", "6",
            "--out", str(out)]
@@ -54,8 +59,7 @@ def test_generate_under_torchrun_prints_the_one_process_text(tmp_path):
     model.generation_config.eos_token_id = None
     model.save_pretrained(tmp_path / "model")
     byte_tokenizer().save_pretrained(tmp_path / "model")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1")
+    env = worktree_env(OMP_NUM_THREADS="1")
     args = ["-m", "sparsekv.cli", "generate", "--model", str(tmp_path / "model"), "--method",
             "quest:dense_layers=0", "--budget", "16", "--prompt", "The pass key is 4312. " * 6, "--max-new-tokens",
             "8", "--no-progress"]
@@ -80,8 +84,7 @@ def test_one_process_has_no_head_group():
 def test_e2e_bench_under_torchrun(tmp_path):
     """``bench.e2e`` started by torchrun: the first process builds the shape model, both load it sharded, and
     the first writes the rows (memory per process, floor over both processes' bandwidth)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1")
+    env = worktree_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "sparsekv.bench.e2e", "--model", "shape:tiny", "--contexts", "96", "--device", "cpu",
            "--new-tokens", "4", "--methods", "dense", "quest", "--budget", "32", "--out", str(tmp_path)]
@@ -105,8 +108,7 @@ def test_processes_given_different_arguments_all_stop_naming_it(tmp_path):
         model.generation_config.eos_token_id = None
         model.save_pretrained(tmp_path / name)
         byte_tokenizer().save_pretrained(tmp_path / name)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1")
+    env = worktree_env(OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(ROOT / "tests" / "tp_arguments.py"), str(tmp_path / "model"), str(tmp_path / "bad"),
                           str(tmp_path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -200,8 +202,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 def test_one_shot_all_reduce_equals_nccl(tmp_path):
     """Bit for bit, eagerly, compiled and from a CUDA graph, in bf16 and float32; a tensor larger than the buffer
     goes through NCCL."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               **NO_MULTICAST)
+    env = worktree_env(**NO_MULTICAST)
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(ROOT / "tests" / "tp_one_shot.py"), str(tmp_path / "out.json")], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
@@ -214,8 +215,7 @@ def test_one_shot_all_reduce_equals_nccl(tmp_path):
 def test_one_shot_engine_gives_the_one_process_tokens(tmp_path):
     """The captured decode step with one-shot sums gives the one-process tokens of every method in float32."""
     out = tmp_path / "tp.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               **NO_MULTICAST)
+    env = worktree_env(**NO_MULTICAST)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "sparsekv.bench.tp", "--model", "tiny:llama", "--context", "96", "--dtype", "float32",
            "--all-reduce", "one-shot", "--out", str(out)]

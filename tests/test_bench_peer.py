@@ -24,8 +24,11 @@ class SamplingParams:
 class LLM:
     def __init__(self, model, load_format, skip_tokenizer_init, dtype, max_model_len, gpu_memory_utilization,
                  enable_prefix_caching, seed, disable_log_stats, max_num_seqs=256, kv_cache_memory_bytes=None,
-                 attention_backend=None, additional_config=None):
+                 attention_backend=None, additional_config=None, tensor_parallel_size=1, compilation_config=None):
         import json, pathlib
+        # under TP, vLLM's FlashInfer all-reduce + RMSNorm fusion is off (it faults without NVLink multicast)
+        assert compilation_config == (None if tensor_parallel_size == 1 else
+                                      {"pass_config": {"fuse_allreduce_rms": False}})
         config = json.loads((pathlib.Path(model) / "config.json").read_text())
         assert (attention_backend, additional_config) == (None, None) or (
             attention_backend == "CUSTOM" and set(additional_config) == {"sparsekv"})
@@ -90,6 +93,12 @@ def test_decode_rows_come_back_from_the_child(fake_vllm, capsys):
     assert first["ttft_s"] == pytest.approx(0.1) and first["prefill_tok_s"] == pytest.approx(1e4)
     assert second["decode_ms"] == pytest.approx(2.0) and second["tokens_per_s"] == pytest.approx(500.0)
     assert "peer: vLLM dense ctx 4000" in capsys.readouterr().out
+
+
+def test_tensor_parallel_reaches_vllm(fake_vllm):
+    result = peer.peer_rows("vllm", "decode", ["--model", "shape:tiny", "--contexts", "1000",
+                                               "--tensor-parallel-size", "2"], timeout_s=120)
+    assert [row["context"] for row in result["rows"]] == [1000]
 
 
 def test_sparsekv_inside_the_peer(fake_vllm, capsys):

@@ -94,6 +94,9 @@ def engine(args, max_len: int, **extra):
         options["max_num_seqs"] = args.max_num_seqs
     if args.tensor_parallel_size > 1:
         options["tensor_parallel_size"] = args.tensor_parallel_size
+        # vLLM fuses its all-reduce with the next RMSNorm through FlashInfer, whose kernel faulted in CUDA-graph
+        # capture on 2 H200s with NVLink multicast off; the products and attention are what is compared.
+        options["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     if args.kv_cache_memory_bytes:
         options["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     if args.sparsekv:

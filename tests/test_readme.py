@@ -5,7 +5,6 @@ test here runs. Also: the set-up commands CI runs, the error without the reposit
 and the README's pictures."""
 
 import json
-import os
 import re
 import shlex
 import signal
@@ -15,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from worktree import ROOT, worktree_env
+
 # The pages whose code blocks are run here.
 PAGES = ("README.md", "docs/usage.md", "docs/cli.md", "docs/methods.md", "docs/http-api.md", "docs/quantization.md",
          "docs/benchmarks.md", "docs/README.md")
@@ -122,9 +122,7 @@ def view(tmp_path):
 
 
 def env() -> dict:
-    # This checkout's sparsekv first; one thread a process on a small shared CPU.
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                OMP_NUM_THREADS="1")
+    return worktree_env(OMP_NUM_THREADS="1")  # one thread a process on a small shared CPU
 
 
 def run_bash(script: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -4,10 +4,8 @@ budgets covering the context give the dense tokens.
 ``sparsekv.bench.tp`` runs both layouts and compares them; this starts it with torchrun."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,15 +14,7 @@ import torch.distributed as dist
 from sparsekv import models, parallel
 from sparsekv.bench.tp import CONTROL, ENGINE
 from sparsekv.tiny import tiny_model
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def worktree_env(**more: str) -> dict[str, str]:
-    """This environment with ``more``, the worktree first on the path, so that the processes a test starts import
-    this checkout's sparsekv."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                **more)
+from worktree import ROOT, worktree_env
 
 
 def test_two_processes_give_the_one_process_tokens(tmp_path):

@@ -8,26 +8,23 @@ where there are two. A bad method spec stops the server at start with sparsekv's
 
 import importlib.util
 import json
-import os
 import re
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
+from sparsekv.bench.peer import TP_COMPILATION
+from worktree import ROOT, worktree_env
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "sparsekv-llama-16m"
 SPEC = "quest:token_budget=64"
 LENGTH = 4096
 START_S = 600
-# vLLM fuses its all-reduce with the next RMSNorm under TP through FlashInfer, whose kernel faulted on 2 H200s
-# with NVLink multicast off; the fusion is an optimisation of vLLM's, not of ours.
-TP_OPTIONS = ["--compilation-config", json.dumps({"pass_config": {"fuse_allreduce_rms": False}})]
+TP_OPTIONS = ["--compilation-config", json.dumps(TP_COMPILATION)]  # as the benchmarks' vLLM runs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(),
                                 reason="needs vLLM (sparsekv[vllm]) and a CUDA GPU")
@@ -62,8 +59,7 @@ def server(request, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(serve_command(SPEC, tp, port), stdout=out, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                                    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))))
+                                env=worktree_env())
     try:
         deadline = time.monotonic() + START_S
         while True:

@@ -39,6 +39,9 @@ VLLM_VERSIONS = ">=0.26,<0.27"  # the release built for torch 2.11, the GPU imag
 # vLLM reads these at import: no network, no usage reports, no tokenizer threads.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "TOKENIZERS_PARALLELISM": "false"}
+# Under tensor parallelism vLLM fuses its all-reduce with the next RMSNorm through FlashInfer, whose kernel faulted in
+# CUDA-graph capture on 2 H200s with NVLink multicast off; the products and attention are what is compared.
+TP_COMPILATION = {"pass_config": {"fuse_allreduce_rms": False}}
 
 
 class PeerError(RuntimeError):
@@ -94,9 +97,7 @@ def engine(args, max_len: int, **extra):
         options["max_num_seqs"] = args.max_num_seqs
     if args.tensor_parallel_size > 1:
         options["tensor_parallel_size"] = args.tensor_parallel_size
-        # vLLM fuses its all-reduce with the next RMSNorm through FlashInfer, whose kernel faulted in CUDA-graph
-        # capture on 2 H200s with NVLink multicast off; the products and attention are what is compared.
-        options["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
+        options["compilation_config"] = TP_COMPILATION
     if args.kv_cache_memory_bytes:
         options["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     if args.sparsekv:

@@ -20,7 +20,6 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
 
 from sparsekv.kernels import reference as ref  # noqa: E402
 from sparsekv.kernels import triton as tops  # noqa: E402
-from sparsekv.kernels.triton import selection  # noqa: E402
 
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 # The page-score kernel multiplies free slots' infinite bounds before masking them, and an empty token row takes the
@@ -451,8 +450,6 @@ QUEST_SELECT_VARIANTS = {  # TUNING overrides: each path of quest_select on the 
     # group maxima from the page-score kernel: several groups per block of slots, or one (a block of 16 slots,
     # groups of 16 or 32)
     "fused": {"select_fused_rows": 1, "select_one_program": 64},
-    # the maxima from the page-score kernel, the top-k a launch of its own
-    "fused-two-launches": {"select_fused_rows": 1, "select_one_program": 64, "select_in_scores": False},
     "fused-wide": {"select_fused_rows": 1, "select_one_program": 64, "select_fused_scale": 4, "page_block": 16},
     "fused-scale2": {"select_fused_rows": 1, "select_one_program": 64, "select_fused_scale": 2},
     # page scores over head-dim slices of 16 (the loop of the page-score kernel)
@@ -488,9 +485,6 @@ def test_quest_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_pa
     scores = tops.page_scores(q, kmin, kmax, slot_page, per_head)
     assert got.shape == ref.quest_select(q, kmin, kmax, slot_page, cur_slot, n_pages, per_head, in_order).shape
     assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, n_pages))
-    # a second launch selects the same: the arrival counts of the top-k in the page-score kernel were left at 0
-    assert torch.equal(tops.quest_select(q, kmin, kmax, slot_page, cur_slot, n_pages, per_head, in_order), got)
-    assert all(not t.any() for t in selection._TICKETS.get(q.device, []))
     if in_order:
         with pytest.raises(ValueError, match="without holes"):
             ref.quest_select(q, kmin, kmax, slot_page.roll(1, -1), cur_slot, n_pages, per_head, True)
@@ -814,8 +808,6 @@ LOWBIT_SELECT_VARIANTS = {  # TUNING overrides: each path of lowbit_select's top
     **{name: SELECT_VARIANTS[name] for name in ("default", "segments", "groups")},
     # group maxima from the share kernel, in one block of slots or several
     "fused": {"select_fused_rows": 1, "select_one_program": 64},
-    # the maxima from the page-score kernel, the top-k a launch of its own
-    "fused-two-launches": {"select_fused_rows": 1, "select_one_program": 64, "select_in_scores": False},
     "fused-blocks": {"select_fused_rows": 1, "select_one_program": 64, "select_fused_scale": 2, "mass_block": 16},
     "torch-topk": {"select_max_slots": 16},
 }

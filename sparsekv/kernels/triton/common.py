@@ -38,9 +38,7 @@ from .. import programmatic_launch
 # of select_block slots (select_block_warps); rows of more than select_max_slots slots go to torch.topk.
 # quest_select takes the group filter with at least select_fused_rows rows, groups of select_fused_scale *
 # sqrt(slots / k), the maxima written by the page-score kernel (faster than a separate pass on every grid
-# measured, up to 65536 programs), and with pages per KV head and select_in_scores the row's last page-score
-# program runs that top-k (no launch of its own; KERNEL_NOTES.md has the measurement); else select_pages.
-# lowbit_select likewise, the maxima written by its share
+# measured, up to 65536 programs); else select_pages. lowbit_select likewise, the maxima written by its share
 # kernel (at Llama-3-8B, batch 1, 128K: its top-k 7.7 us, select_pages 12.0).
 # window_*: OmniKV's window token scores (``scoring``), not yet tuned on a GPU: blocks of window_block_n tokens,
 # halved while a block's logit tile (heads x window queries x tokens) exceeds window_tile entries (registers); the
@@ -98,7 +96,7 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "select_warps": 8, "select_one_program": 4096, "select_block": 512, "select_block_warps": 4,
           "select_digit_bits": 5, "select_max_k": 1024, "select_max_slots": 65536,
           "select_group_rows": 32, "select_group_scale": 2, "select_group_block": 4096, "select_group_cand": 2,
-          "select_fused_rows": 8, "select_fused_scale": 1, "select_in_scores": True,
+          "select_fused_rows": 8, "select_fused_scale": 1,
           "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "programs_per_sm": 4,
           "attn_few_rows": 8, "attn_few_block_n": 64, "attn_few_stages": 1, "attn_few_programs_per_sm": 8,
           "attn_max_splits": 64, "attn_long_tokens": 16384, "attn_long_block_n": 64, "attn_long_stages": 2,

@@ -14,9 +14,7 @@
   use ``torch.topk`` (benchmarks/results/KERNEL_NOTES.md has the numbers).
 - ``quest_select``: scores and selects in one op. Where the selection takes the group filter (from
   ``select_fused_rows`` rows, e.g. Llama-3-8B at batch 1), the page-score kernel writes the group maxima, which
-  saves a kernel and a pass over the scores, and with pages chosen per KV head (``select_in_scores``) the last
-  of a row's page-score programs to finish (an arrival count per row) runs the group top-k itself, so the choice
-  takes one launch; otherwise it is ``select_pages(page_scores(...))``."""
+  saves a kernel and a pass over the scores; otherwise it is ``select_pages(page_scores(...))``."""
 
 from __future__ import annotations
 
@@ -70,20 +68,15 @@ def _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, load, sq_b, sq_
 
 
 @triton.jit
-def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gmax_ptr, table_ptr, ticket_ptr, ids_ptr,
-                        cand_ptr, sel_ptr, n_slots, n_groups, k, sq_b, sq_h, sm_b, sm_h, sm_c, ss_b, ss_h, so_b, so_h,
-                        cu_b, cu_h, st_b, sl_b, sl_h,
+def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gmax_ptr, table_ptr, n_slots, n_groups,
+                        sq_b, sq_h, sm_b, sm_h, sm_c, ss_b, ss_h, so_b, so_h, cu_b, cu_h, st_b,
                         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
                         PER_HEAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr,
-                        F16: tl.constexpr, IN_ORDER: tl.constexpr, TABLE: tl.constexpr, TOPK: tl.constexpr,
-                        HEAD: tl.constexpr, TAIL: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr,
-                        BITS: tl.constexpr, PDL: tl.constexpr):
+                        F16: tl.constexpr, IN_ORDER: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr):
     """Scores of BLOCK_C slots per chunk; with GS > 0 also the maxima of the score keys (``_key_of``) of each group
     of GS consecutive slots, per selection row, for the group filter of the top-k (rows of n_groups int32). With
-    IN_ORDER (slot j holds page j or is free) the bounds past the row's current slot are not read. With TOPK (GS > 0,
-    rows per KV head) the row's last program to finish (an arrival count per row in ticket, which it resets to 0)
-    selects the row's top k into sel (``_topk_group_row``), so that the top-k needs no launch of its own."""
+    IN_ORDER (slot j holds page j or is free) the bounds past the row's current slot are not read."""
     dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
@@ -119,15 +112,6 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
             tl.store(out_ptr + b * so_b + kvh * so_h + c, s, mask=in_c)
         if GS > 0:
             group_maxima(gmax_ptr, s, c, c0, cur, n_slots, n_groups, row, g, G, G_PAD, GS, BLOCK_C, PER_HEAD)
-    if TOPK:
-        # Every thread's scores and maxima are written before the program's arrival is counted (a barrier, then a
-        # release at GPU scope); the last to arrive acquires them all.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
-            _topk_group_row(row, out_ptr, cur, gmax_ptr, ids_ptr, cand_ptr, sel_ptr, n_slots, n_groups, k, so_b,
-                            so_h, sl_b, sl_h, HKV, HEAD, TAIL, GS, KP, CAND, BITS)
-            tl.store(ticket_ptr + row, 0)  # for the next launch
 
 
 @triton.jit
@@ -377,29 +361,18 @@ def _topk_group_kernel(scores_ptr, cur_ptr, gmax_ptr, ids_ptr, cand_ptr, out_ptr
                        HS: tl.constexpr, ROWS_PER_KV: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
                        GS: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr, BITS: tl.constexpr,
                        REUSE: tl.constexpr, PDL: tl.constexpr):
-    """``_topk_group_row`` of row program_id(0), the group maxima from ``_group_max_kernel`` or from the page-score
-    kernel (``quest_select``)."""
+    """Top k of a row of n scores through its groups of GS slots: the radix select of the k-th largest group
+    maximum bounds the k-th largest key from below, so the top k lie in the groups whose maximum reaches that bound
+    (at most KP >= k of them, see below); a second radix select over those groups' slots gives the top k. The
+    group maxima come from ``_group_max_kernel``, or from the page-score kernel (``quest_select``)."""
     dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HS).to(tl.int64)
     if REUSE > 1:
         if kept(len_ptr, first_ptr, b, REUSE):
             return
-    cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (row % HS // ROWS_PER_KV) * cu_h), 0)
-    _topk_group_row(row, scores_ptr, cur, gmax_ptr, ids_ptr, cand_ptr, out_ptr, n, n_groups, k, sc_b, sc_h, so_b,
-                    so_h, HS, HEAD, TAIL, GS, KP, CAND, BITS)
-
-
-@triton.jit
-def _topk_group_row(row, scores_ptr, cur, gmax_ptr, ids_ptr, cand_ptr, out_ptr, n, n_groups, k, sc_b, sc_h, so_b,
-                    so_h, HS: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, GS: tl.constexpr,
-                    KP: tl.constexpr, CAND: tl.constexpr, BITS: tl.constexpr):
-    """Top k of selection row ``row`` (b * HS + r) of n scores, whose current slot is ``cur``, through its groups of
-    GS slots: the radix select of the k-th largest group maximum bounds the k-th largest key from below, so the top
-    k lie in the groups whose maximum reaches that bound (at most KP >= k of them, see below); a second radix select
-    over those groups' slots gives the top k."""
-    b = (row // HS).to(tl.int64)
     r = row % HS
+    cur = tl.maximum(tl.load(cur_ptr + b * cu_b + (r // ROWS_PER_KV) * cu_h), 0)
     src = scores_ptr + b * sc_b + r * sc_h
     i = tl.arange(0, HEAD)
     it = HEAD + tl.arange(0, TAIL)
@@ -445,13 +418,10 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
     return _page_scores(q, kmin, kmax, slot_page, per_query_head, table=table)[0]
 
 
-def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, in_order=False, table=None,
-                 num_pages=0):
+def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, in_order=False, table=None):
     """Scores (B, Hs, C) fp32 and, with gs > 0, the group maxima of their keys (B * Hs, cdiv(C, gs)) int32; with
     ``in_order`` (cur_slot given) only the bounds up to each row's current slot are read; with ``table`` the bounds
-    are a pool's shared pages (``reference.page_scores``). With num_pages > 0 (and gs > 0, rows per KV head) the
-    kernel also selects each row's top pages (``_topk_group_row``) and returns them (B, Hkv, min(num_pages, C))
-    int64 in place of the maxima."""
+    are a pool's shared pages (``reference.page_scores``)."""
     check(q, kmin, "page_scores")
     b, h, d = q.shape
     hkv, c = slot_page.shape[1], slot_page.shape[2]
@@ -464,42 +434,17 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, 
     cur = cur_slot if gs or in_order else slot_page
     block_c = max(fp8_launch("page_block", kmin.dtype == torch.float8_e4m3fn), gs)  # groups within one block
     chunks = TUNING["page_chunks"]
-    k = min(num_pages, c)
-    kp, n_cand, head, tail = 2, 2, 32, 32  # unused without the top-k: one compiled kernel whatever num_pages
-    sel = ticket = ids = cand = out
-    if num_pages:
-        kp = _padded_k(k)
-        n_cand = kp * TUNING["select_group_cand"]
-        head, tail = _pieces(n_groups)
-        sel = torch.empty(b, hkv, k, dtype=torch.long, device=q.device)
-        ticket = _tickets(b * hkv, q.device)
-        ids = torch.empty(b * hkv, kp, dtype=torch.int32, device=q.device)
-        cand = torch.empty(b * hkv, n_cand, dtype=torch.long, device=q.device)
     _page_scores_kernel[(b * hkv, triton.cdiv(c, block_c * chunks))](
-        q, kmin, kmax, slot_page, out, cur, gmax, slot_page if table is None else table, ticket, ids, cand, sel, c,
-        n_groups, k, q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
+        q, kmin, kmax, slot_page, out, cur, gmax, slot_page if table is None else table, c, n_groups,
+        q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
         slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1), cur.stride(0), cur.stride(1),
-        0 if table is None else table.stride(0), sel.stride(0), sel.stride(1),
+        0 if table is None else table.stride(0),
         HKV=hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_K=min(block_d(d), TUNING["page_block_k"]), BLOCK_C=block_c, CHUNKS=chunks,
         PER_HEAD=per_query_head, PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), GS=gs,
-        F16=f16_products(q, kmin), IN_ORDER=in_order, TABLE=table is not None, TOPK=num_pages > 0, HEAD=head,
-        TAIL=tail, KP=kp, CAND=n_cand, BITS=TUNING["select_digit_bits"], num_warps=TUNING["page_warps"],
+        F16=f16_products(q, kmin), IN_ORDER=in_order, TABLE=table is not None, num_warps=TUNING["page_warps"],
         num_stages=TUNING["page_stages"], **pdl_launch())
-    return out, sel if num_pages else gmax
-
-
-_TICKETS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _tickets(rows: int, device: torch.device) -> torch.Tensor:
-    """Arrival counts (rows,) int32 for ``_page_scores_kernel``'s fused top-k: zeros, which each launch leaves
-    zero. One buffer per device serves every launch (launches on one device run one after another); a larger one is
-    made when rows require, and none is freed, since a captured graph may still read it."""
-    made = _TICKETS.setdefault(device, [])
-    if not made or made[-1].numel() < rows:
-        made.append(torch.zeros(max(rows, 4096), dtype=torch.int32, device=device))
-    return made[-1]
+    return out, gmax
 
 
 def check_out(name: str, out: torch.Tensor, shape: tuple[int, int, int]) -> None:
@@ -568,8 +513,6 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_p
     reference.check_num_pages(num_pages)  # before the groups are sized from it
     b, h, _ = q.shape
     gs = fused_group_size(b * (h if per_query_head else slot_page.shape[1]), slot_page.shape[2], num_pages)
-    if gs and not per_query_head and TUNING["select_in_scores"]:
-        return _page_scores(q, kmin, kmax, slot_page, False, cur_slot, gs, in_order, table, num_pages)[1]
     scores, gmax = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, gs, in_order, table)
     return select_from_maxima(scores, cur_slot, num_pages, gs, gmax)
 

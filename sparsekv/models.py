@@ -119,6 +119,33 @@ def find_gguf(spec: str) -> tuple[Path, str] | None:
     return (path, files[0]) if files else None
 
 
+def model_shape(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a transformers model config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, config.num_key_value_heads, head_dim
+
+
+def saved_config(spec: str):
+    """The transformers config of model ``spec`` (as ``load_model`` takes it: ``tiny:<arch>``, a GGUF file or a
+    folder holding one, a local directory, a hub id in the local cache), read without its weights; None where it is
+    not found on this machine."""
+    from transformers import AutoConfig
+
+    if spec.startswith(TINY_PREFIX):
+        from .tiny import tiny_config
+
+        return tiny_config(spec[len(TINY_PREFIX):])
+    try:
+        gguf = find_gguf(spec)
+        if gguf is not None:
+            _require_gguf_packages()
+            with _gguf_parsed_once():
+                return AutoConfig.from_pretrained(str(gguf[0]), gguf_file=gguf[1], local_files_only=True)
+        return AutoConfig.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError, ConfigError):
+        return None
+
+
 def check_gguf(path: Path) -> None:
     """Reads ``path``'s header and tensor table with the ``gguf`` package (the data stays on disk) and refuses a
     file that is not GGUF, truncated or corrupt, naming the file."""

@@ -37,3 +37,22 @@ def test_markdown_and_files(tmp_path):
     assert len(json.loads((tmp_path / "summary.json").read_text())) == 4
     assert (tmp_path / "summary.md").read_text() == text
     assert main([str(tmp_path / "niah")]) == 2
+
+
+def test_bytes_read_per_step():
+    """With the model's config found (tiny:llama: 4 layers, 2 KV heads of 16), each row gives the MiB a step reads
+    from a 16-bit cache: the KV attended (per layer and KV head, as measured) and the page metadata of the method
+    (Quest's bounds in the layers past its two dense ones, every key for the oracle); a model not found here gives
+    none and no table."""
+    records = [{**r, "model": "tiny:llama"} for r in RECORDS[:3]]
+    records.append({**_record("niah", "oracle", 32, 1.0, 0.1), "model": "tiny:llama"})
+    rows = {(r["method"], r["budget"]): r["read_mib"] for r in summarize(records)}
+    kv_per_token = 4 * 2 * 2 * 16 * 2  # layers, KV heads, key and value, head dim, bytes
+    assert rows[("dense", None)] * 2**20 == 1024 * kv_per_token
+    bounds = (4 - 2) * 2 * (1024 // 16) * 2 * 16 * 2  # scored layers, KV heads, pages, min and max
+    assert rows[("quest", 32)] * 2**20 == int(102.4 * kv_per_token) + bounds
+    every_key = (4 - 2) * 2 * (1024 // 16) * 16 * 16 * 2
+    assert rows[("oracle", 32)] * 2**20 == int(102.4 * kv_per_token) + every_key
+    assert "MiB a decode step reads" in markdown(summarize(records))
+    assert "MiB a decode step reads" not in markdown(summarize(RECORDS))
+    assert all(r["read_mib"] is None for r in summarize(RECORDS))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import statistics
 import sys
 from typing import Callable, Generator
@@ -46,11 +45,9 @@ from ..errors import ConfigError
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
 from ..integrations.transformers import cache_argument
-from ..methods import METHODS
+from ..methods import METHODS, selection_bytes
 from ..methods.omnikv import OmniKVConfig
-from ..methods.quest import QuestConfig
-from ..methods.raas import RaaSConfig
-from ..models import check_context, load_model, resolve_device, resolve_dtype
+from ..models import check_context, load_model, model_shape, resolve_device, resolve_dtype
 from ..quant import QuantLinear, quantize_model
 from ..spec import budget_arg
 from .peer import PEERS, PeerError
@@ -150,33 +147,19 @@ def kv_itemsize(model, config) -> int:
 
 
 def metadata_bytes(model, config, context: int, batch: int) -> int:
-    """Bytes of page metadata a decode step reads to choose pages, over all processes of tensor parallelism: per
-    scored page and KV head, Quest's bounds and what its variants read besides or instead (``metadata_bytes`` of
-    the config: the codes of ``lowbit``, every key for ``oracle``), RaaS's bounds in every layer."""
-    cfg = model.config
-    itemsize = kv_itemsize(model, config)
-    kv_heads, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if isinstance(config, QuestConfig):
-        scored, per_page = layers - config.dense_layers, config.metadata_bytes(head_dim, itemsize)
-    elif isinstance(config, RaaSConfig):
-        scored, per_page = layers, 2 * head_dim * itemsize
-    else:
-        return 0
-    return scored * batch * kv_heads * math.ceil(context / config.page_size) * per_page
+    """``methods.selection_bytes`` of ``model``'s shape and cache, over all processes of tensor parallelism."""
+    return selection_bytes(config, *model_shape(model.config), kv_itemsize(model, config), context, batch)
 
 
 def step_bytes(model, config, stats: dict, context: int, batch: int) -> int:
     """Bytes a decode step must read, over all processes of tensor parallelism: the weights (less the embedding
     table, of which it reads B rows), the KV tokens it attends (the statistics' mean per layer and KV head), the
     page metadata (``metadata_bytes``), and OmniKV's filter-layer keys, read again to score the prompt."""
-    cfg = model.config
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     weights += sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, QuantLinear)
                    for t in (m.codes, m.scale, m.minimum))
     itemsize = kv_itemsize(model, config)
-    kv_heads, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layers, kv_heads, head_dim = model_shape(model.config)
     token = kv_heads * head_dim * itemsize  # one token's key (or value) in one layer
     kv = stats["attended_per_head"] * layers * batch * 2 * token
     rescored = len(config.layers_for(layers)) * batch * context * token if isinstance(config, OmniKVConfig) else 0

@@ -11,13 +11,43 @@ reads every ``results.jsonl`` one level below the folder and writes ``summary.md
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
 
+from ..errors import ConfigError
+from ..methods import selection_bytes
+from ..models import model_shape, saved_config
+from ..spec import build_config
 from .base import EvalError
 from .report import group_by, layer_recall, mean_of
 from .runner import RESULTS, read_results
+
+CACHE_ITEMSIZE = 2  # bytes read are counted for a 16-bit cache, whatever dtype a run computed in
+
+
+@functools.lru_cache(maxsize=None)
+def _shape(model: str) -> tuple[int, int, int] | None:
+    config = saved_config(model)
+    return None if config is None else model_shape(config)
+
+
+def read_bytes(model: str, method: str, budget: int | float | None, length: int, attended: float) -> int | None:
+    """Bytes a decode step of ``method`` at ``budget`` reads from a 16-bit cache of ``length`` tokens of ``model``
+    (a results record's spec): the KV tokens it attends (``attended`` per layer and KV head, as measured) and the
+    page metadata it reads to choose them (``methods.selection_bytes``); None where the model's config is not
+    found on this machine."""
+    shape = _shape(model)
+    if shape is None:
+        return None
+    layers, kv_heads, head_dim = shape
+    try:
+        config = build_config(method, budget)
+    except (ConfigError, ValueError):
+        return None
+    kv = attended * layers * kv_heads * 2 * head_dim * CACHE_ITEMSIZE
+    return int(kv) + selection_bytes(config, layers, kv_heads, head_dim, CACHE_ITEMSIZE, length)
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -25,19 +55,21 @@ def summarize(records: list[dict]) -> list[dict]:
     is the record's ``source`` where it has one, e.g. a folder, so that grids of one task made with other settings
     stay apart): runs, mean
     score, mean part-match (RULER tasks), mean KV tokens attended per step and (layer, KV head), mean fraction of
-    the dense context attended, mean attention recall over layers (runs made with ``--recall``)."""
+    the dense context attended, mean attention recall over layers (runs made with ``--recall``), and the MiB a
+    decode step reads (``read_bytes``; None where the model is not found here)."""
     groups = group_by([{**r, "task": r.get("source", r["task"])} for r in records], "task", "length", "method",
                       "budget")
     first = {key[:3]: i for i, key in reversed(list(enumerate(groups)))}
     rows = []
     for key in sorted(groups, key=lambda k: (first[k[:3]], -1 if k[3] is None else k[3])):
         rs = groups[key]
+        attended = mean_of(r["kv"]["attended_per_head"] for r in rs)
+        read = read_bytes(rs[0]["model"], key[2], key[3], key[1], attended)
         rows.append({"task": key[0], "length": key[1], "method": key[2], "budget": key[3], "runs": len(rs),
                      "metric": rs[0]["metric"], "score": mean_of(r["score"] for r in rs),
-                     "part_match": mean_of(r.get("part_match") for r in rs),
-                     "attended": mean_of(r["kv"]["attended_per_head"] for r in rs),
+                     "part_match": mean_of(r.get("part_match") for r in rs), "attended": attended,
                      "fraction": mean_of(r["kv"]["fraction"] for r in rs),
-                     "recall": mean_of(layer_recall(rs))})
+                     "recall": mean_of(layer_recall(rs)), "read_mib": None if read is None else read / 2**20})
     return rows
 
 
@@ -61,6 +93,13 @@ def markdown(rows: list[dict]) -> str:
             row = [method] + [f"{_fmt(c['score'])} ({_fmt(c['fraction'], 2)})" if (c := cells.get((method, b)))
                               else "" for b in [None, *budgets]]
             lines.append("| " + " | ".join(row) + " |")
+        if any(r["read_mib"] is not None for r in rs):
+            lines += ["", "MiB a decode step reads from a 16-bit cache (the KV attended and the page metadata read to "
+                      "choose it):", "", "| method | - | " + " | ".join(f"@{b}" for b in budgets) + " |",
+                      "|---|---|" + "---|" * len(budgets)]
+            for method in dict.fromkeys(r["method"] for r in rs):
+                lines.append("| " + " | ".join([method] + [_fmt(c["read_mib"]) if (c := cells.get((method, b)))
+                                                           else "" for b in [None, *budgets]]) + " |")
         if any(r["recall"] is not None for r in rs):
             lines += ["", "Attention recall (share of the dense attention mass on the tokens attended):", "",
                       "| method | budget | recall |", "|---|---|---|"]

@@ -128,7 +128,7 @@ def model_shape(config) -> tuple[int, int, int]:
 def saved_config(spec: str):
     """The transformers config of model ``spec`` (as ``load_model`` takes it: ``tiny:<arch>``, a GGUF file or a
     folder holding one, a local directory, a hub id in the local cache), read without its weights; None where it is
-    not found on this machine."""
+    not found on this machine, or is a GGUF file and the ``gguf`` extra is not installed."""
     from transformers import AutoConfig
 
     if spec.startswith(TINY_PREFIX):
@@ -142,7 +142,7 @@ def saved_config(spec: str):
             with _gguf_parsed_once():
                 return AutoConfig.from_pretrained(str(gguf[0]), gguf_file=gguf[1], local_files_only=True)
         return AutoConfig.from_pretrained(spec, local_files_only=True)
-    except (OSError, ValueError, ConfigError):
+    except (OSError, ValueError, ImportError, ConfigError):
         return None
 
 

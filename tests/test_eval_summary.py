@@ -3,6 +3,8 @@
 import json
 
 from sparsekv.eval.summary import main, markdown, summarize
+from sparsekv.models import model_shape, saved_config
+from worktree import ROOT
 
 
 def _record(task, method, budget, score, fraction, recall=None, part=None):
@@ -56,3 +58,9 @@ def test_bytes_read_per_step():
     assert "MiB a decode step reads" in markdown(summarize(records))
     assert "MiB a decode step reads" not in markdown(summarize(RECORDS))
     assert all(r["read_mib"] is None for r in summarize(RECORDS))
+
+
+def test_saved_config_reads_a_model_folder_without_its_weights():
+    assert model_shape(saved_config(str(ROOT / "models" / "sparsekv-llama-16m"))) == (8, 2, 64)
+    assert model_shape(saved_config("tiny:qwen3")) == (4, 2, 16)
+    assert saved_config(str(ROOT / "models" / "no-such-model")) is None

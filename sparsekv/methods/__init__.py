@@ -21,7 +21,6 @@ METHODS.update(omnikv=OmniKVConfig, raas=RaaSConfig, oracle=OracleConfig, lowbit
 METHODS.update(sparq=SparQConfig, landmark=LandmarkConfig)
 
 
-
 def selection_bytes(config: MethodConfig, layers: int, kv_heads: int, head_dim: int, itemsize: int, context: int,
                     batch: int = 1) -> int:
     """Bytes of page metadata a decode step reads to choose pages, for ``batch`` rows of ``context`` tokens of a

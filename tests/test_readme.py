@@ -9,6 +9,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -306,7 +307,10 @@ def test_tensor_parallel_run_py(view):
     code = block("# run.py, started with:")
     command = re.match(r"# run\.py, started with: (torchrun .*? run\.py)", code).group(1)
     (view / "run.py").write_text(code)
-    run = subprocess.run(["bash", "-c", command], cwd=view, env=env(), capture_output=True, text=True, timeout=300)
+    # torchrun is the torch.distributed.run module of the interpreter that installed it: this interpreter's, so that
+    # the snippet runs on the transformers this suite runs on (CI's venvs over the system packages have no torchrun)
+    argv = [sys.executable, "-m", "torch.distributed.run", *shlex.split(command)[1:]]
+    run = subprocess.run(argv, cwd=view, env=env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count("71432") == 1 and "'decode_steps'" in run.stdout
 

@@ -292,6 +292,12 @@ def test_serve_bench_checks_its_memory_before_it_builds_anything(tmp_path, capsy
     assert serve.run_memory(runs, config, torch.float32, serve.build_parser().parse_args(
         [*many, "--kv-memory-gib", "1"]), 65537, torch.device("cpu"))["KV pool"] == \
         4096 * pool["row"] + 2**30 // pool["page"] * pool["page"]
+    # ... and rows that hold their own pages: as many as 1 GiB admits of the longest request (as the runner makes).
+    runs = serve.method_runs(["raas"], [32])
+    pool = serve.pool_parts(runs[0].config.build(2), 2, 64, 2, torch.float32, 65537, 65537, 65536)
+    assert 2**30 // pool["request"] == 7
+    assert serve.run_memory(runs, config, torch.float32, serve.build_parser().parse_args(
+        [*many, "--kv-memory-gib", "1"]), 65537, torch.device("cpu"))["KV pool"] == 7 * pool["row"]
     assert main(["--model", "tiny:llama", "--device", "cpu", "--methods", "dense", "--requests", "2", "--prompt-len",
                  "16", "24", "--output-len", "2", "2", "--max-batch", "2", "--via", "engine", "--out",
                  str(tmp_path / "small")]) == 0

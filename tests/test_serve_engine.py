@@ -220,6 +220,26 @@ def test_rows_sized_by_the_longest_prompt_give_the_alone_tokens(model, name):
         engine.submit(Request(prompt=prompt(longest + 1), max_tokens=1))
 
 
+@pytest.mark.parametrize("name", ["raas", "h2o"])
+def test_rows_of_their_own_are_as_many_as_kv_memory_admits(model, name):
+    """A method whose rows hold their own pages gets as many rows as kv_memory_bytes admits of the longest request,
+    not max_batch rows that admission would leave empty; the requests beyond them wait and get their alone tokens."""
+    config = CONFIGS[name]
+    longest, room = max(n for _, n, _, _ in PLAN), max(new for _, _, new, _ in PLAN)
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new, _ in PLAN]
+    sizes = dict(max_context=CONTEXT, prefill_chunk=CHUNK, max_new_tokens=room, max_prompt_tokens=longest)
+    wide = ServingEngine(model, config, max_batch=4, **sizes)
+    largest = wide.runner.kv_bytes(longest, longest + room)
+    engine = ServingEngine(model, config, max_batch=4, kv_memory_bytes=2 * largest + largest // 2, **sizes)
+    assert engine.runner.max_batch == 2 and all(layer.k.shape[0] == 2 for layer in engine.runner.pool.pages.layers)
+    assert 2 * engine.runner.capacity_bytes() == wide.runner.capacity_bytes()
+    tokens, _ = run(engine, [(0, Request(prompt=prompt(n), max_tokens=new)) for _, n, new, _ in PLAN])
+    assert [tokens[i] for i in range(len(PLAN))] == expected
+    one = ServingEngine(model, config, max_batch=4, kv_memory_bytes=largest - 1, **sizes)
+    assert one.runner.max_batch == 1  # less than the longest request: one row, for the requests that fit
+
+
 @pytest.mark.parametrize("value", [0, CONTEXT, 2.5, True])
 def test_bad_max_prompt_tokens_is_refused(model, value):
     with pytest.raises(ConfigError, match="max_prompt_tokens must be None"):

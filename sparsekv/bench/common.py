@@ -66,7 +66,7 @@ SHAPES = {"llama3-8b": ModelShape(4096, 32, 32, 8, 14336, 128256, 500000.0),
           "tiny": ModelShape(256, 2, 4, 2, 512, 512, 10000.0)}
 
 
-def model_shape(name: str) -> ModelShape:
+def named_shape(name: str) -> ModelShape:
     """``SHAPES[name]``; an unknown name is a ``ValueError`` naming the shapes there are."""
     if name not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {name!r}")
@@ -77,7 +77,7 @@ def shape_config(name: str, max_positions: int, layers: int | None = None):
     """The ``LlamaConfig`` of ``SHAPES[name]`` (its first ``layers`` layers only, if given)."""
     from transformers import LlamaConfig
 
-    s = model_shape(name)
+    s = named_shape(name)
     return LlamaConfig(hidden_size=s.hidden, num_hidden_layers=s.layers if layers is None else layers,
                        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, intermediate_size=s.mlp,
                        vocab_size=s.vocab, max_position_embeddings=max_positions, rope_theta=s.rope_theta)
@@ -198,7 +198,7 @@ def shape_weights(spec: str, dtype: torch.dtype, layers: int | None = None) -> t
     other model (loaded, checked once there)."""
     if not spec.startswith("shape:"):
         return None
-    shape = model_shape(spec.removeprefix("shape:"))
+    shape = named_shape(spec.removeprefix("shape:"))
     n = shape.parameters_of(shape.layers if layers is None else min(layers, shape.layers))
     return max(4, dtype.itemsize) * n, dtype.itemsize * n
 

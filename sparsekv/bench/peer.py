@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import int_arg, model_shape, quantiles, shape_config
+from .common import int_arg, named_shape, quantiles, shape_config
 
 PEERS = ("vllm",)
 VLLM_VERSIONS = ">=0.26,<0.27"  # the release built for torch 2.11, the GPU image's; pyproject's extra says the same
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--model must be shape:<name> (the peer builds random weights of a published shape), "
                 f"got {args.model!r}")
     try:
-        model_shape(args.model.removeprefix("shape:"))
+        named_shape(args.model.removeprefix("shape:"))
     except ValueError as err:
         p.error(f"--model: {err}")
     if args.kind in ("load", "score"):

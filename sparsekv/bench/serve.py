@@ -78,14 +78,15 @@ from ..eval.base import EvalError
 from ..eval.runner import method_runs
 from ..methods import METHODS
 from ..methods.base import DEVICE_MARGIN
-from ..models import load_model, resolve_device, resolve_dtype
+from ..models import load_model, model_shape, resolve_device, resolve_dtype
 from ..quant import quantize_model
 from ..serve import Request, ServingEngine
 from ..serve.scheduler import ADMISSIONS
-from ..serve.runner import POOL_FIELD, cache_bytes, pool_row_bytes, prefill_bytes, shared_page_bytes, shares_pages
+from ..serve.runner import (POOL_FIELD, cache_bytes, own_request_bytes, pool_row_bytes, prefill_bytes,
+                            shared_page_bytes, shares_pages)
 from ..spec import budget_arg
 from .common import (ModelShape, claim_results, conditions, device_name, int_arg, markdown_table, memory_problems,
-                     model_shape, out_of_memory_lines, pyplot, quantiles, refuse, run_args, run_setting, shape_config,
+                     named_shape, out_of_memory_lines, pyplot, quantiles, refuse, run_args, run_setting, shape_config,
                      shape_model, shape_weights, start_pdl, pdl_arg, weights_arg, write_results)
 from .e2e import fill_passes, random_fill
 from .peer import PEERS, PeerError
@@ -413,14 +414,19 @@ def pool_parts(method, kv_heads: int, head_dim: int, layers: int, dtype: torch.d
     tokens, at most ``max_new_tokens`` new and ``max_prompt_tokens`` in the prompt, in bytes by the runner's own
     accounting: ``row``, its own device part (``runner.pool_row_bytes`` of ``Method.pool_pages``: in shared pages its
     page table and per-slot state only); ``pages``, the shared pages a row holds at most (0 where the rows hold their
-    own), ``page`` bytes each (``runner.shared_page_bytes``); ``prefill``, one prompt's beside the pool
-    (``runner.prefill_bytes``); and ``host_row``, its host store (``Method.pool_host_tokens``)."""
+    own), ``page`` bytes each (``runner.shared_page_bytes``); ``request``, where the rows hold their own, the KV the
+    longest request holds (``runner.own_request_bytes``: ``--kv-memory-gib`` admits that many rows at most);
+    ``prefill``, one prompt's beside the pool (``runner.prefill_bytes``); and ``host_row``, its host store
+    (``Method.pool_host_tokens``)."""
     token_bytes, page_bytes = cache_bytes(method.config, kv_heads, head_dim, dtype)
+    itemsize = storage_dtype(method.config.kv_dtype, dtype).itemsize
     slots = method.pool_pages(max_context, max_new_tokens, max_prompt_tokens)
     page = shared_page_bytes(method, token_bytes, page_bytes, layers)
-    return {"row": pool_row_bytes(method, slots, token_bytes, page_bytes, kv_heads, head_dim,
-                                  storage_dtype(method.config.kv_dtype, dtype).itemsize),
+    longest = min(max_prompt_tokens + max_new_tokens, max_context)
+    return {"row": pool_row_bytes(method, slots, token_bytes, page_bytes, kv_heads, head_dim, itemsize),
             "pages": slots[0] if page else 0, "page": page,
+            "request": 0 if page else own_request_bytes(method, max_prompt_tokens, longest, token_bytes, page_bytes,
+                                                        kv_heads, head_dim, itemsize),
             "prefill": prefill_bytes(method, max_context, token_bytes, kv_heads, head_dim, dtype),
             "host_row": method.pool_host_tokens(max_context) * token_bytes}
 
@@ -433,15 +439,17 @@ def run_memory(runs, config, dtype: torch.dtype, args, max_context: int, device:
     without it as many as the free memory leaves beside ``DEVICE_MARGIN`` (an estimate of the steps' profile, which
     the runner measures); one prompt's prefill; the rows' sampling
     state and the prefix cache (``Runner``'s ``others``); on a CPU the host store of offloaded layers too."""
-    layers, vocab = config.num_hidden_layers, config.vocab_size
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers, kv_heads, head_dim = model_shape(config)
+    vocab = config.vocab_size
     gpu = device.type == "cuda"
-    batch = 1 if gpu and (args.fit or args.capacity) else args.max_batch
     worst: dict[str, int] = {}
     for run in runs:
+        batch = 1 if gpu and (args.fit or args.capacity) else args.max_batch
         method = run.config.build(layers).pool_configs()[-1].build(layers)
-        pool = pool_parts(method, config.num_key_value_heads, head_dim, layers, dtype, max_context,
+        pool = pool_parts(method, kv_heads, head_dim, layers, dtype, max_context,
                           args.max_new_tokens or max_context, args.prompt_len[1])
+        if pool["request"] and args.kv_memory_gib is not None:
+            batch = min(batch, max(int(args.kv_memory_gib * GIB) // pool["request"], 1))
         pages = batch * pool["pages"]
         if pool["page"] and args.kv_memory_gib is not None:
             pages = min(pages, int(args.kv_memory_gib * GIB) // pool["page"])
@@ -794,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         parser.error(problem)
     if args.plan:
-        return capacity_plan(args, runs, model_shape(args.model[len("shape:"):]), dtype, max_context, command,
+        return capacity_plan(args, runs, named_shape(args.model[len("shape:"):]), dtype, max_context, command,
                              setting)
     shape = args.model[len("shape:"):] if args.model.startswith("shape:") else None
     if shape:  # checked before it is built; a loaded model once it is there

@@ -89,6 +89,20 @@ def pool_row_bytes(method, slots: list[int], token_bytes: int, page_bytes: int, 
         method.slot_state_bytes(head_dim, itemsize))
 
 
+def own_request_bytes(method, prompt_len: int, total: int, token_bytes: int, page_bytes: int, kv_heads: int,
+                      head_dim: int, itemsize: int) -> int:
+    """KV bytes (device and host) a request of ``prompt_len`` prompt tokens and ``total`` tokens in all holds at most
+    in a row of its own of a pool of ``method``: its keys and values, the key bounds of its pages and the method's
+    per-slot state beyond the 8 bytes a slot and KV head that the page table takes (lowbit's key codes), which is
+    left uncounted so that a request of max_context never needs more than its row."""
+    device = method.held_tokens(prompt_len, total)
+    pages = -(-device // method.config.page_size) + method.num_layers
+    extra = sum(max(b - 8, 0) for b in method.slot_state_bytes(head_dim, itemsize)) * kv_heads
+    # a request's pages lie evenly over the layers that hold them
+    return device * token_bytes + pages * page_bytes + pages * extra // method.num_layers + \
+        method.host_tokens(prompt_len) * token_bytes
+
+
 def shared_page_bytes(method, token_bytes: int, page_bytes: int, layers: int) -> int:
     """Bytes of one shared page of a pool of ``method``: its keys, values and bounds in every layer (0 where the
     rows hold their own pages)."""
@@ -248,11 +262,13 @@ class Runner:
     (``PrefixCache``; 0: none), for methods whose prompt pages can start another prompt (``Method.prefix_reuse``).
     ``kv_memory_bytes``: the KV memory requests may hold at once (``ServingEngine``), which sizes the shared pages where
     the rows keep theirs there (None: what ``gpu_memory_utilization`` leaves, ``device_budget``, after the rows and one
-    prompt's prefill). ``gpu_memory_utilization``: on a CUDA device, the share of its total memory the process may take,
-    the weights, the pool and the steps' memory (``profile``, measured before the pool is made) included; a pool that
-    does not fit it is refused. ``grow``: in shared pages a row takes the pages of its new tokens as it reaches them
-    (``growth``, ``grow``), not all of its max_tokens' when it joins. ``step_tokens``: the tokens of a mixed step
-    (``launch_mixed``), which the profile's prompt pass takes where it exceeds prefill_chunk."""
+    prompt's prefill); where rows keep their own pages, a given one makes the rows at most as many as it admits of the
+    longest request (``max_batch`` then reads that count). ``gpu_memory_utilization``: on a CUDA device, the share of
+    its total memory the process may take, the weights, the pool and the steps' memory (``profile``, measured before the
+    pool is made) included; a pool that does not fit it is refused. ``grow``: in shared pages a row takes the pages of
+    its new tokens as it reaches them (``growth``, ``grow``), not all of its max_tokens' when it joins. ``step_tokens``:
+    the tokens of a mixed step (``launch_mixed``), which the profile's prompt pass takes where it exceeds
+    prefill_chunk."""
 
     def __init__(self, model, config, *, max_batch: int, max_context: int | None, prefill_chunk: int,
                  cuda_graph: bool | None, compile: bool, passes: Callable = prefill_passes,
@@ -311,16 +327,19 @@ class Runner:
         self.config = self.method.config
         beside = beside_bytes(self.method)
         need = pool_bytes(self.method)
-        # Per page slot, summed over layers and KV heads, the method's state beyond its first 8 bytes a slot and KV
-        # head, which ``kv_bytes`` leaves uncounted as it does the page table's, so that a request of max_context
-        # never needs more than its row; a request's pages lie evenly over the layers that hold them.
-        state = self.method.slot_state_bytes(attn.head_dim, itemsize)
-        self.extra_state_bytes = sum(max(b - 8, 0) for b in state) * kv_heads
+        self.kv_shape = (kv_heads, attn.head_dim, itemsize)  # what ``own_request_bytes`` reads of the cache
         slots = self.method.pool_pages(self.max_context, self.max_new_tokens, self.max_prompt_tokens)
         self.page_store_bytes = shared_page_bytes(self.method, self.token_bytes, self.page_bytes, self.num_layers)
         least = self.kv_bytes(1, 2)  # a request of one prompt token and one new one
         require(kv_memory_bytes is None or _is_count(kv_memory_bytes, least), "kv_memory_bytes",
                 f"None (the pool's size) or an int >= {least} (the KV of the smallest request)", kv_memory_bytes)
+        if not self.page_store_bytes and kv_memory_bytes is not None:
+            # Rows that hold their own pages: as many as kv_memory_bytes admits of the longest request (a prompt of
+            # max_prompt_tokens, then max_new_tokens), so that no row is allocated for admission to leave empty.
+            longest = self.kv_bytes(self.max_prompt_tokens,
+                                    min(self.max_prompt_tokens + self.max_new_tokens, max_context))
+            max_batch = self.max_batch = min(max_batch, max(kv_memory_bytes // longest, 1))
+            need = pool_bytes(self.method)
         store_pages = 0
         if self.page_store_bytes:
             # The shared pages: as many as kv_memory_bytes holds, else as the device budget leaves beside the rows
@@ -461,14 +480,10 @@ class Runner:
 
     def kv_bytes(self, prompt_len: int, total: int) -> int:
         """KV bytes (device and host) a request of ``prompt_len`` prompt tokens and ``total`` tokens in all holds at
-        most: its keys and values, the key bounds of its pages and the method's per-slot state beyond 8 bytes
-        (lowbit's key codes); in shared pages, the pages it takes."""
+        most: in shared pages, the pages it takes; else ``own_request_bytes``."""
         if self.page_store_bytes:
             return self._pages(total) * self.page_store_bytes
-        device = self.method.held_tokens(prompt_len, total)
-        pages = -(-device // self.config.page_size) + self.num_layers
-        return device * self.token_bytes + pages * self.page_bytes + pages * self.extra_state_bytes // \
-            self.num_layers + self.method.host_tokens(prompt_len) * self.token_bytes
+        return own_request_bytes(self.method, prompt_len, total, self.token_bytes, self.page_bytes, *self.kv_shape)
 
     def capacity_bytes(self) -> int:
         """Bytes of the pool's keys, values and key bounds on the device, and of its host store; in shared pages,

@@ -179,7 +179,8 @@ class ServingEngine:
     priority (``PrefillPacer``): while requests decode, prefill takes at most about this share of the decode steps'
     time; max_queue: requests that may wait; cuda_graph, compile: as in ``Engine``; kv_memory_bytes: the KV memory
     requests may hold at once (default: what the runner's pool holds for ``max_batch`` rows; for methods whose rows keep
-    their keys and values in shared pages, the size of those pages, by default what the device leaves);
+    their keys and values in shared pages, the size of those pages, by default what the device leaves; for the others,
+    given, it also bounds the rows to as many as it admits of the longest request);
     gpu_memory_utilization: on a CUDA device, the share of its total memory the process may take (weights, pool and the
     steps' measured profile, ``Runner.profile``), as vLLM's option of that name. tokenizer: gives the default stop
     tokens. prefill: a prompt's prefill, ``engine.prefill_passes``'s signature (benchmarks give

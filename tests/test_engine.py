@@ -218,8 +218,9 @@ PENALIZED = {
 }
 
 
-@pytest.mark.parametrize("name", ["dense", "quest", "raas"])
-@pytest.mark.parametrize("penalties", PENALIZED)
+# Every rule with dense; the sparse methods, whose steps draw through the same sampling, with two of them.
+@pytest.mark.parametrize("name, penalties", [*(("dense", p) for p in PENALIZED), ("quest", "presence and bias"),
+                                             ("raas", "repetition and presence")])
 def test_penalties_and_logit_bias_equal_generates_with_openais_rule(model, name, penalties):
     """Greedy with OpenAI's penalties and bias: the tokens of ``model.generate`` with a logits processor that
     adjusts the logits from the tokens drawn so far (after transformers' own repetition penalty, which counts the

@@ -7,6 +7,7 @@ bf16/fp16 inputs, fp32 accumulation), both measured against float64 on the same 
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -64,6 +65,39 @@ def up(*ts):
     return [t.to(F64) if t.is_floating_point() else t for t in ts]
 
 
+def crossed(*axes: dict, full: int = 2) -> list:
+    """Cases over ``axes``, each a dict of id -> the tuple of its arguments' values: on a GPU their product; in the
+    CPU interpreter the product of the first ``full`` axes, each case taking the further axes' entries in turn, so
+    that every path meets every shape at a fraction of the product's cases. Case n, whose entries of the first axes
+    have indices summing to s, takes entry s of the next axis (a Latin square: it changes along each of the first
+    axes), and entry s + n // (the product of the lengths of the axes between) of each further one."""
+    entries = [list(axis.items()) for axis in axes]
+    if ON_GPU:
+        combos = list(itertools.product(*entries))
+    else:
+        combos = []
+        heads = itertools.product(*(range(len(axis)) for axis in entries[:full]))
+        for n, index in enumerate(heads):
+            rest, step = [], 0
+            for axis in entries[full:]:
+                rest.append(axis[(sum(index) + (n // step if step else 0)) % len(axis)])
+                step = (step or 1) * len(axis)
+            combos.append((*(axis[i] for axis, i in zip(entries, index)), *rest))
+    return [pytest.param(*(v for _, values in combo for v in values), id="-".join(i for i, _ in combo if i))
+            for combo in combos]
+
+
+def cases(params: list) -> dict:
+    """A list of pytest.params as an axis of ``crossed``."""
+    return {p.id: tuple(p.values) for p in params}
+
+
+def axis(values: list, ids=str) -> dict:
+    """One argument's values as an axis of ``crossed``; ``ids``: a function of the value, or a list."""
+    names = ids if isinstance(ids, list) else [ids(v) for v in values]
+    return {name: (v,) for name, v in zip(names, values)}
+
+
 # (batch, heads, kv_heads, head_dim, page_size, lengths, pages selected, per_query_head)
 SHAPES = [
     pytest.param(1, 4, 1, 64, 16, [5], 1, False, id="one-page-gqa4"),
@@ -84,9 +118,8 @@ if ON_GPU:
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", SHAPES)
-@pytest.mark.parametrize("long_rows", [False, True], ids=["", "long-rows"])
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head,long_rows,dtype", crossed(
+    cases(SHAPES), axis([False, True], ["", "long-rows"]), axis(DTYPES)))
 def test_page_scores_and_decode(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, dtype,
                                 long_rows, monkeypatch):
     """Scores and attention against float64; ``long_rows``: the attention takes the launch of rows of many tokens."""
@@ -156,8 +189,8 @@ def shared_store(slot_page, *pages, seed=0):
     return *stores, table
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", SHAPES)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head,dtype",
+                         crossed(cases(SHAPES), axis(DTYPES), full=1))
 def test_decode_through_a_page_table(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head,
                                      dtype):
     """A serving pool's rows in shared pages (``PagedLayer.attend``'s operands): every page in order through the
@@ -264,9 +297,7 @@ WINDOW_VARIANTS = {  # TUNING overrides: each shape of the window-scoring tiles
 }
 
 
-@pytest.mark.parametrize("variant", WINDOW_VARIANTS)
-@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32], ids=str)
-@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,n,window,limits", [
+WINDOW_SHAPES = [
     pytest.param(1, 4, 4, 32, 1, 1, [1], id="one-token-mha"),
     pytest.param(1, 8, 2, 64, 37, 2, [1], id="one-candidate-gqa4"),
     pytest.param(2, 4, 2, 64, 150, 4, [100, 37], id="gqa2-ragged-limits"),
@@ -276,7 +307,11 @@ WINDOW_VARIANTS = {  # TUNING overrides: each shape of the window-scoring tiles
     pytest.param(2, 12, 2, 32, 45, 3, [40, 9], id="gqa6-w3"),
     *([pytest.param(1, 32, 8, 128, 70000, 1, [65536], id="gpu-llama3-w1"),
        pytest.param(4, 32, 8, 128, 20000, 16, [20000, 19000, 7, 12345], id="gpu-llama3-b4-w16")] if ON_GPU else []),
-])
+]
+
+
+@pytest.mark.parametrize("variant,batch,heads,kv_heads,head_dim,n,window,limits,dtype", crossed(
+    axis(list(WINDOW_VARIANTS)), cases(WINDOW_SHAPES), axis([*DTYPES, torch.float32])))
 def test_window_token_maxima(batch, heads, kv_heads, head_dim, n, window, limits, dtype, variant, monkeypatch):
     """OmniKV's filter-layer scores: -inf exactly on non-candidates, 0 exactly where no head's query sees a
     candidate (empty window entries, tokens after a query), else within the error budget (fp32 outputs on both
@@ -398,9 +433,9 @@ def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties, variant, monk
     assert torch.equal(got.sort(-1).values, stable_selection(scores, cur_slot, n_pages))
 
 
-@pytest.mark.parametrize("data", ["narrow", "narrow-ties", "equal", "mostly-free", "one-finite-bin"])
-@pytest.mark.parametrize("n_pages", [1, 16, 150])
-@pytest.mark.parametrize("variant", ["default", "segments", "groups"])
+@pytest.mark.parametrize("variant,data,n_pages", crossed(
+    axis(["default", "segments", "groups"]), axis(["narrow", "narrow-ties", "equal", "mostly-free", "one-finite-bin"]),
+    axis([1, 16, 150])))
 def test_select_pages_shared_leading_bits(data, n_pages, variant, monkeypatch):
     """Scores that share their sign and exponent bits (as Quest's bounds do), so that the radix select starts below
     those bits; also when the k-th key lies outside them (free slots) or all keys are equal."""
@@ -459,16 +494,18 @@ QUEST_SELECT_VARIANTS = {  # TUNING overrides: each path of quest_select on the 
 }
 
 
-@pytest.mark.parametrize("variant", QUEST_SELECT_VARIANTS)
-@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", [
+QUEST_SELECT_SHAPES = [
     pytest.param(2, 8, 2, 64, 4, [1500, 903], 16, False, id="gqa4"),
     pytest.param(2, 4, 2, 32, 2, [700, 1301], 9, True, id="per-query-head"),
     pytest.param(1, 2, 1, 32, 1, [300], 40, False, id="mostly-selected"),
     *([pytest.param(4, 32, 8, 128, 16, [131072 - 999 * i for i in range(4)], 128, False, id="gpu-128k-32-rows"),
        pytest.param(1, 32, 8, 128, 16, [524288], 128, False, id="gpu-512k-8-rows"),
        pytest.param(1, 32, 32, 128, 16, [524288 - 77], 128, False, id="gpu-512k-mha-16k-programs")] if ON_GPU else []),
-])
-@pytest.mark.parametrize("in_order", [False, True], ids=["", "in-order"])
+]
+
+
+@pytest.mark.parametrize("variant,batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head,in_order", crossed(
+    axis(list(QUEST_SELECT_VARIANTS)), cases(QUEST_SELECT_SHAPES), axis([False, True], ["", "in-order"])))
 def test_quest_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, variant, in_order,
                       monkeypatch):
     """The fused op selects exactly what ``select_pages`` selects from ``page_scores`` (the group maxima written by
@@ -663,11 +700,11 @@ def raas_state(batch, kv_heads, slots, page_size, ties, seed):
     return [t.to(DEV) for t in (scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages)]
 
 
-@pytest.mark.parametrize("rule", [(0.1, None), (0.5, None), (1.0, None), (None, 0.01), (None, 0.3)], ids=str)
-@pytest.mark.parametrize("batch, kv_heads, slots, block", [(1, 1, 1, 1024), (2, 2, 7, 1024), (3, 4, 130, 1024),
-                                                           (3, 2, 300, 64), (1, 1, 2500, 1024)])
-@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
-@pytest.mark.parametrize("spare", [0, 5], ids=["tight", "spare"])
+@pytest.mark.parametrize("rule,batch,kv_heads,slots,block,ties,spare", crossed(
+    axis([(0.1, None), (0.5, None), (1.0, None), (None, 0.01), (None, 0.3)]),
+    {str(shape): shape for shape in [(1, 1, 1, 1024), (2, 2, 7, 1024), (3, 4, 130, 1024), (3, 2, 300, 64),
+                                     (1, 1, 2500, 1024)]},
+    axis([False, True], ["distinct", "ties"]), axis([0, 5], ["tight", "spare"])))
 def test_raas_update_matches_reference(batch, kv_heads, slots, block, rule, ties, spare, monkeypatch):
     """Stamps and evictions exactly as the reference's: rows in one block or several (block 64), candidates in
     one chunk or several, ``decode_pages`` exactly the most a row holds or more."""
@@ -706,9 +743,8 @@ def test_linear_of_one_row_matches_reference(n, k, bias, block_n, dtype, monkeyp
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # pages without tokens
-@pytest.mark.parametrize("bits", [1, 2, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", SHAPES)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head,bits,dtype", crossed(
+    cases(SHAPES), axis([1, 2, 4]), axis([torch.float32, torch.bfloat16])))
 def test_coded_scores(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, dtype, bits):
     """Page scores from low-bit key codes against float64 on the same codes: free slots -inf, and only they
     (pages scattered over the slots, partial last pages, padded rows of several lengths)."""
@@ -727,9 +763,8 @@ def test_coded_scores(batch, heads, kv_heads, head_dim, page_size, lengths, n_pa
     assert rel_err(scores[fin], exact[fin]) <= 2 * torch_err + (1e-2 if dtype != torch.float32 else 1e-6)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, ref.FP8], ids=str)
-@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", SHAPES)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head,bits,dtype", crossed(
+    cases(SHAPES), axis([1, 2, 4]), axis([torch.float32, torch.bfloat16, ref.FP8])))
 def test_code_page_matches_reference(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, dtype,
                                      bits):
     """The current page's codes, bit for bit as the reference rounds them, only in each row's current slot: pages
@@ -811,17 +846,18 @@ LOWBIT_SELECT_VARIANTS = {  # TUNING overrides: each path of lowbit_select's top
     "fused-blocks": {"select_fused_rows": 1, "select_one_program": 64, "select_fused_scale": 2, "mass_block": 16},
     "torch-topk": {"select_max_slots": 16},
 }
-
-
-@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # pages without tokens
-@pytest.mark.parametrize("in_order", [False, True], ids=["", "in-order"])
-@pytest.mark.parametrize("reuse", [1, 4])
-@pytest.mark.parametrize("variant", LOWBIT_SELECT_VARIANTS)
-@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", [
+LOWBIT_SELECT_SHAPES = [
     pytest.param(3, 8, 2, 64, 4, [300, 170, 99], 8, False, id="gqa4"),
     pytest.param(3, 4, 4, 32, 4, [301, 5, 260], 5, True, id="per-query-head"),
     pytest.param(2, 8, 1, 64, 16, [40, 9], 1, False, id="one-page"),
-])
+]
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # pages without tokens
+@pytest.mark.parametrize("variant,batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head,"
+                         "reuse,in_order", crossed(
+    axis(list(LOWBIT_SELECT_VARIANTS)), cases(LOWBIT_SELECT_SHAPES), axis([1, 4]),
+    axis([False, True], ["", "in-order"])))
 def test_lowbit_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, variant, reuse,
                        in_order, monkeypatch):
     """Every row's current page is coded, due or not; the rows due (``reference.due_rows``: position a multiple of
@@ -917,8 +953,8 @@ FP8_SHAPES = [*SHAPES, pytest.param(16, 8, 1, 32, 4, [1 + 3 * i for i in range(1
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # pages without tokens
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head", FP8_SHAPES)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head,dtype", crossed(
+    cases(FP8_SHAPES), axis([torch.bfloat16, torch.float32]), full=1))
 def test_fp8_cache_ops(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, dtype):
     """Every op that reads the cache, over an fp8 cache (keys, values and bounds float8_e4m3fn) with queries in
     ``dtype``, against float64 on the same fp8 values: the kernels dequantize in registers, so their error is the
@@ -1062,17 +1098,18 @@ LANDMARK_SELECT_VARIANTS = {**{name: LOWBIT_SELECT_VARIANTS[name]
                                for name in ("default", "segments", "fused", "fused-blocks", "torch-topk")},
                             # the landmarks read in head-dim slices of 16, blocks of 16 slots
                             "slices16": {"landmark_block_k": 16, "landmark_block": 16}}
-
-
-@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # heads without runs
-@pytest.mark.parametrize("through_table", [False, True], ids=["", "table"])
-@pytest.mark.parametrize("in_order", [False, True], ids=["", "in-order"])
-@pytest.mark.parametrize("variant", LANDMARK_SELECT_VARIANTS)
-@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,landmarks,lengths,n_pages,per_head,sinks", [
+LANDMARK_SELECT_SHAPES = [
     pytest.param(3, 8, 2, 64, 4, 2, [300, 170, 99], 8, False, 1, id="gqa4"),
     pytest.param(2, 6, 3, 24, 6, 3, [260, 7], 5, True, 2, id="per-query-head-page6-d24"),
     pytest.param(2, 4, 1, 32, 4, 4, [1, 70], 3, False, 0, id="one-token-no-sink"),
-])
+]
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # heads without runs
+@pytest.mark.parametrize("variant,batch,heads,kv_heads,head_dim,page_size,landmarks,lengths,n_pages,per_head,sinks,"
+                         "in_order,through_table", crossed(
+    axis(list(LANDMARK_SELECT_VARIANTS)), cases(LANDMARK_SELECT_SHAPES), axis([False, True], ["", "in-order"]),
+    axis([False, True], ["", "table"])))
 def test_landmark_select(batch, heads, kv_heads, head_dim, page_size, landmarks, lengths, n_pages, per_head, sinks,
                          variant, in_order, through_table, monkeypatch):
     """The current pages' landmarks written as ``landmark_means`` writes them (stale ones there before), then exactly

@@ -164,7 +164,10 @@ def test_vllm_block():
 
 def test_setup_commands_run(view):
     """The set-up block: its installs parse, its test command is CI's (above), and `sparsekv demo` runs as printed
-    (about a minute on 2 CPU cores) and finds the pass key densely."""
+    (about a minute on 2 CPU cores), finds the pass key densely on the project's trained model, and runs every
+    registered method."""
+    from sparsekv.methods import METHODS
+
     code = block("pip install -e . && sparsekv demo")
     pips, rest = commands(code)
     assert [p[:3] for p in pips] == [["pip", "install", "torch==2.13.0"], ["pip", "install", "-e"]] * 2
@@ -172,6 +175,7 @@ def test_setup_commands_run(view):
     out = run_bash(code, view, timeout=600).stdout
     key = re.search(r"the answer is (\d+)", out).group(1)
     assert f"| dense | - | {key}. |" in out and "| quest | 256 |" in out
+    assert all(f"| {name} |" in out for name in METHODS)
 
 
 def test_readme_python_snippets(monkeypatch, capsys):

@@ -344,8 +344,9 @@ def test_a_model_on_tiled_codes_runs_as_on_rows_of_groups():
         torch.testing.assert_close(model(ids).logits, want)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
-@pytest.mark.parametrize("name", CONFIGS)
+# Every method on an fp8 cache; in the model's dtype, dense and Quest (the int4 products do not depend on the
+# method, and tests/test_engine.py runs every method on that cache).
+@pytest.mark.parametrize("name, kv_dtype", [*((name, "fp8") for name in CONFIGS), ("dense", "auto"), ("quest", "auto")])
 def test_engine_on_int4_weights_equals_generate(int4_model, name, kv_dtype):
     """The engine on int4 weights, with a cache in the model's dtype or in fp8, gives apply + generate's tokens
     with the same quantized model and cache."""

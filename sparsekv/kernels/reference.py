@@ -301,10 +301,9 @@ def _weights(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: t
     kpos = kpos.reshape(b, hs, 1, 1, kk * p)
     qpos = q_pos.view(b, 1, 1, s, 1)
     ok = (kpos >= 0) & (kpos <= qpos)  # (B, Hs, 1, S, K*P)
-    qg = q.to(acc).view(b, hs, h // hs, s, d)
-    logits = torch.einsum("bngsd,bnkd->bngsk", qg, keys) * scale
-    logits = logits.masked_fill(~ok, float("-inf"))
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    qg = q.to(acc).view(b, hs, h // hs, s, d) * scale  # scaled before the product: one pass fewer over the logits
+    logits = torch.einsum("bngsd,bnkd->bngsk", qg, keys).masked_fill_(~ok, float("-inf"))
+    return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
 
 
 def attend_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor,
@@ -339,13 +338,19 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, sl
     ``slots[..., i]``. Queries are taken in chunks of at most about ``MASS_CHUNK_WEIGHTS`` weights at once.
     """
     b, h, s, _ = q.shape
-    cols = slots.shape[2] * k.shape[3]
-    chunk = max(1, MASS_CHUNK_WEIGHTS // max(1, b * h * cols))
-    total = torch.zeros(b, h, cols, dtype=acc_dtype(q.dtype), device=q.device)
+    hs, kk, p = slots.shape[1], slots.shape[2], k.shape[3]
+    chunk = max(1, MASS_CHUNK_WEIGHTS // max(1, b * h * kk * p))
+    total = torch.zeros(b, h, kk, p, dtype=acc_dtype(q.dtype), device=q.device)
+    bi, hi = row_index(b, hs, k.shape[1], q.device)
+    first = torch.where(slots >= 0, slot_page[bi, hi, slots.clamp(min=0)] * p, -1)  # (B, Hs, K) first positions
     for start in range(0, s, chunk):
-        w = _weights(q[:, :, start:start + chunk], k, slot_page, slots, q_pos[:, start:start + chunk], scale)
-        total += w.sum(dim=3).reshape(b, h, cols)
-    return total
+        q_chunk = q_pos[:, start:start + chunk]
+        # Only the slots holding a token at or before the chunk's last query get weight (a prompt's causal half).
+        kept = ((first >= 0) & (first <= q_chunk.max())).flatten(0, 1).any(0).nonzero().squeeze(1)
+        if kept.numel():
+            w = _weights(q[:, :, start:start + chunk], k, slot_page, slots[:, :, kept], q_chunk, scale)
+            total[:, :, kept] += w.sum(dim=3).reshape(b, h, kept.numel(), p)
+    return total.view(b, h, kk * p)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,

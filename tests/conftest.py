@@ -11,6 +11,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Files whose tests start processes or run the project's model (a minute or two each), run first: under `-n auto`
+# the workers then take them together and end on the short tests, not one worker on a long one while the other waits.
+LONG_FIRST = ["test_readme.py", "test_tensor_parallel.py", "test_training.py", "test_bench_peer.py",
+              "test_eval_recall.py"]
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: LONG_FIRST.index(item.path.name) if item.path.name in LONG_FIRST else len(LONG_FIRST))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Tiny models run fastest on one thread: their ops are dominated by thread hand-off, and on a shared 2-core

@@ -65,12 +65,13 @@ def up(*ts):
     return [t.to(F64) if t.is_floating_point() else t for t in ts]
 
 
-def crossed(*axes: dict, full: int = 2) -> list:
+def crossed(*axes: dict, full: int = 2, each: int = 1) -> list:
     """Cases over ``axes``, each a dict of id -> the tuple of its arguments' values: on a GPU their product; in the
     CPU interpreter the product of the first ``full`` axes, each case taking the further axes' entries in turn, so
     that every path meets every shape at a fraction of the product's cases. Case n, whose entries of the first axes
     have indices summing to s, takes entry s of the next axis (a Latin square: it changes along each of the first
-    axes), and entry s + n // (the product of the lengths of the axes between) of each further one."""
+    axes), and entry s + n // (the product of the lengths of the axes between) of each further one; ``each``: that
+    many cases per entry of the first axes, their entries of the next axis spread over it."""
     entries = [list(axis.items()) for axis in axes]
     if ON_GPU:
         combos = list(itertools.product(*entries))
@@ -78,11 +79,13 @@ def crossed(*axes: dict, full: int = 2) -> list:
         combos = []
         heads = itertools.product(*(range(len(axis)) for axis in entries[:full]))
         for n, index in enumerate(heads):
-            rest, step = [], 0
-            for axis in entries[full:]:
-                rest.append(axis[(sum(index) + (n // step if step else 0)) % len(axis)])
-                step = (step or 1) * len(axis)
-            combos.append((*(axis[i] for axis, i in zip(entries, index)), *rest))
+            for r in range(each):
+                rest, step = [], 0
+                for axis in entries[full:]:
+                    shift = n // step if step else r * len(axis) // each
+                    rest.append(axis[(sum(index) + shift) % len(axis)])
+                    step = (step or 1) * len(axis)
+                combos.append((*(axis[i] for axis, i in zip(entries, index)), *rest))
     return [pytest.param(*(v for _, values in combo for v in values), id="-".join(i for i, _ in combo if i))
             for combo in combos]
 
@@ -330,14 +333,17 @@ def test_window_token_maxima(batch, heads, kv_heads, head_dim, n, window, limits
     assert rel_err(out[fin], exact[fin]) <= 2 * torch_err + 1e-5
 
 
-@pytest.mark.parametrize("batch,heads,kv_heads,rows,head_dim,page_size,lengths,queries", [
+MASS_SHAPES = [
     pytest.param(1, 2, 1, 1, 32, 1, [7], 5, id="page-size-1-one-slot-row"),
     pytest.param(3, 8, 2, 2, 64, 4, [1, 13, 37], 9, id="ragged-gqa4-partial-pages"),
     pytest.param(2, 8, 1, 8, 32, 1, [70, 33], 40, id="gqa8-rows-per-query-head"),
     pytest.param(2, 6, 2, 2, 64, 16, [30, 17], 20, id="gqa3-one-page"),
     pytest.param(2, 4, 4, 4, 16, 1, [150, 90], 70, id="mha-many-blocks"),
-])
-@pytest.mark.parametrize("dtype", DTYPES + [ref.FP8], ids=str)
+]
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,rows,head_dim,page_size,lengths,queries,dtype", crossed(
+    cases(MASS_SHAPES), axis(DTYPES + [ref.FP8]), full=1, each=2))
 def test_attention_mass(batch, heads, kv_heads, rows, head_dim, page_size, lengths, queries, dtype):
     """H2O's prompt scores: each token's weights summed over queries at any positions (padding queries at -1,
     unordered), over pages scattered in the slots with free slots, -1 slot entries and partial pages, for 1-8
@@ -397,7 +403,7 @@ SELECT_VARIANTS = {  # TUNING overrides: each path of select_pages on the small 
 }
 
 
-@pytest.mark.parametrize("batch,rows,kv_heads,slots,n_pages,ties", [
+SELECT_SHAPES = [
     pytest.param(2, 4, 2, 50, 8, False, id="gqa-rows"),
     pytest.param(3, 2, 1, 7, 20, False, id="budget-over-slots"),
     pytest.param(2, 4, 4, 1, 3, False, id="one-slot"),
@@ -414,8 +420,12 @@ SELECT_VARIANTS = {  # TUNING overrides: each path of select_pages on the small 
     *([pytest.param(16, 32, 8, 32770, 256, False, id="gpu-512k"), pytest.param(4, 8, 8, 5000, 64, True, id="gpu-ties"),
        pytest.param(1, 8, 8, 65536, 128, True, id="gpu-longest-in-registers"),
        pytest.param(2, 8, 8, 9000, 2000, False, id="gpu-large-k")] if ON_GPU else []),
-])
-@pytest.mark.parametrize("variant", SELECT_VARIANTS)
+]
+
+
+# Two paths a shape on the CPU (the whole product on a GPU): the long rows take seconds each in the interpreter.
+@pytest.mark.parametrize("batch,rows,kv_heads,slots,n_pages,ties,variant", crossed(
+    cases(SELECT_SHAPES), axis(list(SELECT_VARIANTS)), full=1, each=2))
 def test_select_pages(batch, rows, kv_heads, slots, n_pages, ties, variant, monkeypatch):
     """Exact: the same slots as the reference, ties to the lower slot, -1 for free slots, the current page forced in
     (cur_slot -1 forces slot 0, as the reference does)."""
@@ -567,12 +577,10 @@ def test_append_token_matches_reference(dtype, has_holes, search, monkeypatch):
                        torch.tensor([[2, 2], [1, 1], [5, 5]], device=DEV))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, ref.FP8], ids=str)
-@pytest.mark.parametrize("page_size,head_dim", [(1, 64), (4, 48), (16, 64)])
-@pytest.mark.parametrize("start,tokens,rows", [(0, 37, (0, 3)), (6, 1, (1, 2)), (5, 3, (0, 3)), (8, 8, (2, 3)),
-                                               (3, 70, (1, 3))])
-@pytest.mark.parametrize("through_table", [False, True], ids=["rows", "table"])
-@pytest.mark.parametrize("pages_tokens", [64, 16])
+@pytest.mark.parametrize("start,tokens,rows,page_size,head_dim,dtype,through_table,pages_tokens", crossed(
+    {str(c): c for c in [(0, 37, (0, 3)), (6, 1, (1, 2)), (5, 3, (0, 3)), (8, 8, (2, 3)), (3, 70, (1, 3))]},
+    {str(c): c for c in [(1, 64), (4, 48), (16, 64)]}, axis([torch.bfloat16, torch.float32, ref.FP8]),
+    axis([False, True], ["rows", "table"]), axis([64, 16])))
 def test_append_pages_matches_reference(dtype, page_size, head_dim, start, tokens, rows, through_table, pages_tokens,
                                         monkeypatch):
     """A prompt pass written into pages (rows of their own, or shared pages through the rows' tables): passes from

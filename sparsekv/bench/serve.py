@@ -82,8 +82,8 @@ from ..models import load_model, model_shape, resolve_device, resolve_dtype
 from ..quant import quantize_model
 from ..serve import Request, ServingEngine
 from ..serve.scheduler import ADMISSIONS
-from ..serve.runner import (POOL_FIELD, cache_bytes, own_request_bytes, pool_row_bytes, prefill_bytes,
-                            shared_page_bytes, shares_pages)
+from ..serve.runner import (POOL_FIELD, cache_bytes, own_request_bytes, own_rows, pool_row_bytes,
+                            prefill_bytes, shared_page_bytes, shares_pages)
 from ..spec import budget_arg
 from .common import (ModelShape, claim_results, conditions, device_name, int_arg, markdown_table, memory_problems,
                      named_shape, out_of_memory_lines, pyplot, quantiles, refuse, run_args, run_setting, shape_config,
@@ -449,7 +449,7 @@ def run_memory(runs, config, dtype: torch.dtype, args, max_context: int, device:
         pool = pool_parts(method, kv_heads, head_dim, layers, dtype, max_context,
                           args.max_new_tokens or max_context, args.prompt_len[1])
         if pool["request"] and args.kv_memory_gib is not None:
-            batch = min(batch, max(int(args.kv_memory_gib * GIB) // pool["request"], 1))
+            batch = own_rows(batch, int(args.kv_memory_gib * GIB), pool["request"])
         pages = batch * pool["pages"]
         if pool["page"] and args.kv_memory_gib is not None:
             pages = min(pages, int(args.kv_memory_gib * GIB) // pool["page"])

@@ -103,6 +103,12 @@ def own_request_bytes(method, prompt_len: int, total: int, token_bytes: int, pag
         method.host_tokens(prompt_len) * token_bytes
 
 
+def own_rows(max_batch: int, kv_memory_bytes: int, longest_bytes: int) -> int:
+    """Rows of a pool whose rows hold their own pages: ``max_batch``, at most as many as ``kv_memory_bytes`` admits
+    of the longest request (``longest_bytes``, ``own_request_bytes``), at least one."""
+    return min(max_batch, max(kv_memory_bytes // longest_bytes, 1))
+
+
 def shared_page_bytes(method, token_bytes: int, page_bytes: int, layers: int) -> int:
     """Bytes of one shared page of a pool of ``method``: its keys, values and bounds in every layer (0 where the
     rows hold their own pages)."""
@@ -338,7 +344,7 @@ class Runner:
             # max_prompt_tokens, then max_new_tokens), so that no row is allocated for admission to leave empty.
             longest = self.kv_bytes(self.max_prompt_tokens,
                                     min(self.max_prompt_tokens + self.max_new_tokens, max_context))
-            max_batch = self.max_batch = min(max_batch, max(kv_memory_bytes // longest, 1))
+            max_batch = self.max_batch = own_rows(max_batch, kv_memory_bytes, longest)
             need = pool_bytes(self.method)
         store_pages = 0
         if self.page_store_bytes:

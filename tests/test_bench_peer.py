@@ -25,7 +25,8 @@ class LLM:
     def __init__(self, model, load_format, skip_tokenizer_init, dtype, max_model_len, gpu_memory_utilization,
                  enable_prefix_caching, seed, disable_log_stats, max_num_seqs=256, kv_cache_memory_bytes=None,
                  attention_backend=None, additional_config=None, tensor_parallel_size=1, compilation_config=None):
-        import json, pathlib
+        import json, os, pathlib
+        print("devices seen:", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
         # under TP, vLLM's FlashInfer all-reduce + RMSNorm fusion is off (it faults without NVLink multicast)
         assert compilation_config == (None if tensor_parallel_size == 1 else
                                       {"pass_config": {"fuse_allreduce_rms": False}})
@@ -159,6 +160,20 @@ def test_a_failing_child_is_a_peer_error_with_its_output(fake_vllm):
         peer.peer_rows("vllm", "decode", ["--model", "shape:tiny", "--contexts", "64"], timeout_s=120)
 
 
+@pytest.mark.parametrize("visible, seen", [(None, "1"), ("3,5", "5")])
+def test_a_peer_on_another_gpu_sees_that_one_alone(visible, seen, fake_vllm, monkeypatch, capsys):
+    """``gpu`` is an index among this process's devices: the child's CUDA_VISIBLE_DEVICES names that device, and its
+    lines are marked as the peer's; nothing reads this process's device after it."""
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(peer, "device_free_bytes", lambda: pytest.fail("this process's device was read"))
+    result = peer.load_rows_of("vllm", "shape:tiny", [[1] * 100], [9], 4, 0, gpu=1)
+    assert result["rows"][0]["requests_done"] == 1
+    assert f"[vllm, GPU 1] devices seen: {seen}" in capsys.readouterr().out
+
+
 def test_only_known_peers():
     with pytest.raises(peer.PeerError, match="peer must be one of vllm"):
         peer.peer_rows("sglang", "decode", [])
@@ -198,16 +213,18 @@ def test_e2e_puts_the_peers_rows_in_its_table(tmp_path, monkeypatch):
     assert "vs vllm" in table and "vllm 0.26.0 (dense, in a process of its own" in table
 
 
-def test_serve_puts_the_peers_row_in_its_table(tmp_path, monkeypatch):
-    """``bench.serve --peer vllm``: the peer runs the same requests first (its workload file holds our prompts and
-    output lengths), its row joins the table, and each of ours gets the ratio to it."""
+@pytest.mark.parametrize("peer_gpu", [None, 1])
+def test_serve_puts_the_peers_row_in_its_table(peer_gpu, tmp_path, monkeypatch):
+    """``bench.serve --peer vllm``: the peer runs the same requests first, or with ``--peer-gpu`` beside ours on
+    that GPU (its workload file holds our prompts and output lengths), its row joins the table first, and each of
+    ours gets the ratio to it."""
     from sparsekv.bench import serve
 
     seen = {}
 
-    def fake_peer(peer_name, kind, options):
+    def fake_peer(peer_name, kind, options, gpu=None):
         work = json.loads(open(options[options.index("--workload") + 1]).read())
-        seen.update(kind=kind, options=options, work=work)
+        seen.update(kind=kind, options=options, work=work, gpu=gpu)
         assert peer_name == "vllm" and options[:2] == ["--model", "shape:tiny"]
         return {"peer": "vllm", "version": "0.26.0", "rows": [
             {"peer": "vllm", "requests_done": 3, "output_tokens": 12, "duration_s": 1e4, "output_tokens_per_s": 12e-4,
@@ -218,8 +235,10 @@ def test_serve_puts_the_peers_row_in_its_table(tmp_path, monkeypatch):
     monkeypatch.setattr(serve, "peer_problem", lambda args, device: None)  # the CPU stands in for the GPU
     assert serve.main(["--model", "shape:tiny", "--device", "cpu", "--methods", "dense", "--requests", "3",
                        "--prompt-len", "16", "32", "--output-len", "4", "4", "--max-batch", "2", "--via", "engine",
-                       "--no-warmup", "--peer", "vllm", "--out", str(tmp_path)]) == 0
+                       "--no-warmup", "--peer", "vllm", "--out", str(tmp_path),
+                       *([] if peer_gpu is None else ["--peer-gpu", str(peer_gpu)])]) == 0
     assert seen["kind"] == "load" and seen["options"][-4:] == ["--max-num-seqs", "2", "--seed", "0"]
+    assert seen["gpu"] == peer_gpu
     assert seen["work"]["output_lens"] == [4, 4, 4] and all(16 <= len(p) <= 32 for p in seen["work"]["prompts"])
     result = json.loads((tmp_path / "serve.json").read_text())
     peer_row, dense = result["rows"]
@@ -231,6 +250,29 @@ def test_serve_puts_the_peers_row_in_its_table(tmp_path, monkeypatch):
     assert 0 < dense["until_last_ttft"] <= 1
     table = (tmp_path / "serve.md").read_text()
     assert "vs vllm tok/s" in table and "vllm 0.26.0 (dense, prefix caching off" in table
+    assert ("before ours" if peer_gpu is None else "at the same time as ours, on GPU 1 of the same machine (ours on "
+            "GPU 0)") in table
+    assert result["meta"]["peer"]["gpu"] == peer_gpu
+
+
+def test_serve_takes_a_peer_gpu_that_is_another_of_this_machines(monkeypatch, tmp_path, capsys):
+    import argparse
+
+    import torch
+
+    from sparsekv.bench import serve
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = argparse.Namespace(model="shape:llama3-8b", dtype=None, weights="float", rate=float("inf"),
+                              concurrency=0, duration=None, fill="prefill", prefix_cache_gib=0, peer_gpu=1)
+    assert serve.peer_problem(args, torch.device("cuda")) is None
+    for gpu, device in ((0, "cuda"), (1, "cuda:1"), (2, "cuda")):
+        args.peer_gpu = gpu
+        assert "--peer-gpu must be a CUDA device of this machine other than ours" in serve.peer_problem(
+            args, torch.device(device))
+    assert serve.main(["--model", "shape:tiny", "--device", "cpu", *SERVE, "--peer-gpu", "1",
+                       "--out", str(tmp_path)]) == 2
+    assert "--peer-gpu must be given with --peer, got 1" in capsys.readouterr().err
 
 
 E2E = ["--contexts", "128"]

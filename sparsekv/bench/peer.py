@@ -275,23 +275,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def peer_rows(peer: str, kind: str, options: list[str], timeout_s: float = 900) -> dict:
+def peer_rows(peer: str, kind: str, options: list[str], timeout_s: float = 900, gpu: int | None = None) -> dict:
     """Runs ``python -m sparsekv.bench.peer KIND OPTIONS`` in a child process (its output shown as it comes) and
-    returns what it wrote: {"peer", "version", "rows"}, once the device has its memory back (``settle_device``). A
-    child that fails, or passes ``timeout_s``, is a ``PeerError`` with the end of its output."""
+    returns what it wrote: {"peer", "version", "rows"}, once the device has its memory back (``settle_device``).
+    ``gpu``: the child sees only that CUDA device of this process's (``CUDA_VISIBLE_DEVICES``), one that this
+    process does not use, so nothing is waited for after it. A child that fails, or passes ``timeout_s``, is a
+    ``PeerError`` with the end of its output."""
     if peer not in PEERS:
         raise PeerError(f"peer must be one of {', '.join(PEERS)}, got {peer!r}")
     with tempfile.TemporaryDirectory(prefix="sparsekv-peer-") as folder:
         result = Path(folder) / "rows.json"
         command = [sys.executable, "-m", "sparsekv.bench.peer", kind, *options, "--json", str(result)]
-        free = device_free_bytes()
+        free = device_free_bytes() if gpu is None else None
+        env = {**os.environ, **OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}
+        if gpu is not None:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
+        mark = "" if gpu is None else f"[{peer}, GPU {gpu}] "  # its lines among those of the runs beside it
         tail: list[str] = []
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, **OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}) as child:
+                              env=env) as child:
             deadline = time.monotonic() + timeout_s
             for line in child.stdout:
                 if not line.startswith("PEER_ROWS "):
-                    print(line, end="", flush=True)
+                    print(mark + line, end="", flush=True)
                 tail = (tail + [line])[-20:]
                 if time.monotonic() > deadline:
                     child.kill()
@@ -331,15 +338,15 @@ def settle_device(free: int | None, timeout_s: float = 300) -> None:
 
 
 def load_rows_of(peer: str, model: str, prompts: list[list[int]], output_lens: list[int], max_num_seqs: int,
-                 seed: int, kv_cache_memory_bytes: int | None = None) -> dict:
+                 seed: int, kv_cache_memory_bytes: int | None = None, gpu: int | None = None) -> dict:
     """``peer_rows`` of ``load`` over these requests (their workload file written for the child, then removed),
-    with ``kv_cache_memory_bytes`` of KV where given."""
+    with ``kv_cache_memory_bytes`` of KV where given, on ``gpu`` where given."""
     with tempfile.TemporaryDirectory(prefix="sparsekv-peer-") as folder:
         path = Path(folder) / "workload.json"
         path.write_text(json.dumps({"prompts": prompts, "output_lens": output_lens}))
         kv = [] if kv_cache_memory_bytes is None else ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
         return peer_rows(peer, "load", ["--model", model, "--workload", str(path), "--max-num-seqs",
-                                        str(max_num_seqs), "--seed", str(seed), *kv])
+                                        str(max_num_seqs), "--seed", str(seed), *kv], gpu=gpu)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ one run, directly through the engine and through the HTTP server with a real cli
         --fill random --prefill-share 0.2 --fit --static --via engine
     python -m sparsekv.bench.serve --methods dense quest --requests 24 --prompt-len 16384 32768 \\
         --output-len 1024 1024 --max-batch 16 --via engine --peer vllm   # vLLM's dense on the same requests
+    python -m sparsekv.bench.serve --methods dense raas --requests 96 --prompt-len 512 512 --output-len 8192 8192 \
+        --max-batch 64 --kv-memory-gib 20 --via engine --peer vllm --peer-gpu 1   # vLLM beside ours, on GPU 1
     python -m sparsekv.bench.serve --model tiny:llama --device cpu --requests 6 --prompt-len 16 64 \\
         --output-len 4 16 --max-batch 4       # smoke test
 
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import gc
 import importlib.util
 import math
@@ -607,11 +610,15 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
 def peer_note(meta: dict) -> str:
     """The sentence on the peer's row, or nothing without one."""
     peer = meta.get("peer")
-    return (f" {peer['peer']} {peer['version']} (dense, prefix caching off, in a process of its own before ours; "
+    if not peer:
+        return ""
+    when = ("before ours" if peer.get("gpu") is None else
+            f"at the same time as ours, on GPU {peer['gpu']} of the same machine (ours on GPU {peer['our_gpu']})")
+    return (f" {peer['peer']} {peer['version']} (dense, prefix caching off, in a process of its own {when}; "
             f"`python -m sparsekv.bench.peer load`): the same requests at once, at most the max batch running"
             f"{', in the same KV memory (kv_cache_memory_bytes)' if meta['kv_memory_bytes'] else ''}, its step "
             f"tokens its max_num_batched_tokens, TTFT from each request's arrival and TPOT from its first and last "
-            f"token times in its engine." if peer else "")
+            f"token times in its engine.")
 
 
 def plot(rows: list[dict]):
@@ -712,6 +719,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run the same requests through the peer's dense serving, at most --max-batch at "
                              "a time, in a process of its own before ours (python -m sparsekv.bench.peer; a shape: "
                              "model on CUDA, bf16, all at once, real prefill)")
+    parser.add_argument("--peer-gpu", type=int_arg(0), default=None,
+                        help="run the peer at the same time as ours, on this CUDA device of the machine (one that "
+                             "--device does not name), instead of before ours: a load's two runs in the time of one")
     pdl_arg(parser)
     weights_arg(parser)
     run_args(parser, "serve")
@@ -731,18 +741,34 @@ def peer_problem(args, device: torch.device) -> str | None:
         return "--peer gives every request at once: drop --rate, --concurrency and --duration"
     if args.fill != "prefill" or args.prefix_cache_gib:
         return "--peer prefills every prompt: --fill prefill, no --prefix-cache-gib"
+    if args.peer_gpu is not None and not (args.peer_gpu < torch.cuda.device_count()
+                                          and args.peer_gpu != our_gpu(device)):
+        return (f"--peer-gpu must be a CUDA device of this machine other than ours ({our_gpu(device)}; it has "
+                f"{torch.cuda.device_count()}), got {args.peer_gpu}")
     return None
 
 
-def peer_row(args, work: list[Work]) -> tuple[dict, dict]:
+def our_gpu(device: torch.device) -> int:
+    """The index of the CUDA device our runs take ("cuda" alone: the first)."""
+    return device.index or 0
+
+
+def peer_line(peer: str, row: dict) -> str:
+    """The line printed of the peer's row."""
+    return (f"{peer:>32}: {row['output_tokens_per_s']:.1f} output tok/s, {row['requests_done']} done, TTFT p50 "
+            f"{row['ttft_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.2f} ms")
+
+
+def peer_row(args, work: list[Work], device: torch.device) -> tuple[dict, dict]:
     """The peer's version and its row of ``work`` (the same requests as ours, at most ``--max-batch`` running, in
-    ``--kv-memory-gib`` of KV where given), in ``summarize``'s names; its times come from its engine's per-request
-    timestamps."""
+    ``--kv-memory-gib`` of KV where given, on ``--peer-gpu`` where given), in ``summarize``'s names; its times come
+    from its engine's per-request timestamps."""
     kv = None if args.kv_memory_gib is None else int(args.kv_memory_gib * GIB)
     result = run_peer_load(args.peer, args.model, [w.prompt for w in work], [w.max_tokens for w in work],
-                           args.max_batch, args.seed, kv)
+                           args.max_batch, args.seed, kv, gpu=args.peer_gpu)
     (row,) = result["rows"]
-    return ({"peer": result["peer"], "version": result["version"]},
+    return ({"peer": result["peer"], "version": result["version"], "gpu": args.peer_gpu,
+             "our_gpu": None if args.peer_gpu is None else our_gpu(device)},
             {**row, "spec": args.peer, "method": args.peer, "budget": None, "via": args.peer, "fill": "prefill"})
 
 
@@ -779,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.plan and not (args.model.startswith("shape:") and args.device_gib and args.host_gib):
             raise ConfigError("--plan", "a shape: model with --device-gib and --host-gib > 0",
                               f"{args.model} {args.device_gib} {args.host_gib}")
+        if args.peer_gpu is not None and not args.peer:
+            raise ConfigError("--peer-gpu", "given with --peer", args.peer_gpu)
         if args.plan and args.weights != "float":
             raise ConfigError("--weights", "float with --plan (the planner counts 16-bit weights)", args.weights)
         if "http" in args.via and not args.plan:
@@ -817,15 +845,17 @@ def main(argv: list[str] | None = None) -> int:
         return refuse("sparsekv.bench.serve", str(err))
     if problem:
         return _too_big(args, problem)
-    peer, rows = None, []
-    if args.peer:  # first, in a process of its own: its engine takes most of the GPU until it exits
+    peer, rows, beside = None, [], None
+    if args.peer and args.peer_gpu is None:  # first, in a process of its own: its engine takes most of the GPU
         try:
-            peer, row = peer_row(args, workload(args, config.vocab_size))
+            peer, row = peer_row(args, workload(args, config.vocab_size), device)
         except PeerError as err:
             return refuse("sparsekv.bench.serve", str(err))
         rows.append(row)
-        print(f"{args.peer:>32}: {row['output_tokens_per_s']:.1f} output tok/s, {row['requests_done']} done, TTFT "
-              f"p50 {row['ttft_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.2f} ms", flush=True)
+        print(peer_line(args.peer, row), flush=True)
+    elif args.peer:  # beside ours, on a GPU of its own: its child process runs while this one runs ours
+        beside = concurrent.futures.ThreadPoolExecutor(1).submit(peer_row, args, workload(args, config.vocab_size),
+                                                                 device)
     if shape:
         model = shape_model(shape, device, dtype, max_context + STATIC_STEPS)
         tokenizer = stand_in_tokenizer(model.config.vocab_size)
@@ -954,6 +984,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:>32}: {row['output_tokens_per_s']:.1f} output tok/s, {row['requests_done']} done, TTFT "
                   f"p50 {row['ttft_p50_ms'] or 0:.0f} ms, TPOT p50 {row['tpot_p50_ms'] or 0:.2f} ms, max running "
                   f"{row['max_running']}", flush=True)
+    if beside is not None:
+        try:
+            meta["peer"], row = beside.result()
+        except PeerError as err:  # our rows are written already
+            return refuse("sparsekv.bench.serve", str(err))
+        rows.insert(0, row)
+        print(peer_line(args.peer, row), flush=True)
     save(final=True)
     print((args.out / f"{args.tag}.md").read_text())
     return 0

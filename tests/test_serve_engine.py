@@ -586,7 +586,7 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(model, monkeypatch):
     prefill, in_flight = engine.runner.prefill, []
 
     def seen(job, budget):
-        in_flight.append(engine.runner.in_flight is not None)
+        in_flight.append(len(engine.runner.in_flight) == 1)
         return prefill(job, budget)
 
     monkeypatch.setattr(engine.runner, "prefill", seen)
@@ -662,24 +662,75 @@ def test_a_prefill_whose_copy_into_the_prefix_cache_fails_gives_its_shared_pages
 
 
 def test_a_launched_step_is_collected_before_rows_are_released_or_stepped_again(model):
-    """``Runner.launch`` queues a step that ``collect`` reads: a row joining in between is not in it, and neither a
-    release nor another launch may come before it is collected."""
+    """``Runner.launch`` queues a step that ``collect`` reads: a row joining in between is not in it, no release may
+    come before it is collected, and at most two steps are in flight, collected in order, each with its own
+    tokens."""
     engine = ServingEngine(model, CONFIGS["dense"], max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
     first = engine.submit(Request(prompt=prompt(20), max_tokens=30))
+    drawn = []
     while not engine.metrics()["running"]:
-        engine.step()
+        drawn += [t for e in engine.step() for t in e.tokens]
     runner = engine.runner
+    alone = Engine(model, CONFIGS["dense"], max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = alone.generate([prompt(20)], 4, stop_tokens=()).tokens[0]
     launched = runner.launch()
-    with pytest.raises(RuntimeError, match="not collected"):
-        runner.launch()
     with pytest.raises(RuntimeError, match="in flight"):
         runner.release(first)
     job = runner.start(prompt(9))
     while job.logits is None:
         runner.prefill(job, runner.prefill_budget)
     runner.join("late", job, 5, Sampling(), 0, 4)
-    assert list(runner.collect(launched)) == [first] and runner.in_flight is None
-    assert list(runner.decode()) == [first, "late"]
+    ahead = runner.launch()
+    with pytest.raises(RuntimeError, match="2 steps are in flight"):
+        runner.launch()
+    with pytest.raises(RuntimeError, match="not the oldest step in flight"):
+        runner.collect(ahead)
+    second = runner.collect(launched)
+    assert list(second) == [first] and runner.in_flight == [ahead]
+    third = runner.collect(ahead)
+    assert list(third) == [first, "late"] and runner.in_flight == []
+    assert drawn + [second[first][0], third[first][0]] == expected[:len(drawn) + 2]
+
+
+@pytest.mark.parametrize("name", ["dense", "quest", "raas"])
+def test_the_next_step_is_queued_before_the_last_is_read(model, name):
+    """In steady decoding a call queues the rows' next step before it reads the last one's tokens (so that the
+    device decodes while the host emits events): a step stays in flight between calls. A request that ends on a stop
+    token meanwhile gives its alone tokens (its row's extra token dropped) and its row and pages come back once that
+    step is read; one that ends by length is never stepped past its max_tokens; a cancellation waits for no step."""
+    config = CONFIGS[name]
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    want = [alone.generate([prompt(n)], 14, stop_tokens=()).tokens[0] for n in (20, 30, 40)]
+    stop = next(want[0][i] for i in range(12, 0, -1) if want[0][i] not in want[0][:i])  # late: rows run ahead then
+    engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK)
+    lengths = engine.runner.pool.pages
+    ahead = []
+    launch = engine.runner.launch
+
+    def launched():  # no row's KV may outgrow its prompt and max_tokens (a step past a request's end)
+        step = launch()
+        assert all(lengths.lengths[row] <= ids[key] + 13 for row, key in enumerate(step.keys))  # not the last token
+        return step
+
+    engine.runner.launch = launched
+    tokens, final = {}, {}
+    ids = {engine.submit(Request(prompt=prompt(n), max_tokens=14, stop_tokens=(stop,) if n == 20 else ())): n
+           for n in (20, 30, 40)}
+    while engine.has_work():
+        for event in engine.step():
+            tokens.setdefault(ids[event.request_id], []).extend(event.tokens)
+            if event.finished:
+                final[ids[event.request_id]] = event.finish_reason
+        ahead.append(len(engine.runner.in_flight))
+        if len(tokens.get(40, [])) == 10 and 40 not in final:
+            engine.cancel(next(r for r, n in ids.items() if n == 40))
+    assert 1 in ahead and max(ahead) == 1
+    assert tokens[20] == want[0][:want[0].index(stop) + 1] and final[20] == "stop"
+    assert tokens[30] == want[1] and final[30] == "length"
+    assert tokens[40][:10] == want[2][:10] and final[40] == "cancelled"
+    assert engine.runner.in_flight == [] and engine.metrics()["free_rows"] == 3
+    shared = engine.runner.shared
+    assert shared is None or sorted(shared.free) == list(range(shared.pages))
 
 
 def test_a_row_that_moves_keeps_its_choice_of_pages(model):

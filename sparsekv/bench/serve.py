@@ -257,8 +257,11 @@ def warm_up(engine: ServingEngine, max_batch: int, vocab: int, longest: int) -> 
     submitted = steps = 0
     while submitted < max_batch or engine.has_work():
         if submitted < max_batch and steps % 2 == 0:
+            # A call may run two decode steps (one collected, the next queued ahead), so a request that lives 2
+            # steps per later submission is still running when the last is submitted.
             engine.submit(Request(prompt=[rng.randrange(vocab) for _ in range(16)],
-                                  max_tokens=min(2 * max_batch + 2, engine.runner.max_new_tokens)))
+                                  max_tokens=min(4 * max_batch + 4, engine.runner.max_new_tokens,
+                                                 engine.runner.max_context - 16)))
             submitted += 1
         engine.step()
         steps += 1

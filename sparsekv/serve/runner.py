@@ -54,6 +54,10 @@ log = logging.getLogger("sparsekv.serve")
 POOL_FIELD = "max_batch and max_context"
 # How many of the likeliest tokens a request may have listed with each new token (OpenAI's limit for chat).
 TOP_LOGPROBS = 20
+# Decode steps queued at once (``Runner.launch``): the next step goes to the device before the host reads the last
+# one's tokens, so that the host's work between two steps (the tokens' events, the next step's pages) runs while the
+# device decodes.
+MAX_IN_FLIGHT = 2
 
 
 def cache_bytes(config, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -166,10 +170,15 @@ class Logprobs:
 
 @dataclass(frozen=True)
 class Launched:
-    """A decode step queued on the device (``Runner.launch``): the keys of its rows, in row order, and the top
-    log-probabilities each asked for (None: no row asked)."""
+    """A decode step queued on the device (``Runner.launch``): the keys of its rows, in row order, the top
+    log-probabilities each asked for (None: no row asked), and its results on their way to the host: its tokens
+    (B,) and, where asked, their log-probabilities (B,), (B, top), (B, top), copied in the stream right after the
+    step, so that a step queued behind it does not overwrite them (``done``: the copy's CUDA event, None on the
+    CPU, where the copy has run)."""
     keys: list
     logprobs: list[int | None] | None
+    found: tuple[torch.Tensor, ...]
+    done: torch.cuda.Event | None
 
 
 @dataclass
@@ -422,7 +431,7 @@ class Runner:
         self.max_tokens: list[int] = []
         self.steps: dict[tuple[int, bool, bool, bool, int, int | None],
                          tuple[SparseKVCache, CapturedStep, Callable[[torch.Tensor], None]]] = {}
-        self.in_flight: Launched | None = None  # the step ``launch`` queued, until ``collect``
+        self.in_flight: list[Launched] = []  # the steps ``launch`` queued, oldest first, until ``collect``
 
     def profile(self, config, chunk: int, rows: int) -> int:
         """Device bytes the steps take beside the pool, measured (``peak_bytes``): the activations of prompt passes of
@@ -695,7 +704,7 @@ class Runner:
         """Frees the row of ``key``: the last running row moves into it. ``tokens``: the prompt and answer of a
         request that ended (stop or length), whose row's whole pages go to the prefix cache first where the method
         keeps its decode pages (``Method.answer_reuse``) and they fit."""
-        if self.in_flight is not None:
+        if self.in_flight:
             raise RuntimeError("release: a decode step over the rows is in flight (collect it first)")
         row, last = self.keys.index(key), len(self.keys) - 1
         if tokens is not None and self.prefixes is not None and self.method.answer_reuse:
@@ -724,7 +733,7 @@ class Runner:
     def clear(self, jobs=()) -> None:
         """Drops every row, nothing copied, and the prefills ``jobs``: after a failure that leaves the rows' state
         unknown (the next requests join from row 0, their rows set anew). Pages the rows hold come back."""
-        self.in_flight = None
+        self.in_flight = []
         for job in jobs:
             self.discard(job)
         if self.shared is not None:
@@ -782,10 +791,12 @@ class Runner:
 
     def launch(self) -> "Launched":
         """Queues one decode step over the running rows on the device and returns at once, so that the host can
-        queue other work (a prefill's passes, a join) behind it; ``collect`` reads its tokens. Rows that join in
-        between are not in it; no row may be released before it is collected."""
-        if self.in_flight is not None:
-            raise RuntimeError("launch: the step launched before is not collected")
+        queue other work (a prefill's passes, a join, the next step) behind it; ``collect`` reads its tokens. Rows
+        that join in between are not in it; no row may be released before it is collected. At most
+        ``MAX_IN_FLIGHT`` steps are queued: the next step may be queued before the last is collected, and each row's
+        next input is the token the step before it drew, on the device."""
+        if len(self.in_flight) >= MAX_IN_FLIGHT:
+            raise RuntimeError(f"launch: {MAX_IN_FLIGHT} steps are in flight (collect the oldest first)")
         cache, run, _ = self._rows_step()
         with torch.no_grad():
             run()
@@ -799,7 +810,7 @@ class Runner:
         only, from its first: a layer-major pass (``prefill``) would leave its layers at different columns. Only in
         shared pages (``ServingEngine``'s ``step_tokens``), where a prompt pass reads the prompt's earlier pages in
         the store, chunks in any order."""
-        if self.in_flight is not None:
+        if self.in_flight:
             raise RuntimeError("launch_mixed: the step launched before is not collected")
         chunks = []
         for job in jobs:
@@ -845,20 +856,28 @@ class Runner:
         if cache is not None:
             self.pool.pages.lengths[:n] = cache.pages.lengths
         scored = any(k is not None for k in self.logprobs)
-        self.in_flight = Launched(list(self.keys), list(self.logprobs) if scored else None)
-        return self.in_flight
+        results = (self.token[:n, 0], *((self.logprob[:n], self.top_logprob[:n], self.top_ids[:n]) if scored else ()))
+        cuda = self.device.type == "cuda"
+        found = tuple(t.to("cpu", non_blocking=True) if cuda else t.clone() for t in results)
+        done = torch.cuda.Event() if cuda else None
+        if done is not None:
+            done.record()
+        step = Launched(list(self.keys), list(self.logprobs) if scored else None, found, done)
+        self.in_flight.append(step)
+        return step
 
     def collect(self, step: "Launched") -> dict:
-        """``decode``'s result for the step ``launch`` queued last (waits for the device to finish it)."""
-        if step is not self.in_flight:
-            raise RuntimeError("collect: not the step in flight (each launched step is collected once)")
-        self.in_flight = None
-        n = len(step.keys)
-        tokens = self.token[:n, 0].tolist()
-        found = [None] * n
+        """``decode``'s result for the oldest step in flight (waits for the device to finish that step alone)."""
+        if not self.in_flight or step is not self.in_flight[0]:
+            raise RuntimeError("collect: not the oldest step in flight (each launched step is collected once, in "
+                               "order)")
+        self.in_flight.pop(0)
+        if step.done is not None:
+            step.done.synchronize()
+        tokens, *scores = (t.tolist() for t in step.found)
+        found = [None] * len(step.keys)
         if step.logprobs is not None:
-            lp, top, ids = self.logprob[:n].tolist(), self.top_logprob[:n].tolist(), self.top_ids[:n].tolist()
-            found = [None if k is None else _logprobs(*row, k) for *row, k in zip(lp, top, ids, step.logprobs)]
+            found = [None if k is None else _logprobs(*row, k) for *row, k in zip(*scores, step.logprobs)]
         return dict(zip(step.keys, zip(tokens, found)))
 
     def _step(self, n: int, sampled: bool, scored: bool, adjusted: bool, room: int,

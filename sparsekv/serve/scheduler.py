@@ -236,6 +236,9 @@ class ServingEngine:
         self._admissions = 0  # requests admitted since the start (``_Live.admitted``)
         self._preempted = 0  # preemptions since the start
         self._carried: list[Event] = []  # events of a step that raised, returned by the next
+        # Rows whose requests ended while a step over them was in flight (its tokens for them are dropped): released
+        # once it is collected, with the tokens their prefix cache may keep.
+        self._ended_rows: list[tuple[int, list[int] | None]] = []
         self._ended: Exception | None = None  # a failure whose requests ended already, raised to ``step``
 
     @property
@@ -299,7 +302,7 @@ class ServingEngine:
     def has_work(self) -> bool:
         """Whether anything is queued, prefilling or running, or a step that raised left events to return."""
         with self._lock:
-            return bool(self._queue or self._prefilling or self._running or self._carried)
+            return bool(self._queue or self._prefilling or self._running or self._carried or self._ended_rows)
 
     def metrics(self) -> dict:
         """Rows, queue and memory now (``free_rows``: rows neither running nor taken by a prefill), and totals since
@@ -342,9 +345,8 @@ class ServingEngine:
             try:
                 self._step(events)
             except Exception as error:
-                if error is self._ended:  # its requests have ended
-                    if self.runner.in_flight is not None:  # its tokens are the running requests'
-                        self._collect(self.runner.in_flight, events)
+                if error is self._ended:  # its requests have ended; the steps in flight hold the running ones' tokens
+                    self._collect_all(events)
                 else:
                     self._fail_all(error, events)
                 self._ended = None
@@ -353,8 +355,7 @@ class ServingEngine:
                 log.error("a serving step failed; the requests it ran or prefilled ended with \"error\"",
                           exc_info=error)
         except BaseException:
-            if self.runner.in_flight is not None:  # its tokens are the running requests'
-                self._collect(self.runner.in_flight, events)
+            self._collect_all(events)  # the steps in flight hold the running requests' tokens
             self._carried = events
             raise
         return events
@@ -365,11 +366,19 @@ class ServingEngine:
             lives = [*self._prefilling, *self._running.values()]
             self._prefilling, self._running = [], {}
         self.runner.clear({id(live.prefill): live.prefill for live in lives if live.prefill is not None}.values())
+        self._ended_rows = []
         for live in lives:
             live.prefill = None
             self._finish(live, "error", events, error=error)
 
     def _step(self, events: list[Event]) -> None:
+        if self.runner.in_flight:  # the rows' step the last call queued ahead
+            step = self.runner.in_flight[0]
+            if self._can_run_ahead():
+                self._run_ahead(events)
+                self._collect(step, events)
+                return
+            self._collect_all(events)
         self._cancelled(events)
         self._admit(events)
         self._grow(events)
@@ -395,6 +404,8 @@ class ServingEngine:
             if pacer is not None:
                 pacer.decoded(time.perf_counter() - began)
         elif launched is not None:
+            if self._can_run_ahead():
+                self._run_ahead(events)
             self._collect(launched, events)
 
     def _mixed_step(self, events: list[Event]) -> None:
@@ -410,15 +421,50 @@ class ServingEngine:
             self._prefill_work += (sum(job.ran for job in waiting) - before) * self.runner.num_layers
             self._collect(launched, events)
         elif self._running:
-            self._collect(self.runner.launch(), events)
+            launched = self.runner.launch()
+            if self._can_run_ahead():
+                self._run_ahead(events)
+            self._collect(launched, events)
         for job in jobs:
             if job.logits is not None:
                 self._prefilled(job, [live for live in self._prefilling if live.prefill is job], events)
 
     def _collect(self, launched, events: list[Event]) -> None:
-        """Emits the tokens of a step the runner launched."""
+        """Emits the tokens of the oldest step the runner launched, but those of rows whose requests ended since."""
         for rid, (token, logprobs) in self.runner.collect(launched).items():
-            self._emit(self._running[rid], token, logprobs, events)
+            live = self._running.get(rid)
+            if live is not None:
+                self._emit(live, token, logprobs, events)
+
+    def _collect_all(self, events: list[Event]) -> None:
+        """Collects every step in flight, oldest first, then releases the rows whose requests ended meanwhile."""
+        while self.runner.in_flight:
+            self._collect(self.runner.in_flight[0], events)
+        for key, tokens in self._ended_rows:
+            self.runner.release(key, tokens)
+        self._ended_rows = []
+
+    def _can_run_ahead(self) -> bool:
+        """Whether the rows' next step may be queued before the host reads the one in flight, so that the device
+        decodes while the host reads its tokens and emits their events: nothing but decoding comes before the next
+        step (no cancellation, no prompt work, no request that the queue could admit, no ended row to release, no
+        decode priority pacing the prefill), every row has that token still to draw (``max_tokens``: a row that
+        ends on a stop token meanwhile decodes once more, its token dropped), and the store gives every row its
+        next page without a preemption."""
+        if self.pacer is not None or self._prefilling or self._ended_rows or not self._running:
+            return False
+        with self._lock:
+            if self._cancel or (self._queue and self._admits(self._queue[0])):
+                return False
+        ahead = len(self.runner.in_flight)
+        if any(len(live.tokens) + ahead + 1 > live.request.max_tokens for live in self._running.values()):
+            return False
+        return self._in_use + len(self.runner.growth()) * self.runner.page_store_bytes <= self.kv_memory_bytes
+
+    def _run_ahead(self, events: list[Event]) -> None:
+        """Queues the rows' next step behind the one in flight, their next pages taken first."""
+        self._grow(events)
+        self.runner.launch()
 
     def _cancelled(self, events: list[Event]) -> None:
         with self._lock:
@@ -443,13 +489,9 @@ class ServingEngine:
                 if not self._queue:
                     return
                 live = self._queue[0]
-                need = self._need(live)
-                # Under "grow", a page of headroom for each running row, so that an admission does not preempt at
-                # the next step.
-                headroom = len(self._running) * self.runner.page_store_bytes * self.runner.grows
-                rows_taken = len(self._prefilling) + len(self._running)
-                if rows_taken >= self.runner.max_batch or self._in_use + need + headroom > self.kv_memory_bytes:
+                if not self._admits(live):
                     return
+                need = self._need(live)
                 self._queue.popleft()
                 self._in_use += need
                 live.held = need
@@ -475,6 +517,14 @@ class ServingEngine:
                 failed.add_note(f"while starting the prefill of request {live.id}, or bringing its row back, which "
                                 f"ends with \"error\"")
                 raise failed
+
+    def _admits(self, live: _Live) -> bool:
+        """Whether a row is free and ``live``'s KV fits now (under "grow" with a page of headroom for each running
+        row, so that an admission does not preempt at the next step)."""
+        headroom = len(self._running) * self.runner.page_store_bytes * self.runner.grows
+        rows_taken = len(self._prefilling) + len(self._running)
+        return (rows_taken < self.runner.max_batch
+                and self._in_use + self._need(live) + headroom <= self.kv_memory_bytes)
 
     def _need(self, live: _Live) -> int:
         """The KV bytes admission counts ``live`` for: its context's and its max_tokens' (a request preempted after
@@ -618,8 +668,11 @@ class ServingEngine:
         if live.id in self._running:
             # An answer that ended is kept with its prompt where the prefix cache takes it (the row holds the KV
             # of every token but the last).
-            ended = reason in ("stop", "length")
-            self.runner.release(live.id, live.request.prompt + live.tokens[:-1] if ended else None)
+            tokens = live.request.prompt + live.tokens[:-1] if reason in ("stop", "length") else None
+            if self.runner.in_flight:  # a step over its row is queued: the row goes once that step is collected
+                self._ended_rows.append((live.id, tokens))
+            else:
+                self.runner.release(live.id, tokens)
             with self._lock:
                 del self._running[live.id]
         elif live.prefill is not None:  # its prefill goes once no other request of its prompt waits for it

@@ -41,8 +41,15 @@ class LLM:
                 scheduler_config=types.SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384),
                 cache_config=types.SimpleNamespace(kv_cache_memory_bytes=kv_cache_memory_bytes)))
 
+    preempted = 0
+
+    def get_metrics(self):  # a request preempted for every one after the first
+        return [types.SimpleNamespace(name="vllm:num_preemptions", value=float(self.preempted)),
+                types.SimpleNamespace(name="vllm:num_requests_running", value=0.0)]
+
     def generate(self, prompts, params, use_tqdm):
         assert len(prompts) == len(params)
+        self.preempted += len(prompts) - 1
         outs = []
         for p, sp in zip(prompts, params):
             n = len(p["prompt_token_ids"])
@@ -129,7 +136,7 @@ def test_load_rows_come_back_from_the_child(fake_vllm):
                             timeout_s=120)
     (row,) = result["rows"]
     assert row["requests_done"] == 3 and row["output_tokens"] == 21 and row["max_batch"] == 4
-    assert row["step_tokens"] == 16384 and row["kv_capacity_gib"] is None
+    assert row["step_tokens"] == 16384 and row["kv_capacity_gib"] is None and row["preempted"] == 2
     kept = peer.load_rows_of("vllm", "shape:tiny", [[1] * 100], [9], 4, 0, kv_cache_memory_bytes=2**30)
     assert kept["rows"][0]["kv_capacity_gib"] == 1.0
     assert row["tpot_p50_ms"] == pytest.approx(2.0) and row["ttft_p50_ms"] == pytest.approx(15.0)

@@ -151,7 +151,9 @@ def load_rows(args) -> list[dict]:
     prompts, lengths = work["prompts"], work["output_lens"]
     llm = engine(args, max(len(p) + n for p, n in zip(prompts, lengths)))
     generate(llm, [[0] * 512], [8])
+    before = preemptions(llm)
     outputs, wall = generate(llm, prompts, lengths)
+    after = preemptions(llm)
     times = [request_times(o) for o in outputs]
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttft = quantiles([t for t, _ in times])
@@ -163,10 +165,18 @@ def load_rows(args) -> list[dict]:
            **{f"tpot_{k}_ms": v for k, v in tpot.items()},
            "max_batch": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
            "step_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
-           "kv_capacity_gib": None if kv is None else kv / 2**30}
+           "kv_capacity_gib": None if kv is None else kv / 2**30,
+           "preempted": None if before is None or after is None else after - before}
     print(f"peer: vLLM {method_of(args)}, {len(prompts)} requests: {row['output_tokens_per_s']:.1f} output tok/s, "
           f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.2f} ms", flush=True)
     return [row]
+
+
+def preemptions(llm) -> int | None:
+    """vLLM's preemptions since its engine started (its ``vllm:num_preemptions`` counter, summed over its engines; a
+    preempted request is recomputed), None where its metrics hold no such counter."""
+    found = [m.value for m in llm.get_metrics() if m.name.removesuffix("_total") == "vllm:num_preemptions"]
+    return round(sum(found)) if found else None
 
 
 def score_rows(args) -> list[dict]:

@@ -129,7 +129,10 @@ def test_vllm_backend_bench_without_vllm_and_its_covering_spec(capsys):
     assert "vLLM is not installed" in capsys.readouterr().err
 
 
-def test_load_rows_come_back_from_the_child(fake_vllm):
+def test_load_rows_come_back_from_the_child(fake_vllm, monkeypatch, capsys):
+    """The rows of ``load`` come back; with ``gpu`` (an index among this process's devices) the child's
+    CUDA_VISIBLE_DEVICES names that device alone, its lines are marked as the peer's, and nothing reads this
+    process's device after it."""
     work = fake_vllm / "load.json"
     work.write_text(json.dumps({"prompts": [[1] * 100, [2] * 200, [3] * 150], "output_lens": [9, 3, 9]}))
     result = peer.peer_rows("vllm", "load", ["--model", "shape:tiny", "--workload", str(work), "--max-num-seqs", "4"],
@@ -137,8 +140,12 @@ def test_load_rows_come_back_from_the_child(fake_vllm):
     (row,) = result["rows"]
     assert row["requests_done"] == 3 and row["output_tokens"] == 21 and row["max_batch"] == 4
     assert row["step_tokens"] == 16384 and row["kv_capacity_gib"] is None and row["preempted"] == 2
-    kept = peer.load_rows_of("vllm", "shape:tiny", [[1] * 100], [9], 4, 0, kv_cache_memory_bytes=2**30)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.setattr(peer, "device_free_bytes", lambda: pytest.fail("this process's device was read"))
+    capsys.readouterr()
+    kept = peer.load_rows_of("vllm", "shape:tiny", [[1] * 100], [9], 4, 0, kv_cache_memory_bytes=2**30, gpu=1)
     assert kept["rows"][0]["kv_capacity_gib"] == 1.0
+    assert "[vllm, GPU 1] devices seen: 5" in capsys.readouterr().out
     assert row["tpot_p50_ms"] == pytest.approx(2.0) and row["ttft_p50_ms"] == pytest.approx(15.0)
     assert row["ttft_max_ms"] >= row["ttft_p99_ms"]
     assert row["output_tokens_per_s"] == pytest.approx(21 / row["duration_s"])
@@ -165,16 +172,6 @@ def test_a_failing_child_is_a_peer_error_with_its_output(fake_vllm):
         '''))
     with pytest.raises(peer.PeerError, match="no GPU for the peer"):
         peer.peer_rows("vllm", "decode", ["--model", "shape:tiny", "--contexts", "64"], timeout_s=120)
-
-
-def test_a_peer_on_another_gpu_sees_that_one_alone(fake_vllm, monkeypatch, capsys):
-    """``gpu`` is an index among this process's devices: the child's CUDA_VISIBLE_DEVICES names that device, and its
-    lines are marked as the peer's; nothing reads this process's device after it."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    monkeypatch.setattr(peer, "device_free_bytes", lambda: pytest.fail("this process's device was read"))
-    result = peer.load_rows_of("vllm", "shape:tiny", [[1] * 100], [9], 4, 0, gpu=1)
-    assert result["rows"][0]["requests_done"] == 1
-    assert "[vllm, GPU 1] devices seen: 5" in capsys.readouterr().out
 
 
 def test_only_known_peers():

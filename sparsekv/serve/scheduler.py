@@ -300,7 +300,8 @@ class ServingEngine:
             self._cancel.setdefault(request_id, reason)
 
     def has_work(self) -> bool:
-        """Whether anything is queued, prefilling or running, or a step that raised left events to return."""
+        """Whether anything is queued, prefilling or running, a row whose request ended waits for the step queued over
+        it, or a step that raised left events to return."""
         with self._lock:
             return bool(self._queue or self._prefilling or self._running or self._carried or self._ended_rows)
 
@@ -328,7 +329,9 @@ class ServingEngine:
     def step(self, raise_errors: bool = True) -> list[Event]:
         """One iteration: cancellations, admission, one decode step over the running rows with the prefill (about
         one chunk, or what the pacer allows while rows decode) queued behind it, or with a pacer before it, so that
-        its time is its own. Returns the events of this step. Call from one thread only.
+        its time is its own. Where only decoding comes before the next step, that step is queued before this one's
+        tokens are read, and stays in flight until the next call (``_can_run_ahead``). Returns the events of this
+        step. Call from one thread only.
 
         A failure (an ``Exception``) inside a step ends the requests it belongs to, with finish reason "error" (the
         event's ``error`` says what failed), and the step stops there: a prefill's, its first token's or its join

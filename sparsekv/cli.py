@@ -21,7 +21,7 @@ from .eval import cli as eval_cli
 from .eval.base import EvalError
 from .methods import METHODS, MethodConfig
 from .models import chat_prompt, check_context, default_model, load_model, resolve_device, resolve_dtype
-from .serve.scheduler import ADMISSIONS
+from .serve.scheduler import ADMISSIONS, PREEMPTIONS, swaps_when_preempted
 from .spec import budget_arg, build_config, parse_spec, takes_budget
 
 
@@ -356,6 +356,10 @@ def cmd_serve(args) -> int:
     if args.kv_memory_gib is not None and not args.kv_memory_gib > 0:
         raise ConfigError("--kv-memory-gib", "a number of GiB > 0 (default: what the pool holds)", args.kv_memory_gib)
     device, dtype, config = _setup(args, args.method)
+    try:  # before the model loads
+        swaps_when_preempted(config, args.admission, args.preemption)
+    except ConfigError as err:
+        raise ConfigError("--preemption", err.allowed, err.value) from None
     chat_template = None
     if args.chat_template is not None:
         path = Path(args.chat_template)
@@ -370,7 +374,8 @@ def cmd_serve(args) -> int:
                            prefill_share=args.prefill_share, max_queue=args.max_queue, compile=args.compile,
                            kv_memory_bytes=kv_memory,
                            prefix_cache_bytes=int(args.prefix_cache_gib * 2**30), admission=args.admission,
-                           gpu_memory_utilization=args.gpu_memory_utilization, step_tokens=args.step_tokens)
+                           gpu_memory_utilization=args.gpu_memory_utilization, step_tokens=args.step_tokens,
+                           preemption=args.preemption)
     name = args.name or served_name(args.model)
 
     def ready(port: int) -> None:
@@ -492,6 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="reserve: a request is admitted when the KV of its prompt and max_tokens fits; grow (dense, "
                           "quest): when its prompt's does, its pages taken as it grows, the newest request preempted "
                           "and later recomputed where they run out")
+    srv.add_argument("--preemption", choices=PREEMPTIONS, default=None,
+                     help="with --admission grow, how a preempted request comes back: recompute (its prompt and "
+                          "tokens prefilled again; dense) or swap (its pages copied to host memory and back); "
+                          "default: recompute for dense, swap for quest")
     srv.add_argument("--kv-memory-gib", type=float, default=None,
                      help="device memory for the KV cache of all requests (default: what --gpu-memory-utilization "
                           "leaves, at most the rows' own)")

@@ -148,6 +148,9 @@ def test_capacity_plan_counts_an_fp8_cache_at_one_byte(tmp_path):
     (["--plan", "--device-gib", "80"], "--plan must be a shape: model with --device-gib and --host-gib"),
     (["--plan", "--device-gib", "80", "--host-gib", "64", "--weights", "int4"], "--weights must be float with --plan"),
     (["--fill-chunk", "64"], "--fill-chunk must be given with --fill random only"),
+    (["--preemption", "swap"], '--preemption must be given only with admission "grow"'),
+    (["--methods", "dense", "quest", "--admission", "grow", "--preemption", "recompute"],
+     "--preemption must be 'swap' for quest (or not given)"),
 ])
 def test_serve_bench_refuses_bad_pool_options(tmp_path, capsys, argv, message):
     assert main(["--model", "shape:tiny", *argv, "--out", str(tmp_path)]) == 2

@@ -2,6 +2,7 @@
 ``Engine.generate``, for every method, with requests arriving at different steps, with different prompt lengths,
 finishing early (stop token, max_tokens) or cancelled; rows are freed and reused; admission and refusals."""
 
+import re
 from collections import Counter
 
 import pytest
@@ -1149,15 +1150,15 @@ GROW_PLAN = [(0, 60, 70), (0, 30, 4), (0, 50, 40), (1, 20, 30), (6, 33, 12)]  # 
 
 
 def grown(model, config, samplings, kv_tokens: int, cancel_preempted: int | None = None,
-          step_tokens: int | None = None):
+          step_tokens: int | None = None, preemption: str | None = None):
     """Runs GROW_PLAN's requests (with ``samplings``, seeded by index) under admission "grow" in the pages of
     ``kv_tokens`` tokens, cancelling request ``cancel_preempted`` while it waits preempted (``step_tokens``: mixed
-    steps). Returns each request's tokens, its final event, the (request index, tokens drawn) of each preemption and
-    the engine."""
+    steps; ``preemption``: the engine's). Returns each request's tokens, its final event, the (request index, tokens
+    drawn) of each preemption and the engine."""
     page = ServingEngine(model, config, max_batch=1, max_context=CONTEXT).runner.page_store_bytes
     engine = ServingEngine(model, config, max_batch=3, max_context=CONTEXT, prefill_chunk=CHUNK,
                            kv_memory_bytes=kv_tokens // config.page_size * page, admission="grow",
-                           step_tokens=step_tokens)
+                           step_tokens=step_tokens, preemption=preemption)
     ids, tokens, final, preempted = {}, {}, {}, []
     preempt = engine._preempt
 
@@ -1186,13 +1187,14 @@ def grown(model, config, samplings, kv_tokens: int, cancel_preempted: int | None
     return tokens, final, preempted, engine
 
 
-def cancelled_while_preempted(model, config, samplings, expected, preempted, step_tokens: int | None = None):
+def cancelled_while_preempted(model, config, samplings, expected, preempted, step_tokens: int | None = None,
+                              preemption: str | None = None):
     """Runs ``grown`` again, cancelling a request (not the first two) that ``preempted`` (a first run's
     preemptions) shows preempted: it ends "cancelled" with the tokens it had drawn, every other request gets
     ``expected`` (its tokens alone), and every page comes back."""
     cancelled = next(i for i, _ in preempted if i not in (0, 1))
     tokens, final, preempted, engine = grown(model, config, samplings, 160, cancel_preempted=cancelled,
-                                             step_tokens=step_tokens)
+                                             step_tokens=step_tokens, preemption=preemption)
     drawn = max(n for i, n in preempted if i == cancelled)
     assert final[cancelled].finish_reason == "cancelled" and tokens[cancelled] == expected[cancelled][:drawn]
     assert [tokens[i] for i in range(len(GROW_PLAN)) if i != cancelled] == \
@@ -1201,13 +1203,16 @@ def cancelled_while_preempted(model, config, samplings, expected, preempted, ste
     assert engine.metrics()["kv_bytes_in_use"] == 0 and sorted(shared.free) == list(range(shared.pages))
 
 
-@pytest.mark.parametrize("name", ["dense", "quest"])
-def test_requests_preempted_under_grow_give_their_alone_tokens(model, name):
+@pytest.mark.parametrize("name, preemption, way", [("dense", None, "prefill"), ("dense", "recompute", "prefill"),
+                                                   ("dense", "swap", "swap"), ("quest", None, "swap"),
+                                                   ("quest", "swap", "swap")])
+def test_requests_preempted_under_grow_give_their_alone_tokens(model, name, preemption, way):
     """Admission "grow" in 20 pages of 8 tokens: rows take pages as they reach them; where the store cannot give the
     running rows their next pages, the newest admitted request gives its own back, and later comes back: dense's
-    prompt and drawn tokens prefilled again, Quest's row copied to host memory at the preemption and back at the
-    admission. Every request gets its tokens alone, one of them preempted twice; one cancelled while preempted ends
-    "cancelled" with the tokens it had; every page comes back."""
+    prompt and drawn tokens prefilled again (``preemption`` "recompute", its default), or its row copied to host
+    memory at the preemption and back at the admission ("swap"; Quest's only way). Every request gets its tokens
+    alone, one of them preempted twice; one cancelled while preempted ends "cancelled" with the tokens it had; every
+    page comes back."""
     from sparsekv.serve.runner import Runner
 
     config = CONFIGS[name]
@@ -1228,12 +1233,22 @@ def test_requests_preempted_under_grow_give_their_alone_tokens(model, name):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Runner, "start", started)
         patch.setattr(Runner, "swap_out", swapped)
-        tokens, final, preempted, engine = grown(model, config, samplings, 160)
+        tokens, final, preempted, engine = grown(model, config, samplings, 160, preemption=preemption)
     assert [tokens[i] for i in range(len(GROW_PLAN))] == expected
-    assert came_back and set(came_back) == {"prefill" if name == "dense" else "swap"}
+    assert came_back and set(came_back) == {way}
     assert max(Counter(i for i, _ in preempted).values()) >= 2
     assert engine.metrics()["preempted"] == len(preempted)
-    cancelled_while_preempted(model, config, samplings, expected, preempted)
+    cancelled_while_preempted(model, config, samplings, expected, preempted, preemption=preemption)
+
+
+@pytest.mark.parametrize("name, options, says", [
+    ("dense", {"preemption": "drop"}, "preemption must be 'recompute' or 'swap', got 'drop'"),
+    ("dense", {"preemption": "swap"}, 'preemption must be given only with admission "grow"'),
+    ("quest", {"preemption": "recompute", "admission": "grow"}, "preemption must be 'swap' for quest (or not given)"),
+])
+def test_a_preemption_that_cannot_apply_is_refused(model, name, options, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        ServingEngine(model, CONFIGS[name], max_batch=2, max_context=CONTEXT, **options)
 
 
 @pytest.mark.parametrize("name", ["dense", "quest", "quest-per-query-head", "quest-kv-fp8"])
@@ -1338,20 +1353,20 @@ def test_mixed_steps_give_the_alone_tokens(model, name):
         assert [lp.logprob for lp in found[1][i]] == pytest.approx([lp.logprob for lp in found[0][i]], abs=1e-4)
 
 
-@pytest.mark.parametrize("name", ["dense", "quest"])
-def test_mixed_steps_under_preemption_give_the_alone_tokens(model, name):
+@pytest.mark.parametrize("name, preemption", [("dense", None), ("dense", "swap"), ("quest", None)])
+def test_mixed_steps_under_preemption_give_the_alone_tokens(model, name, preemption):
     """Mixed steps with admission "grow": requests preempted (one of them twice) and one cancelled while preempted
-    give their tokens alone; every page comes back."""
+    give their tokens alone, recomputed or swapped; every page comes back."""
     config = CONFIGS[name]
     penalized = Sampling(presence_penalty=1.5, logit_bias={17: 2.0}, repetition_penalty=1.3)
     samplings = [Sampling(), Sampling(temperature=1.1, top_p=0.9), penalized, Sampling(), Sampling()]
     alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
     expected = [alone.generate([prompt(n)], new, sampling=s, seed=i, stop_tokens=()).tokens[0]
                 for i, ((_, n, new), s) in enumerate(zip(GROW_PLAN, samplings))]
-    tokens, _, preempted, engine = grown(model, config, samplings, 160, step_tokens=16)
+    tokens, _, preempted, engine = grown(model, config, samplings, 160, step_tokens=16, preemption=preemption)
     assert [tokens[i] for i in range(len(GROW_PLAN))] == expected
     assert max(Counter(i for i, _ in preempted).values()) >= 2
-    cancelled_while_preempted(model, config, samplings, expected, preempted, step_tokens=16)
+    cancelled_while_preempted(model, config, samplings, expected, preempted, step_tokens=16, preemption=preemption)
 
 
 def test_mixed_steps_at_a_covering_budget_give_dense_tokens(model):

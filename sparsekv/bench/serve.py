@@ -84,7 +84,7 @@ from ..methods.base import DEVICE_MARGIN
 from ..models import load_model, model_shape, resolve_device, resolve_dtype
 from ..quant import quantize_model
 from ..serve import Request, ServingEngine
-from ..serve.scheduler import ADMISSIONS
+from ..serve.scheduler import ADMISSIONS, PREEMPTIONS, swaps_when_preempted
 from ..serve.runner import (POOL_FIELD, cache_bytes, own_request_bytes, own_rows, pool_row_bytes,
                             prefill_bytes, shared_page_bytes, shares_pages)
 from ..spec import budget_arg
@@ -681,6 +681,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--admission", choices=ADMISSIONS, default="reserve",
                         help="how admission counts a request's KV (sparsekv.serve.ServingEngine): reserve (its prompt "
                              "and max_tokens) or grow (dense, quest: pages as it grows, preempting the newest)")
+    parser.add_argument("--preemption", choices=PREEMPTIONS, default=None,
+                        help="with --admission grow, how a preempted request comes back: recompute (dense) or swap "
+                             "(its pages to host memory and back); default: the method's (recompute for dense, swap "
+                             "for quest)")
     parser.add_argument("--fill", choices=["prefill", "random"], default="prefill",
                         help="random: prompts' KV filled with random keys and values instead of the model's prefill")
     parser.add_argument("--fill-chunk", type=int_arg(1), default=None,
@@ -782,6 +786,11 @@ def main(argv: list[str] | None = None) -> int:
     setting = run_setting("serve", args)
     try:
         runs = method_runs(args.methods, [args.budget])
+        for run in runs:
+            try:
+                swaps_when_preempted(run.config, args.admission, args.preemption)
+            except ConfigError as err:
+                raise ConfigError("--preemption", err.allowed, err.value) from None
         if not args.rate > 0:
             raise ConfigError("--rate", "a number of requests per second > 0 (inf: all at once)", args.rate)
         if args.duration is not None and not (args.duration > 0 and args.via == ["engine"]):
@@ -913,6 +922,7 @@ def main(argv: list[str] | None = None) -> int:
                              max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.prompt_len[1],
                              prefix_cache_bytes=int(args.prefix_cache_gib * GIB),
                              admission=args.admission, gpu_memory_utilization=args.gpu_memory_utilization,
+                             preemption=args.preemption,
                              step_tokens=args.step_tokens if shares_pages(config.build(model.config.num_hidden_layers))
                              else None)  # the other methods keep the step-then-chunk schedule
 

@@ -30,16 +30,33 @@ from typing import Callable
 
 from ..engine import SAMPLING_FORM, Sampling, _is_count, check_seed, prefill_passes, token_id_list
 from ..errors import ConfigError
-from ..methods.base import is_real, require
+from ..methods.base import MethodConfig, is_real, require
 from .runner import TOP_LOGPROBS, Logprobs, Prefill, Runner
 
 log = logging.getLogger("sparsekv.serve")
 
 # How admission counts a request's KV (``ServingEngine``).
 ADMISSIONS = ("reserve", "grow")
+# How a running request preempted under admission "grow" comes back (``ServingEngine``): its prompt and drawn tokens
+# prefilled again, or its row copied to host memory and back.
+PREEMPTIONS = ("recompute", "swap")
 # The finish reasons a caller may end a request with (``ServingEngine.cancel``): "stop" where the caller found its
 # end itself (a server's stop string).
 CANCEL_REASONS = ("cancelled", "stop")
+
+
+def swaps_when_preempted(config, admission: str, preemption: str | None) -> bool:
+    """Whether a running request of ``config``'s method preempted under ``admission`` goes to host memory (True)
+    or is prefilled again (False), by ``preemption`` (``ServingEngine``'s); ConfigError where it cannot apply."""
+    recomputes = isinstance(config, MethodConfig) and config.method_class().decodes_as_prompt
+    if preemption is not None:
+        require(preemption in PREEMPTIONS, "preemption", " or ".join(map(repr, PREEMPTIONS)), preemption)
+        require(admission == "grow", "preemption", 'given only with admission "grow" (the only one that preempts)',
+                preemption)
+        require(preemption == "swap" or recomputes, "preemption",
+                f"'swap' for {config.name} (or not given): a prompt pass cannot redo its decode steps, which attended "
+                f"the pages it chose", preemption)
+    return preemption == "swap" or not recomputes
 
 
 class RequestError(ConfigError):
@@ -194,18 +211,22 @@ class ServingEngine:
     or mixed steps (methods in shared pages: dense, quest): each step carries the running rows' decode tokens and the
     next prompt tokens of the oldest prefills, at most ``step_tokens`` tokens in all (as vLLM's
     ``max_num_batched_tokens``), through the model together (``Runner.launch_mixed``); steps with no prompt tokens stay
-    captured."""
+    captured. preemption: under "grow", how a preempted running request comes back: "recompute" (its prompt and
+    drawn tokens prefilled again, as vLLM does; only for a method whose decode step a prompt pass redoes:
+    dense), "swap" (its row copied to host memory and back: PCIe time instead of compute), or None, the method's
+    (recompute for dense, swap for Quest)."""
 
     def __init__(self, model, config, *, tokenizer=None, max_batch: int = 8, max_context: int | None = None,
                  prefill_chunk: int = 4096, prefill_share: float | None = None, max_queue: int = 256,
                  cuda_graph: bool | None = None, compile: bool = False, kv_memory_bytes: int | None = None,
                  prefill: Callable = prefill_passes, max_new_tokens: int | None = None, prefix_cache_bytes: int = 0,
                  admission: str = "reserve", gpu_memory_utilization: float = 0.9, step_tokens: int | None = None,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, preemption: str | None = None):
         if not _is_count(max_queue, 1):
             raise ConfigError("max_queue", "an int >= 1", max_queue)
         require(admission in ADMISSIONS, "admission", " or ".join(map(repr, ADMISSIONS)), admission)
         require(callable(prefill), "prefill", "a callable of engine.prefill_passes's signature", prefill)
+        swaps = swaps_when_preempted(config, admission, preemption)
         self.pacer = None if prefill_share is None else PrefillPacer(prefill_share)
         self.runner = Runner(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile, passes=prefill,
@@ -223,6 +244,7 @@ class ServingEngine:
             require(prefill_share is None, "prefill_share", "None with step_tokens (mixed steps schedule the prefill)",
                     prefill_share)
         self.step_tokens = step_tokens
+        self._swaps = swaps
         self._lock = threading.Lock()
         self._next_id = 0
         self._queue: deque[_Live] = deque()
@@ -555,7 +577,7 @@ class ServingEngine:
         to be prefilled again with the tokens it has drawn (``_Live.context``), or for a running request of a method
         whose decode step a prompt pass cannot redo (``Method.decodes_as_prompt`` False: Quest), with its row copied
         to host memory first (``Runner.swap_out``). A failed copy ends that request with "error"."""
-        if live.id in self._running and not self.runner.method.decodes_as_prompt:
+        if live.id in self._running and self._swaps:
             try:
                 live.swapped = self.runner.swap_out(live.id, live.request.prompt)
             except Exception as error:

@@ -574,9 +574,10 @@ class ServingEngine:
 
     def _preempt(self, live: _Live, events: list[Event]) -> None:
         """Gives back what ``live`` holds (its row or its share of a prefill) and puts it at the front of the queue,
-        to be prefilled again with the tokens it has drawn (``_Live.context``), or for a running request of a method
-        whose decode step a prompt pass cannot redo (``Method.decodes_as_prompt`` False: Quest), with its row copied
-        to host memory first (``Runner.swap_out``). A failed copy ends that request with "error"."""
+        to be prefilled again with the tokens it has drawn (``_Live.context``), or for a running request whose rows
+        swap (``swaps_when_preempted``: preemption "swap", or a method whose decode step a prompt pass cannot redo,
+        Quest), with its row copied to host memory first (``Runner.swap_out``). A failed copy ends that request with
+        "error"."""
         if live.id in self._running and self._swaps:
             try:
                 live.swapped = self.runner.swap_out(live.id, live.request.prompt)

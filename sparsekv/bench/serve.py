@@ -593,8 +593,10 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     shared = (f"; every prompt begins with the same {meta['shared_prefix']} tokens" if meta.get("shared_prefix")
               else "")
     cached = f"; a prefix cache of {meta['prefix_cache_gib']:g} GiB" if meta.get("prefix_cache_gib") else ""
-    grow = (", admission grow (dense and Quest take pages as they grow, the newest request preempted and recomputed "
-            "where they run out)" if meta.get("admission") == "grow" else "")
+    back = ("its pages moved to host memory and back" if meta.get("preemption") == "swap" else
+            "recomputed (dense) or its pages moved to host memory and back (Quest)")
+    grow = (f", admission grow (dense and Quest take pages as they grow; where they run out the newest request is "
+            f"preempted, {back})" if meta.get("admission") == "grow" else "")
     lines = [f"# Serving under load ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
              f"{meta['requests']} requests, {load}; prompts of {meta['prompt_len'][0]}-{meta['prompt_len'][1]} "
              f"tokens{shared}, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens{cached}; max context "
@@ -886,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
             "device_name": device_name(device), "torch": torch.__version__, "requests": args.requests,
             "rate": args.rate, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
             "output_len": args.output_len, "max_batch": args.max_batch, "max_context": max_context,
-            "kv_memory_bytes": kv_memory, "admission": args.admission,
+            "kv_memory_bytes": kv_memory, "admission": args.admission, "preemption": args.preemption,
             "gpu_memory_utilization": args.gpu_memory_utilization, "step_tokens": args.step_tokens,
             "fill": args.fill, "duration": args.duration,
             "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk, "fill_chunk": args.fill_chunk,

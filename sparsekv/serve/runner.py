@@ -860,8 +860,8 @@ class Runner:
         cuda = self.device.type == "cuda"
         found = tuple(t.to("cpu", non_blocking=True) if cuda else t.clone() for t in results)
         done = torch.cuda.Event() if cuda else None
-        if done is not None:
-            done.record()
+        if done is not None:  # on the stream of the pool's device, which need not be the current device
+            done.record(torch.cuda.current_stream(self.device))
         step = Launched(list(self.keys), list(self.logprobs) if scored else None, found, done)
         self.in_flight.append(step)
         return step

@@ -356,10 +356,7 @@ def cmd_serve(args) -> int:
     if args.kv_memory_gib is not None and not args.kv_memory_gib > 0:
         raise ConfigError("--kv-memory-gib", "a number of GiB > 0 (default: what the pool holds)", args.kv_memory_gib)
     device, dtype, config = _setup(args, args.method)
-    try:  # before the model loads
-        swaps_when_preempted(config, args.admission, args.preemption)
-    except ConfigError as err:
-        raise ConfigError("--preemption", err.allowed, err.value) from None
+    swaps_when_preempted(config, args.admission, args.preemption, "--preemption")  # before the model loads
     chat_template = None
     if args.chat_template is not None:
         path = Path(args.chat_template)

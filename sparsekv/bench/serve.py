@@ -789,10 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = method_runs(args.methods, [args.budget])
         for run in runs:
-            try:
-                swaps_when_preempted(run.config, args.admission, args.preemption)
-            except ConfigError as err:
-                raise ConfigError("--preemption", err.allowed, err.value) from None
+            swaps_when_preempted(run.config, args.admission, args.preemption, "--preemption")
         if not args.rate > 0:
             raise ConfigError("--rate", "a number of requests per second > 0 (inf: all at once)", args.rate)
         if args.duration is not None and not (args.duration > 0 and args.via == ["engine"]):

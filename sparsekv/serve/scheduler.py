@@ -45,15 +45,16 @@ PREEMPTIONS = ("recompute", "swap")
 CANCEL_REASONS = ("cancelled", "stop")
 
 
-def swaps_when_preempted(config, admission: str, preemption: str | None) -> bool:
+def swaps_when_preempted(config, admission: str, preemption: str | None, field: str = "preemption") -> bool:
     """Whether a running request of ``config``'s method preempted under ``admission`` goes to host memory (True)
-    or is prefilled again (False), by ``preemption`` (``ServingEngine``'s); ConfigError where it cannot apply."""
+    or is prefilled again (False), by ``preemption`` (``ServingEngine``'s); ConfigError naming ``field`` (a
+    command's option) where it cannot apply."""
     recomputes = isinstance(config, MethodConfig) and config.method_class().decodes_as_prompt
     if preemption is not None:
-        require(preemption in PREEMPTIONS, "preemption", " or ".join(map(repr, PREEMPTIONS)), preemption)
-        require(admission == "grow", "preemption", 'given only with admission "grow" (the only one that preempts)',
+        require(preemption in PREEMPTIONS, field, " or ".join(map(repr, PREEMPTIONS)), preemption)
+        require(admission == "grow", field, 'given only with admission "grow" (the only one that preempts)',
                 preemption)
-        require(preemption == "swap" or recomputes, "preemption",
+        require(preemption == "swap" or recomputes, field,
                 f"'swap' for {config.name} (or not given): a prompt pass cannot redo its decode steps, which attended "
                 f"the pages it chose", preemption)
     return preemption == "swap" or not recomputes
@@ -352,7 +353,7 @@ class ServingEngine:
         """One iteration: cancellations, admission, one decode step over the running rows with the prefill (about
         one chunk, or what the pacer allows while rows decode) queued behind it, or with a pacer before it, so that
         its time is its own. Where only decoding comes before the next step, that step is queued before this one's
-        tokens are read, and stays in flight until the next call (``_can_run_ahead``). Returns the events of this
+        tokens are read, and stays in flight until the next call (``_pages_ahead``). Returns the events of this
         step. Call from one thread only.
 
         A failure (an ``Exception``) inside a step ends the requests it belongs to, with finish reason "error" (the
@@ -399,8 +400,8 @@ class ServingEngine:
     def _step(self, events: list[Event]) -> None:
         if self.runner.in_flight:  # the rows' step the last call queued ahead
             step = self.runner.in_flight[0]
-            if self._can_run_ahead():
-                self._run_ahead(events)
+            if (growing := self._pages_ahead()) is not None:
+                self._run_ahead(growing)
                 self._collect(step, events)
                 return
             self._collect_all(events)
@@ -429,8 +430,8 @@ class ServingEngine:
             if pacer is not None:
                 pacer.decoded(time.perf_counter() - began)
         elif launched is not None:
-            if self._can_run_ahead():
-                self._run_ahead(events)
+            if (growing := self._pages_ahead()) is not None:
+                self._run_ahead(growing)
             self._collect(launched, events)
 
     def _mixed_step(self, events: list[Event]) -> None:
@@ -447,8 +448,8 @@ class ServingEngine:
             self._collect(launched, events)
         elif self._running:
             launched = self.runner.launch()
-            if self._can_run_ahead():
-                self._run_ahead(events)
+            if (growing := self._pages_ahead()) is not None:
+                self._run_ahead(growing)
             self._collect(launched, events)
         for job in jobs:
             if job.logits is not None:
@@ -469,26 +470,29 @@ class ServingEngine:
             self.runner.release(key, tokens)
         self._ended_rows = []
 
-    def _can_run_ahead(self) -> bool:
-        """Whether the rows' next step may be queued before the host reads the one in flight, so that the device
-        decodes while the host reads its tokens and emits their events: nothing but decoding comes before the next
-        step (no cancellation, no prompt work, no request that the queue could admit, no ended row to release, no
-        decode priority pacing the prefill), every row has that token still to draw (``max_tokens``: a row that
-        ends on a stop token meanwhile decodes once more, its token dropped), and the store gives every row its
-        next page without a preemption."""
+    def _pages_ahead(self) -> list | None:
+        """Where the rows' next step may be queued before the host reads the one in flight (so that the device
+        decodes while the host reads its tokens and emits their events), the keys of the rows whose next token
+        starts a page (``Runner.growth``); else None. It may where nothing but decoding comes before the next step
+        (no cancellation, no prompt work, no request that the queue could admit, no ended row to release, no decode
+        priority pacing the prefill), every row has that token still to draw (``max_tokens``: a row that ends on a
+        stop token meanwhile decodes once more, its token dropped), and the store gives every row its next page
+        without a preemption."""
         if self.pacer is not None or self._prefilling or self._ended_rows or not self._running:
-            return False
+            return None
         with self._lock:
             if self._cancel or (self._queue and self._admits(self._queue[0])):
-                return False
+                return None
         ahead = len(self.runner.in_flight)
         if any(len(live.tokens) + ahead + 1 > live.request.max_tokens for live in self._running.values()):
-            return False
-        return self._in_use + len(self.runner.growth()) * self.runner.page_store_bytes <= self.kv_memory_bytes
+            return None
+        growing = self.runner.growth()
+        return growing if self._in_use + len(growing) * self.runner.page_store_bytes <= self.kv_memory_bytes else None
 
-    def _run_ahead(self, events: list[Event]) -> None:
-        """Queues the rows' next step behind the one in flight, their next pages taken first."""
-        self._grow(events)
+    def _run_ahead(self, growing: list) -> None:
+        """Queues the rows' next step behind the one in flight, the rows of ``growing`` (``_pages_ahead``) given
+        their next pages first."""
+        self._take_pages(growing)
         self.runner.launch()
 
     def _cancelled(self, events: list[Event]) -> None:
@@ -567,6 +571,11 @@ class ServingEngine:
             if not keys or self._in_use + len(keys) * page <= self.kv_memory_bytes:
                 break
             self._preempt(max([*self._prefilling, *self._running.values()], key=lambda live: live.admitted), events)
+        self._take_pages(keys)
+
+    def _take_pages(self, keys: list) -> None:
+        """Gives the running rows of ``keys`` the store pages of their next tokens, counted as theirs."""
+        page = self.runner.page_store_bytes
         self.runner.grow(keys)
         for key in keys:
             self._running[key].held += page

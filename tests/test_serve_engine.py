@@ -241,6 +241,59 @@ def test_rows_of_their_own_are_as_many_as_kv_memory_admits(model, name):
     assert one.runner.max_batch == 1  # less than the longest request: one row, for the requests that fit
 
 
+SLICED = [(0, 30, 24), (0, 41, 24), (0, 52, 24), (0, 23, 24), (1, 37, 24)]  # (arrival step, prompt, max_tokens)
+
+
+@pytest.mark.parametrize("name, options", [("raas", {}), ("h2o", {}), ("snapkv", {}), ("quest", {"admission": "grow"}),
+                                           ("dense", {"admission": "grow", "preemption": "swap"})])
+def test_time_slicing_gives_the_alone_tokens(model, name, options):
+    """Time slicing, 5 requests on 2 rows: a running request that has drawn 6 tokens more than the queue's front
+    yields its row (to host memory) and waits at the back. Every request gets its tokens alone, each draws its first
+    token before any ends (without slicing, the last wait for the first to end), one cancelled while it waits for
+    its row back ends "cancelled" with the tokens it had, and every row and byte comes back."""
+    config = CONFIGS[name]
+    alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
+    expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new in SLICED]
+    for cancel in (None, 4):
+        engine = ServingEngine(model, config, max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK, time_slice=6,
+                               **options)
+        ids, tokens, final, started_before_an_end, steps = {}, {}, {}, True, 0
+        while len(final) < len(SLICED):
+            for i, (arrival, n, new) in enumerate(SLICED):
+                if arrival == steps:
+                    ids[engine.submit(Request(prompt=prompt(n), max_tokens=new))] = i
+                    tokens[i] = []
+            for event in engine.step():
+                i = ids[event.request_id]
+                tokens[i] += event.tokens
+                if event.finished:
+                    started_before_an_end &= bool(final) or all(tokens.values())
+                    final[i] = event
+            waiting = [live for live in engine._queue if live.swapped is not None and ids[live.id] == cancel]
+            if waiting:
+                engine.cancel(waiting[0].id)
+            steps += 1
+        metrics = engine.metrics()
+        assert started_before_an_end and metrics["yielded"] >= 3
+        if cancel is None:
+            assert [tokens[i] for i in range(len(SLICED))] == expected
+        else:
+            assert final[cancel].finish_reason == "cancelled" and 0 < len(tokens[cancel]) < SLICED[cancel][2]
+            assert tokens[cancel] == expected[cancel][:len(tokens[cancel])]
+            assert [tokens[i] for i in range(cancel)] == expected[:cancel]
+        assert metrics["kv_bytes_in_use"] == 0 and metrics["free_rows"] == 2 and not engine.runner.keys
+
+
+@pytest.mark.parametrize("name, options, says", [
+    ("dense", {}, 'time_slice must be None for dense unless preemption is "swap"'),
+    ("lowbit", {}, "time_slice must be None for lowbit: its rows cannot go to host memory and back unchanged"),
+    ("raas", {"time_slice": 0}, "time_slice must be None (no time slicing) or an int >= 1, got 0"),
+])
+def test_time_slicing_that_cannot_apply_is_refused(model, name, options, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        ServingEngine(model, CONFIGS[name], max_batch=2, max_context=CONTEXT, **{"time_slice": 4, **options})
+
+
 @pytest.mark.parametrize("value", [0, CONTEXT, 2.5, True])
 def test_bad_max_prompt_tokens_is_refused(model, value):
     with pytest.raises(ConfigError, match="max_prompt_tokens must be None"):

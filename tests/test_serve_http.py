@@ -677,6 +677,8 @@ def test_a_stop_string_end_counts_as_stop_in_the_metrics(server, client):
     (["--prefix-cache-gib", "1", "--method", "snapkv"], "prefix_cache_bytes must be 0 for snapkv"),
     (["--kv-memory-gib", "0.0000001"], "kv_memory_bytes"),
     (["--kv-memory-gib", "-2"], "--kv-memory-gib must be a number of GiB > 0"),
+    (["--method", "lowbit", "--time-slice", "64"],
+     "--time-slice must be None for lowbit: its rows cannot go to host memory and back unchanged"),
 ])
 def test_serve_command_errors(argv, message, capsys):
     from sparsekv.cli import main

@@ -84,7 +84,7 @@ from ..methods.base import DEVICE_MARGIN
 from ..models import load_model, model_shape, resolve_device, resolve_dtype
 from ..quant import quantize_model
 from ..serve import Request, ServingEngine
-from ..serve.scheduler import ADMISSIONS, PREEMPTIONS, swaps_when_preempted
+from ..serve.scheduler import ADMISSIONS, PREEMPTIONS, check_time_slice, swaps_when_preempted
 from ..serve.runner import (POOL_FIELD, cache_bytes, own_request_bytes, own_rows, pool_row_bytes,
                             prefill_bytes, shared_page_bytes, shares_pages)
 from ..spec import budget_arg
@@ -571,6 +571,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
         columns.append(("prefix tokens reused", "prefix_reused", "{}"))
     if meta.get("admission") == "grow":
         columns.append(("preempted", "preempted", "{}"))
+    if meta.get("time_slice"):
+        columns.append(("yielded", "yielded", "{}"))
     kv = meta["kv_memory_bytes"]
     utilization = meta.get("gpu_memory_utilization")
     leaves = "the device leaves" if utilization is None else f"--gpu-memory-utilization {utilization} leaves"
@@ -597,6 +599,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
             "recomputed (dense) or its pages moved to host memory and back (Quest)")
     grow = (f", admission grow (dense and Quest take pages as they grow; where they run out the newest request is "
             f"preempted, {back})" if meta.get("admission") == "grow" else "")
+    grow += (f"; time slicing: a running request {meta['time_slice']} tokens ahead of the queue's front yields its "
+             f"row to it, through host memory (`--time-slice`)" if meta.get("time_slice") else "")
     lines = [f"# Serving under load ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
              f"{meta['requests']} requests, {load}; prompts of {meta['prompt_len'][0]}-{meta['prompt_len'][1]} "
              f"tokens{shared}, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens{cached}; max context "
@@ -687,6 +691,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --admission grow, how a preempted request comes back: recompute (dense) or swap "
                              "(its pages to host memory and back); default: the method's (recompute for dense, swap "
                              "for quest)")
+    parser.add_argument("--time-slice", type=int_arg(1), default=None,
+                        help="time slicing (sparsekv.serve.ServingEngine): while the queue's front waits for a row, a "
+                             "running request this many tokens ahead of it yields its row, through host memory")
     parser.add_argument("--fill", choices=["prefill", "random"], default="prefill",
                         help="random: prompts' KV filled with random keys and values instead of the model's prefill")
     parser.add_argument("--fill-chunk", type=int_arg(1), default=None,
@@ -790,6 +797,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = method_runs(args.methods, [args.budget])
         for run in runs:
             swaps_when_preempted(run.config, args.admission, args.preemption, "--preemption")
+            check_time_slice(run.config, args.admission, args.preemption, args.time_slice, "--time-slice")
         if not args.rate > 0:
             raise ConfigError("--rate", "a number of requests per second > 0 (inf: all at once)", args.rate)
         if args.duration is not None and not (args.duration > 0 and args.via == ["engine"]):
@@ -886,6 +894,7 @@ def main(argv: list[str] | None = None) -> int:
             "rate": args.rate, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
             "output_len": args.output_len, "max_batch": args.max_batch, "max_context": max_context,
             "kv_memory_bytes": kv_memory, "admission": args.admission, "preemption": args.preemption,
+            "time_slice": args.time_slice,
             "gpu_memory_utilization": args.gpu_memory_utilization, "step_tokens": args.step_tokens,
             "fill": args.fill, "duration": args.duration,
             "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk, "fill_chunk": args.fill_chunk,
@@ -921,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
                              max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.prompt_len[1],
                              prefix_cache_bytes=int(args.prefix_cache_gib * GIB),
                              admission=args.admission, gpu_memory_utilization=args.gpu_memory_utilization,
-                             preemption=args.preemption,
+                             preemption=args.preemption, time_slice=args.time_slice,
                              step_tokens=args.step_tokens if shares_pages(config.build(model.config.num_hidden_layers))
                              else None)  # the other methods keep the step-then-chunk schedule
 
@@ -960,6 +969,7 @@ def main(argv: list[str] | None = None) -> int:
                 after = engine.metrics()
                 reused = after["prefix_tokens_reused"] - before["prefix_tokens_reused"]
                 preempted = after["preempted"] - before["preempted"]
+                yielded = after["yielded"] - before["yielded"]
                 memory = device_memory(device, args.gpu_memory_utilization)
                 step_tokens = engine.step_tokens
                 profile = engine.runner.profile_bytes / GIB if device.type == "cuda" else None
@@ -967,7 +977,7 @@ def main(argv: list[str] | None = None) -> int:
                 del engine
                 row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,
                        "fill": args.fill, "max_batch": batch, "device_layers": device_layers, **summarize(trace),
-                       "prefix_reused": reused, "preempted": preempted, "kv_capacity_gib": capacity,
+                       "prefix_reused": reused, "preempted": preempted, "yielded": yielded, "kv_capacity_gib": capacity,
                        "step_tokens": step_tokens,
                        "pool_gib": pool, "profile_gib": profile, **memory, **started, "series": trace.samples}
             except torch.OutOfMemoryError:

@@ -120,11 +120,14 @@ class Method:
     ``decodes_as_prompt``: its decode step attends what a prompt pass over the same tokens attends (every earlier
     token), so that the keys and values of a preempted request's drawn tokens come back from one prompt pass over
     its prompt and them (``serve.Runner.start``) rather than a decode step per token.
+    ``row_moves``: a pool's row whose pages (``PagedLayer.copy_row``) and per-row state (``start_pool`` of a pool of
+    one row, then ``copy_row``) are copied out and back goes on as it would have (``serve.Runner.swap_out``).
     """
 
     max_pages: int | None = None
     shared_pages: bool = False
     decodes_as_prompt: bool = False
+    row_moves: bool = True
     prefix_reuse: bool = False
     answer_reuse: bool = False
     accepts_chunks: bool = True

@@ -83,6 +83,7 @@ class LowBit(Method):
     config: LowBitConfig
     prefix_reuse = answer_reuse = True  # the prompt's codes are made from its keys at its end (``prefill``)
     accepts_chunks = False  # a multi-token pass after the prompt would complete pages without codes
+    row_moves = False  # a row that joins a pool chooses its pages anew (``copy_row``), before its reuse runs out
 
     def __init__(self, config: LowBitConfig, num_layers: int):
         super().__init__(config, num_layers)

@@ -138,6 +138,7 @@ class OmniKV(Method):
 
     config: OmniKVConfig
     accepts_chunks = False
+    row_moves = False  # the offloaded layers' host store is not part of a row's copy
     sized_by_decode_tokens = True
 
     @property

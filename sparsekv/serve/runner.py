@@ -82,6 +82,14 @@ def shares_pages(method) -> bool:
     return method.shared_pages and method.config.page_size > 1
 
 
+def rows_swap(config) -> bool:
+    """Whether a running row of a pool of ``config``'s method can go to host memory and back unchanged
+    (``Runner.swap_out``): rows in shared pages (dense, Quest), or rows of their own of a method whose per-row state
+    moves with them (``Method.row_moves``)."""
+    method = config.method_class()
+    return (method.shared_pages and config.page_size > 1) or method.row_moves
+
+
 def pool_row_bytes(method, slots: list[int], token_bytes: int, page_bytes: int, kv_heads: int, head_dim: int,
                    itemsize: int) -> int:
     """Device bytes of one row of a pool of ``method`` whose layers have ``slots`` page slots each, in a cache of
@@ -543,26 +551,29 @@ class Runner:
 
     def swap_out(self, key, prompt: list[int]) -> Prefill:
         """A copy in host memory of the running row of ``key`` (a request of ``prompt``): its pages (keys, values,
-        bounds; the partial last page too), their per-slot state, its lengths, as a ``Prefill`` of no passes that
-        ``join`` brings back into a row, the tokens it gives unchanged. For methods in shared pages, whose rows hold
-        nothing but pages (dense, Quest); the row itself stays until it is released."""
-        if self.shared is None:
-            raise RuntimeError("swap_out: the pool's rows do not keep their pages in shared pages")
+        bounds; the partial last page too), their per-slot state, its lengths, and for a row of its own the method's
+        per-row state (a pool of one row on the host), as a ``Prefill`` of no passes that ``join`` brings back into a
+        row, the tokens it gives unchanged (``rows_swap``). The row itself stays until it is released."""
+        if not rows_swap(self.config):
+            raise RuntimeError(f"swap_out: a row of {self.config.name} cannot go to host memory and back unchanged")
         row, pages = self.keys.index(key), self.pool.pages
         used = self._pages(pages.lengths[row])
         host = torch.device("cpu")
         method = self.request_config.build(self.num_layers)
         cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
         copy = cache.pages
+        # In shared pages the row's pages are the first ``used`` slots; a row of its own keeps its slots' layout.
+        copy.layers = [PagedLayer(1, layer.shape[1], layer.shape[3], self.config.page_size,
+                                  used if self.shared is not None else layer.capacity, layer.k.dtype, host)
+                       for layer in pages.layers]
         with torch.no_grad():
-            for i, layer in enumerate(pages.layers):
-                kept = PagedLayer(1, layer.shape[1], layer.shape[3], self.config.page_size, used, layer.k.dtype, host)
-                kept.copy_slots(0, layer, row, used)
-                kept.cur_slot.copy_(layer.cur_slot[row])
-                kept.dropped[0] = layer.dropped[row]
-                copy.layers[i] = kept
+            if self.shared is None:
+                method.start_pool(copy.layers, self.max_context)
+                method.copy_row(0, self.method, row, len(prompt))
+            for kept, layer in zip(copy.layers, pages.layers):
+                kept.copy_row(0, layer, row, used)
         copy.lengths = [pages.lengths[row]]
-        copy.seq_len = pages.seq_len[row:row + 1].to(host)
+        copy.seq_len = pages.seq_len[row:row + 1].to(host, copy=True)  # on a CPU pool .to gives a view
         copy.in_prompt = False
         return Prefill(cache, None, prompt, prompt, begun=True)
 

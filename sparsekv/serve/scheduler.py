@@ -31,7 +31,7 @@ from typing import Callable
 from ..engine import SAMPLING_FORM, Sampling, _is_count, check_seed, prefill_passes, token_id_list
 from ..errors import ConfigError
 from ..methods.base import MethodConfig, is_real, require
-from .runner import TOP_LOGPROBS, Logprobs, Prefill, Runner
+from .runner import TOP_LOGPROBS, Logprobs, Prefill, Runner, rows_swap
 
 log = logging.getLogger("sparsekv.serve")
 
@@ -58,6 +58,20 @@ def swaps_when_preempted(config, admission: str, preemption: str | None, field: 
                 f"'swap' for {config.name} (or not given): a prompt pass cannot redo its decode steps, which attended "
                 f"the pages it chose", preemption)
     return preemption == "swap" or not recomputes
+
+
+def check_time_slice(config, admission: str, preemption: str | None, time_slice: int | None,
+                     field: str = "time_slice") -> None:
+    """ConfigError naming ``field`` (a command's option) where ``time_slice`` (``ServingEngine``'s) cannot apply to
+    ``config``'s method: its rows must go to host memory and back unchanged (``runner.rows_swap``), and come back that
+    way when preempted (``swaps_when_preempted``)."""
+    if time_slice is None:
+        return
+    require(_is_count(time_slice, 1), field, "None (no time slicing) or an int >= 1", time_slice)
+    require(rows_swap(config), field, f"None for {config.name}: its rows cannot go to host memory and back unchanged",
+            time_slice)
+    require(swaps_when_preempted(config, admission, preemption), field,
+            f'None for {config.name} unless preemption is "swap": a row that yields goes to host memory', time_slice)
 
 
 class RequestError(ConfigError):
@@ -215,14 +229,20 @@ class ServingEngine:
     captured. preemption: under "grow", how a preempted running request comes back: "recompute" (its prompt and
     drawn tokens prefilled again, as vLLM does; only for a method whose decode step a prompt pass redoes:
     dense), "swap" (its row copied to host memory and back: PCIe time instead of compute), or None, the method's
-    (recompute for dense, swap for Quest)."""
+    (recompute for dense, swap for Quest). time_slice: None, or time slicing: while the request at the front of the
+    queue cannot be admitted, a running request that has drawn ``time_slice`` tokens more than it has yields its row
+    (copied to host memory, ``Runner.swap_out``) and waits at the back of the queue, the one that has drawn the most
+    first, so that requests of equal lengths advance together and a full batch runs to the end of a load (without it,
+    requests run in the order they came, and the last of them run at a smaller batch). For rows that go to host
+    memory and back unchanged (``runner.rows_swap``) and come back that way (dense with preemption "swap")."""
 
     def __init__(self, model, config, *, tokenizer=None, max_batch: int = 8, max_context: int | None = None,
                  prefill_chunk: int = 4096, prefill_share: float | None = None, max_queue: int = 256,
                  cuda_graph: bool | None = None, compile: bool = False, kv_memory_bytes: int | None = None,
                  prefill: Callable = prefill_passes, max_new_tokens: int | None = None, prefix_cache_bytes: int = 0,
                  admission: str = "reserve", gpu_memory_utilization: float = 0.9, step_tokens: int | None = None,
-                 max_prompt_tokens: int | None = None, preemption: str | None = None):
+                 max_prompt_tokens: int | None = None, preemption: str | None = None,
+                 time_slice: int | None = None):
         if not _is_count(max_queue, 1):
             raise ConfigError("max_queue", "an int >= 1", max_queue)
         require(admission in ADMISSIONS, "admission", " or ".join(map(repr, ADMISSIONS)), admission)
@@ -246,6 +266,8 @@ class ServingEngine:
                     prefill_share)
         self.step_tokens = step_tokens
         self._swaps = swaps
+        check_time_slice(config, admission, preemption, time_slice)
+        self.time_slice = time_slice
         self._lock = threading.Lock()
         self._next_id = 0
         self._queue: deque[_Live] = deque()
@@ -258,6 +280,7 @@ class ServingEngine:
         self._prefill_work = 0  # token-layers of prefill run
         self._admissions = 0  # requests admitted since the start (``_Live.admitted``)
         self._preempted = 0  # preemptions since the start
+        self._yielded = 0  # rows yielded to the queue by time slicing since the start
         self._carried: list[Event] = []  # events of a step that raised, returned by the next
         # Rows whose requests ended while a step over them was in flight (its tokens for them are dropped): released
         # once it is collected, with the tokens their prefix cache may keep.
@@ -331,7 +354,7 @@ class ServingEngine:
     def metrics(self) -> dict:
         """Rows, queue and memory now (``free_rows``: rows neither running nor taken by a prefill), and totals since
         the start (``finished_requests``: by finish reason, "stop", "length", "cancelled" or "error"; ``preempted``:
-        preemptions under admission "grow";
+        preemptions under admission "grow"; ``yielded``: rows yielded by time slicing;
         ``prefix_hits``: prompts started from a kept prompt's cache, ``prefix_tokens_reused``: the prompt tokens it
         gave them)."""
         with self._lock:
@@ -340,7 +363,8 @@ class ServingEngine:
                 "free_rows": self.runner.max_batch - running - prefilling, "kv_bytes_in_use": self._in_use,
                 "kv_bytes_capacity": self.kv_memory_bytes, "host_kv_bytes": self.runner.host_bytes(),
                 "generated_tokens": self._generated, "finished_requests": dict(self._finished),
-                "prefill_work": self._prefill_work, "preempted": self._preempted, **self._prefix_metrics()}
+                "prefill_work": self._prefill_work, "preempted": self._preempted, "yielded": self._yielded,
+                **self._prefix_metrics()}
 
     def _prefix_metrics(self) -> dict:
         cache = self.runner.prefixes
@@ -406,6 +430,7 @@ class ServingEngine:
                 return
             self._collect_all(events)
         self._cancelled(events)
+        self._yield_rows(events)
         self._admit(events)
         self._grow(events)
         if self.step_tokens is not None:
@@ -481,7 +506,7 @@ class ServingEngine:
         if self.pacer is not None or self._prefilling or self._ended_rows or not self._running:
             return None
         with self._lock:
-            if self._cancel or (self._queue and self._admits(self._queue[0])):
+            if self._cancel or (self._queue and (self._admits(self._queue[0]) or self._yielder() is not None)):
                 return None
         ahead = len(self.runner.in_flight)
         if any(len(live.tokens) + ahead + 1 > live.request.max_tokens for live in self._running.values()):
@@ -494,6 +519,26 @@ class ServingEngine:
         their next pages first."""
         self._take_pages(growing)
         self.runner.launch()
+
+    def _yielder(self) -> _Live | None:
+        """Under time slicing, the running request that yields its row to the front of the queue now (``time_slice``):
+        of those that have drawn the most tokens, the first admitted; None where the front can be admitted or
+        none has drawn ``time_slice`` tokens more than it. Called under the lock, with a request queued."""
+        head = self._queue[0]
+        if self.time_slice is None or not self._running or self._admits(head):
+            return None
+        live = max(self._running.values(), key=lambda live: (len(live.tokens), -live.admitted))
+        return live if len(live.tokens) - len(head.tokens) >= self.time_slice else None
+
+    def _yield_rows(self, events: list[Event]) -> None:
+        """Time slicing: running requests yield their rows (``_yielder``) until the front of the queue can be
+        admitted or none is due."""
+        while True:
+            with self._lock:
+                live = self._yielder() if self._queue else None
+            if live is None:
+                return
+            self._preempt(live, events, yielded=True)
 
     def _cancelled(self, events: list[Event]) -> None:
         with self._lock:
@@ -581,12 +626,12 @@ class ServingEngine:
             self._running[key].held += page
         self._in_use += len(keys) * page
 
-    def _preempt(self, live: _Live, events: list[Event]) -> None:
-        """Gives back what ``live`` holds (its row or its share of a prefill) and puts it at the front of the queue,
-        to be prefilled again with the tokens it has drawn (``_Live.context``), or for a running request whose rows
-        swap (``swaps_when_preempted``: preemption "swap", or a method whose decode step a prompt pass cannot redo,
-        Quest), with its row copied to host memory first (``Runner.swap_out``). A failed copy ends that request with
-        "error"."""
+    def _preempt(self, live: _Live, events: list[Event], yielded: bool = False) -> None:
+        """Gives back what ``live`` holds (its row or its share of a prefill) and puts it at the front of the queue
+        (``yielded``, a row that time slicing takes: at the back), to be prefilled again with the tokens it has drawn
+        (``_Live.context``), or for a running request whose rows swap (``swaps_when_preempted``: preemption "swap",
+        or a method whose decode step a prompt pass cannot redo, Quest), with its row copied to host memory first
+        (``Runner.swap_out``). A failed copy ends that request with "error"."""
         if live.id in self._running and self._swaps:
             try:
                 live.swapped = self.runner.swap_out(live.id, live.request.prompt)
@@ -608,8 +653,12 @@ class ServingEngine:
             if not any(other.prefill is job for other in self._prefilling):
                 self.runner.discard(job)
         with self._lock:
-            self._queue.appendleft(live)
-        self._preempted += 1
+            if yielded:
+                self._queue.append(live)
+                self._yielded += 1
+            else:
+                self._queue.appendleft(live)
+                self._preempted += 1
 
     def _prefill(self, events: list[Event], budget: int) -> int:
         """Runs about ``budget`` token-layers of prompt work (at least one pass), oldest request first; when a

@@ -1104,6 +1104,8 @@ def prometheus_text(loop: EngineLoop) -> str:
             yield finished
             yield CounterMetricFamily("sparsekv_preemptions", "Requests preempted since start (admission grow: "
                                       "their pages given back, recomputed later)", value=m["preempted"])
+            yield CounterMetricFamily("sparsekv_yielded", "Rows yielded to a waiting request by time slicing since "
+                                      "start (--time-slice)", value=m["yielded"])
             yield GaugeMetricFamily("sparsekv_prefix_cache_bytes", "Device bytes of finished prompts' KV kept for "
                                     "prompts that begin like them", value=m["prefix_cache_bytes"])
             yield CounterMetricFamily("sparsekv_prefix_cache_hits", "Prompts started from a kept prompt's KV",

@@ -241,7 +241,8 @@ def test_rows_of_their_own_are_as_many_as_kv_memory_admits(model, name):
     assert one.runner.max_batch == 1  # less than the longest request: one row, for the requests that fit
 
 
-SLICED = [(0, 30, 24), (0, 41, 24), (0, 52, 24), (0, 23, 24), (1, 37, 24)]  # (arrival step, prompt, max_tokens)
+# (arrival step, prompt, max_tokens): prompts within RaaS's budget, so that a context past it holds no more
+SLICED = [(0, 18, 24), (0, 21, 24), (0, 23, 24), (0, 15, 24), (1, 20, 24)]
 
 
 @pytest.mark.parametrize("name, options", [("raas", {}), ("h2o", {}), ("snapkv", {}), ("quest", {"admission": "grow"}),
@@ -249,15 +250,18 @@ SLICED = [(0, 30, 24), (0, 41, 24), (0, 52, 24), (0, 23, 24), (1, 37, 24)]  # (a
 def test_time_slicing_gives_the_alone_tokens(model, name, options):
     """Time slicing, 5 requests on 2 rows: a running request that has drawn 6 tokens more than the queue's front
     yields its row (to host memory) and waits at the back. Every request gets its tokens alone, each draws its first
-    token before any ends (without slicing, the last wait for the first to end), one cancelled while it waits for
-    its row back ends "cancelled" with the tokens it had, and every row and byte comes back."""
+    token before any ends (without slicing, the last wait for the first to end), no row stays free while a request
+    waits, one cancelled while it waits for its row back ends "cancelled" with the tokens it had, and every row and
+    byte comes back."""
     config = CONFIGS[name]
     alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
     expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new in SLICED]
+    # KV memory for the 2 longest requests: rows of their own are as many as it admits of them (no row to spare)
+    sizes = dict(max_context=CONTEXT, prefill_chunk=CHUNK, max_new_tokens=24, max_prompt_tokens=23, **options)
+    largest = ServingEngine(model, config, max_batch=1, **sizes).runner.kv_bytes(23, 23 + 24)
     for cancel in (None, 4):
-        engine = ServingEngine(model, config, max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK, time_slice=6,
-                               **options)
-        ids, tokens, final, started_before_an_end, steps = {}, {}, {}, True, 0
+        engine = ServingEngine(model, config, max_batch=2, kv_memory_bytes=2 * largest, time_slice=6, **sizes)
+        ids, tokens, final, started_before_an_end, steps, idle = {}, {}, {}, True, 0, 0
         while len(final) < len(SLICED):
             for i, (arrival, n, new) in enumerate(SLICED):
                 if arrival == steps:
@@ -269,12 +273,16 @@ def test_time_slicing_gives_the_alone_tokens(model, name, options):
                 if event.finished:
                     started_before_an_end &= bool(final) or all(tokens.values())
                     final[i] = event
+            metrics = engine.metrics()
+            idle += metrics["queued"] > 0 and metrics["free_rows"] > 0
             waiting = [live for live in engine._queue if live.swapped is not None and ids[live.id] == cancel]
             if waiting:
                 engine.cancel(waiting[0].id)
             steps += 1
         metrics = engine.metrics()
-        assert started_before_an_end and metrics["yielded"] >= 3
+        # a row is left free while a request waits only after a step in which a request ended: a row that comes
+        # back is counted as it was admitted (the row of its prompt), so it fits where it ran
+        assert started_before_an_end and metrics["yielded"] >= 3 and idle <= len(final)
         if cancel is None:
             assert [tokens[i] for i in range(len(SLICED))] == expected
         else:

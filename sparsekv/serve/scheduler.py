@@ -605,7 +605,9 @@ class ServingEngine:
         drawing tokens: the same total), or under "grow" its context's and its next token's."""
         context = live.context
         total = len(live.request.prompt) + live.request.max_tokens
-        return self.runner.kv_bytes(context, context + 1 if self.runner.grows else total)
+        # A row back from host memory holds what it held: a row of its own is sized by its prompt, not its context.
+        prompt = len(live.request.prompt) if live.swapped is not None else context
+        return self.runner.kv_bytes(prompt, context + 1 if self.runner.grows else total)
 
     def _grow(self, events: list[Event]) -> None:
         """Under "grow", gives the running rows the pages of their next tokens, preempting the newest admitted

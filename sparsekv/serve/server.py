@@ -1103,7 +1103,8 @@ def prometheus_text(loop: EngineLoop) -> str:
                 finished.add_metric([reason], m["finished_requests"].get(reason, 0))
             yield finished
             yield CounterMetricFamily("sparsekv_preemptions", "Requests preempted since start (admission grow: "
-                                      "their pages given back, recomputed later)", value=m["preempted"])
+                                      "their pages given back, recomputed or brought back from host memory later)",
+                                      value=m["preempted"])
             yield CounterMetricFamily("sparsekv_yielded", "Rows yielded to a waiting request by time slicing since "
                                       "start (--time-slice)", value=m["yielded"])
             yield GaugeMetricFamily("sparsekv_prefix_cache_bytes", "Device bytes of finished prompts' KV kept for "

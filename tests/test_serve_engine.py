@@ -1463,6 +1463,35 @@ def test_mixed_steps_on_the_gpu_give_the_tokens_of_steps_apart(name):
     assert tokens[0] == tokens[1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name, options", [("raas", {}), ("quest", {"admission": "grow"})])
+def test_rows_swapped_on_the_gpu_go_through_page_locked_memory(name, options):
+    """On the GPU, float32: a row that yields its row (time slicing) is copied to page-locked host memory
+    asynchronously and back, and every request gets the tokens it gets without time slicing."""
+    from sparsekv.serve.runner import Runner
+
+    model = tiny_model("llama", seed=1, layers=3, dtype=torch.float32).cuda()
+    model.generation_config.eos_token_id = None
+    config = CONFIGS[name]
+    requests = [(arrival, Request(prompt=prompt(n), max_tokens=new)) for arrival, n, new in SLICED]
+    plain = ServingEngine(model, config, max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK, **options)
+    expected = run(plain, requests)[0]
+    pinned, swap_out = [], Runner.swap_out
+
+    def swapped(runner, key, prompt):
+        job = swap_out(runner, key, prompt)
+        pinned.extend(layer.k.is_pinned() and layer.v.is_pinned() for layer in job.cache.pages.layers)
+        return job
+
+    engine = ServingEngine(model, config, max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK, time_slice=6,
+                           **options)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Runner, "swap_out", swapped)
+        tokens, _ = run(engine, requests)
+    assert tokens == expected and engine.metrics()["yielded"] >= 3
+    assert pinned and all(pinned)
+
+
 def test_a_row_that_cannot_go_to_host_memory_fails_alone(model):
     """Quest under "grow": where a preempted request's row cannot be copied to host memory, that request ends with
     "error" and every other request gets its tokens alone; every page comes back."""

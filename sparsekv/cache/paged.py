@@ -204,7 +204,11 @@ class PagedLayer:
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, page_size: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device, shared: SharedPages | None = None):
+                 dtype: torch.dtype, device: torch.device, shared: SharedPages | None = None,
+                 pin_memory: bool = False):
+        """``pin_memory``: a copy in host memory of a device's rows (``serve.Runner.swap_out``): its keys, values and
+        bounds page-locked, so that copies to and from the device run at the bus's speed, and left unwritten (a
+        free slot's are never read; the slots copied in are)."""
         self.page_size = page_size
         self.capacity = capacity
         shape = (batch, kv_heads, capacity + 1)
@@ -213,11 +217,17 @@ class PagedLayer:
             raise ValueError(f"PagedLayer: shared pages need pages of more than one token and a table of "
                              f"{(batch, capacity + 1)}, got page_size {page_size} and {tuple(shared.table.shape)}")
         store = shape if shared is None else (1, kv_heads, shared.pages + 1)
-        self.k = torch.zeros(*store, page_size, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+
+        def pages(*size, fill: float = 0.0) -> torch.Tensor:
+            if pin_memory:
+                return torch.empty(size, dtype=dtype, pin_memory=True)
+            return torch.full(size, fill, dtype=dtype, device=device)
+
+        self.k = pages(*store, page_size, head_dim)
+        self.v = pages(*store, page_size, head_dim)
         if page_size > 1:
-            self._kmin = torch.full((*store, head_dim), bound_fill(dtype, False), dtype=dtype, device=device)
-            self._kmax = torch.full((*store, head_dim), bound_fill(dtype, True), dtype=dtype, device=device)
+            self._kmin = pages(*store, head_dim, fill=bound_fill(dtype, False))
+            self._kmax = pages(*store, head_dim, fill=bound_fill(dtype, True))
         self.slot_page = torch.full(shape, -1, dtype=torch.long, device=device)
         self.cur_slot = torch.full(shape[:2], -1, dtype=torch.long, device=device)
         # Until a slot is freed, slot j holds page j and allocation needs no search.
@@ -443,7 +453,9 @@ class PagedLayer:
             for name, src in source.row_pages(source_row, used).items():
                 dst = getattr(self, name)[row if self.shared is None else 0]
                 for slot, page, n in runs:
-                    dst[:, page:page + n].copy_(src[:, slot:slot + n])
+                    # Asynchronous to and from page-locked host memory (a row swapped out and back): only the
+                    # device reads those pages, after the copy, in stream order.
+                    dst[:, page:page + n].copy_(src[:, slot:slot + n], non_blocking=True)
         # A free slot's keys and bounds are never read: a page that takes it restarts them.
         self.slot_page[row, :, used:].fill_(-1)
         for name, src in source.slot_state.items():

@@ -564,7 +564,8 @@ class Runner:
         copy = cache.pages
         # In shared pages the row's pages are the first ``used`` slots; a row of its own keeps its slots' layout.
         copy.layers = [PagedLayer(1, layer.shape[1], layer.shape[3], self.config.page_size,
-                                  used if self.shared is not None else layer.capacity, layer.k.dtype, host)
+                                  used if self.shared is not None else layer.capacity, layer.k.dtype, host,
+                                  pin_memory=self.device.type == "cuda")
                        for layer in pages.layers]
         with torch.no_grad():
             if self.shared is None:

@@ -245,7 +245,8 @@ def test_rows_of_their_own_are_as_many_as_kv_memory_admits(model, name):
 SLICED = [(0, 18, 24), (0, 21, 24), (0, 23, 24), (0, 15, 24), (1, 20, 24)]
 
 
-@pytest.mark.parametrize("name, options", [("raas", {}), ("h2o", {}), ("snapkv", {}), ("quest", {"admission": "grow"}),
+@pytest.mark.parametrize("name, options", [("raas", {}), ("h2o", {}), ("snapkv", {}), ("landmark", {}),
+                                           ("quest", {"admission": "grow"}),
                                            ("dense", {"admission": "grow", "preemption": "swap"})])
 def test_time_slicing_gives_the_alone_tokens(model, name, options):
     """Time slicing, 5 requests on 2 rows: a running request that has drawn 6 tokens more than the queue's front

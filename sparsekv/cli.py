@@ -21,7 +21,7 @@ from .eval import cli as eval_cli
 from .eval.base import EvalError
 from .methods import METHODS, MethodConfig
 from .models import chat_prompt, check_context, default_model, load_model, resolve_device, resolve_dtype
-from .serve.scheduler import ADMISSIONS, PREEMPTIONS, check_time_slice, swaps_when_preempted
+from .serve.scheduler import ADMISSIONS, PREEMPTIONS, check_swap_space, check_time_slice, swaps_when_preempted
 from .spec import budget_arg, build_config, parse_spec, takes_budget
 
 
@@ -358,6 +358,8 @@ def cmd_serve(args) -> int:
     device, dtype, config = _setup(args, args.method)
     swaps_when_preempted(config, args.admission, args.preemption, "--preemption")  # before the model loads
     check_time_slice(config, args.admission, args.preemption, args.time_slice, "--time-slice")
+    check_swap_space(config, args.admission, args.preemption, args.time_slice, args.swap_space_gib,
+                     "--swap-space-gib")
     chat_template = None
     if args.chat_template is not None:
         path = Path(args.chat_template)
@@ -373,7 +375,8 @@ def cmd_serve(args) -> int:
                            kv_memory_bytes=kv_memory,
                            prefix_cache_bytes=int(args.prefix_cache_gib * 2**30), admission=args.admission,
                            gpu_memory_utilization=args.gpu_memory_utilization, step_tokens=args.step_tokens,
-                           preemption=args.preemption, time_slice=args.time_slice)
+                           preemption=args.preemption, time_slice=args.time_slice,
+                           swap_space_bytes=int(args.swap_space_gib * 2**30))
     name = args.name or served_name(args.model)
 
     def ready(port: int) -> None:
@@ -503,6 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="time slicing: while the queue's front waits for a row, a running request this many tokens "
                           "ahead of it yields its row, through host memory (rows that go there and back unchanged: "
                           "raas, the eviction methods, quest; dense with --preemption swap)")
+    srv.add_argument("--swap-space-gib", type=float, default=0.0,
+                     help="host memory set aside at the start for rows that go there (--time-slice, --preemption "
+                          "swap), page-locked on a GPU, as vLLM's swap_space; copies beyond it are allocated as rows "
+                          "go, and each is kept for the next")
     srv.add_argument("--kv-memory-gib", type=float, default=None,
                      help="device memory for the KV cache of all requests (default: what --gpu-memory-utilization "
                           "leaves, at most the rows' own)")

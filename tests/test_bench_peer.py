@@ -2,6 +2,8 @@
 package (the few names the peer uses) the child process's rows come back through ``peer_rows``."""
 
 import json
+import os
+import re
 import sys
 import textwrap
 
@@ -174,6 +176,23 @@ def test_a_failing_child_is_a_peer_error_with_its_output(fake_vllm):
         peer.peer_rows("vllm", "decode", ["--model", "shape:tiny", "--contexts", "64"], timeout_s=120)
 
 
+def test_a_peer_given_cpus_runs_on_them_alone(fake_vllm):
+    """``cpus``: the child (and what it starts) runs on those CPUs only; ``split_cpus`` halves this process's."""
+    ours = sorted(os.sched_getaffinity(0))
+    halves = peer.split_cpus()
+    assert halves is None if len(ours) < 2 else (halves[0] | halves[1] == set(ours) and not halves[0] & halves[1])
+    (fake_vllm / "vllm" / "__init__.py").write_text(FAKE_VLLM + textwrap.dedent('''
+        import os
+
+        class LLM(LLM):
+            def __init__(self, **kw):
+                raise RuntimeError(f"on cpus {sorted(os.sched_getaffinity(0))}")
+        '''))
+    with pytest.raises(peer.PeerError, match=re.escape(f"on cpus {ours[-1:]}")):
+        peer.peer_rows("vllm", "decode", ["--model", "shape:tiny", "--contexts", "64"], timeout_s=120,
+                       cpus={ours[-1]})
+
+
 def test_only_known_peers():
     with pytest.raises(peer.PeerError, match="peer must be one of vllm"):
         peer.peer_rows("sglang", "decode", [])
@@ -222,9 +241,9 @@ def test_serve_puts_the_peers_row_in_its_table(peer_gpu, tmp_path, monkeypatch):
 
     seen = {}
 
-    def fake_peer(peer_name, kind, options, gpu=None):
+    def fake_peer(peer_name, kind, options, gpu=None, cpus=None):
         work = json.loads(open(options[options.index("--workload") + 1]).read())
-        seen.update(kind=kind, options=options, work=work, gpu=gpu)
+        seen.update(kind=kind, options=options, work=work, gpu=gpu, cpus=cpus)
         assert peer_name == "vllm" and options[:2] == ["--model", "shape:tiny"]
         return {"peer": "vllm", "version": "0.26.0", "rows": [
             {"peer": "vllm", "requests_done": 3, "output_tokens": 12, "duration_s": 1e4, "output_tokens_per_s": 12e-4,
@@ -233,12 +252,16 @@ def test_serve_puts_the_peers_row_in_its_table(peer_gpu, tmp_path, monkeypatch):
 
     monkeypatch.setattr(peer, "peer_rows", fake_peer)
     monkeypatch.setattr(serve, "peer_problem", lambda args, device: None)  # the CPU stands in for the GPU
+    monkeypatch.setattr(serve, "keep_to_cpus", lambda cpus: seen.update(ours=cpus))  # this process keeps its CPUs
+    monkeypatch.setattr(serve, "split_cpus", lambda: ({0}, {1}))
     assert serve.main(["--model", "shape:tiny", "--device", "cpu", "--methods", "dense", "--requests", "3",
                        "--prompt-len", "16", "32", "--output-len", "4", "4", "--max-batch", "2", "--via", "engine",
                        "--no-warmup", "--peer", "vllm", "--out", str(tmp_path),
                        *([] if peer_gpu is None else ["--peer-gpu", str(peer_gpu)])]) == 0
     assert seen["kind"] == "load" and seen["options"][-4:] == ["--max-num-seqs", "2", "--seed", "0"]
     assert seen["gpu"] == peer_gpu
+    # beside ours, each process on half the host's CPUs
+    assert (seen["cpus"], seen.get("ours")) == ((None, None) if peer_gpu is None else ({1}, {0}))
     assert seen["work"]["output_lens"] == [4, 4, 4] and all(16 <= len(p) <= 32 for p in seen["work"]["prompts"])
     result = json.loads((tmp_path / "serve.json").read_text())
     peer_row, dense = result["rows"]
@@ -251,7 +274,7 @@ def test_serve_puts_the_peers_row_in_its_table(peer_gpu, tmp_path, monkeypatch):
     table = (tmp_path / "serve.md").read_text()
     assert "vs vllm tok/s" in table and "vllm 0.26.0 (dense, prefix caching off" in table
     assert ("before ours" if peer_gpu is None else "at the same time as ours, on GPU 1 of the same machine (ours on "
-            "GPU 0)") in table
+            "GPU 0, each process on 1 of the host's CPUs)") in table
     assert result["meta"]["peer"]["gpu"] == peer_gpu
 
 

@@ -93,10 +93,12 @@ def test_time_slicing_is_counted_in_the_table(tmp_path):
     """--time-slice: RaaS's rows yield to the queue's front, and the table says how often."""
     assert main(["--model", "tiny:llama", "--device", "cpu", "--methods", "raas:page_size=8", "--budget", "32",
                  "--requests", "3", "--prompt-len", "16", "16", "--output-len", "6", "6", "--max-batch", "2",
-                 "--time-slice", "2", "--via", "engine", "--out", str(tmp_path), "--tag", "sliced"]) == 0
+                 "--time-slice", "2", "--swap-space-gib", "0.001", "--via", "engine", "--out", str(tmp_path),
+                 "--tag", "sliced"]) == 0
     result = json.loads((tmp_path / "sliced.json").read_text())
     assert result["rows"][0]["requests_done"] == 3 and result["rows"][0]["yielded"] >= 2
-    assert "time slicing: a running request 2 tokens ahead" in (tmp_path / "sliced.md").read_text()
+    table = (tmp_path / "sliced.md").read_text()
+    assert "time slicing: a running request 2 tokens ahead" in table and "0.001 GiB of page-locked" in table
 
 
 def test_int4_weights(tmp_path):
@@ -162,6 +164,7 @@ def test_capacity_plan_counts_an_fp8_cache_at_one_byte(tmp_path):
     (["--methods", "dense", "quest", "--admission", "grow", "--preemption", "recompute"],
      "--preemption must be 'swap' for quest (or not given)"),
     (["--methods", "dense", "--time-slice", "8"], '--time-slice must be None for dense unless preemption is "swap"'),
+    (["--methods", "dense", "--swap-space-gib", "4"], "--swap-space-gib must be 0 for dense here"),
 ])
 def test_serve_bench_refuses_bad_pool_options(tmp_path, capsys, argv, message):
     assert main(["--model", "shape:tiny", *argv, "--out", str(tmp_path)]) == 2

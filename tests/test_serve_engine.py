@@ -253,16 +253,19 @@ def test_time_slicing_gives_the_alone_tokens(model, name, options):
     yields its row (to host memory) and waits at the back. Every request gets its tokens alone, each draws its first
     token before any ends (without slicing, the last wait for the first to end), no row stays free while a request
     waits, one cancelled while it waits for its row back ends "cancelled" with the tokens it had, and every row and
-    byte comes back."""
+    byte comes back. The rows' host copies are kept and used again: fewer are made than rows go there, at most one
+    more than wait there at once, or as host memory was set aside for at the start (``swap_space_bytes``)."""
     config = CONFIGS[name]
     alone = Engine(model, config, max_context=CONTEXT, prefill_chunk=CHUNK)
     expected = [alone.generate([prompt(n)], new, stop_tokens=()).tokens[0] for _, n, new in SLICED]
     # KV memory for the 2 longest requests: rows of their own are as many as it admits of them (no row to spare)
     sizes = dict(max_context=CONTEXT, prefill_chunk=CHUNK, max_new_tokens=24, max_prompt_tokens=23, **options)
     largest = ServingEngine(model, config, max_batch=1, **sizes).runner.kv_bytes(23, 23 + 24)
-    for cancel in (None, 4):
-        engine = ServingEngine(model, config, max_batch=2, kv_memory_bytes=2 * largest, time_slice=6, **sizes)
-        ids, tokens, final, started_before_an_end, steps, idle = {}, {}, {}, True, 0, 0
+    for cancel, swap_space in ((None, 1), (4, 0)):
+        engine = ServingEngine(model, config, max_batch=2, kv_memory_bytes=2 * largest, time_slice=6,
+                               swap_space_bytes=swap_space, **sizes)
+        set_aside = len(engine.runner._spare)
+        ids, tokens, final, started_before_an_end, steps, idle, out = {}, {}, {}, True, 0, 0, 0
         while len(final) < len(SLICED):
             for i, (arrival, n, new) in enumerate(SLICED):
                 if arrival == steps:
@@ -276,6 +279,7 @@ def test_time_slicing_gives_the_alone_tokens(model, name, options):
                     final[i] = event
             metrics = engine.metrics()
             idle += metrics["queued"] > 0 and metrics["free_rows"] > 0
+            out = max(out, sum(live.swapped is not None for live in engine._queue))
             waiting = [live for live in engine._queue if live.swapped is not None and ids[live.id] == cancel]
             if waiting:
                 engine.cancel(waiting[0].id)
@@ -291,14 +295,22 @@ def test_time_slicing_gives_the_alone_tokens(model, name, options):
             assert tokens[cancel] == expected[cancel][:len(tokens[cancel])]
             assert [tokens[i] for i in range(cancel)] == expected[:cancel]
         assert metrics["kv_bytes_in_use"] == 0 and metrics["free_rows"] == 2 and not engine.runner.keys
+        # a row goes out before the one it yields to comes back: one copy more than wait between steps
+        assert set_aside == (swap_space > 0) and len(engine.runner._spare) <= max(out + 1, set_aside)
+        assert len(engine.runner._spare) < metrics["yielded"]
 
 
 @pytest.mark.parametrize("name, options, says", [
     ("dense", {}, 'time_slice must be None for dense unless preemption is "swap"'),
     ("lowbit", {}, "time_slice must be None for lowbit: its rows cannot go to host memory and back unchanged"),
     ("raas", {"time_slice": 0}, "time_slice must be None (no time slicing) or an int >= 1, got 0"),
+    ("raas", {"swap_space_bytes": -1}, "swap_space_bytes must be a number >= 0, got -1"),
+    ("dense", {"time_slice": None, "admission": "grow", "swap_space_bytes": 2**20},
+     "swap_space_bytes must be 0 for dense here: no row goes to host memory"),
+    ("raas", {"time_slice": None, "admission": "grow", "swap_space_bytes": 2**20},
+     "swap_space_bytes must be 0 for raas here"),
 ])
-def test_time_slicing_that_cannot_apply_is_refused(model, name, options, says):
+def test_time_slicing_or_swap_space_that_cannot_apply_is_refused(model, name, options, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         ServingEngine(model, CONFIGS[name], max_batch=2, max_context=CONTEXT, **{"time_slice": 4, **options})
 

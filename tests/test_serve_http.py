@@ -679,6 +679,7 @@ def test_a_stop_string_end_counts_as_stop_in_the_metrics(server, client):
     (["--kv-memory-gib", "-2"], "--kv-memory-gib must be a number of GiB > 0"),
     (["--method", "lowbit", "--time-slice", "64"],
      "--time-slice must be None for lowbit: its rows cannot go to host memory and back unchanged"),
+    (["--method", "raas", "--swap-space-gib", "-1"], "--swap-space-gib must be a number >= 0, got -1.0"),
 ])
 def test_serve_command_errors(argv, message, capsys):
     from sparsekv.cli import main

@@ -285,12 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def peer_rows(peer: str, kind: str, options: list[str], timeout_s: float = 900, gpu: int | None = None) -> dict:
+def peer_rows(peer: str, kind: str, options: list[str], timeout_s: float = 900, gpu: int | None = None,
+              cpus: set[int] | None = None) -> dict:
     """Runs ``python -m sparsekv.bench.peer KIND OPTIONS`` in a child process (its output shown as it comes) and
     returns what it wrote: {"peer", "version", "rows"}, once the device has its memory back (``settle_device``).
     ``gpu``: the child sees only that CUDA device of this process's (``CUDA_VISIBLE_DEVICES``), one that this
-    process does not use, so nothing is waited for after it. A child that fails, or passes ``timeout_s``, is a
-    ``PeerError`` with the end of its output."""
+    process does not use, so nothing is waited for after it. ``cpus``: the child and the processes it starts run
+    on these CPUs only (``split_cpus``). A child that fails, or passes ``timeout_s``, is a ``PeerError`` with the
+    end of its output."""
     if peer not in PEERS:
         raise PeerError(f"peer must be one of {', '.join(PEERS)}, got {peer!r}")
     with tempfile.TemporaryDirectory(prefix="sparsekv-peer-") as folder:
@@ -305,6 +307,8 @@ def peer_rows(peer: str, kind: str, options: list[str], timeout_s: float = 900, 
         tail: list[str] = []
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env) as child:
+            if cpus:  # before the child starts its engine's processes, which take its CPUs
+                os.sched_setaffinity(child.pid, cpus)
             deadline = time.monotonic() + timeout_s
             for line in child.stdout:
                 if not line.startswith("PEER_ROWS "):
@@ -318,6 +322,25 @@ def peer_rows(peer: str, kind: str, options: list[str], timeout_s: float = 900, 
             raise PeerError(f"the {peer} peer exited {code}:\n" + "".join(tail))
         settle_device(free)
         return json.loads(result.read_text())
+
+
+def split_cpus() -> tuple[set[int], set[int]] | None:
+    """This process's CPUs in two halves, (ours, the peer's), for a peer that runs beside our run on a GPU of its
+    own, so that neither's host work waits on the other's: the peer's compile workers as its engine starts and its
+    engine's busy loop; our eager steps and copies between the device and host memory. None with fewer than 2."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = len(cpus) // 2
+    return (set(cpus[:half]), set(cpus[half:])) if half else None
+
+
+def keep_to_cpus(cpus: set[int]) -> None:
+    """Runs every thread of this process, and the threads it starts, on ``cpus`` only, with as many intra-op
+    threads as them."""
+    import torch
+
+    for thread in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(thread), cpus)
+    torch.set_num_threads(len(cpus))
 
 
 # What a finished peer may leave held on the device and still be taken as gone: ours is timed only once the peer's
@@ -348,15 +371,16 @@ def settle_device(free: int | None, timeout_s: float = 300) -> None:
 
 
 def load_rows_of(peer: str, model: str, prompts: list[list[int]], output_lens: list[int], max_num_seqs: int,
-                 seed: int, kv_cache_memory_bytes: int | None = None, gpu: int | None = None) -> dict:
+                 seed: int, kv_cache_memory_bytes: int | None = None, gpu: int | None = None,
+                 cpus: set[int] | None = None) -> dict:
     """``peer_rows`` of ``load`` over these requests (their workload file written for the child, then removed),
-    with ``kv_cache_memory_bytes`` of KV where given, on ``gpu`` where given."""
+    with ``kv_cache_memory_bytes`` of KV where given, on ``gpu`` and ``cpus`` where given."""
     with tempfile.TemporaryDirectory(prefix="sparsekv-peer-") as folder:
         path = Path(folder) / "workload.json"
         path.write_text(json.dumps({"prompts": prompts, "output_lens": output_lens}))
         kv = [] if kv_cache_memory_bytes is None else ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
         return peer_rows(peer, "load", ["--model", model, "--workload", str(path), "--max-num-seqs",
-                                        str(max_num_seqs), "--seed", str(seed), *kv], gpu=gpu)
+                                        str(max_num_seqs), "--seed", str(seed), *kv], gpu=gpu, cpus=cpus)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ from ..methods.base import DEVICE_MARGIN
 from ..models import load_model, model_shape, resolve_device, resolve_dtype
 from ..quant import quantize_model
 from ..serve import Request, ServingEngine
-from ..serve.scheduler import ADMISSIONS, PREEMPTIONS, check_time_slice, swaps_when_preempted
+from ..serve.scheduler import ADMISSIONS, PREEMPTIONS, check_swap_space, check_time_slice, swaps_when_preempted
 from ..serve.runner import (POOL_FIELD, cache_bytes, own_request_bytes, own_rows, pool_row_bytes,
                             prefill_bytes, shared_page_bytes, shares_pages)
 from ..spec import budget_arg
@@ -92,7 +92,7 @@ from .common import (ModelShape, claim_results, conditions, device_name, int_arg
                      named_shape, out_of_memory_lines, pyplot, quantiles, refuse, run_args, run_setting, shape_config,
                      shape_model, shape_weights, start_pdl, pdl_arg, weights_arg, write_results)
 from .e2e import fill_passes, random_fill
-from .peer import PEERS, PeerError
+from .peer import PEERS, PeerError, keep_to_cpus, split_cpus
 from .peer import load_rows_of as run_peer_load
 
 GIB = 2**30
@@ -601,6 +601,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
             f"preempted, {back})" if meta.get("admission") == "grow" else "")
     grow += (f"; time slicing: a running request {meta['time_slice']} tokens ahead of the queue's front yields its "
              f"row to it, through host memory (`--time-slice`)" if meta.get("time_slice") else "")
+    grow += (f"; {meta['swap_space_gib']:g} GiB of page-locked host memory set aside at the start for rows that go "
+             f"there (`--swap-space-gib`)" if meta.get("swap_space_gib") else "")
     lines = [f"# Serving under load ({meta['model']}{weights}, {meta['device_name']}, {meta['dtype']})", "",
              f"{meta['requests']} requests, {load}; prompts of {meta['prompt_len'][0]}-{meta['prompt_len'][1]} "
              f"tokens{shared}, {meta['output_len'][0]}-{meta['output_len'][1]} output tokens{cached}; max context "
@@ -621,8 +623,9 @@ def peer_note(meta: dict) -> str:
     peer = meta.get("peer")
     if not peer:
         return ""
+    cpus = f", each process on {peer['cpus']} of the host's CPUs" if peer.get("cpus") else ""
     when = ("before ours" if peer.get("gpu") is None else
-            f"at the same time as ours, on GPU {peer['gpu']} of the same machine (ours on GPU {peer['our_gpu']})")
+            f"at the same time as ours, on GPU {peer['gpu']} of the same machine (ours on GPU {peer['our_gpu']}{cpus})")
     return (f" {peer['peer']} {peer['version']} (dense, prefix caching off, in a process of its own {when}; "
             f"`python -m sparsekv.bench.peer load`): the same requests at once, at most the max batch running"
             f"{', in the same KV memory (kv_cache_memory_bytes)' if meta['kv_memory_bytes'] else ''}, its step "
@@ -694,6 +697,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time-slice", type=int_arg(1), default=None,
                         help="time slicing (sparsekv.serve.ServingEngine): while the queue's front waits for a row, a "
                              "running request this many tokens ahead of it yields its row, through host memory")
+    parser.add_argument("--swap-space-gib", type=float, default=0.0,
+                        help="host memory set aside at the start for rows that go there (--time-slice, --preemption "
+                             "swap), page-locked on a GPU; copies beyond it are allocated as rows go")
     parser.add_argument("--fill", choices=["prefill", "random"], default="prefill",
                         help="random: prompts' KV filled with random keys and values instead of the model's prefill")
     parser.add_argument("--fill-chunk", type=int_arg(1), default=None,
@@ -775,16 +781,17 @@ def peer_line(peer: str, row: dict) -> str:
             f"{row['ttft_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.2f} ms")
 
 
-def peer_row(args, work: list[Work], device: torch.device) -> tuple[dict, dict]:
+def peer_row(args, work: list[Work], device: torch.device, cpus: set[int] | None = None) -> tuple[dict, dict]:
     """The peer's version and its row of ``work`` (the same requests as ours, at most ``--max-batch`` running, in
-    ``--kv-memory-gib`` of KV where given, on ``--peer-gpu`` where given), in ``summarize``'s names; its times come
-    from its engine's per-request timestamps."""
+    ``--kv-memory-gib`` of KV where given, on ``--peer-gpu`` and ``cpus`` where given), in ``summarize``'s names;
+    its times come from its engine's per-request timestamps."""
     kv = None if args.kv_memory_gib is None else int(args.kv_memory_gib * GIB)
     result = run_peer_load(args.peer, args.model, [w.prompt for w in work], [w.max_tokens for w in work],
-                           args.max_batch, args.seed, kv, gpu=args.peer_gpu)
+                           args.max_batch, args.seed, kv, gpu=args.peer_gpu, cpus=cpus)
     (row,) = result["rows"]
     return ({"peer": result["peer"], "version": result["version"], "gpu": args.peer_gpu,
-             "our_gpu": None if args.peer_gpu is None else our_gpu(device)},
+             "our_gpu": None if args.peer_gpu is None else our_gpu(device),
+             "cpus": None if cpus is None else len(cpus)},
             {**row, "spec": args.peer, "method": args.peer, "budget": None, "via": args.peer, "fill": "prefill"})
 
 
@@ -798,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         for run in runs:
             swaps_when_preempted(run.config, args.admission, args.preemption, "--preemption")
             check_time_slice(run.config, args.admission, args.preemption, args.time_slice, "--time-slice")
+            check_swap_space(run.config, args.admission, args.preemption, args.time_slice, args.swap_space_gib,
+                             "--swap-space-gib")
         if not args.rate > 0:
             raise ConfigError("--rate", "a number of requests per second > 0 (inf: all at once)", args.rate)
         if args.duration is not None and not (args.duration > 0 and args.via == ["engine"]):
@@ -872,9 +881,12 @@ def main(argv: list[str] | None = None) -> int:
             return refuse("sparsekv.bench.serve", str(err))
         rows.append(row)
         print(peer_line(args.peer, row), flush=True)
-    elif args.peer:  # beside ours, on a GPU of its own: its child process runs while this one runs ours
+    elif args.peer:  # beside ours, on a GPU and half the CPUs of its own: its child process runs while ours runs
+        halves = split_cpus()
+        if halves is not None:
+            keep_to_cpus(halves[0])
         beside = concurrent.futures.ThreadPoolExecutor(1).submit(peer_row, args, workload(args, config.vocab_size),
-                                                                 device)
+                                                                 device, halves and halves[1])
     if shape:
         model = shape_model(shape, device, dtype, max_context + STATIC_STEPS)
         tokenizer = stand_in_tokenizer(model.config.vocab_size)
@@ -894,7 +906,7 @@ def main(argv: list[str] | None = None) -> int:
             "rate": args.rate, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
             "output_len": args.output_len, "max_batch": args.max_batch, "max_context": max_context,
             "kv_memory_bytes": kv_memory, "admission": args.admission, "preemption": args.preemption,
-            "time_slice": args.time_slice,
+            "time_slice": args.time_slice, "swap_space_gib": args.swap_space_gib,
             "gpu_memory_utilization": args.gpu_memory_utilization, "step_tokens": args.step_tokens,
             "fill": args.fill, "duration": args.duration,
             "prefill_share": args.prefill_share, "prefill_chunk": args.prefill_chunk, "fill_chunk": args.fill_chunk,
@@ -931,6 +943,7 @@ def main(argv: list[str] | None = None) -> int:
                              prefix_cache_bytes=int(args.prefix_cache_gib * GIB),
                              admission=args.admission, gpu_memory_utilization=args.gpu_memory_utilization,
                              preemption=args.preemption, time_slice=args.time_slice,
+                             swap_space_bytes=int(args.swap_space_gib * GIB),
                              step_tokens=args.step_tokens if shares_pages(config.build(model.config.num_hidden_layers))
                              else None)  # the other methods keep the step-then-chunk schedule
 

@@ -206,9 +206,9 @@ class PagedLayer:
     def __init__(self, batch: int, kv_heads: int, head_dim: int, page_size: int, capacity: int,
                  dtype: torch.dtype, device: torch.device, shared: SharedPages | None = None,
                  pin_memory: bool = False):
-        """``pin_memory``: a copy in host memory of a device's rows (``serve.Runner.swap_out``): its keys, values and
-        bounds page-locked, so that copies to and from the device run at the bus's speed, and left unwritten (a
-        free slot's are never read; the slots copied in are)."""
+        """``pin_memory``: a copy in host memory of a device's rows (``serve.Runner.swap_out``): its tensors
+        page-locked, so that copies to and from the device run at the bus's speed without waiting on the host, and
+        its keys, values and bounds left unwritten (a free slot's are never read; the slots copied in are)."""
         self.page_size = page_size
         self.capacity = capacity
         shape = (batch, kv_heads, capacity + 1)
@@ -228,8 +228,8 @@ class PagedLayer:
         if page_size > 1:
             self._kmin = pages(*store, head_dim, fill=bound_fill(dtype, False))
             self._kmax = pages(*store, head_dim, fill=bound_fill(dtype, True))
-        self.slot_page = torch.full(shape, -1, dtype=torch.long, device=device)
-        self.cur_slot = torch.full(shape[:2], -1, dtype=torch.long, device=device)
+        self.slot_page = torch.full(shape, -1, dtype=torch.long, device=device, pin_memory=pin_memory)
+        self.cur_slot = torch.full(shape[:2], -1, dtype=torch.long, device=device, pin_memory=pin_memory)
         # Until a slot is freed, slot j holds page j and allocation needs no search.
         self.has_holes = False
         self.max_pages: int | None = None
@@ -440,29 +440,30 @@ class PagedLayer:
         if source.has_holes and not self.may_have_holes:
             raise ValueError("copy_row: the source row has freed slots but this layer does not search for them")
         self.copy_slots(row, source, source_row, min(c, pages), moved)
-        self.cur_slot[row].copy_(source.cur_slot[source_row])
+        self.cur_slot[row].copy_(source.cur_slot[source_row], non_blocking=True)
         self.dropped[row] = source.dropped[source_row]
 
     def copy_slots(self, row: int, source: "PagedLayer", source_row: int, used: int, moved: bool = False) -> None:
         """Slots [0, used) of ``row`` take those of row ``source_row`` of ``source`` (page table, pages and their
         bounds unless ``moved`` there already, per-slot state); the row's other slots are freed. In shared pages
         the row's slots must have their store pages already."""
-        self.slot_page[row, :, :used].copy_(source.slot_page[source_row, :, :used])
+        self.slot_page[row, :, :used].copy_(source.slot_page[source_row, :, :used], non_blocking=True)
         if not moved:
             runs = [(0, 0, used)] if self.shared is None else self.shared.runs(row, used)
             for name, src in source.row_pages(source_row, used).items():
                 dst = getattr(self, name)[row if self.shared is None else 0]
                 for slot, page, n in runs:
-                    # Asynchronous to and from page-locked host memory (a row swapped out and back): only the
-                    # device reads those pages, after the copy, in stream order.
+                    # Asynchronous to and from page-locked host memory (a row swapped out and back): the device
+                    # reads those pages after the copy, in stream order, and the host once ``swap_out`` has waited.
                     dst[:, page:page + n].copy_(src[:, slot:slot + n], non_blocking=True)
         # A free slot's keys and bounds are never read: a page that takes it restarts them.
         self.slot_page[row, :, used:].fill_(-1)
         for name, src in source.slot_state.items():
             if name not in self.slot_state:
                 self.slot_state[name] = torch.zeros((*self.slot_page.shape, *src.shape[3:]), dtype=src.dtype,
-                                                    device=src.device)
-            self.slot_state[name][row, :, :used].copy_(src[source_row, :, :used])
+                                                    device=self.slot_page.device,
+                                                    pin_memory=self.slot_page.is_pinned())
+            self.slot_state[name][row, :, :used].copy_(src[source_row, :, :used], non_blocking=True)
 
     def token_position(self) -> torch.Tensor:
         """(B, Hkv, C + 1, P) position of every stored token, -1 where the slot is free."""

@@ -82,12 +82,16 @@ def shares_pages(method) -> bool:
     return method.shared_pages and method.config.page_size > 1
 
 
+def rows_share_pages(config) -> bool:
+    """Whether a pool of ``config``'s method keeps its rows' pages in shared pages (``shares_pages``)."""
+    return config.method_class().shared_pages and config.page_size > 1
+
+
 def rows_swap(config) -> bool:
     """Whether a running row of a pool of ``config``'s method can go to host memory and back unchanged
     (``Runner.swap_out``): rows in shared pages (dense, Quest), or rows of their own of a method whose per-row state
     moves with them (``Method.row_moves``)."""
-    method = config.method_class()
-    return (method.shared_pages and config.page_size > 1) or method.row_moves
+    return rows_share_pages(config) or config.method_class().row_moves
 
 
 def pool_row_bytes(method, slots: list[int], token_bytes: int, page_bytes: int, kv_heads: int, head_dim: int,
@@ -297,7 +301,7 @@ class Runner:
                  cuda_graph: bool | None, compile: bool, passes: Callable = prefill_passes,
                  max_new_tokens: int | None = None, prefix_cache_bytes: int = 0, kv_memory_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, grow: bool = False, step_tokens: int | None = None,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, swap_space_bytes: int = 0):
         self.engine = Engine(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile)
         self.max_batch, self.max_context, self.compile = max_batch, self.engine.max_context, compile
@@ -406,6 +410,18 @@ class Runner:
         pages.seq_len = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         pages.in_prompt = False
         self.request_config = self.method.request_config()
+        require(_is_count(swap_space_bytes, 0), "swap_space_bytes",
+                "an int >= 0 (0: host copies of rows allocated as rows go to host memory)", swap_space_bytes)
+        # Host copies of rows back from host memory (``swap_out``, ``discard``), kept for the next rows that go: on
+        # a CUDA device, page-locking memory takes far longer than a copy through it. Each is (the device event
+        # after the last copy that reads it, or None; its layers). As many as ``swap_space_bytes`` holds (at least
+        # one) are made now, each of a row's every slot.
+        self._spare: list[tuple[torch.cuda.Event | None, list[PagedLayer]]] = []
+        if swap_space_bytes and rows_swap(self.config):
+            copies = [self._host_layers(None)]
+            per_copy = sum(layer.resident_bytes() for layer in copies[0])
+            copies += [self._host_layers(None) for _ in range(swap_space_bytes // per_copy - 1)]  # at least one
+            self._spare = [(None, layers) for layers in copies]
         self.prefixes = None
         if prefix_cache_bytes:
             require(self.method.prefix_reuse, "prefix_cache_bytes",
@@ -558,15 +574,10 @@ class Runner:
             raise RuntimeError(f"swap_out: a row of {self.config.name} cannot go to host memory and back unchanged")
         row, pages = self.keys.index(key), self.pool.pages
         used = self._pages(pages.lengths[row])
-        host = torch.device("cpu")
         method = self.request_config.build(self.num_layers)
         cache = SparseKVCache(method, DecodeStats(tp_group=self.tp_group), self.window)
         copy = cache.pages
-        # In shared pages the row's pages are the first ``used`` slots; a row of its own keeps its slots' layout.
-        copy.layers = [PagedLayer(1, layer.shape[1], layer.shape[3], self.config.page_size,
-                                  used if self.shared is not None else layer.capacity, layer.k.dtype, host,
-                                  pin_memory=self.device.type == "cuda")
-                       for layer in pages.layers]
+        copy.layers = self._host_layers(used)
         with torch.no_grad():
             if self.shared is None:
                 method.start_pool(copy.layers, self.max_context)
@@ -574,9 +585,32 @@ class Runner:
             for kept, layer in zip(copy.layers, pages.layers):
                 kept.copy_row(0, layer, row, used)
         copy.lengths = [pages.lengths[row]]
-        copy.seq_len = pages.seq_len[row:row + 1].to(host, copy=True)  # on a CPU pool .to gives a view
+        copy.seq_len = pages.seq_len[row:row + 1].to("cpu", copy=True)  # on a CPU pool .to gives a view
         copy.in_prompt = False
+        self.synchronize()  # the copies into page-locked memory ran asynchronously: the host may read them now
         return Prefill(cache, None, prompt, prompt, begun=True)
+
+    def _host_layers(self, used: int | None) -> list[PagedLayer]:
+        """Host layers for a copy of a row of ``used`` pages (None: as many as a row holds); in shared pages the
+        row's pages go to its first slots, a row of its own keeps its slots' layout. The smallest spare copy
+        (``discard``) that holds them; else new ones, page-locked on a CUDA device, in shared pages of the next power
+        of two of ``used`` slots (so that copies fit later rows), and the smallest spare, which holds none of this
+        size, is dropped (so that the copies kept are no more than the rows out at once)."""
+        layers = self.pool.pages.layers
+        capacity = [layer.capacity if used is None or self.shared is None
+                    else min(layer.capacity, 1 << (used - 1).bit_length()) for layer in layers]
+        fits = [i for i, (_, kept) in enumerate(self._spare) if kept[0].capacity >= capacity[0]]
+        by_size = sorted(range(len(self._spare)), key=lambda i: self._spare[i][1][0].capacity)
+        if fits:
+            event, kept = self._spare.pop(min(fits, key=by_size.index))
+            if event is not None:  # its last copy back to the device has run: the host may write it again
+                event.synchronize()
+            return kept
+        if by_size:
+            self._spare.pop(by_size[0])
+        return [PagedLayer(1, layer.shape[1], layer.shape[3], self.config.page_size, n, layer.k.dtype,
+                           torch.device("cpu"), pin_memory=self.device.type == "cuda")
+                for layer, n in zip(layers, capacity)]
 
     def _begin(self, job: Prefill) -> None:
         """A prefill's first pass: in shared pages, its store pages; with a prefix cache, the kept prompt's pages it
@@ -697,8 +731,17 @@ class Runner:
     def discard(self, job: Prefill, keep: bool = False) -> None:
         """Drops a prefill: what its cache and method hold (a cancelled request's, or one that joined rows).
         ``keep``: a finished prefill's pages go to the prefix cache instead, if there is one and they fit; in shared
-        pages a copy of its whole pages, from the row that took them if one did."""
+        pages a copy of its whole pages, from the row that took them if one did. A row's copy in host memory
+        (``swap_out``) is kept for the next row that goes there."""
         job.cache.method.release()
+        if job.passes is None:
+            event = None
+            if self.device.type == "cuda":  # the copies back to the device may still be queued
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+            self._spare.append((event, job.cache.pages.layers))
+            job.cache.pages.layers = []
+            return
         job.passes.close()
         keep = keep and self.prefixes is not None and job.logits is not None
         if job.table is not None:

@@ -31,7 +31,7 @@ from typing import Callable
 from ..engine import SAMPLING_FORM, Sampling, _is_count, check_seed, prefill_passes, token_id_list
 from ..errors import ConfigError
 from ..methods.base import MethodConfig, is_real, require
-from .runner import TOP_LOGPROBS, Logprobs, Prefill, Runner, rows_swap
+from .runner import TOP_LOGPROBS, Logprobs, Prefill, Runner, rows_share_pages, rows_swap
 
 log = logging.getLogger("sparsekv.serve")
 
@@ -72,6 +72,19 @@ def check_time_slice(config, admission: str, preemption: str | None, time_slice:
             time_slice)
     require(swaps_when_preempted(config, admission, preemption), field,
             f'None for {config.name} unless preemption is "swap": a row that yields goes to host memory', time_slice)
+
+
+def check_swap_space(config, admission: str, preemption: str | None, time_slice: int | None, swap_space,
+                     field: str = "swap_space_bytes") -> None:
+    """ConfigError naming ``field`` (a command's option) where ``swap_space`` (host memory set aside for rows that
+    go there, ``ServingEngine``'s) is not a number >= 0, or is set where no row goes to host memory: without time
+    slicing, only rows in shared pages preempted under admission "grow" with swap do."""
+    require(is_real(swap_space) and swap_space >= 0, field, "a number >= 0", swap_space)
+    moves = time_slice is not None or (admission == "grow" and rows_share_pages(config)
+                                       and swaps_when_preempted(config, admission, preemption))
+    require(not swap_space or moves, field,
+            f'0 for {config.name} here: no row goes to host memory (time slicing does, and so does preemption "swap" '
+            f'under admission "grow" for dense and quest)', swap_space)
 
 
 class RequestError(ConfigError):
@@ -234,7 +247,11 @@ class ServingEngine:
     (copied to host memory, ``Runner.swap_out``) and waits at the back of the queue, the one that has drawn the most
     first, so that requests of equal lengths advance together and a full batch runs to the end of a load (without it,
     requests run in the order they came, and the last of them run at a smaller batch). For rows that go to host
-    memory and back unchanged (``runner.rows_swap``) and come back that way (dense with preemption "swap")."""
+    memory and back unchanged (``runner.rows_swap``) and come back that way (dense with preemption "swap").
+    swap_space_bytes: host memory set aside at the start for rows that go there (time slicing, preemption "swap"),
+    page-locked on a CUDA device, as vLLM's ``swap_space``: row copies beyond it are allocated as rows go, and every
+    copy is kept for the next row once its row is back (page-locking memory takes longer than the copy through it:
+    ``Runner.swap_out``)."""
 
     def __init__(self, model, config, *, tokenizer=None, max_batch: int = 8, max_context: int | None = None,
                  prefill_chunk: int = 4096, prefill_share: float | None = None, max_queue: int = 256,
@@ -242,18 +259,21 @@ class ServingEngine:
                  prefill: Callable = prefill_passes, max_new_tokens: int | None = None, prefix_cache_bytes: int = 0,
                  admission: str = "reserve", gpu_memory_utilization: float = 0.9, step_tokens: int | None = None,
                  max_prompt_tokens: int | None = None, preemption: str | None = None,
-                 time_slice: int | None = None):
+                 time_slice: int | None = None, swap_space_bytes: int = 0):
         if not _is_count(max_queue, 1):
             raise ConfigError("max_queue", "an int >= 1", max_queue)
         require(admission in ADMISSIONS, "admission", " or ".join(map(repr, ADMISSIONS)), admission)
         require(callable(prefill), "prefill", "a callable of engine.prefill_passes's signature", prefill)
         swaps = swaps_when_preempted(config, admission, preemption)
+        check_time_slice(config, admission, preemption, time_slice)
+        check_swap_space(config, admission, preemption, time_slice, swap_space_bytes)
         self.pacer = None if prefill_share is None else PrefillPacer(prefill_share)
         self.runner = Runner(model, config, max_batch=max_batch, max_context=max_context,
                              prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, compile=compile, passes=prefill,
                              max_new_tokens=max_new_tokens, prefix_cache_bytes=prefix_cache_bytes,
                              kv_memory_bytes=kv_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
-                             grow=admission == "grow", step_tokens=step_tokens, max_prompt_tokens=max_prompt_tokens)
+                             grow=admission == "grow", step_tokens=step_tokens, max_prompt_tokens=max_prompt_tokens,
+                             swap_space_bytes=swap_space_bytes)
         self.tokenizer, self.max_queue, self.kv_memory_bytes = tokenizer, max_queue, self.runner.kv_memory_bytes
         if step_tokens is not None:
             require(_is_count(step_tokens, max_batch + 1), "step_tokens",
@@ -266,7 +286,6 @@ class ServingEngine:
                     prefill_share)
         self.step_tokens = step_tokens
         self._swaps = swaps
-        check_time_slice(config, admission, preemption, time_slice)
         self.time_slice = time_slice
         self._lock = threading.Lock()
         self._next_id = 0
@@ -579,6 +598,7 @@ class ServingEngine:
                         self.runner.join(live.id, swapped, live.tokens[-1], request.sampling, live.seed,
                                          request.max_tokens, request.logprobs, earlier=live.tokens[:-1])
                         self._running[live.id] = live
+                        self.runner.discard(swapped)
                         continue
                     if live.prefill is None:
                         live.prefill = self.runner.start(live.request.prompt, live.tokens[:-1])
@@ -767,5 +787,8 @@ class ServingEngine:
                 self._prefilling.remove(live)
             if not any(other.prefill is job for other in self._prefilling):
                 self.runner.discard(job)
+        elif live.swapped is not None:  # its row's copy in host memory
+            job, live.swapped = live.swapped, None
+            self.runner.discard(job)
         self._finished[reason] = self._finished.get(reason, 0) + 1
         events.append(self._event(live, True, reason, error))

@@ -167,17 +167,8 @@ def test_a_bad_workload_file_is_named(work, tmp_path, capsys):
 
 
 def test_a_failing_child_is_a_peer_error_with_its_output(fake_vllm):
-    (fake_vllm / "vllm" / "__init__.py").write_text(FAKE_VLLM + textwrap.dedent('''
-        class LLM(LLM):
-            def __init__(self, **kw):
-                raise RuntimeError("no GPU for the peer")
-        '''))
-    with pytest.raises(peer.PeerError, match="no GPU for the peer"):
-        peer.peer_rows("vllm", "decode", ["--model", "shape:tiny", "--contexts", "64"], timeout_s=120)
-
-
-def test_a_peer_given_cpus_runs_on_them_alone(fake_vllm):
-    """``cpus``: the child (and what it starts) runs on those CPUs only; ``split_cpus`` halves this process's."""
+    """A child that fails is a PeerError with its output; given ``cpus``, it (and what it starts) runs on those CPUs
+    only, and ``split_cpus`` halves this process's."""
     ours = sorted(os.sched_getaffinity(0))
     halves = peer.split_cpus()
     assert halves is None if len(ours) < 2 else (halves[0] | halves[1] == set(ours) and not halves[0] & halves[1])
@@ -186,9 +177,9 @@ def test_a_peer_given_cpus_runs_on_them_alone(fake_vllm):
 
         class LLM(LLM):
             def __init__(self, **kw):
-                raise RuntimeError(f"on cpus {sorted(os.sched_getaffinity(0))}")
+                raise RuntimeError(f"no GPU for the peer on cpus {sorted(os.sched_getaffinity(0))}")
         '''))
-    with pytest.raises(peer.PeerError, match=re.escape(f"on cpus {ours[-1:]}")):
+    with pytest.raises(peer.PeerError, match=re.escape(f"no GPU for the peer on cpus {ours[-1:]}")):
         peer.peer_rows("vllm", "decode", ["--model", "shape:tiny", "--contexts", "64"], timeout_s=120,
                        cpus={ours[-1]})
 

@@ -97,8 +97,10 @@ def test_time_slicing_is_counted_in_the_table(tmp_path):
                  "--tag", "sliced"]) == 0
     result = json.loads((tmp_path / "sliced.json").read_text())
     assert result["rows"][0]["requests_done"] == 3 and result["rows"][0]["yielded"] >= 2
+    assert result["rows"][0]["swap_s"] > 0
     table = (tmp_path / "sliced.md").read_text()
     assert "time slicing: a running request 2 tokens ahead" in table and "0.001 GiB of page-locked" in table
+    assert "| yielded | swap s |" in table
 
 
 def test_int4_weights(tmp_path):

@@ -164,7 +164,7 @@ def test_models_health_metrics(server, client):
     assert httpx.get(server + "/health").json() == {"status": "ok"}
     text = httpx.get(server + "/metrics").text
     for name in ("sparsekv_requests_running", "sparsekv_requests_queued", "sparsekv_generation_tokens_per_second",
-                 "sparsekv_kv_bytes_in_use", "sparsekv_generated_tokens_total"):
+                 "sparsekv_kv_bytes_in_use", "sparsekv_generated_tokens_total", "sparsekv_swap_seconds_total"):
         assert f"\n{name} " in text
     assert metric(server, "sparsekv_generated_tokens_total") > 0
 

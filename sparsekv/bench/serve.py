@@ -573,6 +573,8 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
         columns.append(("preempted", "preempted", "{}"))
     if meta.get("time_slice"):
         columns.append(("yielded", "yielded", "{}"))
+    if meta.get("admission") == "grow" or meta.get("time_slice"):
+        columns.append(("swap s", "swap_s", "{:.1f}"))
     kv = meta["kv_memory_bytes"]
     utilization = meta.get("gpu_memory_utilization")
     leaves = "the device leaves" if utilization is None else f"--gpu-memory-utilization {utilization} leaves"
@@ -983,6 +985,7 @@ def main(argv: list[str] | None = None) -> int:
                 reused = after["prefix_tokens_reused"] - before["prefix_tokens_reused"]
                 preempted = after["preempted"] - before["preempted"]
                 yielded = after["yielded"] - before["yielded"]
+                swap = after["swap_seconds"] - before["swap_seconds"]
                 memory = device_memory(device, args.gpu_memory_utilization)
                 step_tokens = engine.step_tokens
                 profile = engine.runner.profile_bytes / GIB if device.type == "cuda" else None
@@ -990,7 +993,8 @@ def main(argv: list[str] | None = None) -> int:
                 del engine
                 row = {"spec": run.label, "method": run.config.name, "budget": run.budget, "via": via,
                        "fill": args.fill, "max_batch": batch, "device_layers": device_layers, **summarize(trace),
-                       "prefix_reused": reused, "preempted": preempted, "yielded": yielded, "kv_capacity_gib": capacity,
+                       "prefix_reused": reused, "preempted": preempted, "yielded": yielded, "swap_s": swap,
+                       "kv_capacity_gib": capacity,
                        "step_tokens": step_tokens,
                        "pool_gib": pool, "profile_gib": profile, **memory, **started, "series": trace.samples}
             except torch.OutOfMemoryError:

@@ -300,6 +300,7 @@ class ServingEngine:
         self._admissions = 0  # requests admitted since the start (``_Live.admitted``)
         self._preempted = 0  # preemptions since the start
         self._yielded = 0  # rows yielded to the queue by time slicing since the start
+        self._swap_seconds = 0.0  # host time in moving rows to host memory and back since the start
         self._carried: list[Event] = []  # events of a step that raised, returned by the next
         # Rows whose requests ended while a step over them was in flight (its tokens for them are dropped): released
         # once it is collected, with the tokens their prefix cache may keep.
@@ -373,7 +374,8 @@ class ServingEngine:
     def metrics(self) -> dict:
         """Rows, queue and memory now (``free_rows``: rows neither running nor taken by a prefill), and totals since
         the start (``finished_requests``: by finish reason, "stop", "length", "cancelled" or "error"; ``preempted``:
-        preemptions under admission "grow"; ``yielded``: rows yielded by time slicing;
+        preemptions under admission "grow"; ``yielded``: rows yielded by time slicing; ``swap_seconds``: the host's
+        time in moving rows to host memory (``Runner.swap_out``, which waits for its copies) and in bringing them back;
         ``prefix_hits``: prompts started from a kept prompt's cache, ``prefix_tokens_reused``: the prompt tokens it
         gave them)."""
         with self._lock:
@@ -383,6 +385,7 @@ class ServingEngine:
                 "kv_bytes_capacity": self.kv_memory_bytes, "host_kv_bytes": self.runner.host_bytes(),
                 "generated_tokens": self._generated, "finished_requests": dict(self._finished),
                 "prefill_work": self._prefill_work, "preempted": self._preempted, "yielded": self._yielded,
+                "swap_seconds": self._swap_seconds,
                 **self._prefix_metrics()}
 
     def _prefix_metrics(self) -> dict:
@@ -595,10 +598,12 @@ class ServingEngine:
                 try:
                     if live.swapped is not None:  # its row comes back from host memory
                         request, swapped, live.swapped = live.request, live.swapped, None
+                        start = time.perf_counter()
                         self.runner.join(live.id, swapped, live.tokens[-1], request.sampling, live.seed,
                                          request.max_tokens, request.logprobs, earlier=live.tokens[:-1])
                         self._running[live.id] = live
                         self.runner.discard(swapped)
+                        self._swap_seconds += time.perf_counter() - start
                         continue
                     if live.prefill is None:
                         live.prefill = self.runner.start(live.request.prompt, live.tokens[:-1])
@@ -655,8 +660,10 @@ class ServingEngine:
         or a method whose decode step a prompt pass cannot redo, Quest), with its row copied to host memory first
         (``Runner.swap_out``). A failed copy ends that request with "error"."""
         if live.id in self._running and self._swaps:
+            start = time.perf_counter()
             try:
                 live.swapped = self.runner.swap_out(live.id, live.request.prompt)
+                self._swap_seconds += time.perf_counter() - start
             except Exception as error:
                 self._finish(live, "error", events, error=error)
                 self._ended = error

@@ -1107,6 +1107,8 @@ def prometheus_text(loop: EngineLoop) -> str:
                                       value=m["preempted"])
             yield CounterMetricFamily("sparsekv_yielded", "Rows yielded to a waiting request by time slicing since "
                                       "start (--time-slice)", value=m["yielded"])
+            yield CounterMetricFamily("sparsekv_swap_seconds", "Host seconds in moving rows to host memory and back "
+                                      "since start (preemption swap, --time-slice)", value=m["swap_seconds"])
             yield GaugeMetricFamily("sparsekv_prefix_cache_bytes", "Device bytes of finished prompts' KV kept for "
                                     "prompts that begin like them", value=m["prefix_cache_bytes"])
             yield CounterMetricFamily("sparsekv_prefix_cache_hits", "Prompts started from a kept prompt's KV",

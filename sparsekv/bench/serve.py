@@ -936,7 +936,7 @@ def main(argv: list[str] | None = None) -> int:
                       series_columns=["seconds", "running", "queued", "prefilling", "kv_bytes", "host_kv_bytes",
                                       "rss_bytes"], figure=plot(rows) if final else None, overwrite=args.overwrite)
 
-    def make(config, batch: int) -> ServingEngine:
+    def make(config, batch: int, swap_space_gib: float = 0.0) -> ServingEngine:
         return ServingEngine(model, config, tokenizer=tokenizer, max_batch=batch, max_context=max_context,
                              prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
                              max_queue=args.requests, compile=args.compile, kv_memory_bytes=kv_memory,
@@ -945,7 +945,7 @@ def main(argv: list[str] | None = None) -> int:
                              prefix_cache_bytes=int(args.prefix_cache_gib * GIB),
                              admission=args.admission, gpu_memory_utilization=args.gpu_memory_utilization,
                              preemption=args.preemption, time_slice=args.time_slice,
-                             swap_space_bytes=int(args.swap_space_gib * GIB),
+                             swap_space_bytes=int(swap_space_gib * GIB),
                              step_tokens=args.step_tokens if shares_pages(config.build(model.config.num_hidden_layers))
                              else None)  # the other methods keep the step-then-chunk schedule
 
@@ -970,7 +970,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                engine = make(run.config, batch)
+                engine = make(run.config, batch, args.swap_space_gib)  # a probe sets none aside
                 if args.warmup:
                     warm_up(engine, batch, model.config.vocab_size, max(len(w.prompt) for w in work))
                 before = engine.metrics()  # the warm-up's counts

@@ -1480,7 +1480,8 @@ def test_mixed_steps_on_the_gpu_give_the_tokens_of_steps_apart(name):
 @pytest.mark.parametrize("name, options", [("raas", {}), ("quest", {"admission": "grow"})])
 def test_rows_swapped_on_the_gpu_go_through_page_locked_memory(name, options):
     """On the GPU, float32: a row that yields its row (time slicing) is copied to page-locked host memory
-    asynchronously and back, and every request gets the tokens it gets without time slicing."""
+    asynchronously and back, its copy kept for the next (one set aside at the start), and every request gets the
+    tokens it gets without time slicing."""
     from sparsekv.serve.runner import Runner
 
     model = tiny_model("llama", seed=1, layers=3, dtype=torch.float32).cuda()
@@ -1497,12 +1498,15 @@ def test_rows_swapped_on_the_gpu_go_through_page_locked_memory(name, options):
         return job
 
     engine = ServingEngine(model, config, max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK, time_slice=6,
-                           **options)
+                           swap_space_bytes=1, **options)
+    set_aside = engine.runner._spare[0][1]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Runner, "swap_out", swapped)
         tokens, _ = run(engine, requests)
     assert tokens == expected and engine.metrics()["yielded"] >= 3
     assert pinned and all(pinned)
+    kept = [layers for _, layers in engine.runner._spare]
+    assert any(layers is set_aside for layers in kept) and len(kept) < engine.metrics()["yielded"]
 
 
 def test_a_row_that_cannot_go_to_host_memory_fails_alone(model):

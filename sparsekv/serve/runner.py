@@ -77,13 +77,13 @@ def row_bytes(slots: list[int], page_size: int, token_bytes: int, page_bytes: in
 
 
 def shares_pages(method) -> bool:
-    """Whether a pool of ``method`` keeps its rows' pages in shared pages (``SharedPages``): the method allows it
-    (``Method.shared_pages``) and its pages hold more than one token."""
-    return method.shared_pages and method.config.page_size > 1
+    """Whether a pool of ``method`` keeps its rows' pages in shared pages (``rows_share_pages``)."""
+    return rows_share_pages(method.config)
 
 
 def rows_share_pages(config) -> bool:
-    """Whether a pool of ``config``'s method keeps its rows' pages in shared pages (``shares_pages``)."""
+    """Whether a pool of ``config``'s method keeps its rows' pages in shared pages (``SharedPages``): the method
+    allows it (``Method.shared_pages``, a class attribute) and its pages hold more than one token."""
     return config.method_class().shared_pages and config.page_size > 1
 
 

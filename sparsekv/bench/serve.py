@@ -86,7 +86,7 @@ from ..quant import quantize_model
 from ..serve import Request, ServingEngine
 from ..serve.scheduler import ADMISSIONS, PREEMPTIONS, check_swap_space, check_time_slice, swaps_when_preempted
 from ..serve.runner import (POOL_FIELD, cache_bytes, own_request_bytes, own_rows, pool_row_bytes,
-                            prefill_bytes, shared_page_bytes, shares_pages)
+                            prefill_bytes, rows_share_pages, shared_page_bytes, shares_pages)
 from ..spec import budget_arg
 from .common import (ModelShape, claim_results, conditions, device_name, int_arg, markdown_table, memory_problems,
                      named_shape, out_of_memory_lines, pyplot, quantiles, refuse, run_args, run_setting, shape_config,
@@ -946,7 +946,7 @@ def main(argv: list[str] | None = None) -> int:
                              admission=args.admission, gpu_memory_utilization=args.gpu_memory_utilization,
                              preemption=args.preemption, time_slice=args.time_slice,
                              swap_space_bytes=int(swap_space_gib * GIB),
-                             step_tokens=args.step_tokens if shares_pages(config.build(model.config.num_hidden_layers))
+                             step_tokens=args.step_tokens if rows_share_pages(config)
                              else None)  # the other methods keep the step-then-chunk schedule
 
     def probe(config, batch: int) -> None:

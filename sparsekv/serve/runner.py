@@ -599,15 +599,17 @@ class Runner:
         layers = self.pool.pages.layers
         capacity = [layer.capacity if used is None or self.shared is None
                     else min(layer.capacity, 1 << (used - 1).bit_length()) for layer in layers]
-        fits = [i for i, (_, kept) in enumerate(self._spare) if kept[0].capacity >= capacity[0]]
-        by_size = sorted(range(len(self._spare)), key=lambda i: self._spare[i][1][0].capacity)
+        def size(i: int) -> int:  # a copy's layers are sized alike
+            return self._spare[i][1][0].capacity
+
+        fits = [i for i in range(len(self._spare)) if size(i) >= capacity[0]]
         if fits:
-            event, kept = self._spare.pop(min(fits, key=by_size.index))
+            event, kept = self._spare.pop(min(fits, key=size))
             if event is not None:  # its last copy back to the device has run: the host may write it again
                 event.synchronize()
             return kept
-        if by_size:
-            self._spare.pop(by_size[0])
+        if self._spare:
+            self._spare.pop(min(range(len(self._spare)), key=size))
         return [PagedLayer(1, layer.shape[1], layer.shape[3], self.config.page_size, n, layer.k.dtype,
                            torch.device("cpu"), pin_memory=self.device.type == "cuda")
                 for layer, n in zip(layers, capacity)]

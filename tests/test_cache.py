@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from sparsekv.cache import PagedKVCache
+from sparsekv.cache import PagedKVCache, PagedLayer
 from sparsekv.kernels.reference import raw  # a tensor's bits: fp8 tensors compare on the CPU
 
 
@@ -276,3 +276,35 @@ def test_a_prompt_prefilled_into_shared_pages_matches_a_cache_of_its_own(kv_dtyp
     for name, pages in pool.row_pages(0, 6).items():
         assert torch.equal(raw(pages), raw(getattr(mine, name)[0, :, :6])), name
     assert torch.equal(pool.cur_slot[:1], mine.cur_slot)
+
+
+@pytest.mark.parametrize("device", [d for d, _ in DEVICES])
+@pytest.mark.parametrize("used", [1, 4, 7])
+def test_a_row_goes_to_a_host_copy_and_back_unchanged(device, used):
+    """A row's pages, bounds, page table and per-slot state go to a host copy (``host_copy``: slot-major, page-locked
+    on CUDA), whose copied slots are one dense block, and back into another row unchanged (float64, awkward shapes:
+    3 heads, pages of 3 tokens, head_dim 5, 7 slots)."""
+    torch.manual_seed(used)
+    h, d, p, c = 3, 5, 3, 7
+    pool = PagedLayer(2, h, d, p, c, torch.float64, torch.device(device))
+    for name in pool.paged:
+        getattr(pool, name).copy_(torch.randn_like(getattr(pool, name)))
+    pool.slot_page[0, :, :used] = torch.arange(used, device=device)
+    pool.cur_slot[0] = used - 1
+    pool.slot_state["stamp"] = torch.randn(pool.slot_page.shape, dtype=torch.float64, device=device)
+    host = PagedLayer(1, h, d, p, c, torch.float64, torch.device("cpu"), host_copy=True)
+    host.copy_row(0, pool, 0, used)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        assert host.k.is_pinned() and host.slot_page.is_pinned()
+    for name in (*pool.paged, "slot_page"):
+        block = getattr(host, name)[0, :, :used]
+        assert block.transpose(0, 1).is_contiguous(), name
+        assert torch.equal(block, getattr(pool, name)[0, :, :used].cpu()), name
+    assert torch.equal(host.slot_state["stamp"][0, :, :used], pool.slot_state["stamp"][0, :, :used].cpu())
+    pool.copy_row(1, host, 0, used)
+    for name in (*pool.paged, "slot_page"):
+        assert torch.equal(getattr(pool, name)[1, :, :used], getattr(pool, name)[0, :, :used]), name
+    assert torch.equal(pool.cur_slot[1], pool.cur_slot[0])
+    assert torch.equal(pool.slot_state["stamp"][1, :, :used], pool.slot_state["stamp"][0, :, :used])
+    assert bool((pool.slot_page[1, :, used:] == -1).all())

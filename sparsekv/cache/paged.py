@@ -98,6 +98,32 @@ def device_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
+def host_slots(size: tuple[int, ...], dtype: torch.dtype, fill: float | None = None) -> torch.Tensor:
+    """A (B, Hkv, S, ...) tensor in host memory laid out slot-major, (B, S, Hkv, ...) in memory, page-locked where
+    CUDA is: a row's slots [a, b) are one dense block, which ``copy_pages`` moves to or from a device in one
+    transfer. ``fill``: its value (None: left unwritten)."""
+    pinned = torch.cuda.is_available()
+    t = torch.empty((size[0], size[2], size[1], *size[3:]), dtype=dtype, pin_memory=pinned).transpose(1, 2)
+    return t if fill is None else t.fill_(fill)
+
+
+def copy_pages(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` without waiting for the device. Between a device and host memory torch copies a view that
+    is not dense through a pageable host temporary, at the host's speed and waiting for the device; a dense host view
+    (``host_slots``) goes in one transfer, through a device tensor in the host view's memory order."""
+    if dst.device == src.device:
+        dst.copy_(src, non_blocking=True)
+        return
+    to_host = dst.device.type == "cpu"
+    staged = torch.empty_like(dst if to_host else src, device=src.device if to_host else dst.device)
+    if to_host:
+        staged.copy_(src)
+        dst.copy_(staged, non_blocking=True)
+    else:
+        staged.copy_(src, non_blocking=True)
+        dst.copy_(staged)
+
+
 class SharedPages:
     """The page table of a pool whose rows keep their pages in one store of ``pages`` pages per layer,
     plus a scratch page (store page ``pages``), shared by every layer (each layer has its own store, the same table).
@@ -205,10 +231,11 @@ class PagedLayer:
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, page_size: int, capacity: int,
                  dtype: torch.dtype, device: torch.device, shared: SharedPages | None = None,
-                 pin_memory: bool = False):
-        """``pin_memory``: a copy in host memory of a device's rows (``serve.Runner.swap_out``): its tensors
-        page-locked, so that copies to and from the device run at the bus's speed without waiting on the host, and
-        its keys, values and bounds left unwritten (a free slot's are never read; the slots copied in are)."""
+                 host_copy: bool = False):
+        """``host_copy``: a copy in host memory of a device's rows (``serve.Runner.swap_out``): its tensors
+        ``host_slots``, so that a row's pages go to and from the device at the bus's speed without waiting on the
+        host, and its keys, values and bounds left unwritten (a free slot's are never read; the slots copied in
+        are)."""
         self.page_size = page_size
         self.capacity = capacity
         shape = (batch, kv_heads, capacity + 1)
@@ -219,8 +246,8 @@ class PagedLayer:
         store = shape if shared is None else (1, kv_heads, shared.pages + 1)
 
         def pages(*size, fill: float = 0.0) -> torch.Tensor:
-            if pin_memory:
-                return torch.empty(size, dtype=dtype, pin_memory=True)
+            if host_copy:
+                return host_slots(size, dtype)
             return torch.full(size, fill, dtype=dtype, device=device)
 
         self.k = pages(*store, page_size, head_dim)
@@ -228,8 +255,11 @@ class PagedLayer:
         if page_size > 1:
             self._kmin = pages(*store, head_dim, fill=bound_fill(dtype, False))
             self._kmax = pages(*store, head_dim, fill=bound_fill(dtype, True))
-        self.slot_page = torch.full(shape, -1, dtype=torch.long, device=device, pin_memory=pin_memory)
-        self.cur_slot = torch.full(shape[:2], -1, dtype=torch.long, device=device, pin_memory=pin_memory)
+        self.host_copy = host_copy
+        self.slot_page = (host_slots(shape, torch.long, -1) if host_copy
+                          else torch.full(shape, -1, dtype=torch.long, device=device))
+        self.cur_slot = torch.full(shape[:2], -1, dtype=torch.long, device=device, pin_memory=host_copy
+                                   and torch.cuda.is_available())
         # Until a slot is freed, slot j holds page j and allocation needs no search.
         self.has_holes = False
         self.max_pages: int | None = None
@@ -252,6 +282,7 @@ class PagedLayer:
         layer.k, layer.v, layer._kmin, layer._kmax = k, v, kmin, kmax
         layer.slot_page, layer.cur_slot = slot_page, cur_slot
         layer.has_holes, layer.max_pages, layer.dropped = False, None, [0] * table.shape[0]
+        layer.host_copy = False
         layer.slot_state, layer._slot_ids = dict(page_state or {}), None
         return layer
 
@@ -440,14 +471,14 @@ class PagedLayer:
         if source.has_holes and not self.may_have_holes:
             raise ValueError("copy_row: the source row has freed slots but this layer does not search for them")
         self.copy_slots(row, source, source_row, min(c, pages), moved)
-        self.cur_slot[row].copy_(source.cur_slot[source_row], non_blocking=True)
+        copy_pages(self.cur_slot[row], source.cur_slot[source_row])
         self.dropped[row] = source.dropped[source_row]
 
     def copy_slots(self, row: int, source: "PagedLayer", source_row: int, used: int, moved: bool = False) -> None:
         """Slots [0, used) of ``row`` take those of row ``source_row`` of ``source`` (page table, pages and their
         bounds unless ``moved`` there already, per-slot state); the row's other slots are freed. In shared pages
         the row's slots must have their store pages already."""
-        self.slot_page[row, :, :used].copy_(source.slot_page[source_row, :, :used], non_blocking=True)
+        copy_pages(self.slot_page[row, :, :used], source.slot_page[source_row, :, :used])
         if not moved:
             runs = [(0, 0, used)] if self.shared is None else self.shared.runs(row, used)
             for name, src in source.row_pages(source_row, used).items():
@@ -455,15 +486,15 @@ class PagedLayer:
                 for slot, page, n in runs:
                     # Asynchronous to and from page-locked host memory (a row swapped out and back): the device
                     # reads those pages after the copy, in stream order, and the host once ``swap_out`` has waited.
-                    dst[:, page:page + n].copy_(src[:, slot:slot + n], non_blocking=True)
+                    copy_pages(dst[:, page:page + n], src[:, slot:slot + n])
         # A free slot's keys and bounds are never read: a page that takes it restarts them.
         self.slot_page[row, :, used:].fill_(-1)
         for name, src in source.slot_state.items():
             if name not in self.slot_state:
-                self.slot_state[name] = torch.zeros((*self.slot_page.shape, *src.shape[3:]), dtype=src.dtype,
-                                                    device=self.slot_page.device,
-                                                    pin_memory=self.slot_page.is_pinned())
-            self.slot_state[name][row, :, :used].copy_(src[source_row, :, :used], non_blocking=True)
+                size = (*self.slot_page.shape, *src.shape[3:])
+                self.slot_state[name] = (host_slots(size, src.dtype, 0) if self.host_copy
+                                         else torch.zeros(size, dtype=src.dtype, device=self.slot_page.device))
+            copy_pages(self.slot_state[name][row, :, :used], src[source_row, :, :used])
 
     def token_position(self) -> torch.Tensor:
         """(B, Hkv, C + 1, P) position of every stored token, -1 where the slot is free."""

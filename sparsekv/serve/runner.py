@@ -611,7 +611,7 @@ class Runner:
         if self._spare:
             self._spare.pop(min(range(len(self._spare)), key=size))
         return [PagedLayer(1, layer.shape[1], layer.shape[3], self.config.page_size, n, layer.k.dtype,
-                           torch.device("cpu"), pin_memory=self.device.type == "cuda")
+                           torch.device("cpu"), host_copy=True)
                 for layer, n in zip(layers, capacity)]
 
     def _begin(self, job: Prefill) -> None:

@@ -111,17 +111,21 @@ def copy_pages(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` without waiting for the device. Between a device and host memory torch copies a view that
     is not dense through a pageable host temporary, at the host's speed and waiting for the device; a dense host view
     (``host_slots``) goes in one transfer, through a device tensor in the host view's memory order."""
-    if dst.device == src.device:
-        dst.copy_(src, non_blocking=True)
-        return
-    to_host = dst.device.type == "cpu"
-    staged = torch.empty_like(dst if to_host else src, device=src.device if to_host else dst.device)
-    if to_host:
+    if dst.device.type == "cpu" and src.device.type != "cpu":
+        staged = torch.empty_like(dst, device=src.device)
         staged.copy_(src)
         dst.copy_(staged, non_blocking=True)
     else:
-        staged.copy_(src, non_blocking=True)
-        dst.copy_(staged)
+        dst.copy_(to_device(src, dst.device), non_blocking=True)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: from host memory in one transfer (``copy_pages``), in ``t``'s memory order."""
+    if t.device == device:
+        return t
+    staged = torch.empty_like(t, device=device)
+    staged.copy_(t, non_blocking=True)
+    return staged
 
 
 class SharedPages:
@@ -184,7 +188,7 @@ class SharedPages:
 
     def runs(self, row: int, used: int) -> list[tuple[int, int, int]]:
         """The store pages of slots [0, used) of ``row`` as runs of consecutive pages, (first slot, first store
-        page, length) each, so that a copy takes a slice per run: a row's pages come off the free list in runs
+        page, length) each, a run is read and written as a slice: a row's pages come off the free list in runs
         (``free`` keeps freed rows' pages in order)."""
         return [(slot, page, min(n, used - slot)) for slot, page, n in self._runs[row] if slot < used]
 
@@ -483,10 +487,13 @@ class PagedLayer:
             runs = [(0, 0, used)] if self.shared is None else self.shared.runs(row, used)
             for name, src in source.row_pages(source_row, used).items():
                 dst = getattr(self, name)[row if self.shared is None else 0]
-                for slot, page, n in runs:
-                    # Asynchronous to and from page-locked host memory (a row swapped out and back): the device
-                    # reads those pages after the copy, in stream order, and the host once ``swap_out`` has waited.
-                    copy_pages(dst[:, page:page + n], src[:, slot:slot + n])
+                # Asynchronous to and from page-locked host memory (a row swapped out and back): the device reads
+                # those pages after the copy, in stream order, and the host once ``swap_out`` has waited.
+                if len(runs) == 1:
+                    _, page, n = runs[0]
+                    copy_pages(dst[:, page:page + n], src)
+                elif runs:  # store pages scattered: one transfer, then one scatter on the device
+                    raw(dst).index_copy_(1, self.shared.table[row, :used], raw(to_device(src, dst.device)))
         # A free slot's keys and bounds are never read: a page that takes it restarts them.
         self.slot_page[row, :, used:].fill_(-1)
         for name, src in source.slot_state.items():

@@ -415,7 +415,7 @@ class _Version(argparse.Action):
 
 
 # Decode steps each method of the demo runs at least: its decode speed is the median step of these.
-DEMO_TIMED_STEPS = 64
+DEMO_TIMED_STEPS = 32
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

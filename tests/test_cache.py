@@ -308,3 +308,41 @@ def test_a_row_goes_to_a_host_copy_and_back_unchanged(device, used):
     assert torch.equal(pool.cur_slot[1], pool.cur_slot[0])
     assert torch.equal(pool.slot_state["stamp"][1, :, :used], pool.slot_state["stamp"][0, :, :used])
     assert bool((pool.slot_page[1, :, used:] == -1).all())
+
+
+@pytest.mark.parametrize("device", [d for d, _ in DEVICES])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_a_row_in_shared_pages_goes_to_a_host_copy_and_back_into_other_runs(device, kv_dtype):
+    """In shared pages: a row whose store pages lie in two runs goes to a host copy (gathered), and comes back into
+    a row whose pages lie in two runs of other pages (one transfer, one scatter), holding the same keys, values,
+    bounds and page table (float64 or fp8, 3 heads, pages of 3 tokens, head_dim 5)."""
+    from sparsekv.cache import SharedPages, storage_dtype
+
+    torch.manual_seed(1)
+    dev, h, d, p, used = torch.device(device), 3, 5, 3, 5
+    shared = SharedPages(rows=4, slots=7, pages=16, device=dev)
+    pool = PagedLayer(4, h, d, p, 7, storage_dtype(kv_dtype, torch.float64), dev, shared)
+    for name in pool.paged:
+        t = getattr(pool, name)
+        raw(t).copy_(raw(torch.randn(t.shape, dtype=torch.float64, device=dev).to(t.dtype)))
+    shared.assign(1, 2)
+    shared.assign(0, 2)
+    shared.release(1)
+    shared.assign(2, 1)
+    shared.assign(0, 3)
+    assert len(shared.runs(0, used)) == 2
+    pool.slot_page[0, :, :used] = torch.arange(used, device=dev)
+    pool.cur_slot[0] = used - 1
+    host = PagedLayer(1, h, d, p, 7, pool.k.dtype, torch.device("cpu"), host_copy=True)
+    host.copy_row(0, pool, 0, used)
+    shared.assign(1, 1)
+    shared.assign(3, 1)
+    shared.release(1)
+    shared.assign(2, 1)
+    shared.assign(1, used)
+    assert len(shared.runs(1, used)) == 2 and not set(shared.held[1]) & set(shared.held[0])
+    pool.copy_row(1, host, 0, used)
+    for name, pages in pool.row_pages(1, used).items():
+        assert torch.equal(raw(pages), raw(pool.row_pages(0, used)[name])), name
+    assert torch.equal(pool.slot_page[1, :, :used], pool.slot_page[0, :, :used])
+    assert torch.equal(pool.cur_slot[1], pool.cur_slot[0])

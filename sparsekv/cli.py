@@ -454,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt-tokens", type=int, default=4000,
                       help="tokens of the pass-key prompt (default: %(default)s)")
     demo.add_argument("--model", help="model folder, GGUF file or tiny:<arch> (default: the project's trained model)")
-    demo.set_defaults(func=cmd_demo, max_new_tokens=48)
+    demo.set_defaults(func=cmd_demo, max_new_tokens=16)
 
     prm = sub.add_parser("prompt", help="print a generated eval task's prompt (e.g. a pass key in filler) for "
                                         "generate --prompt-file -; its answer goes to stderr")

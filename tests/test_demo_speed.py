@@ -39,7 +39,7 @@ def test_demo_times_enough_steps_and_cuts_the_answer(monkeypatch, capsys):
         assert len(result.tokens) == DEMO_TIMED_STEPS and len(result.step_seconds) == DEMO_TIMED_STEPS - 1
         speed = re.search(rf"\| {name} \| [^|]+ \| [^|]* \| [\d.]+ \| ([\d.]+) \|", out).group(1)
         assert speed == f"{1 / statistics.median(result.step_seconds):.1f}"
-    assert "| first 3 of 3 |" in out  # the answer: --max-new-tokens of the 64 tokens
+    assert "| first 3 of 3 |" in out  # the answer: --max-new-tokens of the timed tokens
     assert f"over {DEMO_TIMED_STEPS} steps" in out
     assert "OmniKV's filter layers attend the whole context, RaaS keeps the prompt" in out
     assert "On the CPU the sparse methods gain little over dense, or lose" in out

@@ -451,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the README's main job: dense vs every method (or --method X) on the default "
                                        "model, budget 256 unless --budget")
     _method_args(demo, "all", ("all",))
-    demo.add_argument("--prompt-tokens", type=int, default=4000,
+    demo.add_argument("--prompt-tokens", type=int, default=3000,
                       help="tokens of the pass-key prompt (default: %(default)s)")
     demo.add_argument("--model", help="model folder, GGUF file or tiny:<arch> (default: the project's trained model)")
     demo.set_defaults(func=cmd_demo, max_new_tokens=16)

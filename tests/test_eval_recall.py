@@ -138,9 +138,10 @@ def test_recall_of_every_registered_method(name):
     from sparsekv.models import LoadedModel
     from sparsekv.tiny import byte_tokenizer, tiny_model
 
-    # 8 layers so that OmniKV has sparse layers; 40 new tokens so that RaaS's decode tokens outgrow the budget.
+    # 8 layers so that OmniKV has sparse layers; 40 new tokens for RaaS, so that its decode tokens outgrow the
+    # budget (the others' prompts already do).
     loaded = LoadedModel(tiny_model("llama", layers=8, heads=4, kv_heads=2, head_dim=16), byte_tokenizer(), "t")
-    sample = Sample("The grass is green. The sky is blue. " * 8, " The pass key is", None, 40)
+    sample = Sample("The grass is green. The sky is blue. " * 8, " The pass key is", None, 40 if name == "raas" else 10)
     full = Engine(loaded, METHODS[name](token_budget=1024), recall=True).generate(sample)
     assert full["recall"] == pytest.approx([1.0] * 8)
     config = METHODS[name](token_budget=32)

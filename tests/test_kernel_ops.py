@@ -12,7 +12,7 @@ B, H, HKV, D, P = 2, 4, 2, 8, 4
 OPS = ("page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page", "sparse_decode",
        "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "sparse_decode_tokens",
        "append_token", "append_pages", "raas_update", "landmark_means", "landmark_page_scores", "landmark_select",
-       "page_means", "merge_lse")
+       "page_means", "spread_stats", "spread_page_scores", "spread_select", "page_stats", "merge_lse")
 
 
 def filled_layer(dtype=torch.float32, lengths=(11, 6), seed=0, device="cpu"):
@@ -75,6 +75,14 @@ def op_args(dtype=torch.float32):
                             layer.slot_page, layer.cur_slot, seq_len, 0.3, 2, 1, True),
         "page_means": (layer.k[:1], torch.zeros(1, *layer.k.shape[1:3], 2, D, dtype=dtype),
                        torch.tensor([0, 1, 2, P, P + 1, -1])),
+        "spread_stats": (layer.k, torch.zeros(*layer.k.shape[:3], 2, D, dtype=dtype), layer.slot_page,
+                         layer.cur_slot, seq_len),
+        "spread_page_scores": (q, ref.page_spreads(layer.k, layer.slot_page, seq_len).to(dtype), layer.slot_page,
+                               1.5, True),
+        "spread_select": (q, layer.k, ref.page_spreads(layer.k, layer.slot_page, seq_len).to(dtype),
+                          layer.slot_page, layer.cur_slot, seq_len, 1.5, 2, 1, True),
+        "page_stats": (layer.k[:1], torch.zeros(1, *layer.k.shape[1:3], 2, D, dtype=dtype),
+                       torch.tensor([0, 1, 2, P, P + 1, -1])),
         "merge_lse": (torch.randn(1, H, 5, D, generator=g).to(dtype), torch.randn(1, H, 5, generator=g),
                       torch.randn(1, H, 5, D, generator=g).to(dtype), torch.randn(1, H, 5, generator=g)),
     }
@@ -104,10 +112,10 @@ def test_names_call_the_registered_ops(name):
         got, want = [args[name][i] for i in (4, 9)], [before[i] for i in (4, 9)]  # codes and chosen
     if name == "code_page":
         got, want = args[name][3], before[3]  # codes
-    if name in ("landmark_means", "page_means"):
-        got, want = args[name][1], before[1]  # means
-    if name == "landmark_select":
-        got, want = (got, args[name][2]), (want, before[2])  # the choice and the means
+    if name in ("landmark_means", "page_means", "spread_stats", "page_stats"):
+        got, want = args[name][1], before[1]  # means or stats
+    if name in ("landmark_select", "spread_select"):
+        got, want = (got, args[name][2]), (want, before[2])  # the choice and the means or stats
     for g, w in zip(*(t if isinstance(t, (tuple, list)) else (t,) for t in (got, want))):
         assert torch.equal(g, w)
 

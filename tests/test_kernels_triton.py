@@ -1171,6 +1171,121 @@ def test_page_means_match_reference(page_size, landmarks, head_dim, dtype):
     assert torch.equal(means[0, :, untouched].float(), want[0, :, untouched].float())
 
 
+# spread's stats as the kernels round them: float32 within a few ulps (sums in another order), a rounded one within
+# an ulp of its dtype (the float32 value rounded may lie on the other side of a rounding boundary).
+SPREAD_STATS_TOL = {torch.float32: 1e-6, torch.bfloat16: 8e-3, ref.FP8: 0.13}
+# spread's scores: float32 products in ieee, 16-bit ones of squares rounded to bf16.
+SPREAD_SCORES_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, ref.FP8: 2e-2}
+
+
+@pytest.mark.parametrize("through_table", [False, True], ids=["", "table"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, ref.FP8], ids=str)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,landmarks,lengths,per_head", LANDMARK_SHAPES)
+def test_spread_page_scores(batch, heads, kv_heads, head_dim, page_size, landmarks, lengths, per_head, dtype,
+                            through_table):
+    """Page scores from stored means and deviations against float64 on the same stats (an fp8 cache's with bf16
+    queries): free slots -inf, and only they, whatever they hold (NaN here)."""
+    k, _, _, _, slot_page, _, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths, torch.float32)
+    stats = ref.page_spreads(k, slot_page, seq_len)
+    stats[slot_page < 0] = ref.FP8_MAX if dtype == ref.FP8 else float("nan")
+    stats = ref.to_cache(stats, dtype)
+    q = torch.randn(batch, heads, head_dim, device=DEV).to(torch.bfloat16 if dtype == ref.FP8 else dtype)
+    exact = ref.spread_page_scores(*up(q, stats), slot_page, 1.7, per_head)
+    store, table = _through_table(stats, 1) if through_table else (stats, None)
+    scores = tops.spread_page_scores(q, store, slot_page, 1.7, per_head, table)
+    assert scores.shape == exact.shape and scores.dtype == torch.float32
+    assert torch.equal(scores.isinf(), exact.isinf()), "free slots must score -inf, and only they"
+    fin = exact.isfinite()
+    assert rel_err(scores[fin], exact[fin]) <= SPREAD_SCORES_TOL[dtype]
+
+
+@pytest.mark.parametrize("through_table", [False, True], ids=["", "table"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, ref.FP8], ids=str)
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page_size,landmarks,lengths,per_head", LANDMARK_SHAPES)
+def test_spread_stats_match_reference(batch, heads, kv_heads, head_dim, page_size, landmarks, lengths, per_head,
+                                      dtype, through_table):
+    """Each row's current page's mean and deviation, as the reference rounds them into the cache's dtype, and
+    nothing else written: partial pages with garbage past the row's length, a row without pages (cur_slot -1: slot
+    0), keys past fp8's range (saturated)."""
+    k, _, _, _, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
+                                                          torch.float32)
+    cur_slot[0, -1] = -1
+    k = ref.to_cache(k * (300 if dtype == ref.FP8 else 1), dtype)
+    stats = torch.randn(*slot_page.shape, 2, head_dim, device=DEV).to(dtype)
+    want = stats.clone()
+    if through_table:
+        (k, table), (stats, _), (want, _) = _through_table(k, 2), _through_table(stats, 2), _through_table(want, 2)
+    else:
+        table = None
+    tops.spread_stats(k, stats, slot_page, cur_slot, seq_len, table)
+    ref.spread_stats(k, want, slot_page, cur_slot, seq_len, table)
+    tol = SPREAD_STATS_TOL[dtype]
+    torch.testing.assert_close(stats.float(), want.float(), rtol=tol, atol=tol, equal_nan=True)
+
+
+SPREAD_SELECT_VARIANTS = {**{name: LOWBIT_SELECT_VARIANTS[name] for name in ("default", "segments", "torch-topk")},
+                          # group maxima from the page-score kernel: blocks of 16 slots, two chunks a program
+                          "fused": {"select_fused_rows": 1, "select_one_program": 64},
+                          "fused-chunks": {"select_fused_rows": 1, "select_one_program": 64, "page_block": 16,
+                                           "page_chunks": 2}}
+
+
+@pytest.mark.parametrize("variant,batch,heads,kv_heads,head_dim,page_size,landmarks,lengths,n_pages,per_head,sinks,"
+                         "in_order,through_table", crossed(
+    axis(list(SPREAD_SELECT_VARIANTS)), cases(LANDMARK_SELECT_SHAPES), axis([False, True], ["", "in-order"]),
+    axis([False, True], ["", "table"])))
+def test_spread_select(batch, heads, kv_heads, head_dim, page_size, landmarks, lengths, n_pages, per_head, sinks,
+                       variant, in_order, through_table, monkeypatch):
+    """The current pages' stats written as ``spread_stats`` writes them (stale ones there before), then exactly the
+    selection of the spread scores with the sink pages in, on each path of the top-k; ``in_order``: slot j holds
+    page j in a layer of more slots than the rows use."""
+    for key, value in SPREAD_SELECT_VARIANTS[variant].items():
+        monkeypatch.setitem(tops.TUNING, key, value)
+    spare = max(-(-n // page_size) for n in lengths) // 2 if in_order else 2
+    k, _, _, _, slot_page, cur_slot, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
+                                                          torch.float32, spare=spare, in_order=in_order)
+    stats = ref.page_spreads(k, slot_page, seq_len).float()
+    rows = torch.arange(batch, device=DEV).view(-1, 1), torch.arange(kv_heads, device=DEV).view(1, -1)
+    stats[(*rows, cur_slot)] = torch.randn_like(stats[(*rows, cur_slot)])  # stale: the op writes them
+    want = stats.clone()
+    table = None
+    if through_table:
+        (k, table), (stats, _), (want, _) = _through_table(k, 3), _through_table(stats, 3), _through_table(want, 3)
+    ref.spread_stats(k, want, slot_page, cur_slot, seq_len, table)
+    q = torch.randn(batch, heads, head_dim, device=DEV)
+    got = tops.spread_select(q, k, stats, slot_page, cur_slot, seq_len, 2.0, n_pages, sinks, per_head, in_order,
+                             table)
+    torch.testing.assert_close(stats, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+    scores = tops.spread_page_scores(q, stats, slot_page, 2.0, per_head, table)
+    assert torch.equal(got.sort(-1).values, stable_selection(ref.with_sinks(scores, slot_page, sinks), cur_slot,
+                                                             n_pages))
+    assert torch.equal(got.sort(-1).values, ref.spread_select(*up(q, k, stats), slot_page, cur_slot, seq_len, 2.0,
+                                                              n_pages, sinks, per_head, in_order,
+                                                              table).sort(-1).values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, ref.FP8], ids=str)
+@pytest.mark.parametrize("page_size,head_dim", [(4, 64), (6, 24), (16, 128), (1, 32)])
+def test_page_stats_match_reference(page_size, head_dim, dtype):
+    """The means and deviations of the pages a pass wrote by slot numbers (vLLM's blocks), from offset 0 to the last
+    written: pages written whole, in part, continued from an earlier pass, and padding; nothing else written."""
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    n_pages, kv_heads = 7, 2
+    k = ref.to_cache(torch.randn(1, kv_heads, n_pages, page_size, head_dim, generator=gen, device=DEV)
+                     * (300 if dtype == ref.FP8 else 1), dtype)
+    stats = torch.randn(1, kv_heads, n_pages, 2, head_dim, generator=gen, device=DEV).to(dtype)
+    want = stats.clone()
+    slots = [*range(2 * page_size, 3 * page_size), *range(5 * page_size + page_size // 2, 6 * page_size), -1,
+             *range(page_size, page_size + max(1, page_size - 1)), -1, -1]
+    slot_mapping = torch.tensor(slots, device=DEV)
+    tops.page_stats(k, stats, slot_mapping)
+    ref.page_stats(k, want, slot_mapping)
+    tol = SPREAD_STATS_TOL[dtype]
+    torch.testing.assert_close(stats.float(), want.float(), rtol=tol, atol=tol)
+    untouched = [p for p in range(n_pages) if p not in (1, 2, 5)]
+    assert torch.equal(stats[0, :, untouched].float(), want[0, :, untouched].float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows,heads,length,head_dim", [(1, 4, 37, 64), (2, 3, 5, 24), (1, 2, 130, 128)])
 def test_merge_lse_matches_reference(rows, heads, length, head_dim, dtype):

@@ -192,7 +192,8 @@ def test_readme_python_snippets(monkeypatch, capsys):
     assert summary["decode_steps"] >= 1 and 0 < summary["fraction"] < 1
     assert scope["model"].config._attn_implementation != "sparsekv"
     printed = capsys.readouterr().out
-    assert printed.count("71432") == 2 and str(summary) in printed
+    # the key as a number of its own: a printed speed may hold its digits (21.0180337714...)
+    assert len(re.findall(r"(?<![\d.])71432(?!\d)", printed)) == 2 and str(summary) in printed
 
 
 def test_readme_command_line_block(view):
@@ -206,11 +207,11 @@ def test_readme_command_line_block(view):
 
 
 def test_readme_eval_block(view):
-    """The eval example: it says its 6 runs and their rough time before it starts, then writes them."""
+    """The eval example: it says its 3 runs and their rough time before it starts, then writes them."""
     run = run_bash(block("sparsekv eval --task passkey"), view)
-    assert "sparsekv eval: 6 runs (3 method configurations x 1 length x 1 depth x 2 samples" in run.stderr
+    assert "sparsekv eval: 3 runs (3 method configurations x 1 length x 1 depth x 1 sample" in run.stderr
     assert "roughly" in run.stderr and "| quest @256 |" in run.stdout
-    assert len((view / "eval_results" / "passkey" / "results.jsonl").read_text().splitlines()) == 6
+    assert len((view / "eval_results" / "passkey" / "results.jsonl").read_text().splitlines()) == 3
 
 
 def test_serve_and_its_clients(view, capsys):

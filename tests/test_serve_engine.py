@@ -13,7 +13,7 @@ from sparsekv import (DenseConfig, H2OConfig, LowBitConfig, OmniKVConfig, Oracle
                       SnapKVConfig, StreamingLLMConfig, TOVAConfig)
 from sparsekv.engine import Engine, Sampling
 from sparsekv.errors import ConfigError
-from sparsekv.methods import LandmarkConfig
+from sparsekv.methods import LandmarkConfig, SpreadConfig
 from sparsekv.serve import PrefillPacer, QueueFull, Request, RequestError, ServingEngine
 from sparsekv.serve.runner import row_bytes
 from sparsekv.serve.scheduler import ContextTooLong
@@ -37,6 +37,7 @@ CONFIGS = {
     "lowbit-reuse4": LowBitConfig(token_budget=32, page_size=8, dense_layers=1, reuse=4),
     "oracle": OracleConfig(token_budget=32, page_size=8, dense_layers=1),
     "landmark": LandmarkConfig(token_budget=32, page_size=8, dense_layers=1),
+    "spread": SpreadConfig(token_budget=32, page_size=8, dense_layers=1),
     "quest-kv-fp8": QuestConfig(token_budget=32, page_size=8, dense_layers=1, kv_dtype="fp8"),
 }
 CONTEXT = 160
@@ -171,11 +172,12 @@ def test_shared_pages_hold_each_running_request_and_come_back(model, name):
     assert bool((shared.table == shared.pages).all())
 
 
-@pytest.mark.parametrize("name", ["dense", "quest", "raas", "h2o", "snapkv", "lowbit", "landmark"])
+@pytest.mark.parametrize("name", ["dense", "quest", "raas", "h2o", "snapkv", "lowbit", "landmark", "spread"])
 def test_the_pool_holds_what_its_size_counted(model, name):
     """The bytes a pool is checked against before it allocates (its rows of ``Method.pool_pages`` slots and the
     method's per-slot state) bound what it holds once requests ran through it, and every row can be given a request
-    of max_context tokens; lowbit's codes and landmark's means are taken with the pool, not at a request's join."""
+    of max_context tokens; lowbit's codes, landmark's means and spread's stats are taken with the pool, not at a
+    request's join."""
     config = CONFIGS[name]
     engine = ServingEngine(model, config, max_batch=2, max_context=CONTEXT, prefill_chunk=CHUNK)
     runner = engine.runner
@@ -188,9 +190,9 @@ def test_the_pool_holds_what_its_size_counted(model, name):
     assert runner.capacity_bytes() <= counted
     # every row can take a request of max_context tokens: admission by memory never leaves a row idle
     assert 2 * runner.kv_bytes(CONTEXT - 9, CONTEXT) <= engine.kv_memory_bytes
-    if name in ("lowbit", "landmark"):
+    if name in ("lowbit", "landmark", "spread"):
         assert before == runner.capacity_bytes()
-        # the codes (an eighth of the keys) and the means (two keys a page) are counted
+        # the codes (an eighth of the keys), the means and the stats (two keys a page) are counted
         assert counted - runner.capacity_bytes() < counted / 50
 
 

@@ -13,24 +13,25 @@ from sparsekv import kernels
 from sparsekv.cache import PagedKVCache
 from sparsekv.errors import ConfigError
 from sparsekv.integrations import vllm as plugin
-from sparsekv.integrations.vllm.pages import (BlockStore, DecodeRows, bounds_bytes, code_bits, decode,
-                                              landmark_count, leading_decodes, tail_bytes)
+from sparsekv.integrations.vllm.pages import (BlockStore, DecodeRows, Summary, bounds_bytes, code_bits, decode,
+                                              leading_decodes, page_summary, tail_bytes)
 from sparsekv.kernels import reference
 from sparsekv.methods.base import Tally
 from sparsekv.methods.landmark import means_entry
 from sparsekv.methods.lowbit import codes_entry
+from sparsekv.methods.spread import STATS
 from sparsekv.spec import build_config
 
 
 def vllm_cache(blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, layout: str,
                gen: torch.Generator, spare: int = 0, device: str = "cpu", bits: int = 0,
-               landmarks: int = 0) -> torch.Tensor:
+               rows: int = 0) -> torch.Tensor:
     """A layer's cache as vLLM's FlashAttention backend sees it with padded pages: (NB, Hkv, BS, 2D) over pages of
-    ``tail_bytes`` (for codes of ``bits`` and ``landmarks`` means; plus ``spare`` elements) more than the keys and
+    ``tail_bytes`` (for codes of ``bits`` and ``rows`` summary vectors; plus ``spare`` elements) more than the keys and
     values, filled with garbage (a reused block's stale contents)."""
     d2 = 2 * head_dim
     codes = kv_heads * block_size * head_dim * bits // 8 // torch.empty((), dtype=dtype).element_size()
-    page = block_size * kv_heads * d2 + kv_heads * d2 + codes + kv_heads * landmarks * head_dim + spare
+    page = block_size * kv_heads * d2 + kv_heads * d2 + codes + kv_heads * rows * head_dim + spare
     raw = torch.randn(blocks * page, generator=gen, dtype=torch.float64).mul(50).to(device, dtype)
     if layout == "NHD":
         return torch.as_strided(raw, (blocks, block_size, kv_heads, d2), (page, kv_heads * d2, d2, 1)).transpose(1, 2)
@@ -53,9 +54,9 @@ class Requests:
     and, beside each, our own cache of one row fed the same keys and values."""
 
     def __init__(self, kv_cache: torch.Tensor, n: int, gen: torch.Generator, ops=kernels, bits: int = 0,
-                 landmarks: int = 0):
+                 summary: Summary | None = None):
         self.cache = kv_cache
-        self.store = BlockStore(kv_cache, bits, landmarks)
+        self.store = BlockStore(kv_cache, bits, summary)
         self.ops = ops
         self.gen = gen
         self.free = torch.randperm(kv_cache.shape[0] - 1, generator=gen).add(1).tolist()  # block 0: vLLM's null block
@@ -113,8 +114,9 @@ class Requests:
         if store.bits:
             self.ops.page_codes(store.k, store.kmin, store.kmax, store.page_state[codes_entry(store.bits)],
                                 slot_mapping, store.bits)
-        if store.landmarks:
-            self.ops.page_means(store.k, store.page_state[means_entry(store.landmarks)], slot_mapping)
+        if store.summary:
+            keep = self.ops.page_stats if store.summary.spread else self.ops.page_means
+            keep(store.k, store.page_state[store.summary.entry], slot_mapping)
 
     def block_table(self) -> torch.Tensor:
         width = max(map(len, self.blocks)) + 2
@@ -124,14 +126,16 @@ class Requests:
         return table
 
 
-def grown(dtype=torch.float64, layout="NHD", seed=0, ops=kernels, device="cpu", bits=0, landmarks=0) -> Requests:
+def grown(dtype=torch.float64, layout="NHD", seed=0, ops=kernels, device="cpu", bits=0, summary=None) -> Requests:
     """Three requests: prompts in chunks that start and end mid-block, one prompt finishing while the others
     decode, then decode steps together, the last batch padded; ``ops``: the module whose ``page_bounds``,
-    ``page_codes`` and ``page_means`` keep the blocks' bounds, codes of ``bits`` and ``landmarks`` means (0: none);
+    ``page_codes``, ``page_means`` and ``page_stats`` keep the blocks' bounds, codes of ``bits`` (0: none) and
+    ``summary`` (``pages.Summary``, None: none);
     vLLM's cache on ``device`` (our own caches stay on the CPU)."""
     gen = torch.Generator().manual_seed(seed)
-    reqs = Requests(vllm_cache(40, 2, 4, 8, dtype, layout, gen, device=device, bits=bits, landmarks=landmarks), 3,
-                    gen, ops, bits, landmarks)
+    rows = summary.rows if summary else 0
+    reqs = Requests(vllm_cache(40, 2, 4, 8, dtype, layout, gen, device=device, bits=bits, rows=rows), 3, gen, ops,
+                    bits, summary)
     for counts in ([6, 9, 0], [5, 1, 13], [1, 7, 2], [1, 1, 3], [1, 1, 1], [1, 1, 1]):
         reqs.step(counts)
     reqs.step([1, 1, 1], padding=2)
@@ -139,19 +143,21 @@ def grown(dtype=torch.float64, layout="NHD", seed=0, ops=kernels, device="cpu", 
 
 
 def with_page_state(reqs: Requests) -> None:
-    """Our caches' layers get lowbit's codes or landmark's means of every page, as those methods' prefill makes
-    them."""
-    bits, landmarks = reqs.store.bits, reqs.store.landmarks
+    """Our caches' layers get lowbit's codes, landmark's means or spread's stats of every page, as those methods'
+    prefill makes them."""
+    bits, summary = reqs.store.bits, reqs.store.summary
     for r, layer in enumerate(reqs.layers):
         if bits:
             layer.slot_state[codes_entry(bits)] = reference.key_codes(layer.k, layer.kmin, layer.kmax, bits)
-        if landmarks:
-            means = reference.page_landmarks(layer.k, layer.slot_page, torch.tensor([reqs.length[r]]), landmarks)
-            layer.slot_state[means_entry(landmarks)] = reference.to_cache(means, layer.k.dtype)
+        if summary:
+            n = torch.tensor([reqs.length[r]])
+            kept = (reference.page_spreads(layer.k, layer.slot_page, n) if summary.spread
+                    else reference.page_landmarks(layer.k, layer.slot_page, n, summary.rows))
+            layer.slot_state[summary.entry] = reference.to_cache(kept, layer.k.dtype)
 
 
 def assert_blocks_equal_our_pages(reqs: Requests) -> None:
-    bits, landmarks = reqs.store.bits, reqs.store.landmarks
+    bits, summary = reqs.store.bits, reqs.store.summary
     with_page_state(reqs)
     for r, blocks in enumerate(reqs.blocks):
         ours = reqs.layers[r]
@@ -164,16 +170,23 @@ def assert_blocks_equal_our_pages(reqs: Requests) -> None:
             if bits:
                 codes = reqs.store.page_state[codes_entry(bits)]
                 assert torch.equal(codes[0, :, block, :n], ours.slot_state[codes_entry(bits)][0, :, j, :n]), (r, j)
-            if landmarks:
-                means = reqs.store.page_state[means_entry(landmarks)]
-                assert torch.equal(means[0, :, block], ours.slot_state[means_entry(landmarks)][0, :, j]), (r, j)
+            if summary:
+                kept = reqs.store.page_state[summary.entry]
+                assert torch.equal(kept[0, :, block], ours.slot_state[summary.entry][0, :, j]), (r, j)
 
 
-@pytest.mark.parametrize("bits, landmarks", [(0, 0), (1, 0), (2, 0), (4, 0), (0, 2), (0, 4), (2, 1)])
+def summary_of(spec: str) -> Summary | None:
+    """What a block keeps for the method of ``spec`` (pages of 4)."""
+    return page_summary(build_config(spec + ("," if ":" in spec else ":") + "page_size=4"))
+
+
+@pytest.mark.parametrize("bits, spec", [(0, "quest"), (1, "quest"), (2, "quest"), (4, "quest"),
+                                        (0, "landmark:landmarks=2"), (0, "landmark:landmarks=4"),
+                                        (2, "landmark:landmarks=1"), (0, "spread"), (2, "spread")])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_block_bounds_equal_our_pages(dtype, layout, bits, landmarks):
-    assert_blocks_equal_our_pages(grown(dtype, layout, bits=bits, landmarks=landmarks))
+def test_block_bounds_equal_our_pages(dtype, layout, bits, spec):
+    assert_blocks_equal_our_pages(grown(dtype, layout, bits=bits, summary=summary_of(spec)))
 
 
 def test_shared_prefix_blocks_hold_for_every_reader():
@@ -234,11 +247,11 @@ def test_means_change_only_their_place_in_the_written_blocks():
     """landmark's means follow the bounds in the page's tail: writing a block changes its bounds and means only;
     a block's means are of its keys up to the last one written."""
     gen = torch.Generator().manual_seed(3)
-    cache = vllm_cache(6, 2, 4, 8, torch.float64, "NHD", gen, spare=3, landmarks=2)
+    cache = vllm_cache(6, 2, 4, 8, torch.float64, "NHD", gen, spare=3, rows=2)
     page = cache.stride(0)
     flat = torch.as_strided(cache, (6 * page,), (1,))
     before = flat.clone()
-    store = BlockStore(cache, landmarks=2)
+    store = BlockStore(cache, summary=Summary(means_entry(2), 2))
     store.write(torch.tensor([-1, 4, 5, 6]))  # block 1, offsets 0-2
     changed = (flat != before).nonzero().squeeze(1)
     data = 4 * 2 * 16
@@ -255,8 +268,11 @@ def test_tail_bytes_and_a_page_too_short():
     assert tail_bytes(quest, 8, 16, 128, torch.bfloat16) == 4096
     assert tail_bytes(lowbit, 8, 16, 128, torch.bfloat16) == 4096 + 8 * 16 * 128 * 2 // 8
     landmark = build_config("landmark:page_size=16,landmarks=4")
-    assert (code_bits(landmark), landmark_count(landmark), landmark_count(quest)) == (0, 4, 0)
+    assert (code_bits(landmark), page_summary(landmark), page_summary(quest)) == (0, Summary(means_entry(4), 4), None)
     assert tail_bytes(landmark, 8, 16, 128, torch.bfloat16) == 4096 + 8 * 4 * 128 * 2
+    spread = build_config("spread:page_size=16")
+    assert page_summary(spread) == Summary(STATS, 2, spread=True)
+    assert tail_bytes(spread, 8, 16, 128, torch.bfloat16) == 4096 + 8 * 2 * 128 * 2
     gen = torch.Generator().manual_seed(0)
     plain = torch.randn(5, 4, 2, 8, generator=gen).transpose(1, 2)  # FlashAttention's cache without the room
     with pytest.raises(ValueError, match="room for the bounds"):
@@ -265,8 +281,8 @@ def test_tail_bytes_and_a_page_too_short():
     BlockStore(bounds_only)
     with pytest.raises(ValueError, match="room for the bounds and codes"):
         BlockStore(bounds_only, 2)
-    with pytest.raises(ValueError, match="room for the bounds and means"):
-        BlockStore(bounds_only, 0, 2)
+    with pytest.raises(ValueError, match="room for the bounds and summaries"):
+        BlockStore(bounds_only, 0, Summary(STATS, 2, spread=True))
 
 
 SPECS = ["quest:token_budget=8,dense_layers=0", "quest:token_budget=8,dense_layers=0,per_query_head=true",
@@ -283,7 +299,7 @@ def test_decode_over_blocks_equals_our_cache(spec):
     """Each row's output through vLLM's blocks (batched, a padded row at the end) equals the same method over the
     row's own cache (float64, references); the budget of 2 pages leaves most pages out."""
     config = build_config(spec + ",page_size=4")
-    reqs = grown(bits=code_bits(config), landmarks=landmark_count(config))
+    reqs = grown(bits=code_bits(config), summary=page_summary(config))
     with_page_state(reqs)
     method = config.method_class()(config, 2)
     n = len(reqs.blocks)
@@ -355,15 +371,15 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_ops_read_vllm_blocks(dtype, layout):
-    """The Triton kernels on vLLM's padded blocks: bounds, codes and means equal the reference's; Quest's, lowbit's
-    and landmark's choices and the sparse decode through the rows' table equal the reference ops on the same
-    views."""
+    """The Triton kernels on vLLM's padded blocks: bounds, codes, means and spread's stats equal the reference's;
+    Quest's, lowbit's, landmark's and spread's choices and the sparse decode through the rows' table equal the
+    reference ops on the same views."""
     from sparsekv.kernels import reference as ref
     from sparsekv.kernels import triton as tops
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    reqs = grown(dtype, layout, seed=4, ops=tops, device=dev, bits=2, landmarks=2)
-    twin = grown(dtype, layout, seed=4, ops=ref, bits=2, landmarks=2)
+    reqs = grown(dtype, layout, seed=4, ops=tops, device=dev, bits=2, summary=summary_of("landmark"))
+    twin = grown(dtype, layout, seed=4, ops=ref, bits=2, summary=summary_of("landmark"))
     for got, want in ((reqs.store.kmin, twin.store.kmin), (reqs.store.kmax, twin.store.kmax),
                       (reqs.store.page_state[codes_entry(2)], twin.store.page_state[codes_entry(2)]),
                       (reqs.store.page_state[means_entry(2)], twin.store.page_state[means_entry(2)])):
@@ -397,3 +413,15 @@ def test_triton_ops_read_vllm_blocks(dtype, layout):
                 per_query_head, True, layer.table)
         got = tops.landmark_select(*args)
         assert torch.equal(got.sort(-1).values.cpu(), ref.landmark_select(*args).sort(-1).values.cpu()), per_query_head
+    spread = grown(dtype, layout, seed=4, ops=tops, device=dev, summary=summary_of("spread"))
+    spread_twin = grown(dtype, layout, seed=4, ops=ref, summary=summary_of("spread"))
+    stats = spread.store.page_state[STATS]
+    # float32 sums in another order: the deviations may differ in their last bit (bf16: after rounding to it)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(stats.float().cpu(), spread_twin.store.page_state[STATS].float(), **tol)
+    layer = rows.layer(spread.store, n)
+    for per_query_head in (False, True):
+        args = (q.float(), layer.k.float(), stats.float(), layer.slot_page, layer.cur_slot, seq, 2.0, 2, 1,
+                per_query_head, True, layer.table)
+        got = tops.spread_select(*args)
+        assert torch.equal(got.sort(-1).values.cpu(), ref.spread_select(*args).sort(-1).values.cpu()), per_query_head

@@ -219,7 +219,8 @@ OBSERVED = (*SLOT_OPS, *TOKEN_OPS)
 NOT_ATTENTION = {"page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page",
                  "window_token_maxima", "attention_mass", "append_token", "append_pages", "page_bounds", "page_codes",
                  "raas_update", "linear", "linear_quantized", "landmark_means", "landmark_page_scores",
-                 "landmark_select", "page_means", "merge_lse"}
+                 "landmark_select", "page_means", "spread_stats", "spread_page_scores", "spread_select", "page_stats",
+                 "merge_lse"}
 
 
 def _observing_attention(calls: list):

@@ -217,6 +217,23 @@ def _page_means_fake(k, means, slot_mapping):
     return None
 
 
+def _spread_stats_fake(k, stats, slot_page, cur_slot, seq_len, table=None):
+    return None
+
+
+def _spread_page_scores_fake(q, stats, slot_page, spread, per_query_head=False, table=None):
+    return _page_scores_fake(q, None, None, slot_page, per_query_head)
+
+
+def _spread_select_fake(q, k, stats, slot_page, cur_slot, seq_len, spread, num_pages, sink_pages=0,
+                        per_query_head=False, in_order=False, table=None):
+    return _select_pages_fake(_page_scores_fake(q, None, None, slot_page, per_query_head), cur_slot, num_pages)
+
+
+def _page_stats_fake(k, stats, slot_mapping):
+    return None
+
+
 def _merge_lse_fake(a, lse_a, b, lse_b):
     return a.new_empty(a.shape), lse_a.new_empty(lse_a.shape)
 
@@ -251,6 +268,10 @@ landmark_means = _register("landmark_means", _landmark_means_fake, mutates=("mea
 landmark_page_scores = _register("landmark_page_scores", _landmark_page_scores_fake)
 landmark_select = _register("landmark_select", _landmark_select_fake, mutates=("means",))
 page_means = _register("page_means", _page_means_fake, mutates=("means",))
+spread_stats = _register("spread_stats", _spread_stats_fake, mutates=("stats",))
+spread_page_scores = _register("spread_page_scores", _spread_page_scores_fake)
+spread_select = _register("spread_select", _spread_select_fake, mutates=("stats",))
+page_stats = _register("page_stats", _page_stats_fake, mutates=("stats",))
 merge_lse = _register("merge_lse", _merge_lse_fake)
 page_codes = _register("page_codes", _page_codes_fake, mutates=("codes",))
 raas_update = _register("raas_update", _raas_update_fake, mutates=("slot_page", "stamp"))
@@ -285,5 +306,6 @@ __all__ = ["page_scores", "select_pages", "quest_select", "coded_scores", "lowbi
            "sparse_decode", "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "weigh_window",
            "sparse_decode_tokens", "append_token", "append_pages", "page_bounds", "page_codes", "raas_update", "linear",
            "linear_quantized", "landmark_means", "landmark_page_scores", "landmark_select", "page_means",
+           "spread_stats", "spread_page_scores", "spread_select", "page_stats",
            "merge_lse", "count_attended", "merge_attention", "observe", "fused", "reference",
            "set_programmatic_launch", "programmatic_launch"]

@@ -92,29 +92,51 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
     return mask_free(bound.flatten(1, 2) if per_query_head else bound.amax(dim=2), slot_page)
 
 
+def page_spreads(k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor) -> torch.Tensor:
+    """Each slot's channel-wise mean and standard deviation of its stored keys (``stored_tokens``), 0 for a slot
+    without one.
+
+    k: (B, Hkv, C, P, D); slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,) tokens stored per row (a page's
+    positions from it on are not written yet). Returns (B, Hkv, C, 2, D) float32 (float64 for float64 keys): the
+    mean at index 0 of dimension 3, the deviation at index 1."""
+    stored = stored_tokens(slot_page, seq_len, k.shape[3]).unsqueeze(-1)
+    count = stored.sum(3).clamp(min=1)
+    keys = torch.where(stored, k.to(acc_dtype(k.dtype)), 0.0)
+    mean = keys.sum(3) / count
+    var = torch.where(stored, keys - mean.unsqueeze(3), 0.0).square().sum(3) / count
+    return torch.stack((mean, var.sqrt()), dim=3)
+
+
+def spread_page_scores(q: torch.Tensor, stats: torch.Tensor, slot_page: torch.Tensor, spread: float,
+                       per_query_head: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
+    """Pages scored by the mean and spread of their keys: ``q . mu + spread * sqrt(sum_i q_i^2 sigma_i^2)``, mu and
+    sigma a page's channel-wise mean and standard deviation (``page_spreads``; taking its keys as Gaussian with
+    independent channels, the mean of its logits ``q . k`` and ``spread`` times their standard deviation).
+
+    q: (B, H, D); stats: (B, Hkv, C, 2, D) each slot's mean and deviation, or with ``table`` (B, C) int64 a store
+    of shared pages (1, Hkv, N, 2, D) read through it (``per_row``); slot_page: (B, Hkv, C), -1 for free slots.
+    Returns (B, Hkv, C), the max over each group's query heads, or (B, H, C) with ``per_query_head``, float32
+    (float64 for float64 q); free slots score -inf."""
+    stats = per_row(stats, table)
+    b, h, d = q.shape
+    hkv = stats.shape[1]
+    acc = acc_dtype(q.dtype)
+    qg = q.to(acc).view(b, hkv, h // hkv, 1, d)
+    mean, dev = stats.to(acc).unsqueeze(2).unbind(4)  # (B, Hkv, 1, C, D) each
+    score = (qg * mean).sum(-1) + spread * (qg.square() * dev.square()).sum(-1).sqrt()
+    return mask_free(score.flatten(1, 2) if per_query_head else score.amax(dim=2), slot_page)
+
+
 def spread_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor, spread: float,
                   per_query_head: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
-    """Pages scored by the mean and spread of their keys: ``q . mu + spread * sqrt(sum_i q_i^2 sigma_i^2)``, mu and
-    sigma a page's channel-wise mean and standard deviation over the tokens it stores (taking its keys as Gaussian
-    with independent channels, the mean of its logits ``q . k`` and ``spread`` times their standard deviation).
+    """``spread_page_scores`` of the means and deviations ``page_spreads`` makes from every stored key, unrounded.
 
     q: (B, H, D); k: (B, Hkv, C, P, D), or with ``table`` (B, C) int64 a pool's shared pages (1, Hkv, N, P, D);
-    slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,) tokens stored per row (a page's positions from it on
-    are not written yet). Returns (B, Hkv, C), the max over each group's query heads, or (B, H, C) with
-    ``per_query_head``; free slots score -inf.
+    slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,) tokens stored per row. Returns (B, Hkv, C) or
+    (B, H, C) with ``per_query_head``; free slots score -inf.
     """
-    k = per_row(k, table)
-    b, h, d = q.shape
-    hkv, p = k.shape[1], k.shape[3]
-    acc = acc_dtype(q.dtype)
-    stored = stored_tokens(slot_page, seq_len, p).to(acc).unsqueeze(-1)
-    count = stored.sum(3).clamp(min=1)
-    keys = k.to(acc)
-    mean = (keys * stored).sum(3) / count  # (B, Hkv, C, D)
-    var = ((keys - mean.unsqueeze(3)).square() * stored).sum(3) / count
-    qg = q.to(acc).view(b, hkv, h // hkv, 1, d)
-    score = (qg * mean.unsqueeze(2)).sum(-1) + spread * (qg.square() * var.unsqueeze(2)).sum(-1).sqrt()
-    return mask_free(score.flatten(1, 2) if per_query_head else score.amax(dim=2), slot_page)
+    return spread_page_scores(q, page_spreads(per_row(k, table), slot_page, seq_len), slot_page, spread,
+                              per_query_head)
 
 
 def channel_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor, channels: int,
@@ -171,6 +193,18 @@ def page_landmarks(k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tens
     return keys.sum(4) / stored.sum(4).clamp(min=1)
 
 
+def write_current(k: torch.Tensor, state: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.Tensor,
+                  seq_len: torch.Tensor, table: torch.Tensor | None, summary) -> None:
+    """Writes ``summary(keys, slot_page, seq_len)`` of each row's current page into ``state[b, h, cur_slot[b, h]]``
+    in place, in state's dtype (slot 0 for a row without pages, cur_slot -1): what ``landmark_means`` and
+    ``spread_stats`` keep of the page that gains a token every step. summary maps keys (B, Hkv, 1, P, D) to
+    (B, Hkv, 1, R, D), state is (B, Hkv, C, R, D) (with ``table``, a store (1, Hkv, N, R, D) as k's)."""
+    at = current_pages(cur_slot, table)
+    keys = raw(k)[at].view(k.dtype).unsqueeze(2)  # (B, Hkv, 1, P, D)
+    new = summary(keys, slot_page.gather(2, cur_slot.clamp(min=0).unsqueeze(-1)), seq_len)
+    raw(state)[at] = raw(to_cache(new.squeeze(2), state.dtype))
+
+
 def landmark_means(k: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.Tensor,
                    seq_len: torch.Tensor, table: torch.Tensor | None = None) -> None:
     """Writes the landmarks (``page_landmarks``) of each row's current page, in place, in means' dtype:
@@ -179,10 +213,19 @@ def landmark_means(k: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor
     k: (B, Hkv, C, P, D); means: (B, Hkv, C, L, D), L dividing P; or with ``table`` (B, C) int64 a store of shared
     pages, k (1, Hkv, N, P, D) and means (1, Hkv, N, L, D), slot s of row b in page ``table[b, s]``; slot_page:
     (B, Hkv, C); cur_slot: (B, Hkv) int64; seq_len: (B,)."""
-    at = current_pages(cur_slot, table)
-    keys = raw(k)[at].view(k.dtype).unsqueeze(2)  # (B, Hkv, 1, P, D)
-    new = page_landmarks(keys, slot_page.gather(2, cur_slot.clamp(min=0).unsqueeze(-1)), seq_len, means.shape[3])
-    raw(means)[at] = raw(to_cache(new.squeeze(2), means.dtype))
+    write_current(k, means, slot_page, cur_slot, seq_len, table,
+                  lambda keys, pages, n: page_landmarks(keys, pages, n, means.shape[3]))
+
+
+def spread_stats(k: torch.Tensor, stats: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.Tensor,
+                 seq_len: torch.Tensor, table: torch.Tensor | None = None) -> None:
+    """Writes the mean and deviation (``page_spreads``) of each row's current page, in place, in stats' dtype:
+    ``stats[b, h, cur_slot[b, h]]``, slot 0 for a row without pages (cur_slot -1).
+
+    k: (B, Hkv, C, P, D); stats: (B, Hkv, C, 2, D); or with ``table`` (B, C) int64 a store of shared pages, k
+    (1, Hkv, N, P, D) and stats (1, Hkv, N, 2, D); slot_page: (B, Hkv, C); cur_slot: (B, Hkv) int64; seq_len:
+    (B,)."""
+    write_current(k, stats, slot_page, cur_slot, seq_len, table, page_spreads)
 
 
 def landmark_page_lse(q: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor,
@@ -283,6 +326,21 @@ def landmark_select(q: torch.Tensor, k: torch.Tensor, means: torch.Tensor, slot_
         check_in_order("landmark_select", slot_page)
     landmark_means(k, means, slot_page, cur_slot, seq_len, table)
     scores = landmark_page_scores(q, means, slot_page, seq_len, k.shape[3], scale, per_query_head, table)
+    return select_pages(with_sinks(scores, slot_page, sink_pages), cur_slot, num_pages)
+
+
+def spread_select(q: torch.Tensor, k: torch.Tensor, stats: torch.Tensor, slot_page: torch.Tensor,
+                  cur_slot: torch.Tensor, seq_len: torch.Tensor, spread: float, num_pages: int, sink_pages: int = 0,
+                  per_query_head: bool = False, in_order: bool = False,
+                  table: torch.Tensor | None = None) -> torch.Tensor:
+    """spread's step in one op: the mean and deviation of each row's current page (``spread_stats``, in stats),
+    then ``select_pages`` of the pages' scores (``spread_page_scores``) with the first ``sink_pages`` pages of each
+    row always in (``with_sinks``); shapes as there, k (B, Hkv, C, P, D) or with ``table`` a store (1, Hkv, N, P,
+    D). ``in_order`` as ``quest_select``'s. Returns (B, Hs, min(num_pages, C)) int64."""
+    if in_order:
+        check_in_order("spread_select", slot_page)
+    spread_stats(k, stats, slot_page, cur_slot, seq_len, table)
+    scores = spread_page_scores(q, stats, slot_page, spread, per_query_head, table)
     return select_pages(with_sinks(scores, slot_page, sink_pages), cur_slot, num_pages)
 
 
@@ -841,17 +899,32 @@ def page_codes(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: t
     codes[0][:, pages] = key_codes(k[0][:, pages], kmin[0][:, pages], kmax[0][:, pages], bits)
 
 
+def write_pages(k: torch.Tensor, state: torch.Tensor, slot_mapping: torch.Tensor, summary) -> None:
+    """Writes ``summary(keys, slot_page, seq_len)`` of each page a pass wrote into a store of pages by slot numbers
+    (as vLLM writes its blocks), from its keys at offsets 0 to the last one written, in place, in state's dtype:
+    what ``page_means`` and ``page_stats`` keep. k: (1, Hkv, N, P, D); state: (1, Hkv, N, R, D); slot_mapping:
+    (T,) int64, ``page * P + offset`` of each token written, -1 for none."""
+    pages, last = written_pages(slot_mapping, k.shape[3], k.shape[2])
+    keys = raw(k)[0][:, pages].view(k.dtype).transpose(0, 1).unsqueeze(2)  # (n, Hkv, 1, P, D): a page per row
+    first = torch.zeros(keys.shape[:3], dtype=torch.long, device=k.device)  # each row's page 0, its length last + 1
+    new = summary(keys, first, last + 1).squeeze(2).transpose(0, 1)
+    raw(state)[0][:, pages] = raw(to_cache(new, state.dtype))
+
+
 def page_means(k: torch.Tensor, means: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """The landmarks (``page_landmarks``) of each page a pass wrote into a store of pages by slot numbers (as vLLM
     writes its blocks), from its keys at offsets 0 to the last one written, in place, in means' dtype.
 
     k: (1, Hkv, N, P, D); means: (1, Hkv, N, L, D), L dividing P; slot_mapping: (T,) int64, ``page * P + offset``
     of each token written, -1 for none."""
-    pages, last = written_pages(slot_mapping, k.shape[3], k.shape[2])
-    keys = raw(k)[0][:, pages].view(k.dtype).transpose(0, 1).unsqueeze(2)  # (n, Hkv, 1, P, D): a page per row
-    first = torch.zeros(keys.shape[:3], dtype=torch.long, device=k.device)  # each row's page 0, its length last + 1
-    new = page_landmarks(keys, first, last + 1, means.shape[3]).squeeze(2).transpose(0, 1)
-    raw(means)[0][:, pages] = raw(to_cache(new, means.dtype))
+    write_pages(k, means, slot_mapping, lambda keys, pages, n: page_landmarks(keys, pages, n, means.shape[3]))
+
+
+def page_stats(k: torch.Tensor, stats: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The mean and deviation (``page_spreads``) of each page a pass wrote into a store of pages by slot numbers,
+    as ``page_means`` writes landmarks. k: (1, Hkv, N, P, D); stats: (1, Hkv, N, 2, D); slot_mapping: (T,)
+    int64."""
+    write_pages(k, stats, slot_mapping, page_spreads)
 
 
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -6,27 +6,21 @@ every token's logit as its run's ``q . mean`` and ranks pages by the log of the 
 (``kernels.landmark_page_scores``). The first ``sink_pages`` pages are always attended (the attention sink).
 Everything else is Quest's: the budget, the current page, ``dense_layers``, ``per_query_head``.
 
-The means are kept per page slot in the cache (``PagedLayer.slot_state``), (B, Hkv, C + 1, landmarks, D) in the
-cache's dtype: two landmarks are Quest's metadata bytes (two vectors per page and KV head, like its min and max),
-which is all a step reads to score a page. They are made from the keys of every page after the prompt
-(``prefill``), then at every decode step for the current page, whose tokens arrive one at a time (within
-``kernels.landmark_select``, the step's choice in one op; once the page is full its means are final). A pass of
-several tokens after the prompt is refused, so that no page is left without means. Over pages that something else
-keeps (vLLM's blocks) the means are per store page, kept with the page (``PagedLayer.over``'s ``page_state``), and
-read through the page table. ``kernels.reference.landmark_scores`` computes the same scores from every key (the
-means unrounded), for the tests.
+The means are kept per page slot in the cache (``quest.Summarized``), (B, Hkv, C + 1, landmarks, D) in the cache's
+dtype: two landmarks are Quest's metadata bytes (two vectors per page and KV head, like its min and max), which is
+all a step reads to score a page; the current page's are written within ``kernels.landmark_select``, the step's
+choice in one op. ``kernels.reference.landmark_scores`` computes the same scores from every key (the means
+unrounded), for the tests.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .. import kernels
 from ..kernels import reference
 from .base import require
-from .quest import Reranked, RerankedConfig
+from .quest import RerankedConfig, Summarized
 
 
 def means_entry(landmarks: int) -> str:
@@ -56,38 +50,28 @@ class LandmarkConfig(RerankedConfig):
         return Landmark
 
 
-class Landmark(Reranked):
+class Landmark(Summarized):
     """Its state is the cache's: the means, ``layer.slot_state[means_entry(landmarks)]`` in each layer from
-    ``dense_layers`` on."""
+    ``dense_layers`` on (``Summarized``)."""
 
     config: LandmarkConfig
-    prefix_reuse = answer_reuse = True  # the prompt's means are made from its keys at its end (``prefill``)
-    accepts_chunks = False  # a multi-token pass after the prompt would complete pages without means
-    # A pool's rows keep their own pages: the means are per row and slot, which shared pages would need per store
-    # page, as their bounds are.
-    shared_pages = False
 
-    def prefill(self, layer_idx, q, layer, plan, scale):
-        if layer_idx >= self.config.dense_layers:
-            means = reference.page_landmarks(layer.k, layer.slot_page, plan.seq_len, self.config.landmarks)
-            layer.slot_state[means_entry(self.config.landmarks)] = reference.to_cache(means, layer.k.dtype)
+    @property
+    def summary_entry(self):
+        return means_entry(self.config.landmarks)
 
-    def slot_state_bytes(self, head_dim, itemsize):
-        cfg = self.config
-        return [8 if i < cfg.dense_layers else cfg.metadata_bytes(head_dim, itemsize) for i in range(self.num_layers)]
+    @property
+    def summary_rows(self):
+        return self.config.landmarks
 
-    def start_pool(self, layers, max_context):
-        # The means of every row, allocated with the pool (and counted in its size), not at the first join.
-        cfg = self.config
-        for layer in layers[cfg.dense_layers:]:
-            layer.slot_state[means_entry(cfg.landmarks)] = torch.zeros(
-                (*layer.slot_page.shape, cfg.landmarks, layer.k.shape[-1]), dtype=layer.k.dtype, device=layer.k.device)
+    def summarize(self, k, slot_page, seq_len):
+        return reference.page_landmarks(k, slot_page, seq_len, self.config.landmarks)
 
     def estimate(self, q, layer, seq_len, scale):
         """Each page's estimated attention mass (its log), after the current page's landmarks (the step's choice,
         ``select``, does both in one op)."""
         cfg = self.config
-        means = layer.slot_state[means_entry(cfg.landmarks)]
+        means = layer.slot_state[self.summary_entry]
         kernels.landmark_means(layer.k, means, layer.slot_page, layer.cur_slot, seq_len, layer.table)
         return kernels.landmark_page_scores(q, means, layer.slot_page, seq_len, cfg.page_size, scale,
                                             cfg.per_query_head, layer.table)
@@ -96,7 +80,7 @@ class Landmark(Reranked):
         cfg = self.config
         if layer_idx < cfg.dense_layers:
             return super().select(layer_idx, q, layer, seq_len)
-        return kernels.landmark_select(q, layer.k, layer.slot_state[means_entry(cfg.landmarks)], layer.slot_page,
+        return kernels.landmark_select(q, layer.k, layer.slot_state[self.summary_entry], layer.slot_page,
                                        layer.cur_slot, seq_len, q.shape[-1] ** -0.5 if scale is None else scale,
                                        cfg.token_budget // cfg.page_size, cfg.sink_pages, cfg.per_query_head,
                                        not layer.may_have_holes, layer.table)

@@ -116,3 +116,52 @@ class Reranked(Quest):
             return super().decode(layer_idx, q, layer, seq_len, scale, tally)
         slots = self.select(layer_idx, q, layer, seq_len, scale)
         return layer.attend(q, slots, seq_len, scale, tally.rows(slots.shape[1]))
+
+
+class Summarized(Reranked):
+    """Quest's choice ranked by an estimate from what each page keeps of its keys beside their bounds:
+    ``summary_rows`` vectors per page slot in the cache's dtype (landmark's mean keys of its runs, spread's mean and
+    deviation), in ``layer.slot_state[summary_entry]`` (B, Hkv, C + 1, summary_rows, D) of each layer from
+    ``dense_layers`` on. They are made from the keys of every page after the prompt (``prefill``), then at every
+    decode step for the current page, whose tokens arrive one at a time (within the step's choice, ``select``; once
+    the page is full they are final), so a pass of several tokens after the prompt is refused, leaving no page
+    without them. Over pages that something else keeps (vLLM's blocks) they are per store page, kept with the page
+    (``PagedLayer.over``'s ``page_state``), and read through the page table."""
+
+    prefix_reuse = answer_reuse = True  # made from the prompt's keys at its end (``prefill``)
+    accepts_chunks = False  # a multi-token pass after the prompt would complete pages without them
+    # A pool's rows keep their own pages: the summaries are per row and slot, which shared pages would need per
+    # store page, as their bounds are.
+    shared_pages = False
+
+    @property
+    def summary_entry(self) -> str:
+        """The ``slot_state`` entry of the summaries."""
+        raise NotImplementedError
+
+    @property
+    def summary_rows(self) -> int:
+        """Vectors per page."""
+        raise NotImplementedError
+
+    def summarize(self, k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, C, summary_rows, D) in float32 (float64 for float64 keys) from the keys k (B, Hkv, C, P, D)
+        stored (``reference.stored_tokens``)."""
+        raise NotImplementedError
+
+    def prefill(self, layer_idx, q, layer, plan, scale):
+        if layer_idx >= self.config.dense_layers:
+            kept = self.summarize(layer.k, layer.slot_page, plan.seq_len)
+            layer.slot_state[self.summary_entry] = reference.to_cache(kept, layer.k.dtype)
+
+    def slot_state_bytes(self, head_dim, itemsize):
+        cfg = self.config
+        return [8 if i < cfg.dense_layers else self.summary_rows * head_dim * itemsize
+                for i in range(self.num_layers)]
+
+    def start_pool(self, layers, max_context):
+        # Every row's summaries, allocated with the pool (and counted in its size), not at the first join.
+        for layer in layers[self.config.dense_layers:]:
+            layer.slot_state[self.summary_entry] = torch.zeros(
+                (*layer.slot_page.shape, self.summary_rows, layer.k.shape[-1]), dtype=layer.k.dtype,
+                device=layer.k.device)

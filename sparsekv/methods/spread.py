@@ -8,11 +8,14 @@ sigma its channel-wise mean and standard deviation, ``q . mu + spread * sqrt(sum
 of its logits plus ``spread`` of their standard deviations (the largest of P such logits lies about
 sqrt(2 ln P) deviations up: the default). The first ``sink_pages`` pages are always attended: the attention sink
 at the sequence's start has keys unlike the rest, which a mean ranks low and a bound ranks high. Everything else
-is Quest's: the budget, the current page, ``dense_layers``, ``per_query_head``, shared pages.
+is Quest's: the budget, the current page, ``dense_layers``, ``per_query_head``.
 
-This is the reference: it computes the means and spreads from the keys at every step, reading every key (as the
-oracle does), for measuring accuracy (``sparsekv.eval``, ``sparsekv.eval.selection``); a page's mean and spread
-take Quest's metadata bytes, two vectors, and a fast path would keep them as each page fills.
+The means and deviations are kept per page slot in the cache (``quest.Summarized``), (B, Hkv, C + 1, 2, D) in the
+cache's dtype: Quest's metadata bytes (two vectors per page and KV head, where Quest keeps its min and max), which
+is all a step reads to score a page. A step chooses in one op, ``kernels.spread_select``: on CUDA Quest's two
+launches, its page-score kernel reading the means and deviations (and writing the current page's first) where it
+reads the bounds. ``kernels.reference.spread_scores`` computes the same scores from every key (unrounded), for the
+tests.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .. import kernels
 from ..kernels import reference
 from .base import is_real, require
-from .quest import Reranked, RerankedConfig
+from .quest import RerankedConfig, Summarized
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,19 +45,37 @@ class SpreadConfig(RerankedConfig):
     def spread_weight(self) -> float:
         return math.sqrt(2 * math.log(self.page_size)) if self.spread is None else float(self.spread)
 
-    def metadata_bytes(self, head_dim: int, itemsize: int) -> int:
-        """Per page and KV head the reference reads every key of the page."""
-        return self.page_size * head_dim * itemsize
-
     def method_class(self):
         return Spread
 
 
-class Spread(Reranked):
+STATS = "spread"  # the ``slot_state`` entry of the pages' means and deviations
+
+
+class Spread(Summarized):
+    """Its state is the cache's: ``layer.slot_state[STATS]`` (B, Hkv, C + 1, 2, D), each page's mean and deviation,
+    in each layer from ``dense_layers`` on (``Summarized``)."""
+
     config: SpreadConfig
+    summary_entry = STATS
+    summary_rows = 2
+
+    def summarize(self, k, slot_page, seq_len):
+        return reference.page_spreads(k, slot_page, seq_len)
 
     def estimate(self, q, layer, seq_len, scale):
-        """Each page's mean-and-spread score (``kernels.reference.spread_scores``)."""
+        """Each page's mean-and-spread score, after the current page's mean and deviation (the step's choice,
+        ``select``, does both in one op)."""
         cfg = self.config
-        return reference.spread_scores(q, layer.k, layer.slot_page, seq_len, cfg.spread_weight, cfg.per_query_head,
-                                       layer.table)
+        stats = layer.slot_state[STATS]
+        kernels.spread_stats(layer.k, stats, layer.slot_page, layer.cur_slot, seq_len, layer.table)
+        return kernels.spread_page_scores(q, stats, layer.slot_page, cfg.spread_weight, cfg.per_query_head,
+                                          layer.table)
+
+    def select(self, layer_idx, q, layer, seq_len, scale=None):
+        cfg = self.config
+        if layer_idx < cfg.dense_layers:
+            return super().select(layer_idx, q, layer, seq_len)
+        return kernels.spread_select(q, layer.k, layer.slot_state[STATS], layer.slot_page, layer.cur_slot, seq_len,
+                                     cfg.spread_weight, cfg.token_budget // cfg.page_size, cfg.sink_pages,
+                                     cfg.per_query_head, not layer.may_have_holes, layer.table)

@@ -4,7 +4,8 @@ method (``pages``), selected with ``--attention-backend CUSTOM`` once ``register
 A step of one attention layer:
 - ``do_kv_cache_update``: vLLM writes the keys and values into its blocks, then each block written gets its keys'
   bounds (``kernels.page_bounds``) and, for lowbit, their codes (``kernels.page_codes``), for landmark their means
-  (``kernels.page_means``), in prefill and decode alike;
+  (``kernels.page_means``), for spread their mean and deviation (``kernels.page_stats``), in prefill and decode
+  alike;
 - ``forward``: the batch holds its decode requests first (one token each); their tokens attend through the method
   over the blocks of their block table (``pages.decode``), the rest (prompt chunks) through vLLM's FlashAttention.
 
@@ -36,7 +37,7 @@ from vllm.v1.attention.backends.flash_attn import (  # noqa: E402
     FlashAttentionMetadataBuilder,
 )
 
-from .pages import (BlockStore, DecodeRows, code_bits, decode, landmark_count, leading_decodes,  # noqa: E402
+from .pages import (BlockStore, DecodeRows, code_bits, decode, leading_decodes, page_summary,  # noqa: E402
                     tail_bytes)
 
 
@@ -107,7 +108,7 @@ class SparseKVImpl(FlashAttentionImpl):
     def blocks(self, kv_cache: torch.Tensor) -> BlockStore:
         """This layer's cache as our store of pages (the views made once: vLLM binds a layer's cache once)."""
         if self.store is None or self.store.kv_cache.data_ptr() != kv_cache.data_ptr():
-            self.store = BlockStore(kv_cache, code_bits(self.config), landmark_count(self.config))
+            self.store = BlockStore(kv_cache, code_bits(self.config), page_summary(self.config))
         return self.store
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

@@ -4,16 +4,18 @@ it without vLLM).
 vLLM's FlashAttention cache of one layer is a view (NB, Hkv, BS, 2D) of blocks of BS tokens, each token's key and
 value side by side (K | V) per KV head. The backend asks vLLM for pages ``tail_bytes`` longer than that
 (``page_size_padded``): the end of each block's page holds, per KV head, the channel-wise min and max of its keys
-(Hkv, 2, D), then for lowbit its keys' codes (Hkv, BS, D * bits / 8) bytes and for landmark its runs' mean keys
-(Hkv, L, D), so vLLM's KV planning counts them, prefix caching shares them with the block, and a block copy moves
-them. ``BlockStore`` views that memory as our store of shared pages: keys and values (1, Hkv, NB, BS, D), bounds
-(1, Hkv, NB, D), codes (1, Hkv, NB, BS, D * bits / 8) and means (1, Hkv, NB, L, D), so the ops and methods of
-``kernels`` and ``methods`` read it unchanged.
+(Hkv, 2, D), then for lowbit its keys' codes (Hkv, BS, D * bits / 8) bytes, for landmark its runs' mean keys
+(Hkv, L, D) and for spread its keys' mean and deviation (Hkv, 2, D), so vLLM's KV planning counts them, prefix
+caching shares them with the block, and a block copy moves them. ``BlockStore`` views that memory as our store of
+shared pages: keys and values (1, Hkv, NB, BS, D), bounds (1, Hkv, NB, D), codes (1, Hkv, NB, BS, D * bits / 8) and
+summaries (1, Hkv, NB, rows, D), so the ops and methods of ``kernels`` and ``methods`` read it unchanged.
 ``DecodeRows`` turns vLLM's block table and sequence lengths into our rows' page tables, in buffers that a captured
 CUDA graph keeps reading.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +24,7 @@ from ...cache.paged import PagedLayer
 from ...methods.base import Method, MethodConfig, Tally
 from ...methods.landmark import LandmarkConfig, means_entry
 from ...methods.lowbit import LowBitConfig, codes_entry
+from ...methods.spread import STATS, SpreadConfig
 
 
 def bounds_bytes(num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
@@ -34,42 +37,60 @@ def code_bits(config: MethodConfig) -> int:
     return config.bits if isinstance(config, LowBitConfig) else 0
 
 
-def landmark_count(config: MethodConfig) -> int:
-    """Mean keys per block the method keeps (landmark's), 0 for none."""
-    return config.landmarks if isinstance(config, LandmarkConfig) else 0
+@dataclass(frozen=True)
+class Summary:
+    """What each block keeps of its keys beside their bounds for a method (``quest.Summarized``): ``rows`` vectors
+    per KV head in ``page_state[entry]``, written by ``kernels.page_means`` (landmark's mean keys of its runs) or,
+    with ``spread``, by ``kernels.page_stats`` (spread's mean and deviation)."""
+
+    entry: str
+    rows: int
+    spread: bool = False
+
+
+def page_summary(config: MethodConfig) -> Summary | None:
+    """What a block keeps of its keys for the method beside their bounds (landmark's and spread's), None for none."""
+    if isinstance(config, LandmarkConfig):
+        return Summary(means_entry(config.landmarks), config.landmarks)
+    if isinstance(config, SpreadConfig):
+        return Summary(STATS, 2, spread=True)
+    return None
 
 
 def tail_bytes(config: MethodConfig, num_kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype) -> int:
-    """Bytes a block's page adds for the method: its keys' bounds, and lowbit's codes or landmark's means of its
-    keys."""
+    """Bytes a block's page adds for the method: its keys' bounds, and lowbit's codes or the summary of its keys
+    (``page_summary``)."""
     codes = num_kv_heads * block_size * head_size * code_bits(config) // 8
-    means = num_kv_heads * landmark_count(config) * head_size * torch.empty((), dtype=dtype).element_size()
-    return bounds_bytes(num_kv_heads, head_size, dtype) + codes + means
+    summary = page_summary(config)
+    rows = summary.rows if summary else 0
+    return bounds_bytes(num_kv_heads, head_size, dtype) + codes + num_kv_heads * rows * head_size * torch.empty(
+        (), dtype=dtype).element_size()
 
 
 class BlockStore:
     """One layer's vLLM cache as a store of pages. kv_cache: (NB, Hkv, BS, 2D), vLLM's FlashAttention view of pages
     of ``tail_bytes`` more than their keys and values (any layout of the block: NHD or HND); bits: of the codes the
-    pages keep (``code_bits``, 0: none); landmarks: mean keys a page keeps (``landmark_count``, 0: none).
+    pages keep (``code_bits``, 0: none); summary: what a page keeps of its keys besides (``page_summary``).
 
     k, v: (1, Hkv, NB, BS, D) views; kmin, kmax: (1, Hkv, NB, D) views of the end of each page; page_state, after
     the bounds: the codes (1, Hkv, NB, BS, D * bits / 8) uint8 by lowbit's name for them (``codes_entry``), then
-    the means (1, Hkv, NB, L, D) by landmark's (``means_entry``).
+    the summaries (1, Hkv, NB, rows, D) by the method's (``Summary.entry``).
     """
 
-    def __init__(self, kv_cache: torch.Tensor, bits: int = 0, landmarks: int = 0):
+    def __init__(self, kv_cache: torch.Tensor, bits: int = 0, summary: Summary | None = None):
         nb, hkv, bs, d2 = kv_cache.shape
         d = d2 // 2
         page = kv_cache.stride(0)
         data = bs * hkv * d2  # the page's keys and values come first, whatever their layout
         item = kv_cache.element_size()
         codes = -(-hkv * bs * d * bits // (8 * item))  # elements the codes take, after the bounds
-        need = data + hkv * d2 + codes + hkv * landmarks * d
+        rows = summary.rows if summary else 0
+        need = data + hkv * d2 + codes + hkv * rows * d
         if kv_cache.stride(3) != 1 or page < need:
-            extra = " and codes" if bits else " and means" if landmarks else ""
+            extra = " and codes" if bits else " and summaries" if summary else ""
             raise ValueError(f"BlockStore: a cache of pages with room for the bounds{extra} is needed: {need} "
                              f"elements a block, got a block stride of {page} (strides {kv_cache.stride()})")
-        self.kv_cache, self.bits, self.landmarks = kv_cache, bits, landmarks
+        self.kv_cache, self.bits, self.summary = kv_cache, bits, summary
         self.k = kv_cache[..., :d].permute(1, 0, 2, 3).unsqueeze(0)
         self.v = kv_cache[..., d:].permute(1, 0, 2, 3).unsqueeze(0)
         bounds = torch.as_strided(kv_cache, (hkv, nb, 2, d), (d2, page, d, 1), kv_cache.storage_offset() + data)
@@ -82,20 +103,21 @@ class BlockStore:
             raw.set_(kv_cache.untyped_storage(), start, (1, hkv, nb, bs, width),
                      (0, bs * width, page * item, width, 1))
             self.page_state[codes_entry(bits)] = raw
-        if landmarks:
-            self.page_state[means_entry(landmarks)] = torch.as_strided(
-                kv_cache, (1, hkv, nb, landmarks, d), (0, landmarks * d, page, d, 1),
+        if summary:
+            self.page_state[summary.entry] = torch.as_strided(
+                kv_cache, (1, hkv, nb, rows, d), (0, rows * d, page, d, 1),
                 kv_cache.storage_offset() + data + hkv * d2 + codes)
 
     def write(self, slot_mapping: torch.Tensor) -> None:
         """After vLLM wrote a pass's keys at ``slot_mapping`` (T,) int64 (block * BS + offset, -1 for padding),
-        the bounds of every block written, then its keys' codes or means."""
+        the bounds of every block written, then its keys' codes or summary."""
         kernels.page_bounds(self.k, self.kmin, self.kmax, slot_mapping)
         if self.bits:
             kernels.page_codes(self.k, self.kmin, self.kmax, self.page_state[codes_entry(self.bits)], slot_mapping,
                                self.bits)
-        if self.landmarks:
-            kernels.page_means(self.k, self.page_state[means_entry(self.landmarks)], slot_mapping)
+        if self.summary:
+            write = kernels.page_stats if self.summary.spread else kernels.page_means
+            write(self.k, self.page_state[self.summary.entry], slot_mapping)
 
 
 class DecodeRows:

@@ -1,16 +1,13 @@
-"""landmark's ops: the landmarks of each row's current page (``reference.landmark_means``) or of the pages a pass
-wrote by slot numbers (``reference.page_means``, vLLM's blocks) in one launch, the page scores from stored
-landmarks (``reference.landmark_page_scores``) in two, and a step's choice (``reference.landmark_select``) in three.
-
-``_page_landmarks``: one page's landmarks from its keys, the mean of each run's stored tokens; the three kernels
-that write landmarks call it.
+"""landmark's page scores from stored landmarks (``reference.landmark_page_scores``) in two launches and a step's
+choice (``reference.landmark_select``) in three; the landmarks themselves are written by ``summary``'s kernels.
 
 ``_landmark_lse_kernel``: one program per (sequence, KV head, block of ``landmark_block`` slots) reads the block's
 landmarks once, as the rows of one tensor-core product with the group's query heads as columns, takes each run's
 logit ``scale * q . mean + log(count)`` (count: its stored tokens, from the page table and the row's length; a run
 without any is left out) and writes per head the log-sum-exp of each page's runs and of the block's. For
-``landmark_select`` the program whose block holds the row's current slot first writes that page's landmarks (the
-current page gains a token every step), and rows without holes read nothing past their last page.
+``landmark_select`` the program whose block holds the row's current slot first writes that page's landmarks
+(``summary.current_summary``: the current page gains a token every step), and rows without holes read nothing past
+their last page.
 
 The shares (and for ``landmark_select`` the top-k's group maxima, the sink pages at +inf) are ``coded.page_shares``'
 launch, lowbit's; the top-k is ``selection.select_from_maxima``'s."""
@@ -20,138 +17,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
 from .. import reference
-from .append import last_of_page
 from .coded import _lse, page_shares
 from .common import TUNING, block_d, check, dependent_launch, group_pad, interpreted_bf16, pdl_launch, precision
 from .selection import fused_group_size, select_from_maxima
-
-
-@triton.jit
-def _page_landmarks(k_at, m_at, stored_end, sk_p, sm_l, L: tl.constexpr, L_PAD: tl.constexpr, RUN: tl.constexpr,
-                    RUN_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr):
-    """Writes one page's landmarks (at m_at, runs sm_l apart) from its keys (at k_at, tokens sk_p apart), of which
-    the first stored_end are stored: the mean of each run's stored keys, 0 for a run without one."""
-    run = tl.arange(0, L_PAD)
-    r = tl.arange(0, RUN_PAD)
-    d = tl.arange(0, D_PAD)
-    j = run[:, None] * RUN + r[None, :]  # (L_PAD, RUN_PAD): the token of the page
-    stored = (run[:, None] < L) & (r[None, :] < RUN) & (j < stored_end)
-    keys = tl.load(k_at + j[:, :, None] * sk_p + d[None, None, :], mask=stored[:, :, None] & (d < D)[None, None, :],
-                   other=0.0).to(tl.float32)
-    count = tl.maximum(tl.sum(stored.to(tl.float32), axis=1), 1.0)
-    mean = tl.math.div_rn(tl.sum(keys, axis=1), count[:, None])  # (L_PAD, D_PAD), as the reference divides
-    if FP8:  # saturated, as ``reference.to_cache`` (e4m3fn has no infinity)
-        mean = tl.clamp(mean, -448.0, 448.0)
-    tl.store(m_at + run[:, None] * sm_l + d[None, :], mean.to(m_at.dtype.element_ty),
-             mask=(run < L)[:, None] & (d < D)[None, :])
-
-
-@triton.jit
-def _current_landmarks(k_ptr, m_ptr, sp_ptr, tab_ptr, b, h, slot, n, sk_b, sk_h, sk_c, sk_p, sm_b, sm_h, sm_c, sm_l,
-                       ss_b, ss_h, st_b, L: tl.constexpr, L_PAD: tl.constexpr, RUN: tl.constexpr,
-                       RUN_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, TABLE: tl.constexpr,
-                       FP8: tl.constexpr):
-    """Writes the landmarks of slot ``slot`` of row (b, h), a row of n tokens (through the page table in shared
-    pages, where keys and landmarks lie in the same store page)."""
-    page = tl.load(sp_ptr + b * ss_b + h * ss_h + slot)
-    stored_end = tl.where(page >= 0, n - page * (L * RUN), 0)  # the page's tokens below the row's length
-    if TABLE:
-        at = tl.load(tab_ptr + b * st_b + slot)
-        k_at = k_ptr + h * sk_h + at * sk_c
-        m_at = m_ptr + h * sm_h + at * sm_c
-    else:
-        k_at = k_ptr + b * sk_b + h * sk_h + slot * sk_c
-        m_at = m_ptr + b * sm_b + h * sm_h + slot * sm_c
-    _page_landmarks(k_at, m_at, stored_end, sk_p, sm_l, L, L_PAD, RUN, RUN_PAD, D, D_PAD, FP8)
-
-
-@triton.jit
-def _landmark_means_kernel(k_ptr, m_ptr, sp_ptr, cur_ptr, len_ptr, tab_ptr, sk_b, sk_h, sk_c, sk_p, sm_b, sm_h,
-                           sm_c, sm_l, ss_b, ss_h, su_b, su_h, st_b, HKV: tl.constexpr, L: tl.constexpr,
-                           L_PAD: tl.constexpr, RUN: tl.constexpr, RUN_PAD: tl.constexpr, D: tl.constexpr,
-                           D_PAD: tl.constexpr, TABLE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
-    """The landmarks of row (sequence, KV head)'s current slot, slot 0 for a row without pages."""
-    dependent_launch(PDL)
-    row = tl.program_id(0)
-    b = (row // HKV).to(tl.int64)
-    h = row % HKV
-    slot = tl.maximum(tl.load(cur_ptr + b * su_b + h * su_h), 0)
-    _current_landmarks(k_ptr, m_ptr, sp_ptr, tab_ptr, b, h, slot, tl.load(len_ptr + b), sk_b, sk_h, sk_c, sk_p, sm_b,
-                       sm_h, sm_c, sm_l, ss_b, ss_h, st_b, L, L_PAD, RUN, RUN_PAD, D, D_PAD, TABLE, FP8)
-
-
-@triton.jit
-def _page_means_kernel(k_ptr, m_ptr, slot_ptr, n, sk_h, sk_c, sk_p, sm_h, sm_c, sm_l, P: tl.constexpr,
-                       L: tl.constexpr, L_PAD: tl.constexpr, RUN: tl.constexpr, RUN_PAD: tl.constexpr,
-                       D: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
-    """One program per (token written, KV head); the page's last token of the pass writes the page's landmarks."""
-    dependent_launch(PDL)
-    t = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    slot, last = last_of_page(slot_ptr, t, n, P)
-    if last:
-        page = slot // P
-        _page_landmarks(k_ptr + h * sk_h + page * sk_c, m_ptr + h * sm_h + page * sm_c, slot % P + 1, sk_p, sm_l, L,
-                        L_PAD, RUN, RUN_PAD, D, D_PAD, FP8)
-
-
-def _rounded_by_torch(means: torch.Tensor) -> torch.Tensor:
-    """Where a kernel writes landmarks: ``means``, or under Triton's CPU interpreter, which rounds bf16 and fp8
-    stores otherwise than a GPU does, a float32 copy that ``_round_back`` rounds into means (tests only; the
-    landmarks not written round-trip exactly)."""
-    return means.float() if knobs.runtime.interpret and means.dtype in (torch.bfloat16, reference.FP8) else means
-
-
-def _round_back(out: torch.Tensor, means: torch.Tensor) -> None:
-    if out is not means:
-        means.copy_(reference.to_cache(out, means.dtype))
-
-
-def _launch_shape(k: torch.Tensor, means: torch.Tensor) -> dict:
-    """The constexprs of a page's landmarks for keys k (..., P, D) and landmarks means (..., L, D)."""
-    p, d, landmarks = k.shape[3], k.shape[4], means.shape[3]
-    reference.check_landmarks(landmarks, p)
-    if k.stride(-1) != 1 or means.stride(-1) != 1:
-        raise ValueError("landmark ops: k and means must be contiguous in their last (head_dim) dimension")
-    run = p // landmarks
-    return dict(L=landmarks, L_PAD=triton.next_power_of_2(landmarks), RUN=run, RUN_PAD=triton.next_power_of_2(run),
-                D=d, D_PAD=triton.next_power_of_2(d))
-
-
-def landmark_means(k: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.Tensor,
-                   seq_len: torch.Tensor, table: torch.Tensor | None = None) -> None:
-    """``reference.landmark_means`` in one launch (float64 landmarks: the reference)."""
-    if means.dtype == torch.float64:
-        return reference.landmark_means(k, means, slot_page, cur_slot, seq_len, table)
-    shape = _launch_shape(k, means)
-    b, hkv = cur_slot.shape
-    out = _rounded_by_torch(means)
-    _landmark_means_kernel[(b * hkv,)](
-        k, out, slot_page, cur_slot, seq_len, cur_slot if table is None else table, k.stride(0), k.stride(1),
-        k.stride(2), k.stride(3), out.stride(0), out.stride(1), out.stride(2), out.stride(3), slot_page.stride(0),
-        slot_page.stride(1), cur_slot.stride(0), cur_slot.stride(1), 0 if table is None else table.stride(0),
-        HKV=hkv, TABLE=table is not None, FP8=out.dtype == reference.FP8, **shape, **pdl_launch())
-    _round_back(out, means)
-
-
-def page_means(k: torch.Tensor, means: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """``reference.page_means`` in one launch: a program per token written and KV head, the page's last token of
-    the pass writing the page's landmarks."""
-    if means.dtype == torch.float64:
-        return reference.page_means(k, means, slot_mapping)
-    if slot_mapping.stride(0) != 1:
-        raise ValueError("page_means: slot_mapping must be contiguous")
-    shape = _launch_shape(k, means)
-    n = slot_mapping.shape[0]
-    out = _rounded_by_torch(means)
-    if n:
-        _page_means_kernel[(n, k.shape[1])](
-            k, out, slot_mapping, n, k.stride(1), k.stride(2), k.stride(3), out.stride(1), out.stride(2),
-            out.stride(3), P=k.shape[3], FP8=out.dtype == reference.FP8, **shape, **pdl_launch())
-    _round_back(out, means)
+from .summary import current_summary, round_back, rounded_by_torch, summary_shape
 
 
 @triton.jit
@@ -174,8 +45,8 @@ def _landmark_lse_kernel(q_ptr, k_ptr, m_ptr, sp_ptr, cur_ptr, len_ptr, tab_ptr,
     if CURRENT:
         cur = tl.maximum(tl.load(cur_ptr + b * su_b + kvh * su_h), 0)
         if (cur >= blk * BLOCK_C) & (cur < blk * BLOCK_C + BLOCK_C):
-            _current_landmarks(k_ptr, m_ptr, sp_ptr, tab_ptr, b, kvh, cur, n, sk_b, sk_h, sk_c, sk_p, sm_b, sm_h,
-                               sm_c, sm_l, ss_b, ss_h, st_b, L, L_PAD, RUN, RUN_PAD, D, D_PAD, TABLE, FP8)
+            current_summary(k_ptr, m_ptr, sp_ptr, tab_ptr, b, kvh, cur, n, sk_b, sk_h, sk_c, sk_p, sm_b, sm_h, sm_c,
+                            sm_l, ss_b, ss_h, st_b, L * RUN, L, L_PAD, RUN, RUN_PAD, D, D_PAD, TABLE, False, FP8)
             tl.debug_barrier()  # the block's threads read what others of them wrote
     i = tl.arange(0, BLOCK_C * L_PAD)  # the tile's rows: run i % L_PAD of slot i // L_PAD of the block
     c = blk * BLOCK_C + i // L_PAD
@@ -232,7 +103,7 @@ def _landmark_lse(q, means, slot_page, seq_len, page_size, scale, table, current
     n_parts = triton.cdiv(c, block_c)
     lse = torch.empty(b, h, c, dtype=torch.float32, device=q.device)
     part = torch.empty(b * h, n_parts, dtype=torch.float32, device=q.device)
-    out = _rounded_by_torch(means) if current else means
+    out = rounded_by_torch(means) if current else means
     batch = 0 if table is not None else 1  # a store of shared pages is one batch row: its batch stride unused
     run = page_size // landmarks
     _landmark_lse_kernel[(b * hkv, n_parts)](
@@ -247,7 +118,7 @@ def _landmark_lse(q, means, slot_page, seq_len, page_size, scale, table, current
         FP8=out.dtype == reference.FP8, num_warps=TUNING["landmark_warps"], num_stages=TUNING["landmark_stages"],
         **pdl_launch())
     if current:
-        _round_back(out, means)
+        round_back(out, means)
     return lse, part
 
 
@@ -271,7 +142,7 @@ def landmark_select(q: torch.Tensor, k: torch.Tensor, means: torch.Tensor, slot_
         return reference.landmark_select(q, k, means, slot_page, cur_slot, seq_len, scale, num_pages, sink_pages,
                                          per_query_head, in_order, table)
     reference.check_num_pages(num_pages)
-    _launch_shape(k, means)
+    summary_shape(k, means, False)
     b, h, _ = q.shape
     hkv, c = slot_page.shape[1], slot_page.shape[2]
     hs = h if per_query_head else hkv

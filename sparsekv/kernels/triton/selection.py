@@ -14,7 +14,12 @@
   use ``torch.topk`` (benchmarks/results/KERNEL_NOTES.md has the numbers).
 - ``quest_select``: scores and selects in one op. Where the selection takes the group filter (from
   ``select_fused_rows`` rows, e.g. Llama-3-8B at batch 1), the page-score kernel writes the group maxima, which
-  saves a kernel and a pass over the scores; otherwise it is ``select_pages(page_scores(...))``."""
+  saves a kernel and a pass over the scores; otherwise it is ``select_pages(page_scores(...))``.
+- ``spread_page_scores`` and ``spread_select``: spread's estimate through the same two kernels. The page-score
+  kernel reads each page's mean and deviation where Quest's reads its min and max (the same bytes) and takes
+  ``q . mean`` and ``sum_i q_i^2 dev_i^2`` as two products; for ``spread_select`` the program whose slots hold a
+  row's current page first writes that page's mean and deviation from its keys (``summary.current_summary``), and
+  the sink pages score +inf."""
 
 from __future__ import annotations
 
@@ -23,20 +28,26 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from .. import reference
 from .common import (TUNING, block_d, check, dependent_launch, f16_products, fp8_launch, group_pad, interpreted_bf16,
                      kept, pdl_launch, precision, product_query)
+from .summary import current_summary, round_back, rounded_by_torch, summary_shape
 
 
 @triton.jit
 def _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, load, sq_b, sq_h, sm_b, sm_h, sm_c, table_ptr,
-                  st_b, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                  st_b, spread, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_C: tl.constexpr, G_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                  F16: tl.constexpr, TABLE: tl.constexpr):
-    """The bounds (G_PAD, BLOCK_C) fp32 of the group's query heads over slots c, whose bounds are read where
-    ``load`` (0 elsewhere); with TABLE from the pages of a pool's shared store that row b's table names."""
+                  F16: tl.constexpr, TABLE: tl.constexpr, SPREAD: tl.constexpr, SQ_BF16: tl.constexpr):
+    """The scores (G_PAD, BLOCK_C) fp32 of the group's query heads over slots c, whose metadata is read where
+    ``load`` (0 elsewhere); with TABLE from the pages of a pool's shared store that row b's table names. Quest's
+    bounds from kmin and kmax, or with SPREAD ``q . mean + spread * sqrt(sum_i q_i^2 dev_i^2)`` from the pages'
+    means (at kmin_ptr) and deviations (at kmax_ptr)."""
     s = tl.zeros((G_PAD, BLOCK_C), tl.float32)
+    if SPREAD:
+        var = tl.zeros((G_PAD, BLOCK_C), tl.float32)
     if TABLE:
         slot = tl.load(table_ptr + b * st_b + c, mask=load, other=0)
         bm = 0
@@ -52,39 +63,63 @@ def _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, load, sq_b, sq_
         if UPCAST:
             q = q.to(tl.float32)
         q = product_query(q, F16)
-        zero = tl.zeros_like(q)
-        q_plus = tl.maximum(q, zero).to(q.dtype)  # triton may compute bf16 max in fp32
-        q_minus = tl.minimum(q, zero).to(q.dtype)
-        # Bounds are loaded without waiting for the page table; free slots' +-inf bounds give NaN/inf in their
-        # own columns only, which the caller masks.
+        # Metadata is loaded without waiting for the page table; free slots' values (+-inf bounds) give NaN/inf in
+        # their own columns only, which the caller masks.
         m_off = bm * sm_b + kvh * sm_h + slot[:, None].to(tl.int64) * sm_c + d[None, :]
         m_mask = load[:, None] & (d[None, :] < D)
         kmax = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0)
         kmin = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0)
-        kmax, kmin = kmax.to(q.dtype), kmin.to(q.dtype)  # an fp8 cache's bounds are dequantized here
-        s += tl.dot(q_plus, tl.trans(kmax), input_precision=PRECISION)
-        s += tl.dot(q_minus, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
+        if SPREAD:
+            s += tl.dot(q, tl.trans(kmin.to(q.dtype)), input_precision=PRECISION)
+            # The squares in fp32, their products in bf16 for 16-bit queries (fp16's range would not hold them;
+            # in fp32 where the interpreter computes bf16 products on the raw bits, ``interpreted_bf16``).
+            sq_dtype = tl.bfloat16 if SQ_BF16 else tl.float32
+            qf = q.to(tl.float32)
+            dev = kmax.to(q.dtype).to(tl.float32)  # fp8 through q's 16-bit type, as the bounds convert
+            var += tl.dot((qf * qf).to(sq_dtype), tl.trans((dev * dev).to(sq_dtype)), input_precision=PRECISION)
+        else:
+            zero = tl.zeros_like(q)
+            q_plus = tl.maximum(q, zero).to(q.dtype)  # triton may compute bf16 max in fp32
+            q_minus = tl.minimum(q, zero).to(q.dtype)
+            kmax, kmin = kmax.to(q.dtype), kmin.to(q.dtype)  # an fp8 cache's bounds are dequantized here
+            s += tl.dot(q_plus, tl.trans(kmax), input_precision=PRECISION)
+            s += tl.dot(q_minus, tl.trans(kmin), input_precision=PRECISION)  # (G_PAD, BLOCK_C)
+    if SPREAD:
+        s += spread * tl.sqrt(var)
     return s
 
 
 @triton.jit
-def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gmax_ptr, table_ptr, n_slots, n_groups,
-                        sq_b, sq_h, sm_b, sm_h, sm_c, ss_b, ss_h, so_b, so_h, cu_b, cu_h, st_b,
+def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gmax_ptr, table_ptr, k_ptr, len_ptr,
+                        n_slots, n_groups, spread, sinks, sq_b, sq_h, sm_b, sm_h, sm_c, sm_l, ss_b, ss_h, so_b, so_h,
+                        cu_b, cu_h, st_b, sk_b, sk_h, sk_c, sk_p,
                         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
                         PER_HEAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr,
-                        F16: tl.constexpr, IN_ORDER: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr):
+                        F16: tl.constexpr, IN_ORDER: tl.constexpr, TABLE: tl.constexpr, SPREAD: tl.constexpr,
+                        CURRENT: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, FP8: tl.constexpr,
+                        SQ_BF16: tl.constexpr, PDL: tl.constexpr):
     """Scores of BLOCK_C slots per chunk; with GS > 0 also the maxima of the score keys (``_key_of``) of each group
     of GS consecutive slots, per selection row, for the group filter of the top-k (rows of n_groups int32). With
-    IN_ORDER (slot j holds page j or is free) the bounds past the row's current slot are not read."""
+    IN_ORDER (slot j holds page j or is free) the metadata past the row's current slot is not read. SPREAD: spread's
+    scores (``_chunk_scores``), the pages numbered below ``sinks`` at +inf; with CURRENT the program whose slots
+    hold the row's current one first writes that page's mean and deviation (at kmin_ptr, deviations sm_l after)
+    from its keys (k_ptr, pages of P tokens, len_ptr the rows' lengths). Its score here may read the stale ones:
+    the top-k takes the current page whatever its score."""
     dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     kvh = row % HKV
     g = tl.arange(0, G_PAD)
     head = kvh * G + g
-    if GS > 0 or IN_ORDER:
+    if GS > 0 or IN_ORDER or CURRENT:
         cur = tl.maximum(tl.load(cur_ptr + b * cu_b + kvh * cu_h), 0)
+    if CURRENT:
+        lo = tl.program_id(1) * CHUNKS * BLOCK_C
+        if (cur >= lo) & (cur < lo + CHUNKS * BLOCK_C):
+            current_summary(k_ptr, kmin_ptr, sp_ptr, table_ptr, b, kvh, cur, tl.load(len_ptr + b), sk_b, sk_h, sk_c,
+                            sk_p, sm_b, sm_h, sm_c, sm_l, ss_b, ss_h, st_b, P, 2, 2, P, P_PAD, D, BLOCK_D, TABLE,
+                            True, FP8)
     if IN_ORDER:  # a row without holes holds no page after its current slot
         live = cur + 1
     else:
@@ -94,16 +129,19 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
         c = c0 + tl.arange(0, BLOCK_C)
         in_c = c < n_slots
         page = tl.load(sp_ptr + b * ss_b + kvh * ss_h + c, mask=in_c, other=-1)
-        if IN_ORDER:  # a chunk past the row's current slot scores -inf without its bounds being read
+        if IN_ORDER:  # a chunk past the row's current slot scores -inf without its metadata being read
             s = tl.zeros((G_PAD, BLOCK_C), tl.float32)
             if c0 < live:
                 s = _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, in_c & (c < live), sq_b, sq_h,
-                                  sm_b, sm_h, sm_c, table_ptr, st_b, G, D, BLOCK_D, BLOCK_K, BLOCK_C, G_PAD,
-                                  PRECISION, UPCAST, F16, TABLE)
+                                  sm_b, sm_h, sm_c, table_ptr, st_b, spread, G, D, BLOCK_D, BLOCK_K, BLOCK_C, G_PAD,
+                                  PRECISION, UPCAST, F16, TABLE, SPREAD, SQ_BF16)
         else:
             s = _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, in_c, sq_b, sq_h, sm_b, sm_h, sm_c,
-                              table_ptr, st_b, G, D, BLOCK_D, BLOCK_K, BLOCK_C, G_PAD, PRECISION, UPCAST, F16, TABLE)
+                              table_ptr, st_b, spread, G, D, BLOCK_D, BLOCK_K, BLOCK_C, G_PAD, PRECISION, UPCAST,
+                              F16, TABLE, SPREAD, SQ_BF16)
         s = tl.where((page >= 0)[None, :], s, float("-inf"))
+        if SPREAD:
+            s = tl.where(((page >= 0) & (page < sinks))[None, :], float("inf"), s)
         if PER_HEAD:
             tl.store(out_ptr + b * so_b + head[:, None] * so_h + c[None, :], s,
                      mask=(g[:, None] < G) & in_c[None, :])
@@ -418,32 +456,54 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_pa
     return _page_scores(q, kmin, kmax, slot_page, per_query_head, table=table)[0]
 
 
-def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, in_order=False, table=None):
+def spread_page_scores(q: torch.Tensor, stats: torch.Tensor, slot_page: torch.Tensor, spread: float,
+                       per_query_head: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
+    """``reference.spread_page_scores``: Quest's page-score kernel on the pages' means and deviations."""
+    if q.dtype == torch.float64:
+        return reference.spread_page_scores(q, stats, slot_page, spread, per_query_head, table)
+    return _page_scores(q, stats[:, :, :, 0], stats[:, :, :, 1], slot_page, per_query_head, table=table,
+                        spread=(spread, 0, None))[0]
+
+
+def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, in_order=False, table=None,
+                 spread=None):
     """Scores (B, Hs, C) fp32 and, with gs > 0, the group maxima of their keys (B * Hs, cdiv(C, gs)) int32; with
-    ``in_order`` (cur_slot given) only the bounds up to each row's current slot are read; with ``table`` the bounds
-    are a pool's shared pages (``reference.page_scores``)."""
-    check(q, kmin, "page_scores")
+    ``in_order`` (cur_slot given) only the metadata up to each row's current slot is read; with ``table`` it is a
+    pool's shared pages (``reference.page_scores``). spread: (weight, sink pages, current) for spread's scores,
+    kmin and kmax then views of the means and deviations (B, Hkv, C, D) of one stats tensor (B, Hkv, C, 2, D);
+    current: None, or (k, seq_len), the current pages' stats written first (cur_slot given; the caller checks the
+    dtypes, as the stats may be the interpreter's float32 copy, ``summary.rounded_by_torch``)."""
+    weight, sinks, current = spread or (0.0, 0, None)
+    if current is None:
+        check(q, kmin, "page_scores")
     b, h, d = q.shape
     hkv, c = slot_page.shape[1], slot_page.shape[2]
     if kmax.stride() != kmin.stride():
         raise ValueError("page_scores: kmin and kmax must have the same layout")
     g = h // hkv
+    k, seq_len = current or (kmin, slot_page)  # without current: tensors the kernel does not read
     out = torch.empty(b, h if per_query_head else hkv, c, dtype=torch.float32, device=q.device)
     n_groups = triton.cdiv(c, gs) if gs else 0
     gmax = torch.empty(b * out.shape[1], n_groups, dtype=torch.int32, device=q.device) if gs else out
-    cur = cur_slot if gs or in_order else slot_page
+    cur = cur_slot if gs or in_order or current else slot_page
     block_c = max(fp8_launch("page_block", kmin.dtype == torch.float8_e4m3fn), gs)  # groups within one block
     chunks = TUNING["page_chunks"]
+    page_size = k.shape[3] if current else 1
     _page_scores_kernel[(b * hkv, triton.cdiv(c, block_c * chunks))](
-        q, kmin, kmax, slot_page, out, cur, gmax, slot_page if table is None else table, c, n_groups,
-        q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
+        q, kmin, kmax, slot_page, out, cur, gmax, slot_page if table is None else table, k, seq_len, c, n_groups,
+        float(weight), int(sinks), q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
+        (kmax.data_ptr() - kmin.data_ptr()) // kmin.element_size() if current else 0,
         slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1), cur.stride(0), cur.stride(1),
-        0 if table is None else table.stride(0),
+        0 if table is None else table.stride(0), *(k.stride()[:4] if current else (0, 0, 0, 0)),
         HKV=hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
         BLOCK_K=min(block_d(d), TUNING["page_block_k"]), BLOCK_C=block_c, CHUNKS=chunks,
         PER_HEAD=per_query_head, PRECISION=precision(q.dtype), UPCAST=interpreted_bf16(q.dtype), GS=gs,
-        F16=f16_products(q, kmin), IN_ORDER=in_order, TABLE=table is not None, num_warps=TUNING["page_warps"],
-        num_stages=TUNING["page_stages"], **pdl_launch())
+        F16=f16_products(q, kmin), IN_ORDER=in_order, TABLE=table is not None, SPREAD=spread is not None,
+        CURRENT=current is not None, P=page_size, P_PAD=triton.next_power_of_2(page_size),
+        FP8=kmin.dtype == torch.float8_e4m3fn,
+        SQ_BF16=q.dtype != torch.float32 and not knobs.runtime.interpret, num_warps=TUNING["page_warps"],
+        num_stages=TUNING["page_stages"],
+        **pdl_launch())
     return out, gmax
 
 
@@ -514,6 +574,28 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_p
     b, h, _ = q.shape
     gs = fused_group_size(b * (h if per_query_head else slot_page.shape[1]), slot_page.shape[2], num_pages)
     scores, gmax = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, gs, in_order, table)
+    return select_from_maxima(scores, cur_slot, num_pages, gs, gmax)
+
+
+def spread_select(q: torch.Tensor, k: torch.Tensor, stats: torch.Tensor, slot_page: torch.Tensor,
+                  cur_slot: torch.Tensor, seq_len: torch.Tensor, spread: float, num_pages: int, sink_pages: int = 0,
+                  per_query_head: bool = False, in_order: bool = False,
+                  table: torch.Tensor | None = None) -> torch.Tensor:
+    """``reference.spread_select`` in Quest's two launches: the page-score kernel on the means and deviations (the
+    program holding each row's current page writing its stats first, the sink pages at +inf, the group maxima
+    where the top-k takes the group filter), then the top-k."""
+    if q.dtype == torch.float64:
+        return reference.spread_select(q, k, stats, slot_page, cur_slot, seq_len, spread, num_pages, sink_pages,
+                                       per_query_head, in_order, table)
+    reference.check_num_pages(num_pages)
+    check(q, stats, "spread_select")
+    summary_shape(k, stats, True)
+    b, h, _ = q.shape
+    gs = fused_group_size(b * (h if per_query_head else slot_page.shape[1]), slot_page.shape[2], num_pages)
+    out = rounded_by_torch(stats)
+    scores, gmax = _page_scores(q, out[:, :, :, 0], out[:, :, :, 1], slot_page, per_query_head, cur_slot, gs,
+                                in_order, table, (spread, sink_pages, (k, seq_len)))
+    round_back(out, stats)
     return select_from_maxima(scores, cur_slot, num_pages, gs, gmax)
 
 

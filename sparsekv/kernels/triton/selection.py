@@ -471,7 +471,8 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, 
     ``in_order`` (cur_slot given) only the metadata up to each row's current slot is read; with ``table`` it is a
     pool's shared pages (``reference.page_scores``). spread: (weight, sink pages, current) for spread's scores,
     kmin and kmax then views of the means and deviations (B, Hkv, C, D) of one stats tensor (B, Hkv, C, 2, D);
-    current: None, or (k, seq_len), the current pages' stats written first (cur_slot given; the caller checks the
+    current: None, or (k, seq_len, stats' stride between a page's mean and deviation), the current pages' stats
+    written first (cur_slot given; the caller checks the
     dtypes, as the stats may be the interpreter's float32 copy, ``summary.rounded_by_torch``)."""
     weight, sinks, current = spread or (0.0, 0, None)
     if current is None:
@@ -481,7 +482,7 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, 
     if kmax.stride() != kmin.stride():
         raise ValueError("page_scores: kmin and kmax must have the same layout")
     g = h // hkv
-    k, seq_len = current or (kmin, slot_page)  # without current: tensors the kernel does not read
+    k, seq_len, sm_l = current or (kmin, slot_page, 0)  # without current: what the kernel does not read
     out = torch.empty(b, h if per_query_head else hkv, c, dtype=torch.float32, device=q.device)
     n_groups = triton.cdiv(c, gs) if gs else 0
     gmax = torch.empty(b * out.shape[1], n_groups, dtype=torch.int32, device=q.device) if gs else out
@@ -492,7 +493,7 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, 
     _page_scores_kernel[(b * hkv, triton.cdiv(c, block_c * chunks))](
         q, kmin, kmax, slot_page, out, cur, gmax, slot_page if table is None else table, k, seq_len, c, n_groups,
         float(weight), int(sinks), q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
-        (kmax.data_ptr() - kmin.data_ptr()) // kmin.element_size() if current else 0,
+        sm_l,
         slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1), cur.stride(0), cur.stride(1),
         0 if table is None else table.stride(0), *(k.stride()[:4] if current else (0, 0, 0, 0)),
         HKV=hkv, G=g, G_PAD=group_pad(g), D=d, BLOCK_D=block_d(d),
@@ -594,7 +595,7 @@ def spread_select(q: torch.Tensor, k: torch.Tensor, stats: torch.Tensor, slot_pa
     gs = fused_group_size(b * (h if per_query_head else slot_page.shape[1]), slot_page.shape[2], num_pages)
     out = rounded_by_torch(stats)
     scores, gmax = _page_scores(q, out[:, :, :, 0], out[:, :, :, 1], slot_page, per_query_head, cur_slot, gs,
-                                in_order, table, (spread, sink_pages, (k, seq_len)))
+                                in_order, table, (spread, sink_pages, (k, seq_len, out.stride(3))))
     round_back(out, stats)
     return select_from_maxima(scores, cur_slot, num_pages, gs, gmax)
 

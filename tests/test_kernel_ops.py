@@ -9,10 +9,11 @@ from sparsekv.cache import PagedKVCache
 from sparsekv.kernels import reference as ref
 
 B, H, HKV, D, P = 2, 4, 2, 8, 4
-OPS = ("page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page", "sparse_decode",
-       "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "sparse_decode_tokens",
-       "append_token", "append_pages", "raas_update", "landmark_means", "landmark_page_scores", "landmark_select",
-       "page_means", "spread_stats", "spread_page_scores", "spread_select", "page_stats", "merge_lse")
+OPS = ("page_scores", "select_pages", "quest_select", "raas_select", "coded_scores", "lowbit_select", "code_page",
+       "sparse_decode", "attend", "attend_with_weights", "attention_mass", "window_token_maxima",
+       "sparse_decode_tokens", "append_token", "append_pages", "raas_update", "landmark_means", "landmark_page_scores",
+       "landmark_select", "page_means", "spread_stats", "spread_page_scores", "spread_select", "page_stats",
+       "merge_lse")
 
 
 def filled_layer(dtype=torch.float32, lengths=(11, 6), seed=0, device="cpu"):
@@ -44,6 +45,7 @@ def op_args(dtype=torch.float32):
         "page_scores": (q, layer.kmin, layer.kmax, layer.slot_page, True),
         "select_pages": (scores, layer.cur_slot, 2),
         "quest_select": (q, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot, 3, False),
+        "raas_select": (q, layer.kmin, layer.kmax, layer.slot_page, layer.cur_slot, torch.tensor([1, 2]), 3),
         "coded_scores": (q, layer.kmin, layer.kmax, ref.key_codes(layer.k, layer.kmin, layer.kmax, 2),
                          layer.slot_page, seq_len, 0.3, 2, True),
         "lowbit_select": (q, layer.k, layer.kmin, layer.kmax, ref.key_codes(layer.k, layer.kmin, layer.kmax, 2),

@@ -537,6 +537,32 @@ def test_quest_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_pa
             ref.quest_select(q, kmin, kmax, slot_page.roll(1, -1), cur_slot, n_pages, per_head, True)
 
 
+@pytest.mark.parametrize("variant,batch,heads,kv_heads,head_dim,page_size,lengths,n_pages,per_head,in_order", crossed(
+    axis(list(QUEST_SELECT_VARIANTS)), cases([s for s in QUEST_SELECT_SHAPES if not s.values[7]]),
+    axis([False], [""])))
+def test_raas_select(batch, heads, kv_heads, head_dim, page_size, lengths, n_pages, per_head, variant, in_order,
+                     monkeypatch):
+    """RaaS's choice on every path of Quest's: the bounds as ``page_scores`` writes them, and the slots that
+    ``select_pages`` chooses with each row's pages from its prompt_pages on at +inf (a row with none past its
+    prompt, one whose decode pages fill more than the budget, one in between; free slots stay out)."""
+    for key, value in QUEST_SELECT_VARIANTS[variant].items():
+        monkeypatch.setitem(tops.TUNING, key, value)
+    _, _, kmin, kmax, slot_page, cur_slot, _ = make_cache(batch, kv_heads, head_dim, page_size, lengths,
+                                                          torch.bfloat16)
+    q = torch.randn(batch, heads, head_dim, device=DEV).to(torch.bfloat16)
+    pages = [-(-n // page_size) for n in lengths]
+    prompt_pages = torch.tensor([[p, max(0, p - n_pages - 3), p // 2, p - 2][i % 4] for i, p in enumerate(pages)],
+                                device=DEV)
+    scores, got = tops.raas_select(q, kmin, kmax, slot_page, cur_slot, prompt_pages, n_pages)
+    want_scores = tops.page_scores(q, kmin, kmax, slot_page)
+    assert torch.equal(scores, want_scores)
+    ranked = torch.where(slot_page < prompt_pages.view(-1, 1, 1), want_scores, float("inf"))
+    assert got.shape == ref.raas_select(q, kmin, kmax, slot_page, cur_slot, prompt_pages, n_pages)[1].shape
+    assert torch.equal(got.sort(-1).values, stable_selection(ranked, cur_slot, n_pages))
+    exact_scores, exact = ref.raas_select(*up(q, kmin, kmax), slot_page, cur_slot, prompt_pages, n_pages)
+    assert torch.equal(exact_scores.isinf(), scores.isinf())
+
+
 def test_select_pages_long_rows_use_torch_topk(monkeypatch):
     monkeypatch.setitem(tops.TUNING, "select_max_slots", 64)
     scores = torch.randn(2, 2, 100, device=DEV)

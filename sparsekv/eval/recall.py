@@ -216,9 +216,9 @@ OBSERVED = (*SLOT_OPS, *TOKEN_OPS)
 # Ops of ``kernels`` that attend nothing (scores, selection, bookkeeping, the merge of a prompt pass's attention
 # parts); any other op met in a decode step is an attention the probe cannot read, and is refused rather than left
 # out of the recall.
-NOT_ATTENTION = {"page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page",
-                 "window_token_maxima", "attention_mass", "append_token", "append_pages", "page_bounds", "page_codes",
-                 "raas_update", "linear", "linear_quantized", "landmark_means", "landmark_page_scores",
+NOT_ATTENTION = {"page_scores", "select_pages", "quest_select", "raas_select", "coded_scores", "lowbit_select",
+                 "code_page", "window_token_maxima", "attention_mass", "append_token", "append_pages", "page_bounds",
+                 "page_codes", "raas_update", "linear", "linear_quantized", "landmark_means", "landmark_page_scores",
                  "landmark_select", "page_means", "spread_stats", "spread_page_scores", "spread_select", "page_stats",
                  "merge_lse"}
 

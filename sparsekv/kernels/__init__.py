@@ -141,6 +141,11 @@ def _quest_select_fake(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_
     return _select_pages_fake(_page_scores_fake(q, kmin, kmax, slot_page, per_query_head), cur_slot, num_pages)
 
 
+def _raas_select_fake(q, kmin, kmax, slot_page, cur_slot, prompt_pages, num_pages):
+    return _page_scores_fake(q, kmin, kmax, slot_page), _select_pages_fake(_page_scores_fake(q, kmin, kmax, slot_page),
+                                                                            cur_slot, num_pages)
+
+
 def _attend_with_weights_fake(q, k, v, slot_page, slots, q_pos, scale):
     b, h, s, _ = q.shape
     return q.new_empty(q.shape), q.new_empty(b, h, s, slots.shape[2] * k.shape[3], dtype=reference.acc_dtype(q.dtype))
@@ -250,6 +255,7 @@ def _raas_update_fake(scores, slot_page, cur_slot, stamp, step, seq_len, limit, 
 page_scores = _register("page_scores", _page_scores_fake)
 select_pages = _register("select_pages", _select_pages_fake)
 quest_select = _register("quest_select", _quest_select_fake)
+raas_select = _register("raas_select", _raas_select_fake)
 coded_scores = _register("coded_scores", _coded_scores_fake)
 lowbit_select = _register("lowbit_select", _lowbit_select_fake, mutates=("codes", "chosen"))
 code_page = _register("code_page", _code_page_fake, mutates=("codes",))
@@ -302,7 +308,7 @@ count_attended = fused(reference.count_attended)
 merge_attention = reference.merge_attention
 weigh_window = reference.weigh_window
 
-__all__ = ["page_scores", "select_pages", "quest_select", "coded_scores", "lowbit_select", "code_page",
+__all__ = ["page_scores", "select_pages", "quest_select", "raas_select", "coded_scores", "lowbit_select", "code_page",
            "sparse_decode", "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "weigh_window",
            "sparse_decode_tokens", "append_token", "append_pages", "page_bounds", "page_codes", "raas_update", "linear",
            "linear_quantized", "landmark_means", "landmark_page_scores", "landmark_select", "page_means",

@@ -313,6 +313,18 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_p
     return select_pages(page_scores(q, kmin, kmax, slot_page, per_query_head, table), cur_slot, num_pages)
 
 
+def raas_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
+                cur_slot: torch.Tensor, prompt_pages: torch.Tensor,
+                num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RaaS's page choice in one op: Quest's bounds (``page_scores``, one row per KV head) and the top
+    ``num_pages`` slots with every decode page (page >= the row's ``prompt_pages``, (B,) int64) taken whatever its
+    score (``select_pages`` of the bounds with those at +inf). Returns the bounds (B, Hkv, C) float32, unchanged, for
+    RaaS's stamps (``raas_update``), and the slots (B, Hkv, min(num_pages, C)) int64."""
+    scores = page_scores(q, kmin, kmax, slot_page)
+    ranked = torch.where(slot_page < prompt_pages.view(-1, 1, 1), scores, float("inf"))
+    return scores, select_pages(ranked, cur_slot, num_pages)
+
+
 def landmark_select(q: torch.Tensor, k: torch.Tensor, means: torch.Tensor, slot_page: torch.Tensor,
                     cur_slot: torch.Tensor, seq_len: torch.Tensor, scale: float, num_pages: int, sink_pages: int = 0,
                     per_query_head: bool = False, in_order: bool = False,

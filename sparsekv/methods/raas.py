@@ -171,14 +171,15 @@ class RaaS(Method):
         # pool): (B, Hkv, c + 1) views.
         c = layer.capacity if self.slots is None else self.slots
         stamp, slot_page = layer.slot_state[STAMP][:, :, :c + 1], layer.slot_page[:, :, :c + 1]
-        scores = kernels.page_scores(q, layer.kmin[:, :, :c + 1], layer.kmax[:, :, :c + 1], slot_page)
+        kmin, kmax = layer.kmin[:, :, :c + 1], layer.kmax[:, :, :c + 1]
         if self.config.prefill == "keep":
+            scores = kernels.page_scores(q, kmin, kmax, slot_page)
             b, h, _ = slot_page.shape
             slots = layer.slot_ids[:c + 1].expand(b, h, c + 1)
         else:
             # Decode pages are always attended; free slots (page -1, "below" the prompt) keep their -inf score.
-            ranked = torch.where(slot_page < self.prompt_pages.view(-1, 1, 1), scores, float("inf"))
-            slots = kernels.select_pages(ranked, layer.cur_slot, self.config.budget_pages)
+            scores, slots = kernels.raas_select(q, kmin, kmax, slot_page, layer.cur_slot, self.prompt_pages,
+                                                self.config.budget_pages)
         out = layer.attend(q, slots, seq_len, scale, tally.rows(slots.shape[1]))
 
         cfg = self.config

@@ -24,11 +24,12 @@ from .mass import attention_mass
 from .quant import linear_quantized
 from .raas import raas_update
 from .scoring import window_token_maxima
-from .selection import page_scores, quest_select, select_pages, spread_page_scores, spread_select
+from .selection import page_scores, quest_select, raas_select, select_pages, spread_page_scores, spread_select
 from .summary import landmark_means, page_means, page_stats, spread_stats
 
 # name -> Triton op, for the CUDA implementations of the ``sparsekv::`` ops.
 OPS = {"page_scores": page_scores, "select_pages": select_pages, "quest_select": quest_select,
+       "raas_select": raas_select,
        "sparse_decode": sparse_decode, "sparse_decode_tokens": sparse_decode_tokens,
        "window_token_maxima": window_token_maxima, "append_token": append_token, "append_pages": append_pages,
        "raas_update": raas_update, "linear": linear, "linear_quantized": linear_quantized,
@@ -42,5 +43,5 @@ OPS = {"page_scores": page_scores, "select_pages": select_pages, "quest_select":
 __all__ = ["OPS", "TUNING", "append_pages", "append_token", "attention_mass", "code_page", "coded_scores",
            "landmark_means", "landmark_page_scores", "landmark_select", "linear", "linear_quantized", "lowbit_select",
            "merge_lse", "page_bounds", "page_codes", "page_means", "page_scores", "page_stats", "quest_select",
-           "raas_update", "select_pages", "sparse_decode", "sparse_decode_tokens", "spread_page_scores",
+           "raas_select", "raas_update", "select_pages", "sparse_decode", "sparse_decode_tokens", "spread_page_scores",
            "spread_select", "spread_stats", "window_token_maxima"]

@@ -91,21 +91,23 @@ def _chunk_scores(q_ptr, kmin_ptr, kmax_ptr, b, kvh, head, g, c, load, sq_b, sq_
 
 @triton.jit
 def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gmax_ptr, table_ptr, k_ptr, len_ptr,
-                        n_slots, n_groups, spread, sinks, sq_b, sq_h, sm_b, sm_h, sm_c, sm_l, ss_b, ss_h, so_b, so_h,
-                        cu_b, cu_h, st_b, sk_b, sk_h, sk_c, sk_p,
+                        from_ptr, forced_ptr, n_slots, n_groups, spread, sinks, sq_b, sq_h, sm_b, sm_h, sm_c, sm_l,
+                        ss_b, ss_h, so_b, so_h, cu_b, cu_h, st_b, sk_b, sk_h, sk_c, sk_p,
                         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
                         PER_HEAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GS: tl.constexpr,
                         F16: tl.constexpr, IN_ORDER: tl.constexpr, TABLE: tl.constexpr, SPREAD: tl.constexpr,
                         CURRENT: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, FP8: tl.constexpr,
-                        SQ_BF16: tl.constexpr, PDL: tl.constexpr):
+                        SQ_BF16: tl.constexpr, FORCE: tl.constexpr, PDL: tl.constexpr):
     """Scores of BLOCK_C slots per chunk; with GS > 0 also the maxima of the score keys (``_key_of``) of each group
     of GS consecutive slots, per selection row, for the group filter of the top-k (rows of n_groups int32). With
     IN_ORDER (slot j holds page j or is free) the metadata past the row's current slot is not read. SPREAD: spread's
     scores (``_chunk_scores``), the pages numbered below ``sinks`` at +inf; with CURRENT the program whose slots
     hold the row's current one first writes that page's mean and deviation (at kmin_ptr, deviations sm_l after)
     from its keys (k_ptr, pages of P tokens, len_ptr the rows' lengths). Its score here may read the stale ones:
-    the top-k takes the current page whatever its score."""
+    the top-k takes the current page whatever its score. FORCE (one row per KV head): the scores also go to
+    forced_ptr with the pages numbered from the row's from_ptr[b] on at +inf, and the group maxima are those of the
+    forced scores (RaaS's decode pages, always attended)."""
     dependent_launch(PDL)
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
@@ -148,6 +150,9 @@ def _page_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, sp_ptr, out_ptr, cur_ptr, gma
         else:
             s = tl.max(tl.where(g[:, None] < G, s, float("-inf")), axis=0)
             tl.store(out_ptr + b * so_b + kvh * so_h + c, s, mask=in_c)
+            if FORCE:
+                s = tl.where(page >= tl.load(from_ptr + b), float("inf"), s)
+                tl.store(forced_ptr + b * so_b + kvh * so_h + c, s, mask=in_c)
         if GS > 0:
             group_maxima(gmax_ptr, s, c, c0, cur, n_slots, n_groups, row, g, G, G_PAD, GS, BLOCK_C, PER_HEAD)
 
@@ -466,14 +471,16 @@ def spread_page_scores(q: torch.Tensor, stats: torch.Tensor, slot_page: torch.Te
 
 
 def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, in_order=False, table=None,
-                 spread=None):
+                 spread=None, force=None):
     """Scores (B, Hs, C) fp32 and, with gs > 0, the group maxima of their keys (B * Hs, cdiv(C, gs)) int32; with
     ``in_order`` (cur_slot given) only the metadata up to each row's current slot is read; with ``table`` it is a
     pool's shared pages (``reference.page_scores``). spread: (weight, sink pages, current) for spread's scores,
     kmin and kmax then views of the means and deviations (B, Hkv, C, D) of one stats tensor (B, Hkv, C, 2, D);
     current: None, or (k, seq_len, stats' stride between a page's mean and deviation), the current pages' stats
     written first (cur_slot given; the caller checks the
-    dtypes, as the stats may be the interpreter's float32 copy, ``summary.rounded_by_torch``)."""
+    dtypes, as the stats may be the interpreter's float32 copy, ``summary.rounded_by_torch``). force: (B,) int64,
+    each row's first page forced in (``raas_select``): returns the scores, the group maxima of the forced scores
+    and the forced scores."""
     weight, sinks, current = spread or (0.0, 0, None)
     if current is None:
         check(q, kmin, "page_scores")
@@ -484,6 +491,7 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, 
     g = h // hkv
     k, seq_len, sm_l = current or (kmin, slot_page, 0)  # without current: what the kernel does not read
     out = torch.empty(b, h if per_query_head else hkv, c, dtype=torch.float32, device=q.device)
+    forced = out if force is None else torch.empty_like(out)
     n_groups = triton.cdiv(c, gs) if gs else 0
     gmax = torch.empty(b * out.shape[1], n_groups, dtype=torch.int32, device=q.device) if gs else out
     cur = cur_slot if gs or in_order or current else slot_page
@@ -491,7 +499,8 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, 
     chunks = TUNING["page_chunks"]
     page_size = k.shape[3] if current else 1
     _page_scores_kernel[(b * hkv, triton.cdiv(c, block_c * chunks))](
-        q, kmin, kmax, slot_page, out, cur, gmax, slot_page if table is None else table, k, seq_len, c, n_groups,
+        q, kmin, kmax, slot_page, out, cur, gmax, slot_page if table is None else table, k, seq_len,
+        slot_page if force is None else force, forced, c, n_groups,
         float(weight), int(sinks), q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
         sm_l,
         slot_page.stride(0), slot_page.stride(1), out.stride(0), out.stride(1), cur.stride(0), cur.stride(1),
@@ -502,10 +511,11 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, 
         F16=f16_products(q, kmin), IN_ORDER=in_order, TABLE=table is not None, SPREAD=spread is not None,
         CURRENT=current is not None, P=page_size, P_PAD=triton.next_power_of_2(page_size),
         FP8=kmin.dtype == torch.float8_e4m3fn,
-        SQ_BF16=q.dtype != torch.float32 and not knobs.runtime.interpret, num_warps=TUNING["page_warps"],
+        SQ_BF16=q.dtype != torch.float32 and not knobs.runtime.interpret, FORCE=force is not None,
+        num_warps=TUNING["page_warps"],
         num_stages=TUNING["page_stages"],
         **pdl_launch())
-    return out, gmax
+    return (out, gmax) if force is None else (out, gmax, forced)
 
 
 def check_out(name: str, out: torch.Tensor, shape: tuple[int, int, int]) -> None:
@@ -576,6 +586,20 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_p
     gs = fused_group_size(b * (h if per_query_head else slot_page.shape[1]), slot_page.shape[2], num_pages)
     scores, gmax = _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot, gs, in_order, table)
     return select_from_maxima(scores, cur_slot, num_pages, gs, gmax)
+
+
+def raas_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slot_page: torch.Tensor,
+                cur_slot: torch.Tensor, prompt_pages: torch.Tensor,
+                num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.raas_select`` in Quest's two launches: the page-score kernel writes the bounds and, beside them,
+    the bounds with each row's decode pages at +inf (with their group maxima where the top-k takes the group
+    filter), then Quest's top-k of the latter."""
+    if q.dtype == torch.float64:
+        return reference.raas_select(q, kmin, kmax, slot_page, cur_slot, prompt_pages, num_pages)
+    reference.check_num_pages(num_pages)
+    gs = fused_group_size(q.shape[0] * slot_page.shape[1], slot_page.shape[2], num_pages)
+    scores, gmax, forced = _page_scores(q, kmin, kmax, slot_page, False, cur_slot, gs, force=prompt_pages)
+    return scores, select_from_maxima(forced, cur_slot, num_pages, gs, gmax)
 
 
 def spread_select(q: torch.Tensor, k: torch.Tensor, stats: torch.Tensor, slot_page: torch.Tensor,

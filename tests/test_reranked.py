@@ -1,7 +1,8 @@
-"""What spread, sparq and landmark share as Quest's choice ranked by another estimate (``quest.Reranked``): a pool's
-shared pages score as the rows' own, the sink pages and the current page are always attended, a bad sink_pages is
-refused, through the engine a covering budget gives dense's tokens while a small one attends fewer, and sparq with
-every channel and landmark with a landmark per token score the true page mass."""
+"""What spread, sparq, landmark and lowrank share as Quest's choice ranked by another estimate
+(``quest.Reranked``): a pool's shared pages score as the rows' own, the sink pages and the current page are always
+attended, a bad sink_pages is refused, through the engine a covering budget gives dense's tokens while a small one
+attends fewer, and sparq with every channel, landmark with a landmark per token and lowrank with every direction
+score the true page mass."""
 
 import pytest
 import torch
@@ -10,23 +11,26 @@ from paged_util import one_layer
 from sparsekv.engine import Engine
 from sparsekv.errors import ConfigError
 from sparsekv.kernels import reference
-from sparsekv.methods import LandmarkConfig, OracleConfig, QuestConfig, SparQConfig, SpreadConfig
+from sparsekv.methods import LandmarkConfig, LowRankConfig, OracleConfig, QuestConfig, SparQConfig, SpreadConfig
 from sparsekv.methods.quest import Summarized
 from sparsekv.tiny import tiny_model
 
 B, HKV, D, P = 2, 2, 8, 4
-CONFIGS = [SpreadConfig, SparQConfig, LandmarkConfig]
+CONFIGS = [SpreadConfig, SparQConfig, LandmarkConfig, LowRankConfig]
 # Each estimate's reference with fixed fields, over a layer's pages (``table``: a pool's store).
 ESTIMATES = {
     "spread": lambda q, k, sp, n, table=None: reference.spread_scores(q, k, sp, n, 2.0, table=table),
     "sparq": lambda q, k, sp, n, table=None: reference.channel_scores(q, k, sp, n, 2, 0.3, table=table),
     "landmark": lambda q, k, sp, n, table=None: reference.landmark_scores(q, k, sp, n, 2, 0.3, table=table),
+    "lowrank": lambda q, k, sp, n, table=None: reference.lowrank_scores(q, k, sp, n, 2, 0.3, table=table),
 }
-# The estimates whose limit is the true page mass: sparq keeping every channel, a landmark per token (its log).
+# The estimates whose limit is the true page mass: sparq keeping every channel, a landmark per token (its log),
+# lowrank keeping every direction.
 EXACT = {
     "sparq": lambda q, k, sp, n, per_query_head: reference.channel_scores(q, k, sp, n, D, 0.3, per_query_head),
     "landmark": lambda q, k, sp, n, per_query_head: as_mass(reference.landmark_scores(q, k, sp, n, P, 0.3,
                                                                                        per_query_head)),
+    "lowrank": lambda q, k, sp, n, per_query_head: reference.lowrank_scores(q, k, sp, n, D, 0.3, per_query_head),
 }
 
 

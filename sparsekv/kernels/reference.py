@@ -174,6 +174,32 @@ def channel_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, se
     return mask_free(mass.flatten(1, 2) if per_query_head else mass.sum(2), slot_page)
 
 
+def lowrank_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, seq_len: torch.Tensor, rank: int,
+                   scale: float, per_query_head: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
+    """Pages scored by the attention mass that a low-rank sketch of the keys estimates (Loki, Singhania et al.,
+    2024, at page granularity): per row (sequence, KV head) the ``rank`` principal directions B of its stored keys
+    (the top eigenvectors of their second moment ``k^T k``), each stored token's logit ``(q B) . (k B)`` at
+    ``scale``, the softmax of those logits summed over each page's tokens, per query head (summed over a KV head's
+    query heads unless ``per_query_head``). With rank = D it is the true attention mass.
+
+    q: (B, H, D); k: (B, Hkv, C, P, D), or with ``table`` (B, C) int64 a pool's shared pages (1, Hkv, N, P, D);
+    slot_page: (B, Hkv, C), -1 for free slots; seq_len: (B,) tokens stored per row. Returns (B, Hkv, C) or
+    (B, H, C) with ``per_query_head``; free slots score -inf.
+    """
+    k = per_row(k, table)
+    b, h, d = q.shape
+    hkv, c, p = k.shape[1], k.shape[2], k.shape[3]
+    acc = acc_dtype(q.dtype)
+    stored = stored_tokens(slot_page, seq_len, p)
+    keys = torch.where(stored.unsqueeze(-1), k.to(acc), 0.0)
+    basis = torch.linalg.eigh(torch.einsum("bncpd,bncpe->bnde", keys, keys)).eigenvectors[..., d - min(rank, d):]
+    q_r = torch.einsum("bngd,bndr->bngr", q.to(acc).view(b, hkv, h // hkv, d), basis)
+    logits = torch.einsum("bngr,bncpr->bngcp", q_r, torch.einsum("bncpd,bndr->bncpr", keys, basis)) * scale
+    logits = logits.masked_fill(~stored.unsqueeze(2), float("-inf"))
+    mass = torch.softmax(logits.flatten(3), dim=-1).nan_to_num(0.0).view(b, hkv, -1, c, p).sum(-1)
+    return mask_free(mass.flatten(1, 2) if per_query_head else mass.sum(2), slot_page)
+
+
 def check_landmarks(landmarks: int, page_size: int) -> None:
     if landmarks < 1 or page_size % landmarks:
         raise ValueError(f"landmarks must be a divisor of the page size ({page_size}), got {landmarks}")

@@ -5,6 +5,7 @@ from .dense import DenseConfig
 from .h2o import H2OConfig
 from .landmark import LandmarkConfig
 from .lowbit import LowBitConfig
+from .lowrank import LowRankConfig
 from .omnikv import OmniKVConfig
 from .oracle import OracleConfig
 from .quest import QuestConfig
@@ -18,7 +19,7 @@ from .tova import TOVAConfig
 METHODS: dict[str, type[MethodConfig]] = {"dense": DenseConfig, "quest": QuestConfig}
 METHODS.update(streamingllm=StreamingLLMConfig, h2o=H2OConfig, tova=TOVAConfig, snapkv=SnapKVConfig)
 METHODS.update(omnikv=OmniKVConfig, raas=RaaSConfig, oracle=OracleConfig, lowbit=LowBitConfig, spread=SpreadConfig)
-METHODS.update(sparq=SparQConfig, landmark=LandmarkConfig)
+METHODS.update(sparq=SparQConfig, landmark=LandmarkConfig, lowrank=LowRankConfig)
 
 
 def selection_bytes(config: MethodConfig, layers: int, kv_heads: int, head_dim: int, itemsize: int, context: int,
@@ -39,4 +40,4 @@ def selection_bytes(config: MethodConfig, layers: int, kv_heads: int, head_dim: 
 
 __all__ = ["METHODS", "selection_bytes", "Method", "MethodConfig", "DenseConfig", "QuestConfig",
            "StreamingLLMConfig", "H2OConfig", "TOVAConfig", "SnapKVConfig", "OmniKVConfig", "RaaSConfig",
-           "OracleConfig", "LowBitConfig", "SpreadConfig", "SparQConfig", "LandmarkConfig"]
+           "OracleConfig", "LowBitConfig", "SpreadConfig", "SparQConfig", "LandmarkConfig", "LowRankConfig"]

@@ -142,8 +142,8 @@ def _quest_select_fake(q, kmin, kmax, slot_page, cur_slot, num_pages, per_query_
 
 
 def _raas_select_fake(q, kmin, kmax, slot_page, cur_slot, prompt_pages, num_pages):
-    return _page_scores_fake(q, kmin, kmax, slot_page), _select_pages_fake(_page_scores_fake(q, kmin, kmax, slot_page),
-                                                                            cur_slot, num_pages)
+    scores = _page_scores_fake(q, kmin, kmax, slot_page)
+    return scores, _select_pages_fake(scores, cur_slot, num_pages)
 
 
 def _attend_with_weights_fake(q, k, v, slot_page, slots, q_pos, scale):

@@ -156,7 +156,7 @@ def channel_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, se
     """
     k = per_row(k, table)
     b, h, d = q.shape
-    hkv, c, p = k.shape[1], k.shape[2], k.shape[3]
+    hkv, p = k.shape[1], k.shape[3]
     acc = acc_dtype(q.dtype)
     qg = q.to(acc).view(b, hkv, h // hkv, d)
     stored = stored_tokens(slot_page, seq_len, p)
@@ -169,6 +169,16 @@ def channel_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, se
     share = q_r.abs().sum(-1) / qg.abs().sum(-1).clamp(min=torch.finfo(acc).tiny)
     logits = torch.einsum("bngd,bncpd->bngcp", q_r, k.to(acc))
     logits = logits * (scale / share.clamp(min=torch.finfo(acc).tiny).sqrt()).view(b, hkv, -1, 1, 1)
+    return logit_mass(logits, stored, slot_page, per_query_head)
+
+
+def logit_mass(logits: torch.Tensor, stored: torch.Tensor, slot_page: torch.Tensor,
+               per_query_head: bool) -> torch.Tensor:
+    """Pages scored by the softmax mass of estimated logits: logits (B, Hkv, G, C, P) of each query head of a KV
+    head's group over its tokens, stored (B, Hkv, C, P) which tokens exist (``stored_tokens``), the softmax over
+    each row's stored tokens summed over each page's. Returns (B, Hkv, C), summed over the group, or (B, H, C) with
+    ``per_query_head``; free slots score -inf."""
+    b, hkv, c, p = stored.shape
     logits = logits.masked_fill(~stored.unsqueeze(2), float("-inf"))
     mass = torch.softmax(logits.flatten(3), dim=-1).nan_to_num(0.0).view(b, hkv, -1, c, p).sum(-1)
     return mask_free(mass.flatten(1, 2) if per_query_head else mass.sum(2), slot_page)
@@ -188,16 +198,14 @@ def lowrank_scores(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, se
     """
     k = per_row(k, table)
     b, h, d = q.shape
-    hkv, c, p = k.shape[1], k.shape[2], k.shape[3]
+    hkv = k.shape[1]
     acc = acc_dtype(q.dtype)
-    stored = stored_tokens(slot_page, seq_len, p)
+    stored = stored_tokens(slot_page, seq_len, k.shape[3])
     keys = torch.where(stored.unsqueeze(-1), k.to(acc), 0.0)
     basis = torch.linalg.eigh(torch.einsum("bncpd,bncpe->bnde", keys, keys)).eigenvectors[..., d - min(rank, d):]
     q_r = torch.einsum("bngd,bndr->bngr", q.to(acc).view(b, hkv, h // hkv, d), basis)
     logits = torch.einsum("bngr,bncpr->bngcp", q_r, torch.einsum("bncpd,bndr->bncpr", keys, basis)) * scale
-    logits = logits.masked_fill(~stored.unsqueeze(2), float("-inf"))
-    mass = torch.softmax(logits.flatten(3), dim=-1).nan_to_num(0.0).view(b, hkv, -1, c, p).sum(-1)
-    return mask_free(mass.flatten(1, 2) if per_query_head else mass.sum(2), slot_page)
+    return logit_mass(logits, stored, slot_page, per_query_head)
 
 
 def check_landmarks(landmarks: int, page_size: int) -> None:

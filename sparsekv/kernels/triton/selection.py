@@ -477,10 +477,10 @@ def _page_scores(q, kmin, kmax, slot_page, per_query_head, cur_slot=None, gs=0, 
     pool's shared pages (``reference.page_scores``). spread: (weight, sink pages, current) for spread's scores,
     kmin and kmax then views of the means and deviations (B, Hkv, C, D) of one stats tensor (B, Hkv, C, 2, D);
     current: None, or (k, seq_len, stats' stride between a page's mean and deviation), the current pages' stats
-    written first (cur_slot given; the caller checks the
-    dtypes, as the stats may be the interpreter's float32 copy, ``summary.rounded_by_torch``). force: (B,) int64,
-    each row's first page forced in (``raas_select``): returns the scores, the group maxima of the forced scores
-    and the forced scores."""
+    written first (cur_slot given; the caller checks the dtypes, as the stats may be the interpreter's float32
+    copy, ``summary.rounded_by_torch``). force: None, or (B,) int64, per row the first page number forced in, every
+    page from it on at +inf (``raas_select``): then it returns the scores, the group maxima of the forced scores and
+    the forced scores."""
     weight, sinks, current = spread or (0.0, 0, None)
     if current is None:
         check(q, kmin, "page_scores")

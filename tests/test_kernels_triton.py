@@ -703,7 +703,7 @@ def test_window_token_maxima_dispatch_and_cuda_graph(monkeypatch):
 def raas_state(batch, kv_heads, slots, page_size, ties, seed):
     """RaaS book-keeping inputs: rows holding different numbers of distinct pages at scattered slots (padded
     batches, holes; slot C the always free scratch slot), scores -inf where free (with ``ties``: few distinct
-    values, +0.0 and -0.0 among them), stamps up to a large step, and per sequence: the next token starting a page
+    values, +0.0 and -0.0 among them), stamps below a long row's length, and per sequence: the next token starting a page
     or not, a limit reached or not, candidate slots [prompt_pages, limit) holding pages below and above
     prompt_pages."""
     g = torch.Generator().manual_seed(seed)
@@ -726,12 +726,11 @@ def raas_state(batch, kv_heads, slots, page_size, ties, seed):
     if ties:
         scores = (scores * 2).round() / 2 * torch.where(torch.rand(scores.shape, generator=g) < 0.5, -1.0, 1.0)
     scores = scores.masked_fill(slot_page < 0, float("-inf"))
-    step = torch.tensor(10**6)
     stamp = torch.randint(0, 10**6, (batch, kv_heads, slots + 1), generator=g)
-    seq_len = torch.tensor([page_size * (3 + b) + (b % 2) for b in range(batch)])  # odd rows: mid-page
+    seq_len = torch.tensor([10**6 + page_size * (3 + b) + (b % 2) for b in range(batch)])  # odd rows: mid-page
     limit = torch.tensor([max(held[b] - b % 3 + (b % 3 == 2) * 2, int(prompt_pages[b]) + 1)
                           for b in range(batch)])  # reached, or not
-    return [t.to(DEV) for t in (scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages)]
+    return [t.to(DEV) for t in (scores, slot_page, cur_slot, stamp, seq_len, limit, prompt_pages)]
 
 
 @pytest.mark.parametrize("rule,batch,kv_heads,slots,block,ties,spare", crossed(
@@ -744,16 +743,16 @@ def test_raas_update_matches_reference(batch, kv_heads, slots, block, rule, ties
     one chunk or several, ``decode_pages`` exactly the most a row holds or more."""
     monkeypatch.setitem(tops.TUNING, "raas_block", block)
     top_fraction, alpha = rule
-    scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages = raas_state(batch, kv_heads, slots, 4,
-                                                                                        ties, seed=slots + batch)
+    scores, slot_page, cur_slot, stamp, seq_len, limit, prompt_pages = raas_state(batch, kv_heads, slots, 4, ties,
+                                                                                  seed=slots + batch)
     decode_pages = int((limit - prompt_pages).max()) + spare
     args = (4, slots, decode_pages, top_fraction, alpha, 0.7)
     want_stamp, want_pages = stamp.clone(), slot_page.clone()
-    ref.raas_update(scores, want_pages, cur_slot, want_stamp, step, seq_len, limit, prompt_pages, *args)
-    tops.raas_update(scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages, *args)
+    ref.raas_update(scores, want_pages, cur_slot, want_stamp, seq_len, limit, prompt_pages, *args)
+    tops.raas_update(scores, slot_page, cur_slot, stamp, seq_len, limit, prompt_pages, *args)
     assert torch.equal(stamp, want_stamp)
     assert torch.equal(slot_page, want_pages)
-    assert (want_stamp == step).any()
+    assert (want_stamp == seq_len.view(-1, 1, 1)).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -54,7 +54,8 @@ def test_worked_example_cache_of_five_tokens():
     Token i has key e_i, so a query q scores token i exactly q . e_i (Quest's bound is exact for one-token pages).
     The prompt is tokens 0 and 1; decode step s appends token s + 1. Each step's query is 20 e_0 + 20 sum_{r in R_s}
     e_r: with alpha = 0.1 it refreshes token 0 and the tokens R_s (estimated probability ~1/|{0} + R_s|, the rest
-    ~1e-9); the token just appended is refreshed as the current page. Timestamp = step of the last refresh.
+    ~1e-9); the token just appended is refreshed as the current page. Timestamp = step of the last refresh (the cache
+    stores the row's length then, the step + 2: the same order).
 
     step  append  R_s   stamps of decode tokens after the step      cache at the step's end (5 = full)
       1     2     {0}   2:1                                        0 1 2
@@ -95,8 +96,8 @@ def test_worked_example_cache_of_five_tokens():
 
 
 def test_top_fraction_refreshes_the_top_pages():
-    """Decode pages in the top fraction of every cached page (prompt pages included) take the step as their stamp;
-    prompt pages carry none (they are never evicted)."""
+    """Decode pages in the top fraction of every cached page (prompt pages included) take the row's length as their
+    stamp; prompt pages carry none (they are never evicted)."""
     config = RaaSConfig(page_size=1, token_budget=64, top_fraction=0.3)
     method = config.build(1)
     cache = PagedKVCache(1, page_size=1)
@@ -116,7 +117,7 @@ def test_top_fraction_refreshes_the_top_pages():
     for head in range(2):
         score = (q[0, 2 * head:2 * head + 2] @ keys[0, head].T).amax(dim=0)  # max over the group's heads
         top = set(score.topk(math.ceil(0.3 * 11)).indices.tolist()) | {10}  # the current page is always refreshed
-        stamped = set(torch.nonzero(stamps[head, :11] == 7).flatten().tolist())
+        stamped = set(torch.nonzero(stamps[head, :11] == 11).flatten().tolist())  # 4 + 7 tokens
         assert stamped == top - {0, 1, 2, 3}
         assert stamps[head, :4].eq(0).all()
 

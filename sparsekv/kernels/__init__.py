@@ -247,7 +247,7 @@ def _page_codes_fake(k, kmin, kmax, codes, slot_mapping, bits):
     return None
 
 
-def _raas_update_fake(scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages, page_size, capacity,
+def _raas_update_fake(scores, slot_page, cur_slot, stamp, seq_len, limit, prompt_pages, page_size, capacity,
                       decode_pages, top_fraction, alpha, scale):
     return None
 

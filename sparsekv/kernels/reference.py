@@ -856,19 +856,20 @@ def append_token(k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: tor
 
 
 def raas_update(scores: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.Tensor, stamp: torch.Tensor,
-                step: torch.Tensor, seq_len: torch.Tensor, limit: torch.Tensor, prompt_pages: torch.Tensor,
+                seq_len: torch.Tensor, limit: torch.Tensor, prompt_pages: torch.Tensor,
                 page_size: int, capacity: int, decode_pages: int, top_fraction: float | None, alpha: float | None,
                 scale: float) -> None:
     """RaaS's book-keeping of one layer's decode step, in place: the decode pages' timestamps, then at most one
     eviction per row.
 
     scores: (B, Hkv, C + 1) float32 the step's Quest bounds, -inf for free slots; slot_page, stamp: (B, Hkv, C + 1)
-    int64 (slot C the cache's scratch slot, always free); cur_slot: (B, Hkv); step: () int64 this layer's step;
-    seq_len, limit, prompt_pages: (B,) int64; ``capacity`` = C. The candidates of a row are the decode pages
+    int64 (slot C the cache's scratch slot, always free); cur_slot: (B, Hkv); seq_len, limit, prompt_pages: (B,)
+    int64; ``capacity`` = C. A stamp is the row's ``seq_len`` at the step that refreshed it: stamps are compared
+    within a row only, where its length orders its steps as a step count would. The candidates of a row are the decode pages
     (page >= ``prompt_pages``) in its slots ``[prompt_pages, limit)``, where the cache puts them (the prompt fills
     the first slots, and a new page takes the lowest free slot), and at most ``decode_pages`` of them (the most any
     row holds). Exactly one of ``top_fraction`` / ``alpha`` is set. A candidate is refreshed (its stamp becomes
-    ``step``) when its score is among the top ``top_fraction`` of the row's valid pages (ceil of the fraction, at
+    ``seq_len``) when its score is among the top ``top_fraction`` of the row's valid pages (ceil of the fraction, at
     least one; every page tied with the last one too), or its softmax probability over the row (scores times
     ``scale``) is at least ``alpha``, or it is the page being written. Only candidates carry stamps: prompt pages
     are never evicted. Then in each row whose next token starts a page while it holds ``limit`` pages, the candidate
@@ -886,7 +887,8 @@ def raas_update(scores: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.T
     first = prompt_pages.view(-1, 1, 1)
     last = torch.minimum(limit.clamp(max=capacity), prompt_pages + decode_pages).view(-1, 1, 1)
     candidate = (slot_ids >= first) & (slot_ids < last) & (slot_page >= first)
-    stamp.copy_(torch.where(candidate & (used | (slot_ids == cur_slot.unsqueeze(-1))), step, stamp))
+    stamp.copy_(torch.where(candidate & (used | (slot_ids == cur_slot.unsqueeze(-1))), seq_len.view(-1, 1, 1),
+                            stamp))
 
     starts_page = (seq_len % page_size == 0).view(-1, 1)
     full = (slot_page[:, :, :capacity] >= 0).sum(dim=-1) >= limit.view(-1, 1)

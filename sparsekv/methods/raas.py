@@ -81,11 +81,10 @@ STAMP = "raas_stamp"
 
 
 class RaaS(Method):
-    """Per layer: ``layer.slot_state["raas_stamp"]`` (B, Hkv, C + 1) int64, the decode step each slot's decode page
-    was last refreshed at (it moves with the slots when the cache grows or reorders), and ``layer.max_pages``, the
+    """Per layer: ``layer.slot_state["raas_stamp"]`` (B, Hkv, C + 1) int64, the row's length at the decode step
+    each slot's decode page was last refreshed at (the paper's timestamp: it orders a row's steps; it moves with the slots when the cache grows or reorders), and ``layer.max_pages``, the
     largest row limit. Per prompt: ``prompt_pages`` and ``limit`` (B,), the prompt's pages and the pages a row may
-    hold; ``decode_pages``, the most decode pages a row holds; ``step`` (L,) int64, each layer's decode steps, on
-    the device so that a captured step advances it. A pool also keeps each row's limit on the host (``row_limit``):
+    hold; ``decode_pages``, the most decode pages a row holds. A pool also keeps each row's limit on the host (``row_limit``):
     a row's pages lie in its first ``limit`` slots (it never holds more, and a new page takes the lowest free slot),
     so a step over rows whose limits are small reads only the first slots of a pool sized for long prompts
     (``slots``, from ``step_slots``)."""
@@ -96,7 +95,6 @@ class RaaS(Method):
 
     def __init__(self, config: RaaSConfig, num_layers: int):
         super().__init__(config, num_layers)
-        self.step: torch.Tensor | None = None
         self.prompt_pages: torch.Tensor | None = None
         self.limit: torch.Tensor | None = None
         self.decode_pages = 0
@@ -130,8 +128,6 @@ class RaaS(Method):
         self.decode_pages = max(n - p for p, n in zip(prompt, limit))
         layer.max_pages = max(limit)
         layer.slot_state[STAMP] = torch.zeros(layer.shape[:3], dtype=torch.long, device=device)
-        if layer_idx == 0:
-            self.step = torch.zeros(self.num_layers, dtype=torch.long, device=device)
 
     def start_pool(self, layers, max_context):
         b, _, _, _ = layers[0].shape
@@ -139,7 +135,6 @@ class RaaS(Method):
         self.prompt_pages = torch.zeros(b, dtype=torch.long, device=device)
         self.limit = torch.zeros(b, dtype=torch.long, device=device)
         self.decode_pages = self.config.budget_pages  # at least any row's decode pages, in either prefill mode
-        self.step = torch.zeros(self.num_layers, dtype=torch.long, device=device)
         self.row_limit = [0] * b
         self.pool_slots = min(layer.capacity for layer in layers)
         for layer in layers:
@@ -147,8 +142,7 @@ class RaaS(Method):
             layer.slot_state[STAMP] = torch.zeros(layer.shape[:3], dtype=torch.long, device=device)
 
     def copy_row(self, row, source, source_row, prompt_len):
-        # Stamps move with the slots; they are compared within a row only, so the pool's step count may differ
-        # from the request's own.
+        # Stamps (the row's lengths) move with the slots and the row's length.
         self.prompt_pages[row] = source.prompt_pages[source_row]
         self.limit[row] = source.limit[source_row]
         self.row_limit[row] = self._limits([prompt_len])[1][0]
@@ -165,8 +159,6 @@ class RaaS(Method):
         return view
 
     def decode(self, layer_idx, q, layer, seq_len, scale, tally):
-        step = self.step[layer_idx]
-        step.add_(1)
         # The first c slots and one more, free in every row, that stands for the scratch slot (all of them outside a
         # pool): (B, Hkv, c + 1) views.
         c = layer.capacity if self.slots is None else self.slots
@@ -186,7 +178,7 @@ class RaaS(Method):
         # Stamps and the eviction in one op: in place, as a captured step reads and writes them at the same address.
         # The freed slots are found again by the next page's append: the layer evicts (``max_pages``), so the cache
         # searches for free slots.
-        kernels.raas_update(scores, slot_page, layer.cur_slot, stamp, step, seq_len, self.limit,
+        kernels.raas_update(scores, slot_page, layer.cur_slot, stamp, seq_len, self.limit,
                             self.prompt_pages, layer.page_size, c, self.decode_pages, cfg.top_fraction,
                             cfg.alpha, scale)
         return out

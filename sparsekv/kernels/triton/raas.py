@@ -3,10 +3,11 @@
 1. ``_raas_rank_kernel``, one program per (row, block of slots): with the ``top_fraction`` rule, the block's valid
    pages and, for every candidate decode slot of the row (slots ``[prompt_pages, limit)``), how many of the block's
    pages score strictly above it; with the ``alpha`` rule, the block's softmax maximum and sum.
-2. ``_raas_evict_kernel``, one program per row: adds the blocks' partial results; a candidate is refreshed when
+2. ``_raas_evict_kernel``, one program per row: adds the blocks' partial results (a candidate chunk's counts of
+   every block in one load, as a serial add over the blocks would wait on each); a candidate is refreshed when
    fewer than ``take`` pages score above it (the same as scoring at least the take-th largest score, ties
-   included), or when its probability reaches ``alpha``; writes the candidates' stamps and frees the oldest one
-   when the next token starts a page in a full row.
+   included), or when its probability reaches ``alpha``; writes the candidates' stamps (the row's length) and frees
+   the oldest one when the next token starts a page in a full row.
 
 No selection over the row is needed: only the decode pages' stamps are ever read (prompt pages are never evicted),
 so ranking the few candidates against every page replaces finding the threshold itself."""
@@ -58,7 +59,7 @@ def _raas_rank_kernel(sc_ptr, sp_ptr, pp_ptr, lim_ptr, cnt_ptr, rank_ptr, soft_p
 
 
 @triton.jit
-def _raas_evict_kernel(sc_ptr, sp_ptr, cur_ptr, st_ptr, step_ptr, seq_ptr, lim_ptr, pp_ptr, cnt_ptr, rank_ptr,
+def _raas_evict_kernel(sc_ptr, sp_ptr, cur_ptr, st_ptr, seq_ptr, lim_ptr, pp_ptr, cnt_ptr, rank_ptr,
                        soft_ptr, n_blocks, n_cand, capacity, page_size, fraction, alpha, scale,
                        sc_b, sc_h, sp_b, sp_h, st_b, st_h, cu_b, cu_h,
                        HKV: tl.constexpr, BY_ALPHA: tl.constexpr, CAND: tl.constexpr, NB: tl.constexpr,
@@ -81,7 +82,7 @@ def _raas_evict_kernel(sc_ptr, sp_ptr, cur_ptr, st_ptr, step_ptr, seq_ptr, lim_p
         total = tl.sum(s * tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), 0)
     else:
         take = tl.maximum(tl.math.ceil(held.to(tl.float32) * fraction).to(tl.int32), 1)
-    step = tl.load(step_ptr)
+    length = tl.load(seq_ptr + b)
     cur = tl.load(cur_ptr + b * cu_b + h * cu_h)
     first = tl.load(pp_ptr + b)
     last = tl.minimum(tl.load(lim_ptr + b), capacity)
@@ -97,12 +98,11 @@ def _raas_evict_kernel(sc_ptr, sp_ptr, cur_ptr, st_ptr, step_ptr, seq_ptr, lim_p
             x = tl.load(sc + slot, mask=candidate, other=float("-inf"))
             used = tl.exp(x * scale - top) / total >= alpha
         else:
-            above = tl.zeros((CAND,), tl.int32)
-            for blk in range(n_blocks):
-                above += tl.load(rank_ptr + (base + blk) * n_cand + j, mask=j < n_cand, other=0)
-            used = above < take
+            counts = tl.load(rank_ptr + (base + blocks[:, None]) * n_cand + j[None, :],
+                             mask=in_blocks[:, None] & (j < n_cand)[None, :], other=0)
+            used = tl.sum(counts, 0) < take
         stamp = tl.load(st + slot, mask=candidate, other=0)
-        stamp = tl.where(used | (slot == cur), step, stamp)
+        stamp = tl.where(used | (slot == cur), length, stamp)
         tl.store(st + slot, stamp, mask=candidate)
         # Oldest stamp first; among equal stamps the older page (stamps and pages both fit in 31 bits).
         key = tl.where(candidate, stamp * 2147483648 + page, _NEVER)
@@ -110,16 +110,16 @@ def _raas_evict_kernel(sc_ptr, sp_ptr, cur_ptr, st_ptr, step_ptr, seq_ptr, lim_p
         best = tl.minimum(best, key)
     low = tl.min(best, 0)
     victim = tl.min(tl.where(best == low, victim, _NEVER), 0)  # candidates' keys are distinct (their pages are)
-    evict = (tl.load(seq_ptr + b) % page_size == 0) & (held >= tl.load(lim_ptr + b)) & (low < _NEVER)
+    evict = (length % page_size == 0) & (held >= tl.load(lim_ptr + b)) & (low < _NEVER)
     tl.store(sp + victim, -1, mask=evict)
 
 
 def raas_update(scores: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.Tensor, stamp: torch.Tensor,
-                step: torch.Tensor, seq_len: torch.Tensor, limit: torch.Tensor, prompt_pages: torch.Tensor,
+                seq_len: torch.Tensor, limit: torch.Tensor, prompt_pages: torch.Tensor,
                 page_size: int, capacity: int, decode_pages: int, top_fraction: float | None, alpha: float | None,
                 scale: float) -> None:
     if scores.dtype != torch.float32:
-        return reference.raas_update(scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages,
+        return reference.raas_update(scores, slot_page, cur_slot, stamp, seq_len, limit, prompt_pages,
                                      page_size, capacity, decode_pages, top_fraction, alpha, scale)
     b, hkv, n = scores.shape
     for name, t in (("scores", scores), ("slot_page", slot_page), ("stamp", stamp)):
@@ -138,7 +138,7 @@ def raas_update(scores: torch.Tensor, slot_page: torch.Tensor, cur_slot: torch.T
         scores.stride(0), scores.stride(1), slot_page.stride(0), slot_page.stride(1),
         HKV=hkv, BY_ALPHA=by_alpha, BLOCK=block, CAND=cand, num_warps=TUNING["raas_warps"], **pdl_launch())
     _raas_evict_kernel[(rows,)](
-        scores, slot_page, cur_slot, stamp, step, seq_len, limit, prompt_pages, counts, ranks, soft, n_blocks,
+        scores, slot_page, cur_slot, stamp, seq_len, limit, prompt_pages, counts, ranks, soft, n_blocks,
         decode_pages, capacity, page_size, 0.0 if top_fraction is None else top_fraction,
         0.0 if alpha is None else alpha, scale, scores.stride(0), scores.stride(1), slot_page.stride(0),
         slot_page.stride(1), stamp.stride(0), stamp.stride(1), cur_slot.stride(0), cur_slot.stride(1),

@@ -17,7 +17,8 @@ from sparsekv import H2OConfig, SnapKVConfig, StreamingLLMConfig, TOVAConfig
 from sparsekv.cache import PagedKVCache
 from sparsekv.kernels import reference
 from sparsekv.methods import METHODS
-from sparsekv.methods.base import Tally
+from sparsekv.methods.base import Tally, all_slots
+from sparsekv.methods.eviction import drop_lowest, keep_top
 from sparsekv.tiny import ARCHITECTURES, byte_tokenizer, tiny_model
 
 
@@ -281,6 +282,31 @@ def test_compact_keeps_held_tokens_in_order_and_moves_state():
     assert {b: layer.k[b, 0][layer.slot_page[b, 0] >= 0].flatten().tolist() for b in range(2)} == keys
     assert layer.cur_slot.tolist() == [[2], [1]]  # the slots of each row's last page
     assert torch.equal(layer.kmax[0, 0, :3], torch.tensor([[3.0], [7.0], [8.0]]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_eviction_drops_what_keep_top_drops(seed):
+    """``drop_lowest`` (a decode step's eviction) frees the slot ``keep_top`` frees, in rows holding ``keep`` + 1
+    tokens at scattered slots, and leaves rows holding ``keep`` or fewer alone; scores with ties and +inf (protected
+    tokens), in float32 and float64."""
+    g = torch.Generator().manual_seed(seed)
+    keep, rows, heads, n = 5, 4, 3, 9
+    cache = PagedKVCache(1, 1)
+    cache.begin(n, None, rows, torch.device("cpu"))
+    layer = cache.append(0, torch.randn(rows, heads, n, 2, generator=g), torch.randn(rows, heads, n, 2, generator=g))
+    held = [keep + 1, keep + 1, keep, 2]
+    drop = torch.stack([torch.stack([torch.randperm(n, generator=g) >= held[b] for _ in range(heads)])
+                        for b in range(rows)])
+    layer.free(all_slots(layer), torch.cat([drop, torch.zeros(rows, heads, 1, dtype=torch.bool)], dim=2))
+    score = torch.randint(0, 3, layer.slot_page.shape, generator=g).to(torch.float64 if seed % 2 else torch.float32)
+    score = score.masked_fill(torch.rand(score.shape, generator=g) < 0.2, float("inf"))
+    before = layer.slot_page.clone()
+    keep_top(layer, score, keep)
+    want = layer.slot_page.clone()
+    layer.slot_page.copy_(before)
+    drop_lowest(layer, score, keep)
+    assert torch.equal(layer.slot_page, want)
+    assert torch.equal(want[2:], before[2:]) and not torch.equal(want[:2], before[:2])
 
 
 def test_one_token_pages_store_no_key_bounds():

@@ -123,7 +123,7 @@ class EvictionMethod(Method):
         else:
             out = layer.attend(q, slots, seq_len, scale, tally.rows(slots.shape[1]))
         if self.evicts_in_decode:
-            keep_top(layer, self.step_score(layer_idx, layer, weights, seq_len), self.config.token_budget - 1)
+            drop_lowest(layer, self.step_score(layer_idx, layer, weights, seq_len), self.config.token_budget - 1)
         return out
 
 
@@ -138,6 +138,18 @@ def keep_top(layer: PagedLayer, score: torch.Tensor, keep: int) -> None:
     order = score.masked_fill(~held, float("-inf")).sort(dim=2, descending=True, stable=True).indices
     top = order[:, :, :keep]
     layer.free(all_slots(layer), held.scatter(2, top, False))
+
+
+def drop_lowest(layer: PagedLayer, score: torch.Tensor, keep: int) -> None:
+    """``keep_top`` where each row holds at most ``keep`` + 1 tokens, as after a decode step (one token appended
+    since the last eviction): frees the lowest scored held slot of each (sequence, KV head) row holding more than
+    ``keep`` (ties: the higher slot, the one ``keep_top`` drops). Two reductions in place of a sort of every slot.
+    score: (B, Hkv, C + 1)."""
+    held = layer.slot_page >= 0
+    masked = score.masked_fill(~held, float("inf"))
+    lowest = held & (masked == masked.amin(dim=2, keepdim=True))
+    victim = torch.where(lowest, layer.slot_ids, -1).amax(dim=2, keepdim=True)
+    layer.free(victim.clamp(min=0), held.sum(dim=2, keepdim=True) > keep)
 
 
 def per_kv_head(weights: torch.Tensor, kv_heads: int) -> torch.Tensor:

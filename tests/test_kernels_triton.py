@@ -339,6 +339,7 @@ MASS_SHAPES = [
     pytest.param(2, 8, 1, 8, 32, 1, [70, 33], 40, id="gqa8-rows-per-query-head"),
     pytest.param(2, 6, 2, 2, 64, 16, [30, 17], 20, id="gqa3-one-page"),
     pytest.param(2, 4, 4, 4, 16, 1, [150, 90], 70, id="mha-many-blocks"),
+    pytest.param(2, 8, 2, 2, 64, 1, [150, 61], 1, id="decode-query-gqa4"),
 ]
 
 
@@ -346,7 +347,8 @@ MASS_SHAPES = [
     cases(MASS_SHAPES), axis(DTYPES + [ref.FP8]), full=1, each=2))
 def test_attention_mass(batch, heads, kv_heads, rows, head_dim, page_size, lengths, queries, dtype):
     """H2O's prompt scores: each token's weights summed over queries at any positions (padding queries at -1,
-    unordered), over pages scattered in the slots with free slots, -1 slot entries and partial pages, for 1-8
+    unordered; one query at its row's last position: a decode step's weights, H2O's and TOVA's step scores), over
+    pages scattered in the slots with free slots, -1 slot entries and partial pages, for 1-8
     query heads per KV head and selection rows per KV head or per query head; tokens no query sees get exactly 0."""
     k, _, _, _, slot_page, _, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths,
                                                    torch.float32 if dtype == ref.FP8 else dtype, seed=heads)
@@ -356,6 +358,8 @@ def test_attention_mass(batch, heads, kv_heads, rows, head_dim, page_size, lengt
     q = torch.randn(batch, heads, queries, head_dim, generator=g, device=DEV).to(q_dtype)
     q_pos = (torch.rand(batch, queries, generator=g, device=DEV) * seq_len.view(-1, 1)).long()
     q_pos[:, ::4] = -1
+    if queries == 1:
+        q_pos = (seq_len - 1).view(-1, 1)
     slots = torch.arange(k.shape[2], device=DEV).expand(batch, rows, -1).clone()
     slots[:, :, 1::5] = -1
     scale = head_dim ** -0.5
@@ -703,8 +707,8 @@ def test_window_token_maxima_dispatch_and_cuda_graph(monkeypatch):
 def raas_state(batch, kv_heads, slots, page_size, ties, seed):
     """RaaS book-keeping inputs: rows holding different numbers of distinct pages at scattered slots (padded
     batches, holes; slot C the always free scratch slot), scores -inf where free (with ``ties``: few distinct
-    values, +0.0 and -0.0 among them), stamps below a long row's length, and per sequence: the next token starting a page
-    or not, a limit reached or not, candidate slots [prompt_pages, limit) holding pages below and above
+    values, +0.0 and -0.0 among them), stamps below a long row's length, and per sequence: the next token starting a
+    page or not, a limit reached or not, candidate slots [prompt_pages, limit) holding pages below and above
     prompt_pages."""
     g = torch.Generator().manual_seed(seed)
     slot_page = torch.full((batch, kv_heads, slots + 1), -1, dtype=torch.long)

@@ -82,12 +82,13 @@ STAMP = "raas_stamp"
 
 class RaaS(Method):
     """Per layer: ``layer.slot_state["raas_stamp"]`` (B, Hkv, C + 1) int64, the row's length at the decode step
-    each slot's decode page was last refreshed at (the paper's timestamp: it orders a row's steps; it moves with the slots when the cache grows or reorders), and ``layer.max_pages``, the
-    largest row limit. Per prompt: ``prompt_pages`` and ``limit`` (B,), the prompt's pages and the pages a row may
-    hold; ``decode_pages``, the most decode pages a row holds. A pool also keeps each row's limit on the host (``row_limit``):
-    a row's pages lie in its first ``limit`` slots (it never holds more, and a new page takes the lowest free slot),
-    so a step over rows whose limits are small reads only the first slots of a pool sized for long prompts
-    (``slots``, from ``step_slots``)."""
+    each slot's decode page was last refreshed at (the paper's timestamp: it orders a row's steps; it moves with the
+    slots when the cache grows or reorders), and ``layer.max_pages``, the largest row limit. Per prompt:
+    ``prompt_pages`` and ``limit`` (B,), the prompt's pages and the pages a row may hold; ``decode_pages``, the most
+    decode pages a row holds. A pool also keeps each row's limit on the host (``row_limit``): a row's pages lie in
+    its first ``limit`` slots (it never holds more, and a new page takes the lowest free slot), so a step over rows
+    whose limits are small reads only the first slots of a pool sized for long prompts (``slots``, from
+    ``step_slots``)."""
 
     config: RaaSConfig
     prefix_reuse = True  # its limits apply from the first decode step, which may evict (no answer_reuse)

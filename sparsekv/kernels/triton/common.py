@@ -75,7 +75,9 @@ from .. import programmatic_launch
 # prompt_mass_blocks, the (queries, tokens) of a block in pass 1 (programs of queries) and in pass 2 (programs of
 # tokens), half that for fp32 tiles. On the H200 at Llama-3-8B, 4096 queries over 32K tokens (a sweep in
 # benchmarks/results/KERNEL_NOTES.md, H2O's prompt scores): pass 1 7.54 ms with 64 x 64, 6.71 with 128 x 32;
-# pass 2 6.03 with 64 x 64, the best.
+# pass 2 6.03 with 64 x 64, the best. step_mass_blocks: the same for a pass of one query (a decode step's weights,
+# H2O's and TOVA's step scores), whose pass 1 is one program per query head over every held token: at Llama-3-8B,
+# 128K, budget 2048, H2O's step 10.20 ms with prompt_mass_blocks, 6.93 with 16 x 128 and 16 x 64.
 # fp8_*: an fp8 cache's launch where it differs from the key without the prefix (``fp8_launch``). Its attention
 # kernel loads the next block's tiles into registers before the current block's products (the tiles' addresses
 # come from the page table, so Triton's pipeliner cannot prefetch them), converts them there and stages them in
@@ -111,7 +113,8 @@ TUNING = {"page_block": 64, "page_block_k": 64, "page_chunks": 1, "page_warps": 
           "coded_block": 128, "coded_warps": 4, "coded_heads": 8, "cuda_coded": True, "cuda_coded_block": 128,
           "mass_block": 256, "mass_parts": 1024, "mass_warps": 4,
           "landmark_block": 32, "landmark_block_k": 64, "landmark_warps": 4, "landmark_stages": 3,
-          "prompt_mass_blocks": ((128, 32), (64, 64)), "prompt_mass_warps": 4, "prompt_mass_stages": 2,
+          "prompt_mass_blocks": ((128, 32), (64, 64)), "step_mass_blocks": ((16, 128), (16, 64)),
+          "prompt_mass_warps": 4, "prompt_mass_stages": 2,
           "append_search": 4096, "append_warps": 4, "append_pages_tokens": 64, "merge_block": 64,
           "fp8_attn_block_n": 64, "fp8_attn_long_programs_per_sm": 2, "fp8_attn_long_stages": 1,
           "fp8_attn_few_programs_per_sm": 4, "fp8_page_block": 128,

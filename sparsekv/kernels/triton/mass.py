@@ -135,8 +135,9 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, sl
     if out.numel() == 0 or s == 0:
         return out.zero_()  # no query: every token receives nothing (pass 2 writes every entry otherwise)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-    wide = q.dtype == torch.float32 or interpreted_bf16(q.dtype)  # fp32 tiles: half the block
-    (lse_q, lse_k), (sum_q, sum_k) = ((x // (2 if wide else 1) for x in pair) for pair in TUNING["prompt_mass_blocks"])
+    wide = q.dtype == torch.float32 or interpreted_bf16(q.dtype)  # fp32 tiles: half the block, 16 at least (a dot's)
+    blocks = TUNING["step_mass_blocks" if s == 1 else "prompt_mass_blocks"]
+    (lse_q, lse_k), (sum_q, sum_k) = ((max(16, x // 2) if wide else x for x in pair) for pair in blocks)
     strides = (*q.stride(), k.stride(0), k.stride(1), k.stride(2), k.stride(3), *slot_page.stride(), *slots.stride(),
                *q_pos.stride())
     meta = dict(H=h, HS=hs, HKV=hkv, P=p, D=d, BLOCK_D=block_d(d), PRECISION=precision(q.dtype),

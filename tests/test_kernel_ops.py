@@ -10,7 +10,7 @@ from sparsekv.kernels import reference as ref
 
 B, H, HKV, D, P = 2, 4, 2, 8, 4
 OPS = ("page_scores", "select_pages", "quest_select", "raas_select", "coded_scores", "lowbit_select", "code_page",
-       "sparse_decode", "attend", "attention_mass", "window_token_maxima",
+       "sparse_decode", "attend", "attend_with_weights", "attention_mass", "window_token_maxima",
        "sparse_decode_tokens", "append_token", "append_pages", "raas_update", "landmark_means", "landmark_page_scores",
        "landmark_select", "page_means", "spread_stats", "spread_page_scores", "spread_select", "page_stats",
        "merge_lse")
@@ -55,6 +55,7 @@ def op_args(dtype=torch.float32):
                       layer.cur_slot, 2),
         "sparse_decode": (q, layer.k, layer.v, layer.slot_page, slots, seq_len, 0.3),
         "attend": (q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots, q_pos, 0.3),
+        "attend_with_weights": (q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots, q_pos, 0.3),
         "attention_mass": (torch.randn(B, H, 3, D, generator=g).to(dtype), layer.k, layer.slot_page, slots,
                            torch.stack([seq_len - 3, seq_len - 1, torch.full_like(seq_len, -1)], 1), 0.3),
         "window_token_maxima": (torch.randn(B, H, 3, D, generator=g).to(dtype), k_flat, key_pos,

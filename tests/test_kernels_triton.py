@@ -373,6 +373,30 @@ def test_attention_mass(batch, heads, kv_heads, rows, head_dim, page_size, lengt
     assert (exact.sum(-1) <= (q_pos >= 0).sum(-1, keepdim=True).to(F64) + 1e-6).all() and exact.sum() > 0
 
 
+@pytest.mark.parametrize("batch,heads,kv_heads,rows,head_dim,page_size,lengths,queries,one,dtype", crossed(
+    cases(MASS_SHAPES), axis([True, False], ["one-query", "several"]), axis(DTYPES), full=2))
+def test_attend_with_weights(batch, heads, kv_heads, rows, head_dim, page_size, lengths, queries, one, dtype):
+    """The output and the weights of one query a row (a decode step's: split-K attention and the query's mass, a
+    row of them with nothing to see), against the reference in fp64; several queries a row are the reference's."""
+    k, v, _, _, slot_page, _, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths, dtype, seed=heads)
+    queries = 1 if one else queries
+    g = torch.Generator(device=DEV).manual_seed(queries)
+    q = torch.randn(batch, heads, queries, head_dim, generator=g, device=DEV).to(dtype)
+    q_pos = (seq_len - 1).view(-1, 1).expand(batch, queries) - torch.arange(queries, device=DEV).flip(0)
+    q_pos = q_pos.clone()
+    q_pos[-1] = -1
+    slots = torch.arange(k.shape[2], device=DEV).expand(batch, rows, -1).clone()
+    slots[:, :, 1::5] = -1
+    scale = head_dim ** -0.5
+    out, weights = tops.attend_with_weights(q, k, v, slot_page, slots, q_pos, scale)
+    exact_out, exact_weights = ref.attend_with_weights(*up(q, k, v), slot_page, slots, q_pos, scale)
+    assert out.dtype == dtype and weights.dtype == torch.float32 and weights.shape == exact_weights.shape
+    assert torch.equal(weights == 0, exact_weights == 0) and out[-1].eq(0).all()
+    torch_out, torch_weights = ref.attend_with_weights(q, k, v, slot_page, slots, q_pos, scale)
+    assert rel_err(out, exact_out) <= 2 * rel_err(torch_out, exact_out) + 1e-5
+    assert rel_err(weights, exact_weights) <= 2 * rel_err(torch_weights, exact_weights) + 1e-5
+
+
 def test_window_token_maxima_edge_cases():
     """No candidate at all (limit 0), an empty window, and fp64 (the reference itself)."""
     q, k, key_pos, q_pos, limit = window_inputs(2, 4, 2, 32, 40, 3, [0, 30], torch.bfloat16)

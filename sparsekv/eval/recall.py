@@ -2,8 +2,8 @@
 
 ``RecallConfig(inner=config)`` builds the inner method wrapped in a probe. In every decode step of every layer the
 probe lets the inner method decode unchanged while it observes (``kernels.observe``) the attention ops the method
-calls (``kernels.sparse_decode``): the slots each call attends, read with the page table as it is at that call, are
-the tokens the method attends. It then computes, with the same query, the dense
+calls (``kernels.sparse_decode``, ``kernels.attend_with_weights``): the slots each call attends, read with the page
+table as it is at that call, are the tokens the method attends. It then computes, with the same query, the dense
 softmax attention over the layer's whole key history and the share of it that falls on those tokens, averaged
 over query heads. Ops over a packed token store that return their log-sum-exp (``kernels.sparse_decode_tokens``,
 OmniKV's) contribute ``exp(lse - dense lse)``, their exact share of the dense mass.
@@ -209,6 +209,7 @@ class RecallProbe(Method):
 # attended in the step (what ``merge_attention`` assumes of them).
 SLOT_OPS = {
     "sparse_decode": lambda a: (a["slot_page"], a["slots"], a["seq_len"]),
+    "attend_with_weights": lambda a: (a["slot_page"], a["slots"], a["q_pos"][:, -1] + 1),
 }
 TOKEN_OPS = ("sparse_decode_tokens",)
 OBSERVED = (*SLOT_OPS, *TOKEN_OPS)

@@ -6,8 +6,8 @@ Triton launches included), and meta tensors run through it.
 
 The names here (``kernels.quest_select`` ...) take the reference's signature, call the registered op and tell the
 observers (``observe``) about the call. ``count_attended`` and ``merge_attention`` are plain compositions of torch
-ops, not registered (``count_attended`` is fused by torch.compile on CUDA: a method that attends through
-``attend`` counts with it every layer and step; ``sparse_decode`` counts within its kernels).
+ops, not registered (``count_attended`` is fused by torch.compile on CUDA: the methods that attend through
+``attend_with_weights`` count with it every layer and step; ``sparse_decode`` counts within its kernels).
 
 The Triton kernels are imported the first time an op sees a CUDA tensor, so CPU-only use never imports triton;
 without triton, CUDA tensors run the reference ops (with a warning)."""
@@ -146,6 +146,11 @@ def _raas_select_fake(q, kmin, kmax, slot_page, cur_slot, prompt_pages, num_page
     return scores, _select_pages_fake(scores, cur_slot, num_pages)
 
 
+def _attend_with_weights_fake(q, k, v, slot_page, slots, q_pos, scale):
+    b, h, s, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty(b, h, s, slots.shape[2] * k.shape[3], dtype=reference.acc_dtype(q.dtype))
+
+
 def _attention_mass_fake(q, k, slot_page, slots, q_pos, scale):
     return q.new_empty(q.shape[0], q.shape[1], slots.shape[2] * k.shape[3], dtype=reference.acc_dtype(q.dtype))
 
@@ -256,6 +261,7 @@ lowbit_select = _register("lowbit_select", _lowbit_select_fake, mutates=("codes"
 code_page = _register("code_page", _code_page_fake, mutates=("codes",))
 sparse_decode = _register("sparse_decode", _sparse_decode_fake, mutates=("attended",))
 attend = _register("attend", _attend_fake)
+attend_with_weights = _register("attend_with_weights", _attend_with_weights_fake)
 attention_mass = _register("attention_mass", _attention_mass_fake)
 window_token_maxima = _register("window_token_maxima", _window_token_maxima_fake)
 sparse_decode_tokens = _register("sparse_decode_tokens", _sparse_decode_tokens_fake)
@@ -303,7 +309,7 @@ merge_attention = reference.merge_attention
 weigh_window = reference.weigh_window
 
 __all__ = ["page_scores", "select_pages", "quest_select", "raas_select", "coded_scores", "lowbit_select", "code_page",
-           "sparse_decode", "attend", "attention_mass", "window_token_maxima", "weigh_window",
+           "sparse_decode", "attend", "attend_with_weights", "attention_mass", "window_token_maxima", "weigh_window",
            "sparse_decode_tokens", "append_token", "append_pages", "page_bounds", "page_codes", "raas_update", "linear",
            "linear_quantized", "landmark_means", "landmark_page_scores", "landmark_select", "page_means",
            "spread_stats", "spread_page_scores", "spread_select", "page_stats",

@@ -392,8 +392,7 @@ def spread_select(q: torch.Tensor, k: torch.Tensor, stats: torch.Tensor, slot_pa
 
 def _weights(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor, q_pos: torch.Tensor,
              scale: float) -> torch.Tensor:
-    """The softmax weights of ``attend``'s queries, (B, Hs, H / Hs, S, K * P) in the accumulation dtype, column
-    ``i * P + j`` token ``j`` of ``slots[..., i]`` (zero for tokens not attended)."""
+    """The softmax weights of ``attend_with_weights``, (B, Hs, H / Hs, S, K * P) in the accumulation dtype."""
     b, h, s, d = q.shape
     hkv, p = k.shape[1], k.shape[3]
     hs, kk = slots.shape[1], slots.shape[2]
@@ -411,14 +410,32 @@ def _weights(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: t
     return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
 
 
+def attend_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor,
+                        slots: torch.Tensor, q_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend`` that also returns its attention weights, for methods that score tokens by attention (H2O, TOVA,
+    SnapKV).
+
+    Returns the output (B, H, S, D) in q's dtype and the softmax weights (B, H, S, K * P) in the accumulation
+    dtype, where column ``i * P + j`` is token ``j`` of ``slots[..., i]`` (zero for tokens not attended).
+    """
+    b, h, s, d = q.shape
+    hkv, p = k.shape[1], k.shape[3]
+    hs, kk = slots.shape[1], slots.shape[2]
+    bi, hi = row_index(b, hs, hkv, q.device)
+    weights = _weights(q, k, slot_page, slots, q_pos, scale)
+    vals = v[bi, hi, slots.clamp(min=0)].reshape(b, hs, kk * p, d).to(weights.dtype)
+    out = torch.einsum("bngsk,bnkd->bngsd", weights, vals)
+    return out.reshape(b, h, s, d).to(q.dtype), weights.reshape(b, h, s, kk * p)
+
+
 # Attention weights ``attention_mass`` materialises at once: queries are taken in chunks of this many weights.
 MASS_CHUNK_WEIGHTS = 1 << 24
 
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
                    q_pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """The softmax weights of ``attend``'s queries summed over the queries: the attention each token receives
-    from all of them (H2O's prompt scores; of one decode query, its weights: H2O's and TOVA's step scores).
+    """The weights of ``attend_with_weights`` summed over the queries: the attention each token receives from all
+    of them (H2O's prompt scores).
 
     q: (B, H, S, D) with positions q_pos (B, S) (-1: a query that sees nothing); k, slot_page, slots as in
     ``attend``. Returns (B, H, K * P) in the accumulation dtype, column ``i * P + j`` token ``j`` of
@@ -448,12 +465,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.T
     q_pos: (B, S) position of each query, -1 for padding. A query attends to the tokens of its row's slots whose
     position is <= its own. Returns (B, H, S, D) in q's dtype; queries with nothing to attend give zeros.
     """
-    b, h, s, d = q.shape
-    hs, kk, p = slots.shape[1], slots.shape[2], k.shape[3]
-    bi, hi = row_index(b, hs, k.shape[1], q.device)
-    weights = _weights(q, k, slot_page, slots, q_pos, scale)
-    vals = v[bi, hi, slots.clamp(min=0)].reshape(b, hs, kk * p, d).to(weights.dtype)
-    return torch.einsum("bngsk,bnkd->bngsd", weights, vals).reshape(b, h, s, d).to(q.dtype)
+    return attend_with_weights(q, k, v, slot_page, slots, q_pos, scale)[0]
 
 
 def check_attended(attended: torch.Tensor, slots: torch.Tensor) -> None:

@@ -12,8 +12,7 @@ with k = ``token_budget - 1``. The layer's slots are capped at ``token_budget``,
 a long prompt is stored whole, compressed right after its attention, and the layer is compacted to what it holds.
 
 The first ``dense_layers`` layers attend and keep everything. Attention at decode is ``kernels.sparse_decode`` over
-every held slot; the methods that score by attention take the step's weights from ``kernels.attention_mass`` of its
-one query (a token's mass from one query is its weight).
+every held slot, or ``kernels.attend_with_weights`` (same op, plus its weights) for methods that score by attention.
 """
 
 from __future__ import annotations
@@ -115,12 +114,15 @@ class EvictionMethod(Method):
         if self.dense(layer_idx):
             return attend_all(q, layer, seq_len, scale)
         slots = all_slots(layer)
-        out = layer.attend(q, slots, seq_len, scale, tally.rows(slots.shape[1]))
+        weights = None
+        if self.needs_weights:
+            tally.rows(slots.shape[1]).add_(kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size))
+            out, weights = kernels.attend_with_weights(q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots,
+                                                       (seq_len - 1).unsqueeze(1), scale)
+            out, weights = out.squeeze(2), weights.squeeze(2)
+        else:
+            out = layer.attend(q, slots, seq_len, scale, tally.rows(slots.shape[1]))
         if self.evicts_in_decode:
-            weights = None
-            if self.needs_weights:
-                weights = kernels.attention_mass(q.unsqueeze(2), layer.k, layer.slot_page, slots,
-                                                 (seq_len - 1).unsqueeze(1), scale)
             drop_lowest(layer, self.step_score(layer_idx, layer, weights, seq_len), self.config.token_budget - 1)
         return out
 

@@ -9,7 +9,8 @@ scores), in two passes over the keys, read in their own dtype with fp32 products
 A block of tokens that no query of a block sees (free slots, positions after the queries) is skipped in both passes,
 so a causal prompt costs about half of the products, and nothing of size queries x tokens is stored: the reference
 materialises the weights chunk by chunk, which at a 128K-token prompt means thousands of gathers of every key per
-layer.
+layer. With one query (a decode step) the mass is the query's weights: ``attend_with_weights`` takes them from here
+beside the split-K attention, for H2O's and TOVA's steps.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from .attention import sparse_decode
 from .common import LOG2E, TUNING, block_d, check, dependent_launch, interpreted_bf16, pdl_launch, precision
 
 _NONE = tl.constexpr(2 ** 62)  # the position of a token no query sees, above every real one
@@ -149,3 +151,15 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, sl
     _mass_sum_kernel[(b * h, triton.cdiv(n, sum_k))](q, k, slot_page, slots, q_pos, lse, out, s, n, scale_log2,
                                                      *strides, BLOCK_Q=sum_q, BLOCK_K=sum_k, **meta, **pdl_launch())
     return out
+
+
+def attend_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor,
+                        slots: torch.Tensor, q_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's (out, weights) for one query a row (S = 1, a decode step: H2O's and TOVA's): the split-K
+    attention (``sparse_decode`` over the tokens at positions <= q_pos) and the query's weights (``attention_mass`` of
+    one query, with ``step_mass_blocks``), (B, H, 1, D) in q's dtype and (B, H, 1, K * P) float32. Several queries
+    a row and fp64 run the reference."""
+    if q.shape[2] != 1 or q.dtype == torch.float64:
+        return reference.attend_with_weights(q, k, v, slot_page, slots, q_pos, scale)
+    out = sparse_decode(q[:, :, 0], k, v, slot_page, slots, q_pos[:, 0] + 1, scale)
+    return out.unsqueeze(2), attention_mass(q, k, slot_page, slots, q_pos, scale).unsqueeze(2)

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..kernels import reference
-from .base import require
 from .quest import Reranked, RerankedConfig
 
 
@@ -34,16 +33,14 @@ class LowRankConfig(RerankedConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        require(self.rank is None or (isinstance(self.rank, int) and not isinstance(self.rank, bool)
-                                      and self.rank >= 1), "rank", "None (2 * head_dim / page_size) or an int >= 1",
-                self.rank)
+        self.check_width("rank", self.rank)
 
     def rank_for(self, head_dim: int) -> int:
-        return min(self.rank or max(1, 2 * head_dim // self.page_size), head_dim)
+        return self.values_per_key(self.rank, head_dim)
 
     def metadata_bytes(self, head_dim: int, itemsize: int) -> int:
         """Per page and KV head a step reads ``rank`` values of each of its keys."""
-        return self.page_size * self.rank_for(head_dim) * itemsize
+        return self.key_values_bytes(self.rank, head_dim, itemsize)
 
     def method_class(self):
         return LowRank

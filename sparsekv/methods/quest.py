@@ -87,6 +87,21 @@ class RerankedConfig(QuestConfig):
                 f"an int >= 0 leaving the current page room in token_budget ({self.token_budget // self.page_size} "
                 f"pages)", self.sink_pages)
 
+    def check_width(self, name: str, width: int | None) -> None:
+        """Refuses a ``width`` field (the values an estimate reads of every key: sparq's channels, lowrank's
+        directions) that is neither None nor an int >= 1."""
+        require(width is None or (isinstance(width, int) and not isinstance(width, bool) and width >= 1), name,
+                "None (2 * head_dim / page_size) or an int >= 1", width)
+
+    def values_per_key(self, width: int | None, head_dim: int) -> int:
+        """The values a step reads of every key for a ``width`` field: at most head_dim; None: 2 * head_dim /
+        page_size, so that a page costs Quest's metadata bytes (its min and max)."""
+        return min(width or max(1, 2 * head_dim // self.page_size), head_dim)
+
+    def key_values_bytes(self, width: int | None, head_dim: int, itemsize: int) -> int:
+        """Metadata a step reads per page and KV head: ``values_per_key`` values of each of its keys."""
+        return self.page_size * self.values_per_key(width, head_dim) * itemsize
+
 
 class Reranked(Quest):
     """Quest's choice (the budget, the current page, ``dense_layers``, shared pages) ranked by ``estimate``, the

@@ -36,17 +36,15 @@ class SparQConfig(RerankedConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        require(self.channels is None or (isinstance(self.channels, int) and not isinstance(self.channels, bool)
-                                          and self.channels >= 1), "channels",
-                "None (2 * head_dim / page_size) or an int >= 1", self.channels)
+        self.check_width("channels", self.channels)
         require(isinstance(self.by_keys, bool), "by_keys", "true or false", self.by_keys)
 
     def channels_for(self, head_dim: int) -> int:
-        return self.channels or max(1, 2 * head_dim // self.page_size)
+        return self.values_per_key(self.channels, head_dim)
 
     def metadata_bytes(self, head_dim: int, itemsize: int) -> int:
         """Per page and KV head a step reads ``channels`` values of each of its keys."""
-        return self.page_size * min(self.channels_for(head_dim), head_dim) * itemsize
+        return self.key_values_bytes(self.channels, head_dim, itemsize)
 
     def method_class(self):
         return SparQ

@@ -304,9 +304,47 @@ def test_decode_eviction_drops_what_keep_top_drops(seed):
     keep_top(layer, score, keep)
     want = layer.slot_page.clone()
     layer.slot_page.copy_(before)
-    drop_lowest(layer, score, keep)
+    drop_lowest(layer.slot_page, layer.slot_ids, score, keep)
     assert torch.equal(layer.slot_page, want)
     assert torch.equal(want[2:], before[2:]) and not torch.equal(want[:2], before[:2])
+
+
+def _eviction_inputs(name: str, g: torch.Generator) -> tuple:
+    """slot_page (3, 2, 10) of rows holding 6, 6, 5 and 2 of 9 slots, and the keep-score arguments of ``name``."""
+    rows, kv_heads, heads, n = 3, 2, 4, 9
+    held = torch.tensor([6, 5, 2]).view(rows, 1, 1)
+    order = torch.stack([torch.stack([torch.randperm(n, generator=g) for _ in range(kv_heads)]) for _ in range(rows)])
+    slot_page = torch.where(order < held, order + 3 * held, -1)
+    slot_page = torch.cat([slot_page, torch.full((rows, kv_heads, 1), -1)], dim=2)
+    seq_len = slot_page.amax(dim=(1, 2)) + 1
+    weights = torch.rand(rows, heads, n + 1, generator=g)
+    if name == "streamingllm":
+        return slot_page, (2,)
+    if name == "h2o":
+        cur = slot_page.argmax(dim=2)
+        return slot_page, (torch.rand(rows, kv_heads, n + 1, generator=g), cur, weights, seq_len, 3)
+    return slot_page, (weights, heads)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name, cls", [("streamingllm", "StreamingLLM"), ("h2o", "H2O"), ("tova", "TOVA")])
+def test_fused_eviction_on_cuda_does_what_the_eager_step_does(name, cls):
+    """A decode step's eviction compiled by torch.compile on CUDA (``eviction.fused_eviction``) frees the slots,
+    counts the tokens and (H2O) accumulates the scores that its torch ops do on the CPU."""
+    import importlib
+    module = importlib.import_module(f"sparsekv.methods.{'streaming' if name == 'streamingllm' else name}")
+    step = getattr(module, cls).step_eviction
+    for seed in range(3):
+        slot_page, args = _eviction_inputs(name, torch.Generator().manual_seed(seed))
+        states = {}
+        for device in ("cpu", "cuda"):
+            moved = [a.to(device, copy=True) if isinstance(a, torch.Tensor) else a for a in (slot_page, *args)]
+            counted = torch.zeros(slot_page.shape[:2], dtype=torch.long, device=device)
+            step(moved[0], torch.arange(slot_page.shape[2], device=device), counted, 5, *moved[1:])
+            states[device] = [t.cpu() for t in (moved[0], counted, *moved[1:]) if isinstance(t, torch.Tensor)]
+        for cpu, cuda in zip(states["cpu"], states["cuda"]):
+            torch.testing.assert_close(cuda, cpu)
+        assert not torch.equal(states["cpu"][0], slot_page)
 
 
 def test_one_token_pages_store_no_key_bounds():

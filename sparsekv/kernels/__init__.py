@@ -6,8 +6,8 @@ Triton launches included), and meta tensors run through it.
 
 The names here (``kernels.quest_select`` ...) take the reference's signature, call the registered op and tell the
 observers (``observe``) about the call. ``count_attended`` and ``merge_attention`` are plain compositions of torch
-ops, not registered (``count_attended`` is fused by torch.compile on CUDA: the methods that attend through
-``attend_with_weights`` count with it every layer and step; ``sparse_decode`` counts within its kernels).
+ops, not registered (``count_attended`` is fused by torch.compile on CUDA, for a method that attends other than
+through ``sparse_decode``, which counts within its kernels).
 
 The Triton kernels are imported the first time an op sees a CUDA tensor, so CPU-only use never imports triton;
 without triton, CUDA tensors run the reference ops (with a warning)."""

@@ -13,10 +13,14 @@ a long prompt is stored whole, compressed right after its attention, and the lay
 
 The first ``dense_layers`` layers attend and keep everything. Attention at decode is ``kernels.sparse_decode`` over
 every held slot, or ``kernels.attend_with_weights`` (same op, plus its weights) for methods that score by attention.
+A step's eviction after it (the method's scores, the lowest one dropped) is one function of tensors
+(``fused_eviction``), which torch.compile makes one or two kernels on CUDA: written as torch ops it took a dozen
+launches a layer, which cost StreamingLLM more than its attention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,9 +69,14 @@ class EvictionMethod(Method):
         """Keep-score (B, Hkv, C + 1) of the prompt's tokens; slot ``j`` holds position ``j`` here."""
         raise NotImplementedError
 
-    def step_score(self, layer_idx: int, layer: PagedLayer, weights: torch.Tensor | None,
-                   seq_len: torch.Tensor) -> torch.Tensor:
-        """Keep-score (B, Hkv, C + 1) after a decode step; weights: (B, H, C + 1) of that step, or None."""
+    # fused_eviction(score) of the method's keep-score after a decode step, called with ``step_args``; None for a
+    # method that does not evict in decode.
+    step_eviction: Callable | None = None
+
+    def step_args(self, layer_idx: int, layer: PagedLayer, weights: torch.Tensor | None,
+                  seq_len: torch.Tensor) -> tuple:
+        """The arguments after ``slot_page`` of the method's keep-score after a decode step. weights: (B, H, C + 1)
+        of that step, or None."""
         raise NotImplementedError
 
     def dense(self, layer_idx: int) -> bool:
@@ -114,16 +123,18 @@ class EvictionMethod(Method):
         if self.dense(layer_idx):
             return attend_all(q, layer, seq_len, scale)
         slots = all_slots(layer)
-        weights = None
-        if self.needs_weights:
-            tally.rows(slots.shape[1]).add_(kernels.count_attended(layer.slot_page, slots, seq_len, layer.page_size))
+        rows = tally.rows(slots.shape[1])
+        if not self.needs_weights:
+            out = layer.attend(q, slots, seq_len, scale, rows)
+            weights, counted = None, None
+        else:
             out, weights = kernels.attend_with_weights(q.unsqueeze(2), layer.k, layer.v, layer.slot_page, slots,
                                                        (seq_len - 1).unsqueeze(1), scale)
-            out, weights = out.squeeze(2), weights.squeeze(2)
-        else:
-            out = layer.attend(q, slots, seq_len, scale, tally.rows(slots.shape[1]))
+            out, weights, counted = out.squeeze(2), weights.squeeze(2), rows
         if self.evicts_in_decode:
-            drop_lowest(layer, self.step_score(layer_idx, layer, weights, seq_len), self.config.token_budget - 1)
+            self.step_eviction(layer.slot_page, layer.slot_ids, counted, self.config.token_budget - 1,
+                               *self.step_args(layer_idx, layer, weights, seq_len))
+            layer.has_holes = True
         return out
 
 
@@ -140,16 +151,34 @@ def keep_top(layer: PagedLayer, score: torch.Tensor, keep: int) -> None:
     layer.free(all_slots(layer), held.scatter(2, top, False))
 
 
-def drop_lowest(layer: PagedLayer, score: torch.Tensor, keep: int) -> None:
+def drop_lowest(slot_page: torch.Tensor, slot_ids: torch.Tensor, score: torch.Tensor, keep: int) -> None:
     """``keep_top`` where each row holds at most ``keep`` + 1 tokens, as after a decode step (one token appended
-    since the last eviction): frees the lowest scored held slot of each (sequence, KV head) row holding more than
-    ``keep`` (ties: the higher slot, the one ``keep_top`` drops). Two reductions in place of a sort of every slot.
-    score: (B, Hkv, C + 1)."""
-    held = layer.slot_page >= 0
+    since the last eviction): frees, in ``slot_page`` (B, Hkv, C + 1) in place, the lowest scored held slot of each
+    (sequence, KV head) row holding more than ``keep`` (ties: the higher slot, the one ``keep_top`` drops). Two
+    reductions in place of a sort of every slot. slot_ids: (C + 1,) 0, 1, ..., C; score: (B, Hkv, C + 1)."""
+    held = slot_page >= 0
     masked = score.masked_fill(~held, float("inf"))
     lowest = held & (masked == masked.amin(dim=2, keepdim=True))
-    victim = torch.where(lowest, layer.slot_ids, -1).amax(dim=2, keepdim=True)
-    layer.free(victim.clamp(min=0), held.sum(dim=2, keepdim=True) > keep)
+    victim = torch.where(lowest, slot_ids, -1).amax(dim=2, keepdim=True)
+    over = held.sum(dim=2, keepdim=True) > keep
+    # A row that keeps its tokens writes the scratch slot (the last), which is always free.
+    slot_page.scatter_(2, torch.where(over, victim, slot_page.shape[2] - 1), -1)
+
+
+def fused_eviction(score: Callable) -> Callable:
+    """A decode step's eviction for the keep-score ``score(slot_page, *args)`` (B, Hkv, C + 1), as one function of
+    tensors that ``kernels.fused`` compiles on CUDA: ``step(slot_page, slot_ids, counted, keep, *args)`` adds each
+    row's held tokens (those the step attended) into ``counted`` (B, Hkv) int64 if it is not None, then scores and
+    frees the lowest scored token of each row holding more than ``keep`` (``drop_lowest``), in place."""
+
+    def step(slot_page: torch.Tensor, slot_ids: torch.Tensor, counted: torch.Tensor | None, keep: int,
+             *args) -> None:
+        if counted is not None:
+            counted.add_((slot_page >= 0).sum(dim=2))
+        drop_lowest(slot_page, slot_ids, score(slot_page, *args), keep)
+
+    step.__name__ = f"evict_by_{score.__name__}"
+    return kernels.fused(step)
 
 
 def per_kv_head(weights: torch.Tensor, kv_heads: int) -> torch.Tensor:

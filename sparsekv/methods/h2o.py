@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import require
-from .eviction import EvictionConfig, EvictionMethod, per_kv_head, prompt_attention
+from .eviction import EvictionConfig, EvictionMethod, fused_eviction, per_kv_head, prompt_attention
 
 STATE = "h2o_score"
 
@@ -46,15 +46,25 @@ class H2OConfig(EvictionConfig):
         return H2O
 
 
+def keep_score(slot_page: torch.Tensor, score: torch.Tensor, seq_len: torch.Tensor, recent: int) -> torch.Tensor:
+    """The accumulated attention ``score`` (B, Hkv, C + 1) with the ``recent - 1`` latest tokens (those that stay
+    recent for the next step) protected; seq_len: (B,) tokens per sequence so far."""
+    return score.masked_fill(slot_page > (seq_len - recent).view(-1, 1, 1), float("inf"))
+
+
+def step_score(slot_page: torch.Tensor, score: torch.Tensor, cur_slot: torch.Tensor, weights: torch.Tensor,
+               seq_len: torch.Tensor, recent: int) -> torch.Tensor:
+    """Adds a decode step's weights (B, H, C + 1) into the accumulated ``score`` in place (the current token's
+    slot, which may have held a dropped token, starting from zero; cur_slot: (B, Hkv)), then ``keep_score``. In
+    place: a captured step reads and writes the same state at every replay."""
+    score.scatter_(2, cur_slot.unsqueeze(-1), 0.0)
+    score.add_(per_kv_head(weights, score.shape[1]))
+    return keep_score(slot_page, score, seq_len, recent)
+
+
 class H2O(EvictionMethod):
     config: H2OConfig
-
-    def keep_score(self, layer, seq_len: torch.Tensor) -> torch.Tensor:
-        """Accumulated attention, with the ``recent - 1`` latest tokens (those that stay recent for the next
-        step) protected. seq_len: (B,) tokens per sequence so far. Returns (B, Hkv, C + 1)."""
-        pos = layer.slot_page
-        recent = pos > (seq_len - self.config.recent).view(-1, 1, 1)
-        return layer.slot_state[STATE].masked_fill(recent, float("inf"))
+    step_eviction = staticmethod(fused_eviction(step_score))
 
     def prefill_chunk(self, layer_idx, q, layer, plan, scale):
         # Every prompt query adds its attention, chunk by chunk (slot j holds position j during the prompt).
@@ -67,12 +77,7 @@ class H2O(EvictionMethod):
             layer.slot_state[STATE] = score
 
     def prompt_score(self, layer_idx, q, layer, plan, scale):
-        return self.keep_score(layer, plan.seq_len)
+        return keep_score(layer.slot_page, layer.slot_state[STATE], plan.seq_len, self.config.recent)
 
-    def step_score(self, layer_idx, layer, weights, seq_len):
-        # The current token's slot may have held a dropped token: its score starts from zero. In place: the state
-        # is read and written at the same address by every replay of a captured step.
-        score = layer.slot_state[STATE]
-        score.scatter_(2, layer.cur_slot.unsqueeze(-1), 0.0)
-        score.add_(per_kv_head(weights, layer.k.shape[1]))
-        return self.keep_score(layer, seq_len)
+    def step_args(self, layer_idx, layer, weights, seq_len):
+        return layer.slot_state[STATE], layer.cur_slot, weights, seq_len, self.config.recent

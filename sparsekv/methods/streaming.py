@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import require
-from .eviction import EvictionConfig, EvictionMethod
+from .eviction import EvictionConfig, EvictionMethod, fused_eviction
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,17 +39,18 @@ class StreamingLLMConfig(EvictionConfig):
         return StreamingLLM
 
 
+def recency(slot_page: torch.Tensor, sink_tokens: int) -> torch.Tensor:
+    """Keep-score of one-token pages slot_page (B, Hkv, C + 1): the position, the first ``sink_tokens`` first."""
+    return slot_page.to(torch.float64).masked_fill(slot_page < sink_tokens, float("inf"))
+
+
 class StreamingLLM(EvictionMethod):
     config: StreamingLLMConfig
     needs_weights = False
-
-    def recency(self, layer) -> torch.Tensor:
-        """Keep-score: the position, sinks first. (B, Hkv, C + 1)."""
-        pos = layer.slot_page.to(torch.float64)
-        return pos.masked_fill(layer.slot_page < self.config.sink_tokens, float("inf"))
+    step_eviction = staticmethod(fused_eviction(recency))
 
     def prompt_score(self, layer_idx, q, layer, plan, scale):
-        return self.recency(layer)
+        return recency(layer.slot_page, self.config.sink_tokens)
 
-    def step_score(self, layer_idx, layer, weights, seq_len):
-        return self.recency(layer)
+    def step_args(self, layer_idx, layer, weights, seq_len):
+        return (self.config.sink_tokens,)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import parallel
-from .eviction import EvictionConfig, EvictionMethod, prompt_attention
+from .eviction import EvictionConfig, EvictionMethod, fused_eviction, prompt_attention
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,20 +27,29 @@ class TOVAConfig(EvictionConfig):
         return TOVA
 
 
+def head_mean(slot_page: torch.Tensor, weights: torch.Tensor, heads: int) -> torch.Tensor:
+    """Keep-score (B, Hkv, C + 1) of slot_page's rows: the attention weights (B, H', C + 1) summed over their
+    heads, divided by the layer's ``heads`` query heads, for every KV head (H' = 1: a sum already taken over the
+    heads of every process). Summed in float64, where the sum of a few dozen weights is (almost always) exact: the
+    mean then does not depend on how the heads are split over processes, and neither do the near ties among evicted
+    tokens. Slot ``j`` holds the same token in every head, because every head has dropped the same tokens."""
+    return (weights.sum(dim=1, keepdim=True, dtype=torch.float64) / heads).expand(-1, slot_page.shape[1], -1)
+
+
 class TOVA(EvictionMethod):
     config: TOVAConfig
+    step_eviction = staticmethod(fused_eviction(head_mean))
 
-    def head_mean(self, weights, kv_heads: int):
-        """(B, H, C + 1) weights -> (B, Hkv, C + 1), their mean over all heads of the layer (those of every process
-        under tensor parallelism) for every KV head. Slot ``j`` holds the same token in every head, because every
-        head has dropped the same tokens."""
-        # Summed in float64, where the sum of a few dozen weights is (almost always) exact: the mean then does not
-        # depend on how the heads are split over processes, and neither do the near ties among evicted tokens.
+    def head_weights(self, weights: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``head_mean``'s arguments after slot_page for this process's weights (B, H, C + 1): those weights, or
+        under tensor parallelism their float64 sum over the heads of every process; and the layer's heads."""
+        if self.tp_group is None:
+            return weights, weights.shape[1]
         total = parallel.all_reduce_sum(weights.sum(dim=1, keepdim=True, dtype=torch.float64), self.tp_group)
-        return (total / (weights.shape[1] * parallel.size(self.tp_group))).expand(-1, kv_heads, -1)
+        return total, weights.shape[1] * parallel.size(self.tp_group)
 
     def prompt_score(self, layer_idx, q, layer, plan, scale):
-        return self.head_mean(prompt_attention(q, layer, plan, scale, last=1), layer.k.shape[1])
+        return head_mean(layer.slot_page, *self.head_weights(prompt_attention(q, layer, plan, scale, last=1)))
 
-    def step_score(self, layer_idx, layer, weights, seq_len):
-        return self.head_mean(weights, layer.k.shape[1])
+    def step_args(self, layer_idx, layer, weights, seq_len):
+        return self.head_weights(weights)

@@ -170,11 +170,13 @@ def _merge_kernel(part_ptr, stat_ptr, split_count_ptr, out_ptr, lse_ptr, count_p
             tl.store(count_at, tl.load(count_at) + n)
 
 
-def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_order=False, table=None):
+def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_order=False, table=None,
+                     with_lse=False):
     """Page mode (slot_page given): sparse_decode, output in q's dtype, each row's attended tokens added into
     attended (B, Hs) int64 when given, each row read up to its length when ``in_order``, through the rows' page
-    ``table`` (B, C) into a store of shared pages (1, Hkv, N, P, D) when given. Token mode (slot_page None): k, v
-    are flat (B, Hkv, N, D) stores, sel lists their rows; returns the fp32 output and its log-sum-exp."""
+    ``table`` (B, C) into a store of shared pages (1, Hkv, N, P, D) when given, with its log-sum-exp when
+    ``with_lse``. Token mode (slot_page None): k, v are flat (B, Hkv, N, D) stores, sel lists their rows; returns the
+    fp32 output and its log-sum-exp."""
     tokens = slot_page is None
     name = "sparse_decode_tokens" if tokens else "sparse_decode"
     check(q, k, name)
@@ -217,7 +219,7 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_
                                     TUNING["attn_long_max_splits"], cuda_fp8kv.WARPS)
         part, stats, split_counts = cuda_fp8kv.split_attention(q, k, v, slot_page, sel, seq_len, scale, splits,
                                                                per_split, in_order, counting, table)
-        return _merge(q, part, stats, split_counts, attended, rows_per_b, tokens)
+        return _merge(q, part, stats, split_counts, attended, rows_per_b, tokens, with_lse)
     fp8 = k.dtype == torch.float8_e4m3fn
     block_n, stages, per_sm, max_splits, warps = (fp8_launch(key, fp8) for key in keys)
     if d > 128:
@@ -241,7 +243,7 @@ def _split_attention(q, k, v, slot_page, sel, seq_len, scale, attended=None, in_
         BLOCK_N=block_n, P=p, TOKENS=tokens, COUNT=counting, PRECISION=precision(q.dtype),
         UPCAST=interpreted_bf16(q.dtype), F16=f16_products(q, k), PREFETCH=fp8, IN_ORDER=in_order, TABLE=store,
         num_warps=warps, num_stages=stages, **pdl_launch())
-    return _merge(q, part, stats, split_counts, attended, rows_per_b, tokens)
+    return _merge(q, part, stats, split_counts, attended, rows_per_b, tokens, with_lse)
 
 
 def _splits(n_blocks: int, per_sm: int, rows: int, device: torch.device, n_tokens: int, in_order: bool,
@@ -258,21 +260,24 @@ def _splits(n_blocks: int, per_sm: int, rows: int, device: torch.device, n_token
     return triton.cdiv(max(n_blocks, 1), per_split), per_split
 
 
-def _merge(q, part, stats, split_counts, attended, rows_per_b, tokens):
+def _merge(q, part, stats, split_counts, attended, rows_per_b, tokens, with_lse=False):
     """The splits' partial outputs merged (see ``_split_attention``)."""
     b, h, splits, d = part.shape
     g = h // rows_per_b
     counting = attended is not None
     fp32_out = tokens or interpreted_bf16(q.dtype)
     out = torch.empty(b, h, d, dtype=torch.float32 if fp32_out else q.dtype, device=q.device)
-    lse = torch.empty(b, h, dtype=torch.float32, device=q.device) if tokens else out
+    write_lse = tokens or with_lse
+    lse = torch.empty(b, h, dtype=torch.float32, device=q.device) if write_lse else out
     count = attended if counting else stats
     split_counts = split_counts if counting else stats
     _merge_kernel[(b * h,)](part, stats, split_counts, out, lse, count, splits, out.stride(0), out.stride(1),
                             count.stride(0), count.stride(1), H=h, G=g, D=d, BLOCK_D=block_d(d),
-                            BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=tokens, COUNT=counting,
+                            BLOCK_S=max(2, triton.next_power_of_2(splits)), WRITE_LSE=write_lse, COUNT=counting,
                             num_warps=4, **pdl_launch())
-    return (out, lse) if tokens else out.to(q.dtype)
+    if tokens:
+        return out, lse
+    return (out.to(q.dtype), lse) if with_lse else out.to(q.dtype)
 
 
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
@@ -281,6 +286,13 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: 
     if q.dtype == torch.float64:
         return reference.sparse_decode(q, k, v, slot_page, slots, seq_len, scale, attended, in_order, table)
     return _split_attention(q, k, v, slot_page, slots, seq_len, scale, attended, in_order, table)
+
+
+def sparse_decode_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
+                      seq_len: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sparse_decode`` of q (B, H, D) in bf16 / fp16 / fp32 (no count, no table), with each head's log-sum-exp of
+    the attention logits (B, H) float32, natural log, -inf for a head that attends nothing."""
+    return _split_attention(q, k, v, slot_page, slots, seq_len, scale, with_lse=True)
 
 
 def sparse_decode_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor,

@@ -75,9 +75,10 @@ from .. import programmatic_launch
 # prompt_mass_blocks, the (queries, tokens) of a block in pass 1 (programs of queries) and in pass 2 (programs of
 # tokens), half that for fp32 tiles. On the H200 at Llama-3-8B, 4096 queries over 32K tokens (a sweep in
 # benchmarks/results/KERNEL_NOTES.md, H2O's prompt scores): pass 1 7.54 ms with 64 x 64, 6.71 with 128 x 32;
-# pass 2 6.03 with 64 x 64, the best. step_mass_blocks: the same for a pass of one query (a decode step's weights,
-# H2O's and TOVA's step scores), whose pass 1 is one program per query head over every held token: at Llama-3-8B,
-# 128K, budget 2048, H2O's step 10.20 ms with prompt_mass_blocks, 6.93 with 16 x 128 and 16 x 64.
+# pass 2 6.03 with 64 x 64, the best. step_mass_blocks: the same for a pass of one query (TOVA's prompt score; a
+# decode step's weights, H2O's and TOVA's, take pass 2 alone, after the split-K attention's log-sum-exp): at
+# Llama-3-8B, 128K, budget 2048, H2O's step took 10.20 ms with prompt_mass_blocks, 6.93 with 16 x 128 and 16 x 64
+# (both passes, before its eviction was fused).
 # fp8_*: an fp8 cache's launch where it differs from the key without the prefix (``fp8_launch``). Its attention
 # kernel loads the next block's tiles into registers before the current block's products (the tiles' addresses
 # come from the page table, so Triton's pipeliner cannot prefetch them), converts them there and stages them in

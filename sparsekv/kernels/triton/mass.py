@@ -10,7 +10,7 @@ A block of tokens that no query of a block sees (free slots, positions after the
 so a causal prompt costs about half of the products, and nothing of size queries x tokens is stored: the reference
 materialises the weights chunk by chunk, which at a 128K-token prompt means thousands of gathers of every key per
 layer. With one query (a decode step) the mass is the query's weights: ``attend_with_weights`` takes them from here
-beside the split-K attention, for H2O's and TOVA's steps.
+from the split-K attention's log-sum-exp and pass 2, for H2O's and TOVA's steps.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .attention import sparse_decode
+from .attention import sparse_decode_lse
 from .common import LOG2E, TUNING, block_d, check, dependent_launch, interpreted_bf16, pdl_launch, precision
 
 _NONE = tl.constexpr(2 ** 62)  # the position of a token no query sees, above every real one
@@ -95,12 +95,13 @@ def _mass_lse_kernel(q_ptr, k_ptr, sp_ptr, sl_ptr, qp_ptr, lse_ptr, S, T, scale_
 
 
 @triton.jit
-def _mass_sum_kernel(q_ptr, k_ptr, sp_ptr, sl_ptr, qp_ptr, lse_ptr, out_ptr, S, T, scale_log2, sq_b, sq_h, sq_s,
-                     sq_d, sk_b, sk_h, sk_c, sk_p, sp_b, sp_h, sp_c, sl_b, sl_h, sl_k, qp_b, qp_s,
+def _mass_sum_kernel(q_ptr, k_ptr, sp_ptr, sl_ptr, qp_ptr, lse_ptr, out_ptr, S, T, scale_log2, lse_log2, sq_b, sq_h,
+                     sq_s, sq_d, sk_b, sk_h, sk_c, sk_p, sp_b, sp_h, sp_c, sl_b, sl_h, sl_k, qp_b, qp_s,
                      H: tl.constexpr, HS: tl.constexpr, HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                      UPCAST: tl.constexpr, PDL: tl.constexpr):
-    """Pass 2: out (B, H, T) float32, each token's weights summed over the queries that see it."""
+    """Pass 2: out (B, H, T) float32, each token's weights summed over the queries that see it; lse (B, H, S) times
+    ``lse_log2`` is in log2 units."""
     dependent_launch(PDL)
     b, h, r, kvh = _program(H, HS, HKV)
     t = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -113,10 +114,31 @@ def _mass_sum_kernel(q_ptr, k_ptr, sp_ptr, sl_ptr, qp_ptr, lse_ptr, out_ptr, S, 
         q, pos = _queries(q_ptr, qp_ptr, b, h, s, S, sq_b, sq_h, sq_s, sq_d, qp_b, qp_s, D, BLOCK_D, UPCAST)
         if tl.max(pos, axis=0) >= first:
             x = tl.dot(q, tl.trans(kt.to(q.dtype)), input_precision=PRECISION) * scale_log2
-            lse = tl.load(lse_ptr + (b * H + h) * S + s, mask=s < S, other=0.0)
+            lse = tl.load(lse_ptr + (b * H + h) * S + s, mask=s < S, other=0.0) * lse_log2
             sees = (kpos[None, :] >= 0) & (kpos[None, :] <= pos[:, None])
             acc += tl.sum(tl.where(sees, tl.math.exp2(x - lse[:, None]), 0.0), axis=0)
     tl.store(out_ptr + (b * H + h) * T + t, acc, mask=t < T)
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor, q_pos: torch.Tensor,
+            name: str) -> tuple[tuple, dict, tuple, tuple]:
+    """The checks, strides and constants of both passes, and their (queries, tokens) blocks (pass 1, pass 2)."""
+    check(q, k, name)
+    b, h, s, d = q.shape
+    hkv, p = k.shape[1], k.shape[3]
+    hs = slots.shape[1]
+    if h % hs or hs % hkv:
+        raise ValueError(f"{name}: selection rows ({hs}) must divide the query heads ({h}) and be a "
+                         f"multiple of the KV heads ({hkv})")
+    wide = q.dtype == torch.float32 or interpreted_bf16(q.dtype)  # fp32 tiles: half the block, 16 at least (a dot's)
+    blocks = TUNING["step_mass_blocks" if s == 1 else "prompt_mass_blocks"]
+    lse_blocks, sum_blocks = (tuple(max(16, x // 2) if wide else x for x in pair) for pair in blocks)
+    strides = (*q.stride(), k.stride(0), k.stride(1), k.stride(2), k.stride(3), *slot_page.stride(), *slots.stride(),
+               *q_pos.stride())
+    meta = dict(H=h, HS=hs, HKV=hkv, P=p, D=d, BLOCK_D=block_d(d), PRECISION=precision(q.dtype),
+                UPCAST=interpreted_bf16(q.dtype), num_warps=TUNING["prompt_mass_warps"],
+                num_stages=TUNING["prompt_mass_stages"])
+    return strides, meta, lse_blocks, sum_blocks
 
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
@@ -125,30 +147,17 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, sl
     their own dtype (or an fp8 cache); fp64 runs the reference."""
     if q.dtype == torch.float64:
         return reference.attention_mass(q, k, slot_page, slots, q_pos, scale)
-    check(q, k, "attention_mass")
-    b, h, s, d = q.shape
-    hkv, p = k.shape[1], k.shape[3]
-    hs = slots.shape[1]
-    if h % hs or hs % hkv:
-        raise ValueError(f"attention_mass: selection rows ({hs}) must divide the query heads ({h}) and be a "
-                         f"multiple of the KV heads ({hkv})")
-    n = slots.shape[2] * p
+    strides, meta, (lse_q, lse_k), (sum_q, sum_k) = _launch(q, k, slot_page, slots, q_pos, "attention_mass")
+    b, h, s, _ = q.shape
+    n = slots.shape[2] * k.shape[3]
     out = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
     if out.numel() == 0 or s == 0:
         return out.zero_()  # no query: every token receives nothing (pass 2 writes every entry otherwise)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-    wide = q.dtype == torch.float32 or interpreted_bf16(q.dtype)  # fp32 tiles: half the block, 16 at least (a dot's)
-    blocks = TUNING["step_mass_blocks" if s == 1 else "prompt_mass_blocks"]
-    (lse_q, lse_k), (sum_q, sum_k) = ((max(16, x // 2) if wide else x for x in pair) for pair in blocks)
-    strides = (*q.stride(), k.stride(0), k.stride(1), k.stride(2), k.stride(3), *slot_page.stride(), *slots.stride(),
-               *q_pos.stride())
-    meta = dict(H=h, HS=hs, HKV=hkv, P=p, D=d, BLOCK_D=block_d(d), PRECISION=precision(q.dtype),
-                UPCAST=interpreted_bf16(q.dtype), num_warps=TUNING["prompt_mass_warps"],
-                num_stages=TUNING["prompt_mass_stages"])
     scale_log2 = scale * LOG2E
     _mass_lse_kernel[(b * h, triton.cdiv(s, lse_q))](q, k, slot_page, slots, q_pos, lse, s, n, scale_log2, *strides,
                                                      BLOCK_Q=lse_q, BLOCK_K=lse_k, **meta, **pdl_launch())
-    _mass_sum_kernel[(b * h, triton.cdiv(n, sum_k))](q, k, slot_page, slots, q_pos, lse, out, s, n, scale_log2,
+    _mass_sum_kernel[(b * h, triton.cdiv(n, sum_k))](q, k, slot_page, slots, q_pos, lse, out, s, n, scale_log2, 1.0,
                                                      *strides, BLOCK_Q=sum_q, BLOCK_K=sum_k, **meta, **pdl_launch())
     return out
 
@@ -156,10 +165,19 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, sl
 def attend_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_page: torch.Tensor,
                         slots: torch.Tensor, q_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's (out, weights) for one query a row (S = 1, a decode step: H2O's and TOVA's): the split-K
-    attention (``sparse_decode`` over the tokens at positions <= q_pos) and the query's weights (``attention_mass`` of
-    one query, with ``step_mass_blocks``), (B, H, 1, D) in q's dtype and (B, H, 1, K * P) float32. Several queries
-    a row and fp64 run the reference."""
+    attention over the tokens at positions <= q_pos (``sparse_decode``'s kernels), whose merge also gives the
+    query's log-sum-exp, then ``attention_mass``'s pass 2 with it (``step_mass_blocks``), which forms the weights:
+    (B, H, 1, D) in q's dtype and (B, H, 1, K * P) float32. Pass 1 would walk a row's tokens in one program; the
+    split attention walks them in many. Several queries a row and fp64 run the reference."""
     if q.shape[2] != 1 or q.dtype == torch.float64:
         return reference.attend_with_weights(q, k, v, slot_page, slots, q_pos, scale)
-    out = sparse_decode(q[:, :, 0], k, v, slot_page, slots, q_pos[:, 0] + 1, scale)
-    return out.unsqueeze(2), attention_mass(q, k, slot_page, slots, q_pos, scale).unsqueeze(2)
+    strides, meta, _, (sum_q, sum_k) = _launch(q, k, slot_page, slots, q_pos, "attend_with_weights")
+    b, h = q.shape[:2]
+    n = slots.shape[2] * k.shape[3]
+    out, lse = sparse_decode_lse(q[:, :, 0], k, v, slot_page, slots, q_pos[:, 0] + 1, scale)
+    weights = torch.empty(b, h, 1, n, dtype=torch.float32, device=q.device)
+    if weights.numel():
+        _mass_sum_kernel[(b * h, triton.cdiv(n, sum_k))](q, k, slot_page, slots, q_pos, lse, weights, 1, n,
+                                                         scale * LOG2E, LOG2E, *strides, BLOCK_Q=sum_q, BLOCK_K=sum_k,
+                                                         **meta, **pdl_launch())
+    return out.unsqueeze(2), weights

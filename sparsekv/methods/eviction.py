@@ -13,9 +13,9 @@ a long prompt is stored whole, compressed right after its attention, and the lay
 
 The first ``dense_layers`` layers attend and keep everything. Attention at decode is ``kernels.sparse_decode`` over
 every held slot, or ``kernels.attend_with_weights`` (same op, plus its weights) for methods that score by attention.
-A step's eviction after it (the method's scores, the lowest one dropped) is one function of tensors
-(``fused_eviction``), which torch.compile makes one or two kernels on CUDA: written as torch ops it took a dozen
-launches a layer, which cost StreamingLLM more than its attention.
+A step's eviction after it (the method's scores, then ``evict_lowest``) is one function of tensors per method
+(``step_eviction``), which torch.compile makes one to three kernels on CUDA, where its torch ops are a dozen
+launches a layer, more than StreamingLLM's attention costs.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ class EvictionMethod(Method):
         """Keep-score (B, Hkv, C + 1) of the prompt's tokens; slot ``j`` holds position ``j`` here."""
         raise NotImplementedError
 
-    # fused_eviction(score) of the method's keep-score after a decode step, called with ``step_args``; None for a
-    # method that does not evict in decode.
+    # ``kernels.fused(f)`` of the method's own f(slot_page, slot_ids, counted, keep, *step_args), its keep-score after
+    # a decode step then ``evict_lowest``; None for a method that does not evict in decode. A function per method:
+    # torch.compile counts its recompilations per function, and fails past its limit under fullgraph.
     step_eviction: Callable | None = None
 
     def step_args(self, layer_idx: int, layer: PagedLayer, weights: torch.Tensor | None,
@@ -165,20 +166,13 @@ def drop_lowest(slot_page: torch.Tensor, slot_ids: torch.Tensor, score: torch.Te
     slot_page.scatter_(2, torch.where(over, victim, slot_page.shape[2] - 1), -1)
 
 
-def fused_eviction(score: Callable) -> Callable:
-    """A decode step's eviction for the keep-score ``score(slot_page, *args)`` (B, Hkv, C + 1), as one function of
-    tensors that ``kernels.fused`` compiles on CUDA: ``step(slot_page, slot_ids, counted, keep, *args)`` adds each
-    row's held tokens (those the step attended) into ``counted`` (B, Hkv) int64 if it is not None, then scores and
-    frees the lowest scored token of each row holding more than ``keep`` (``drop_lowest``), in place."""
-
-    def step(slot_page: torch.Tensor, slot_ids: torch.Tensor, counted: torch.Tensor | None, keep: int,
-             *args) -> None:
-        if counted is not None:
-            counted.add_((slot_page >= 0).sum(dim=2))
-        drop_lowest(slot_page, slot_ids, score(slot_page, *args), keep)
-
-    step.__name__ = f"evict_by_{score.__name__}"
-    return kernels.fused(step)
+def evict_lowest(slot_page: torch.Tensor, slot_ids: torch.Tensor, counted: torch.Tensor | None,
+                 score: torch.Tensor, keep: int) -> None:
+    """A decode step's eviction: adds each row's held tokens (those the step attended) into ``counted`` (B, Hkv)
+    int64 if it is not None, then ``drop_lowest`` by ``score`` (B, Hkv, C + 1), in place."""
+    if counted is not None:
+        counted.add_((slot_page >= 0).sum(dim=2))
+    drop_lowest(slot_page, slot_ids, score, keep)
 
 
 def per_kv_head(weights: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from .base import require
-from .eviction import EvictionConfig, EvictionMethod, fused_eviction, per_kv_head, prompt_attention
+from .eviction import EvictionConfig, EvictionMethod, evict_lowest, per_kv_head, prompt_attention
 
 STATE = "h2o_score"
 
@@ -62,9 +63,16 @@ def step_score(slot_page: torch.Tensor, score: torch.Tensor, cur_slot: torch.Ten
     return keep_score(slot_page, score, seq_len, recent)
 
 
+def evict_lightest(slot_page: torch.Tensor, slot_ids: torch.Tensor, counted: torch.Tensor | None, keep: int,
+                   score: torch.Tensor, cur_slot: torch.Tensor, weights: torch.Tensor, seq_len: torch.Tensor,
+                   recent: int) -> None:
+    """H2O's eviction after a decode step (``EvictionMethod.step_eviction``), the step's weights added first."""
+    evict_lowest(slot_page, slot_ids, counted, step_score(slot_page, score, cur_slot, weights, seq_len, recent), keep)
+
+
 class H2O(EvictionMethod):
     config: H2OConfig
-    step_eviction = staticmethod(fused_eviction(step_score))
+    step_eviction = staticmethod(kernels.fused(evict_lightest))
 
     def prefill_chunk(self, layer_idx, q, layer, plan, scale):
         # Every prompt query adds its attention, chunk by chunk (slot j holds position j during the prompt).

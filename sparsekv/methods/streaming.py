@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from .base import require
-from .eviction import EvictionConfig, EvictionMethod, fused_eviction
+from .eviction import EvictionConfig, EvictionMethod, evict_lowest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,10 +45,16 @@ def recency(slot_page: torch.Tensor, sink_tokens: int) -> torch.Tensor:
     return slot_page.to(torch.float64).masked_fill(slot_page < sink_tokens, float("inf"))
 
 
+def evict_oldest(slot_page: torch.Tensor, slot_ids: torch.Tensor, counted: torch.Tensor | None, keep: int,
+                 sink_tokens: int) -> None:
+    """StreamingLLM's eviction after a decode step (``EvictionMethod.step_eviction``)."""
+    evict_lowest(slot_page, slot_ids, counted, recency(slot_page, sink_tokens), keep)
+
+
 class StreamingLLM(EvictionMethod):
     config: StreamingLLMConfig
     needs_weights = False
-    step_eviction = staticmethod(fused_eviction(recency))
+    step_eviction = staticmethod(kernels.fused(evict_oldest))
 
     def prompt_score(self, layer_idx, q, layer, plan, scale):
         return recency(layer.slot_page, self.config.sink_tokens)

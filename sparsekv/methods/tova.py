@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import parallel
-from .eviction import EvictionConfig, EvictionMethod, fused_eviction, prompt_attention
+from .. import kernels, parallel
+from .eviction import EvictionConfig, EvictionMethod, evict_lowest, prompt_attention
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,9 +36,15 @@ def head_mean(slot_page: torch.Tensor, weights: torch.Tensor, heads: int) -> tor
     return (weights.sum(dim=1, keepdim=True, dtype=torch.float64) / heads).expand(-1, slot_page.shape[1], -1)
 
 
+def evict_least_attended(slot_page: torch.Tensor, slot_ids: torch.Tensor, counted: torch.Tensor | None, keep: int,
+                         weights: torch.Tensor, heads: int) -> None:
+    """TOVA's eviction after a decode step (``EvictionMethod.step_eviction``)."""
+    evict_lowest(slot_page, slot_ids, counted, head_mean(slot_page, weights, heads), keep)
+
+
 class TOVA(EvictionMethod):
     config: TOVAConfig
-    step_eviction = staticmethod(fused_eviction(head_mean))
+    step_eviction = staticmethod(kernels.fused(evict_least_attended))
 
     def head_weights(self, weights: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``head_mean``'s arguments after slot_page for this process's weights (B, H, C + 1): those weights, or

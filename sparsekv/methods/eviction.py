@@ -2,8 +2,8 @@
 
 They run the paged cache with one token per page (``page_size`` 1): a slot is a token, and dropping a token frees
 its slot for the next one. Each method scores the tokens a row holds; the row keeps the highest scored and the
-rest are gone for good. A method file only says how it scores (``prompt_score`` after the prompt, ``step_score``
-after each decode step); the keeping, the memory bookkeeping and the attention are here.
+rest are gone for good. A method file only says how it scores (``prompt_score`` after the prompt; after each decode
+step ``step_eviction`` with ``step_args``); the keeping, the memory bookkeeping and the attention are here.
 
 Budget: in a layer that evicts every decode step, a (layer, KV head) attends exactly ``token_budget`` tokens, the
 current one included (all of them while the context is shorter), and then drops to ``token_budget - 1`` so that
@@ -62,7 +62,7 @@ class EvictionMethod(Method):
 
     config: EvictionConfig
     evicts_in_decode = True  # False: the prompt is compressed once, then every decode token is kept (SnapKV)
-    needs_weights = True  # step_score reads the step's attention weights
+    needs_weights = True  # the keep-score after a decode step reads the step's attention weights (methods that evict)
 
     def prompt_score(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan,
                      scale: float) -> torch.Tensor:

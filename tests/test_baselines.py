@@ -310,7 +310,7 @@ def test_decode_eviction_drops_what_keep_top_drops(seed):
 
 
 def _eviction_inputs(name: str, g: torch.Generator) -> tuple:
-    """slot_page (3, 2, 10) of rows holding 6, 6, 5 and 2 of 9 slots, and the keep-score arguments of ``name``."""
+    """slot_page (3, 2, 10) of rows holding 6, 5 and 2 of 9 slots, and the keep-score arguments of ``name``."""
     rows, kv_heads, heads, n = 3, 2, 4, 9
     held = torch.tensor([6, 5, 2]).view(rows, 1, 1)
     order = torch.stack([torch.stack([torch.randperm(n, generator=g) for _ in range(kv_heads)]) for _ in range(rows)])

@@ -98,6 +98,13 @@ def device_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
+def free_slots(slot_page: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> None:
+    """Frees ``slots`` (B, Hkv, N) of ``slot_page`` (B, Hkv, C + 1) where ``mask`` (B, Hkv, N) is True, in place; the
+    others write the scratch slot C, which is always free. A function of tensors, so that a method's compiled step
+    frees with it."""
+    slot_page.scatter_(2, torch.where(mask, slots, slot_page.shape[2] - 1), -1)
+
+
 def host_slots(size: tuple[int, ...], dtype: torch.dtype, fill: float | None = None) -> torch.Tensor:
     """A (B, Hkv, S, ...) tensor in host memory laid out slot-major, (B, S, Hkv, ...) in memory, page-locked where
     CUDA is: a row's slots [a, b) are one dense block, which ``copy_pages`` moves to or from a device in one
@@ -429,8 +436,7 @@ class PagedLayer:
 
     def free(self, slots: torch.Tensor, mask: torch.Tensor) -> None:
         """Frees ``slots`` (B, Hkv, N) where ``mask`` (B, Hkv, N) is True; their memory is reused by later pages."""
-        target = torch.where(mask, slots, torch.full_like(slots, self.capacity))
-        self.slot_page.scatter_(2, target, torch.full_like(target, -1))
+        free_slots(self.slot_page, slots, mask)
         self.has_holes = True
 
     def rows(self, n: int) -> "PagedLayer":

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..cache import AppendPlan, PagedLayer
+from ..cache import AppendPlan, PagedLayer, free_slots
 from .base import Method, MethodConfig, all_slots, attend_all, most_tokens, require
 
 
@@ -161,9 +161,7 @@ def drop_lowest(slot_page: torch.Tensor, slot_ids: torch.Tensor, score: torch.Te
     masked = score.masked_fill(~held, float("inf"))
     lowest = held & (masked == masked.amin(dim=2, keepdim=True))
     victim = torch.where(lowest, slot_ids, -1).amax(dim=2, keepdim=True)
-    over = held.sum(dim=2, keepdim=True) > keep
-    # A row that keeps its tokens writes the scratch slot (the last), which is always free.
-    slot_page.scatter_(2, torch.where(over, victim, slot_page.shape[2] - 1), -1)
+    free_slots(slot_page, victim, held.sum(dim=2, keepdim=True) > keep)
 
 
 def evict_lowest(slot_page: torch.Tensor, slot_ids: torch.Tensor, counted: torch.Tensor | None,

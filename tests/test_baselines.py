@@ -256,6 +256,29 @@ def test_h2o_scores_follow_their_tokens_through_a_reorder():
     assert all(torch.equal(layer.slot_state[n], t.flip(0)) for n, t in before.items())
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_h2o_prompt_scores_from_the_prompt_attentions_lse(dtype):
+    """A chunked, left-padded prompt: H2O's accumulated scores from the log-sum-exps that the prompt's attention
+    hands to ``prefill_chunk`` equal those it computes itself (the kernel's first pass)."""
+    from sparsekv.integrations.transformers import prompt_attention
+
+    mask = torch.tensor([[True] * 13, [False] * 4 + [True] * 9])
+    scores = []
+    for reuse in (True, False):
+        method = H2OConfig(token_budget=64).build(1)
+        cache = PagedKVCache(1, 1)
+        g = torch.Generator().manual_seed(5)
+        for start, end in ((0, 6), (6, 13)):
+            q, k, v = (torch.randn(2, h, end - start, 8, generator=g, dtype=dtype) for h in (4, 2, 2))
+            plan = cache.begin(end - start, mask[:, start:end], 2, torch.device("cpu"), prompt_end=end == 13)
+            layer = cache.append(0, k, v)
+            _, lse = prompt_attention(q, layer, plan, 0.35)
+            method.prefill_chunk(0, q, layer, plan, 0.35, lse if reuse else None)
+        scores.append(layer.slot_state["h2o_score"].clone())
+    assert scores[0].abs().sum() > 0
+    torch.testing.assert_close(scores[0], scores[1], rtol=1e-5 if dtype == torch.float32 else 1e-10, atol=1e-7)
+
+
 def test_chunk_after_the_prompt_is_refused_by_an_evicting_method():
     method = TOVAConfig(token_budget=4).build(1)
     cache = PagedKVCache(1, 1)

@@ -373,6 +373,41 @@ def test_attention_mass(batch, heads, kv_heads, rows, head_dim, page_size, lengt
     assert (exact.sum(-1) <= (q_pos >= 0).sum(-1, keepdim=True).to(F64) + 1e-6).all() and exact.sum() > 0
 
 
+@pytest.mark.parametrize("batch,heads,kv_heads,rows,head_dim,page_size,lengths,queries,dtype", crossed(
+    cases([p for p in MASS_SHAPES if p.values[3] == p.values[2]]), axis(DTYPES), full=1, each=2))
+def test_attention_mass_in_order(batch, heads, kv_heads, rows, head_dim, page_size, lengths, queries, dtype):
+    """A prompt's layer (slot j holds page j, many spare slots past the rows, garbage in the partial pages): with
+    ``in_order`` the kernels take token t at position t and walk no token past the queries, and give what they
+    give without it, queries anywhere in the rows (the last at the row's end, padding at -1); the reference checks
+    the promise."""
+    k, _, _, _, slot_page, _, seq_len = make_cache(batch, kv_heads, head_dim, page_size, lengths, dtype, seed=heads,
+                                                   spare=2 * max(lengths) // page_size + 3, in_order=True)
+    g = torch.Generator(device=DEV).manual_seed(queries)
+    q = torch.randn(batch, heads, queries, head_dim, generator=g, device=DEV).to(dtype)
+    q_pos = (torch.rand(batch, queries, generator=g, device=DEV) * seq_len.view(-1, 1)).long()
+    q_pos[:, -1] = seq_len - 1
+    q_pos[:, ::3] = -1
+    slots = torch.arange(k.shape[2], device=DEV).expand(batch, kv_heads, -1)
+    scale = head_dim ** -0.5
+    out = tops.attention_mass(q, k, slot_page, slots, q_pos, scale, in_order=True)
+    exact = ref.attention_mass(*up(q, k), slot_page, slots, q_pos, scale, in_order=True)
+    assert torch.equal(out == 0, exact == 0) and (out[:, :, seq_len.max():] == 0).all()
+    assert rel_err(out, exact) <= 2 * rel_err(ref.attention_mass(q, k, slot_page, slots, q_pos, scale), exact) + 1e-5
+    torch.testing.assert_close(out, tops.attention_mass(q, k, slot_page, slots, q_pos, scale), rtol=1e-5, atol=1e-6)
+    # Each query's log-sum-exp given (as a prompt's attention gives it, 0 at padding): pass 1 is skipped.
+    keys = k.to(F64).flatten(2, 3).repeat_interleave(heads // kv_heads, 1)  # token t at position t
+    held = (slot_page >= 0).repeat_interleave(page_size, 2).repeat_interleave(heads // kv_heads, 1)
+    sees = held[:, :, None, :] & (torch.arange(keys.shape[2], device=DEV) <= q_pos[:, None, :, None])
+    lse = (torch.einsum("bhsd,bhtd->bhst", q.to(F64), keys) * scale).masked_fill(~sees, float("-inf")).logsumexp(-1)
+    lse = lse.nan_to_num(0.0, neginf=0.0).float()
+    given = tops.attention_mass(q, k, slot_page, slots, q_pos, scale, in_order=True, lse=lse)
+    assert torch.equal(given == 0, exact == 0) and rel_err(given, exact) <= 2 * rel_err(out, exact) + 1e-5
+    with pytest.raises(ValueError, match=r"attention_mass: lse must have shape"):
+        tops.attention_mass(q, k, slot_page, slots, q_pos, scale, lse=lse[:, :1])
+    with pytest.raises(ValueError, match="attention_mass: in_order needs slot j to hold page j"):
+        ref.attention_mass(q, k, slot_page.roll(1, -1), slots, q_pos, scale, in_order=True)
+
+
 @pytest.mark.parametrize("batch,heads,kv_heads,rows,head_dim,page_size,lengths,queries,one,dtype", crossed(
     cases(MASS_SHAPES), axis([True, False], ["one-query", "several"]), axis(DTYPES), full=2))
 def test_attend_with_weights(batch, heads, kv_heads, rows, head_dim, page_size, lengths, queries, one, dtype):

@@ -84,8 +84,8 @@ class RecallProbe(Method):
     def select(self, layer_idx, q, layer, seq_len):
         return self.inner.select(layer_idx, q, layer, seq_len)
 
-    def prefill_chunk(self, layer_idx, q, layer, plan, scale):
-        self.inner.prefill_chunk(layer_idx, q, layer, plan, scale)
+    def prefill_chunk(self, layer_idx, q, layer, plan, scale, lse=None):
+        self.inner.prefill_chunk(layer_idx, q, layer, plan, scale, lse)
 
     def min_prompt_chunk(self):
         return self.inner.min_prompt_chunk()

@@ -301,7 +301,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     on Hopper GPUs, FlashAttention-2 on other GPUs (memory-efficient attention for float32), PyTorch's flash
     attention on the CPU. q: (1, H, S, D); k, v: (1, Hkv, T, D), H a multiple of Hkv (each group of query heads
     reads its KV head, nothing copied); ``causal``: query i sees keys 0..i (S == T). Returns out (1, H, S, D) in
-    q's dtype and lse (1, H, S) float32."""
+    q's dtype and lse (1, H, S) in the accumulation dtype (float32; float64 for float64 queries)."""
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal attention_lse takes as many keys as queries, got {k.shape[2]} and {q.shape[2]}")
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
@@ -317,7 +317,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
             q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), None, True, 0.0, causal, scale=scale)[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse.reshape(*lse.shape[:2], -1)[..., :q.shape[2]].float()
+    return out, lse.reshape(*lse.shape[:2], -1)[..., :q.shape[2]].to(kernels.reference.acc_dtype(q.dtype))
 
 
 def _plan_step(q: torch.Tensor) -> int:
@@ -382,8 +382,10 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
     multiples of that step (queries past the pass, keys past its end: no real query sees them), so that their
     shapes repeat across prompts (``prompt_plans``). Peak memory is one chunk's (in shared pages, one row's keys and
     values of one layer besides: gathered, or a contiguous copy), whatever the context. Padding queries give zeros.
-    Returns (B, H, S, D)."""
+    Returns out (B, H, S, D) and each query's log-sum-exp (B, H, S) in the accumulation dtype (natural log; 0 at
+    padding), which methods that weigh tokens by the prompt's attention reuse (``Method.prefill_chunk``)."""
     out = torch.zeros_like(q)
+    lse_out = q.new_zeros(q.shape[:3], dtype=kernels.reference.acc_dtype(q.dtype))
     step = _plan_step(q)
     for row, (prev, new) in enumerate(zip(plan.prev_len, plan.new_len)):
         n = new - prev
@@ -402,9 +404,10 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
             if layer.shared is not None:  # contiguous, as gathered ones are: cuDNN keys its plans by strides too, and
                 keys, values = keys.contiguous(), values.contiguous()  # those of ``prompt_plans`` are built ahead
             before, lse_before = attention_lse(_padded(qr, 0, _plan_width(n, step)), keys, values, False, scale)
-            own = kernels.merge_lse(own, lse, before[:, :, :n], lse_before[:, :, :n])[0]
+            own, lse = kernels.merge_lse(own, lse, before[:, :, :n], lse_before[:, :, :n])
         out[row:row + 1, :, cols] = own
-    return out
+        lse_out[row:row + 1, :, cols] = lse
+    return out, lse_out
 
 
 @torch.compiler.disable  # a compiled model (Engine(compile=True)) runs the method eagerly, between compiled parts
@@ -422,8 +425,8 @@ def sparsekv_attention(module, query, key, value, attention_mask, scaling=None, 
     layer = pages.layers[module.layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if plan.prompt:
-        out = prompt_attention(query, layer, plan, scale)
-        cache.method.prefill_chunk(module.layer_idx, query, layer, plan, scale)
+        out, lse = prompt_attention(query, layer, plan, scale)
+        cache.method.prefill_chunk(module.layer_idx, query, layer, plan, scale, lse)
         if plan.prompt_end:
             cache.method.prefill(module.layer_idx, query, layer, plan, scale)
     elif query.shape[2] > 1:

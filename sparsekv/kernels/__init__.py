@@ -151,7 +151,7 @@ def _attend_with_weights_fake(q, k, v, slot_page, slots, q_pos, scale):
     return q.new_empty(q.shape), q.new_empty(b, h, s, slots.shape[2] * k.shape[3], dtype=reference.acc_dtype(q.dtype))
 
 
-def _attention_mass_fake(q, k, slot_page, slots, q_pos, scale):
+def _attention_mass_fake(q, k, slot_page, slots, q_pos, scale, in_order=False, lse=None):
     return q.new_empty(q.shape[0], q.shape[1], slots.shape[2] * k.shape[3], dtype=reference.acc_dtype(q.dtype))
 
 

@@ -391,8 +391,9 @@ def spread_select(q: torch.Tensor, k: torch.Tensor, stats: torch.Tensor, slot_pa
 
 
 def _weights(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor, q_pos: torch.Tensor,
-             scale: float) -> torch.Tensor:
-    """The softmax weights of ``attend_with_weights``, (B, Hs, H / Hs, S, K * P) in the accumulation dtype."""
+             scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """The softmax weights of ``attend_with_weights``, (B, Hs, H / Hs, S, K * P) in the accumulation dtype; with
+    ``lse`` (B, H, S) the queries' log-sum-exps, ``exp(logit - lse)`` in place of the softmax."""
     b, h, s, d = q.shape
     hkv, p = k.shape[1], k.shape[3]
     hs, kk = slots.shape[1], slots.shape[2]
@@ -407,6 +408,8 @@ def _weights(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: t
     ok = (kpos >= 0) & (kpos <= qpos)  # (B, Hs, 1, S, K*P)
     qg = q.to(acc).view(b, hs, h // hs, s, d) * scale  # scaled before the product: one pass fewer over the logits
     logits = torch.einsum("bngsd,bnkd->bngsk", qg, keys).masked_fill_(~ok, float("-inf"))
+    if lse is not None:
+        return torch.exp(logits - lse.to(acc).view(b, hs, h // hs, s, 1)).masked_fill_(~ok, 0.0)
     return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
 
 
@@ -433,14 +436,22 @@ MASS_CHUNK_WEIGHTS = 1 << 24
 
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, slots: torch.Tensor,
-                   q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+                   q_pos: torch.Tensor, scale: float, in_order: bool = False,
+                   lse: torch.Tensor | None = None) -> torch.Tensor:
     """The weights of ``attend_with_weights`` summed over the queries: the attention each token receives from all
     of them (H2O's prompt scores).
 
     q: (B, H, S, D) with positions q_pos (B, S) (-1: a query that sees nothing); k, slot_page, slots as in
     ``attend``. Returns (B, H, K * P) in the accumulation dtype, column ``i * P + j`` token ``j`` of
-    ``slots[..., i]``. Queries are taken in chunks of at most about ``MASS_CHUNK_WEIGHTS`` weights at once.
+    ``slots[..., i]``. ``in_order``: the caller's promise that slots lists every slot in order and slot j holds
+    page j or is free (``check_in_order``; a prompt's layer), so that a kernel takes token t at position t and
+    reads no token past the queries; the result is the same. ``lse``: None, or (B, H, S) float32 each query's
+    log-sum-exp over the tokens it sees (natural log; a prompt's own attention computes it), which the weights then
+    divide by in place of their own sum (a kernel skips the pass that would compute it). Queries are taken in chunks
+    of at most about ``MASS_CHUNK_WEIGHTS`` weights at once.
     """
+    if in_order:
+        check_in_order("attention_mass", slot_page, slots)
     b, h, s, _ = q.shape
     hs, kk, p = slots.shape[1], slots.shape[2], k.shape[3]
     chunk = max(1, MASS_CHUNK_WEIGHTS // max(1, b * h * kk * p))
@@ -452,7 +463,8 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, sl
         # Only the slots holding a token at or before the chunk's last query get weight (a prompt's causal half).
         kept = ((first >= 0) & (first <= q_chunk.max())).flatten(0, 1).any(0).nonzero().squeeze(1)
         if kept.numel():
-            w = _weights(q[:, :, start:start + chunk], k, slot_page, slots[:, :, kept], q_chunk, scale)
+            w = _weights(q[:, :, start:start + chunk], k, slot_page, slots[:, :, kept], q_chunk, scale,
+                         None if lse is None else lse[:, :, start:start + chunk])
             total[:, :, kept] += w.sum(dim=3).reshape(b, h, kept.numel(), p)
     return total.view(b, h, kk * p)
 

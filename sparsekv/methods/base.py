@@ -138,10 +138,12 @@ class Method:
         self.config = config
         self.num_layers = num_layers
 
-    def prefill_chunk(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan,
-                      scale: float) -> None:
+    def prefill_chunk(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale: float,
+                      lse: torch.Tensor | None = None) -> None:
         """Called after the attention of every pass of the prompt (the whole prompt, or each of its chunks), with
-        that pass's queries q: (B, H, S, D) (post-RoPE). Methods that score every prompt query accumulate here."""
+        that pass's queries q: (B, H, S, D) (post-RoPE) and, where the attention computed it, each query's
+        log-sum-exp lse: (B, H, S) in the accumulation dtype (natural log; anything at padding). Methods that score
+        every prompt query accumulate here."""
 
     def prefill(self, layer_idx: int, q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale: float) -> None:
         """Called after a layer's last prompt pass (after ``prefill_chunk``), with that pass's queries

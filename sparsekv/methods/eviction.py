@@ -180,12 +180,14 @@ def per_kv_head(weights: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale: float,
-                     last: int | None = None) -> torch.Tensor:
+                     last: int | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
     """Attention weights over the stored tokens, summed over each row's last ``last`` real queries of a prompt
     pass (all of them when None), causal as in the prompt's own attention.
 
     q: (B, H, S, D) the pass's queries (padding anywhere; a chunked prompt's pass sees the tokens of the chunks
-    before it too). Returns (B, H, C + 1) per query head, indexed by slot (``kernels.attention_mass``).
+    before it too); lse: None, or (B, H, S) the pass's log-sum-exps from its attention (``Method.prefill_chunk``),
+    which spare the kernel its first pass. Returns (B, H, C + 1) per query head, indexed by slot
+    (``kernels.attention_mass``).
     """
     b, h, s, d = q.shape
     n = s if last is None else min(last, s)
@@ -197,4 +199,6 @@ def prompt_attention(q: torch.Tensor, layer: PagedLayer, plan: AppendPlan, scale
     col = order.gather(1, rank.clamp(min=0))
     q_taken = q.gather(2, col.view(b, 1, n, 1).expand(b, h, n, d))
     q_pos = torch.where(rank >= 0, plan.prev_seq_len.unsqueeze(1) + rank, -1)
-    return kernels.attention_mass(q_taken, layer.k, layer.slot_page, all_slots(layer), q_pos, scale)
+    lse_taken = None if lse is None else lse.gather(2, col.view(b, 1, n).expand(b, h, n))
+    return kernels.attention_mass(q_taken, layer.k, layer.slot_page, all_slots(layer), q_pos, scale,
+                                  not layer.may_have_holes, lse_taken)

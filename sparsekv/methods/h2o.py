@@ -74,11 +74,11 @@ class H2O(EvictionMethod):
     config: H2OConfig
     step_eviction = staticmethod(kernels.fused(evict_lightest))
 
-    def prefill_chunk(self, layer_idx, q, layer, plan, scale):
+    def prefill_chunk(self, layer_idx, q, layer, plan, scale, lse=None):
         # Every prompt query adds its attention, chunk by chunk (slot j holds position j during the prompt).
         if self.dense(layer_idx):
             return
-        score = per_kv_head(prompt_attention(q, layer, plan, scale), layer.k.shape[1])
+        score = per_kv_head(prompt_attention(q, layer, plan, scale, lse=lse), layer.k.shape[1])
         if STATE in layer.slot_state:
             layer.slot_state[STATE].add_(score)
         else:

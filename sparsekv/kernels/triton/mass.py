@@ -6,6 +6,10 @@ scores), in two passes over the keys, read in their own dtype with fp32 products
 - pass 2, program (sequence, query head, block of tokens): the logits again against every block of queries,
   ``exp2(logit - lse)`` where the query sees the token, summed over the queries.
 
+A prompt pass's own attention computes pass 1's result: given it (``lse``), only pass 2 runs. In a prompt's layer
+(``in_order``: slot j holds page j) token t is at position t, so no slot list is read and pass 1 stops at each block
+of queries' last position.
+
 A block of tokens that no query of a block sees (free slots, positions after the queries) is skipped in both passes,
 so a causal prompt costs about half of the products, and nothing of size queries x tokens is stored: the reference
 materialises the weights chunk by chunk, which at a 128K-token prompt means thousands of gathers of every key per

@@ -445,7 +445,7 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, slot_page: torch.Tensor, sl
     ``attend``. Returns (B, H, K * P) in the accumulation dtype, column ``i * P + j`` token ``j`` of
     ``slots[..., i]``. ``in_order``: the caller's promise that slots lists every slot in order and slot j holds
     page j or is free (``check_in_order``; a prompt's layer), so that a kernel takes token t at position t and
-    reads no token past the queries; the result is the same. ``lse``: None, or (B, H, S) float32 each query's
+    reads no token past the queries; the result is the same. ``lse``: None, or (B, H, S) each query's
     log-sum-exp over the tokens it sees (natural log; a prompt's own attention computes it), which the weights then
     divide by in place of their own sum (a kernel skips the pass that would compute it). Queries are taken in chunks
     of at most about ``MASS_CHUNK_WEIGHTS`` weights at once.

@@ -182,3 +182,32 @@ def test_memory_check_lets_the_documented_h200_runs_through(monkeypatch):
     kv = e2e.kv_bytes(args, shape.layers, shape.kv_heads, shape.head_dim, 2)
     assert "KV cache 256.0 GiB) but the GPU has 139.0 GiB available" in common.memory_problems(
         gpu, weights, {"KV cache": kv})
+
+
+def test_random_fill_hands_h2o_the_prompt_attentions_lse(monkeypatch):
+    """The random fill computes the prompt's attention for H2O only (``reads_prompt_lse``), and the prompt scores
+    H2O builds from its log-sum-exps are those of the kernel's two passes (lse=None), chunk after chunk."""
+    import torch
+
+    from sparsekv.bench.e2e import random_fill
+    from sparsekv.engine import Engine
+    from sparsekv.methods import METHODS, h2o
+    from sparsekv.methods.h2o import H2OConfig
+    from sparsekv.models import load_model
+
+    model = load_model("tiny:llama", "cpu", torch.float32).model
+    seen = []
+
+    def checked(q, layer, plan, scale, last=None, lse=None):
+        score = h2o_attention(q, layer, plan, scale, last, lse)
+        seen.append(lse is not None)
+        torch.testing.assert_close(score, h2o_attention(q, layer, plan, scale, last, None), rtol=1e-5, atol=1e-6)
+        return score
+
+    h2o_attention = h2o.prompt_attention
+    monkeypatch.setattr(h2o, "prompt_attention", checked)
+    engine = Engine(model, H2OConfig(token_budget=24), max_batch=2, max_context=120, prefill_chunk=32)
+    out = engine.generate([[1] * 100, [2] * 90], 3, stop_tokens=(), prefill=random_fill(model))
+    assert seen and all(seen) and [len(t) for t in out.tokens] == [3, 3]
+    # Every other method's fill skips the attention: it has no prefill_chunk that reads it.
+    assert [name for name, config in METHODS.items() if config.method_class(config).reads_prompt_lse] == ["h2o"]

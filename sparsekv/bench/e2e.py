@@ -44,7 +44,7 @@ from ..engine import Engine, prompt_passes, run_passes
 from ..errors import ConfigError
 from ..eval.base import EvalError
 from ..eval.runner import method_runs
-from ..integrations.transformers import cache_argument
+from ..integrations.transformers import cache_argument, prompt_attention
 from ..methods import METHODS, selection_bytes
 from ..methods.omnikv import OmniKVConfig
 from ..models import check_context, load_model, model_shape, resolve_device, resolve_dtype
@@ -107,7 +107,9 @@ def random_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor | None, ch
                   layers=None) -> Generator[int, None, torch.Tensor]:
     """``engine.prefill_passes`` with random keys and values (``noise``) instead of the model: the same appends and
     method hooks as a real chunked prefill (random queries stand for the prompt's), without its compute, pass by
-    pass (layer major), yielding the tokens of each pass; returns zero logits (B, V). Layer by layer, so a method
+    pass (layer major), yielding the tokens of each pass; returns zero logits (B, V). The prompt's attention runs
+    only for a method that reads its log-sum-exps (``Method.reads_prompt_lse``: H2O's prompt scores), which a
+    real pass hands it, so that its fill costs what a real one does there. Layer by layer, so a method
     that moves a layer's prompt to host memory at the layer's last chunk (OmniKV's offload) holds one offloaded
     layer on the device at a time. ``start``: as in ``prefill_passes`` (the cache's keys continue; the random ones
     have no positions); ``layers``: not used (nothing runs through the model)."""
@@ -119,7 +121,8 @@ def random_passes(model, cache, ids: torch.Tensor, mask: torch.Tensor | None, ch
         k, v = (noise(b, kv_heads, end - begin, head_dim, dtype, ids.device) for _ in range(2))
         cache.update(k, v, layer)
         q = noise(b, heads, end - begin, head_dim, dtype, ids.device)
-        cache.method.prefill_chunk(layer, q, pages.layers[layer], pages.plan, scale)
+        lse = prompt_attention(q, pages.layers[layer], pages.plan, scale)[1] if cache.method.reads_prompt_lse else None
+        cache.method.prefill_chunk(layer, q, pages.layers[layer], pages.plan, scale, lse)
         if pages.plan.prompt_end:
             cache.method.prefill(layer, q, pages.layers[layer], pages.plan, scale)
         yield (end - begin) * b

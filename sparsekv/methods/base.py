@@ -120,6 +120,8 @@ class Method:
     ``decodes_as_prompt``: its decode step attends what a prompt pass over the same tokens attends (every earlier
     token), so that the keys and values of a preempted request's drawn tokens come back from one prompt pass over
     its prompt and them (``serve.Runner.start``) rather than a decode step per token.
+    ``reads_prompt_lse``: ``prefill_chunk`` reads the log-sum-exps of the prompt's attention, so that a fill that
+    does not run the model's attention (``bench.e2e.random_passes``) computes them for this method.
     ``row_moves``: a pool's row whose pages (``PagedLayer.copy_row``) and per-row state (``start_pool`` of a pool of
     one row, then ``copy_row``) are copied out and back goes on as it would have (``serve.Runner.swap_out``).
     """
@@ -131,6 +133,7 @@ class Method:
     prefix_reuse: bool = False
     answer_reuse: bool = False
     accepts_chunks: bool = True
+    reads_prompt_lse: bool = False
     sized_by_decode_tokens: bool = False
     tp_group = None
 

@@ -73,6 +73,7 @@ def evict_lightest(slot_page: torch.Tensor, slot_ids: torch.Tensor, counted: tor
 class H2O(EvictionMethod):
     config: H2OConfig
     step_eviction = staticmethod(kernels.fused(evict_lightest))
+    reads_prompt_lse = True
 
     def prefill_chunk(self, layer_idx, q, layer, plan, scale, lse=None):
         # Every prompt query adds its attention, chunk by chunk (slot j holds position j during the prompt).
